@@ -1,0 +1,1 @@
+"""What runs where: profiles, topologies, partitioners and the Plan they produce."""

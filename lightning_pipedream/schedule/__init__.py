@@ -1,0 +1,1 @@
+"""Schedules as data: the action IR, one builder per schedule, a validator, a simulator."""
