@@ -1,0 +1,168 @@
+"""One rank's pipeline across training steps: builds each step's actions and runs them."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor, nn
+
+from lightning_pipedream.runtime.executor import Executor, InputFn, LossFn
+from lightning_pipedream.runtime.stage import Stage
+from lightning_pipedream.runtime.transport import PeerFailedError, Transport, post_error, posted_error
+from lightning_pipedream.runtime.weights import WeightVersions
+from lightning_pipedream.schedule.actions import Action, Op
+from lightning_pipedream.schedule.builders import (
+    build_schedule,
+    check_schedule_name,
+    pipedream_drain,
+    pipedream_step,
+)
+
+UpdateFn = Callable[[], None]  # applies the gradients now in the parameters' .grad
+
+
+@dataclass
+class StepResult:
+    """What one training step did on this rank."""
+
+    losses: dict[int, Tensor] = field(default_factory=dict)  # micro-batch -> loss, on the last stage
+    updates: int = 0  # optimizer steps this rank took
+
+
+class PipelineEngine:
+    """Runs the schedule's actions for one stage, one training step at a time.
+
+    ``gpipe`` and ``1f1b`` run a whole flushed schedule per step. ``pipedream`` admits one
+    minibatch per step and keeps the pipeline full across steps until :meth:`drain`; its stage
+    keeps weight versions (stashing, and vertical sync if asked) in a :class:`WeightVersions`.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        stage_index: int,
+        num_stages: int,
+        transport: Transport,
+        *,
+        schedule: str = "1f1b",
+        chunks: int = 1,
+        weight_stashing: bool = True,
+        vertical_sync: bool = False,
+        trace: bool = False,
+    ) -> None:
+        self.schedule = check_schedule_name(schedule)
+        if schedule == "pipedream" and chunks != 1:
+            raise ValueError(
+                f"schedule='pipedream' runs each batch as one PipeDream minibatch; chunks={chunks} is not "
+                "supported. Use chunks=1, or schedule='1f1b'/'gpipe' to split batches into micro-batches."
+            )
+        if vertical_sync and schedule != "pipedream":
+            raise ValueError("vertical_sync=True only applies to schedule='pipedream'.")
+        self.num_stages = num_stages
+        self.chunks = chunks
+        self.weights = (
+            WeightVersions(module, stashing=weight_stashing, vertical_sync=vertical_sync)
+            if schedule == "pipedream"
+            else None
+        )
+        self.stage = Stage(module, stage_index, num_stages, self.weights)
+        self.executor = Executor(self.stage, transport, rank_of_stage=lambda s: s, trace=trace)
+        self.transport = transport
+        self._flushed = None if schedule == "pipedream" else build_schedule(schedule, num_stages, chunks)
+        self._admitted = 0  # pipedream: minibatches admitted since the last drain
+        self._base_version = 0  # pipedream: updates every stage had made at the last drain
+
+    @property
+    def in_flight(self) -> int:
+        """Minibatches admitted but not yet fully back-propagated on this stage."""
+        return self.stage.in_flight()
+
+    def step_actions(self) -> list[Action]:
+        """This rank's actions for the next training step."""
+        if self._flushed is not None:
+            return list(self._flushed.actions[self.stage.index])
+        return pipedream_step(self.num_stages, self.stage.index, self._admitted)
+
+    def train_step(self, inputs: InputFn, loss: LossFn, update: UpdateFn) -> StepResult:
+        """Run one training step. ``inputs``/``loss`` receive the micro-batch number (for
+        ``pipedream``: the minibatch number since the last drain, which is also the step's)."""
+        result = self._run(self.step_actions(), inputs, loss, update)
+        if self._flushed is None:
+            self._admitted += 1
+        else:
+            self.transport.wait_all()
+        return result
+
+    def drain(self, update: UpdateFn) -> StepResult:
+        """Finish every minibatch in flight (pipedream), so that all weights are final."""
+        if self._flushed is not None or self._admitted == 0:
+            return StepResult()
+        actions = pipedream_drain(self.num_stages, self.stage.index, self._admitted)
+        result = self._run(actions, _no_inputs, _no_loss, update)
+        self.transport.wait_all()
+        self._admitted = 0
+        assert self.weights is not None
+        self.weights.clear()
+        self._base_version = self.weights.num_updates
+        return result
+
+    def version_for(self, minibatch: int) -> int:
+        """Vertical sync: the version stage 0 used for ``minibatch`` (it has made ``t - stages + 1`` updates)."""
+        return self._base_version + max(0, minibatch - self.num_stages + 1)
+
+    def _run(self, actions: list[Action], inputs: InputFn, loss: LossFn, update: UpdateFn) -> StepResult:
+        result = StepResult()
+        weights = self.weights
+
+        def optimizer_step(action: Action) -> None:
+            if weights is not None:
+                weights.before_update()
+            update()
+            result.updates += 1
+            if weights is not None:
+                # The next forward here admits minibatch step+1; vertical sync needs versions from its one on.
+                weights.after_update(keep_from=self.version_for(action.step + 1))
+
+        vertical = weights is not None and weights.vertical_sync
+        try:
+            result.losses = self.executor.run(
+                actions,
+                inputs=inputs,
+                loss=loss,
+                optimizer_step=optimizer_step,
+                version=self.version_for if vertical else None,
+            )
+        except PeerFailedError as err:
+            # Say why the peer went away, when it left a word, rather than only "connection closed".
+            cause = _wait_for_posted_error()
+            if cause is None:
+                raise
+            raise PeerFailedError(f"{cause} (this rank, stage {self.stage.index}, stopped because of it)") from err
+        except Exception as err:
+            post_error(f"Pipeline stage {self.stage.index} failed with {type(err).__name__}: {err}")
+            raise
+        return result
+
+
+def _wait_for_posted_error(seconds: float = 2.0) -> str | None:
+    # The failing rank posts its error before exiting, but our socket may close first.
+    deadline = time.monotonic() + seconds
+    while True:
+        message = posted_error()
+        if message is not None or time.monotonic() > deadline:
+            return message
+        time.sleep(0.05)
+
+
+def _no_inputs(mb: int) -> Any:
+    raise RuntimeError(f"The drain ran a forward (micro-batch {mb}); the schedule is broken.")
+
+
+def _no_loss(mb: int, output: Any) -> Tensor:
+    raise RuntimeError(f"The drain computed a loss (micro-batch {mb}); the schedule is broken.")
+
+
+__all__ = ["PipelineEngine", "StepResult", "Op"]

@@ -1,0 +1,86 @@
+"""Runs one rank's list of actions with its stage and transport, and records what it did."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch import Tensor
+
+from lightning_pipedream.schedule.actions import Action, Op
+from lightning_pipedream.runtime.stage import Stage
+from lightning_pipedream.runtime.transport import Transport
+
+InputFn = Callable[[int], Any]  # micro-batch -> the first stage's input
+LossFn = Callable[[int, Any], Tensor]  # micro-batch, last stage's output -> loss to back-propagate
+StepFn = Callable[[Action], None]  # called at OPTIMIZER_STEP
+VersionFn = Callable[[int], "int | None"]  # micro-batch -> weight version its forward must use
+
+
+class Executor:
+    """Executes actions in order: receives block, sends don't, compute runs on the stage.
+
+    With ``trace=True`` every action is recorded with its start and end time (``perf_counter``
+    seconds); a blocking receive's time is the time spent waiting for the peer.
+    """
+
+    def __init__(self, stage: Stage, transport: Transport, rank_of_stage: Callable[[int], int], trace: bool = False):
+        self.stage = stage
+        self.transport = transport
+        self.rank_of_stage = rank_of_stage
+        self.trace_enabled = trace
+        self.trace: list[tuple[Action, float, float]] = []
+        self._inputs: dict[int, Any] = {}
+        self._grads: dict[int, Any] = {}
+        self._outputs: dict[int, Any] = {}
+        self._input_grads: dict[int, list] = {}
+
+    def run(
+        self,
+        actions: Sequence[Action],
+        *,
+        inputs: InputFn,
+        loss: LossFn,
+        optimizer_step: StepFn,
+        version: VersionFn | None = None,
+    ) -> dict[int, Tensor]:
+        """Run ``actions``; returns the losses (detached) of the micro-batches whose forward ended here."""
+        losses: dict[int, Tensor] = {}
+        stage = self.stage
+        for action in actions:
+            start = time.perf_counter()
+            op, mb = action.op, action.microbatch
+            if op is Op.RECV_ACT:
+                self._inputs[mb] = self.transport.recv(action.peer)
+            elif op is Op.FORWARD:
+                x = inputs(mb) if stage.is_first else self._inputs.pop(mb)
+                out = stage.forward(mb, x, None if version is None else version(mb))
+                if stage.is_last:
+                    value = loss(mb, out)
+                    stage.keep_loss(mb, value)
+                    losses[mb] = value.detach()
+                else:
+                    self._outputs[mb] = out
+            elif op is Op.SEND_ACT:
+                self.transport.send(self._outputs.pop(mb), action.peer, f"output of stage {stage.index}")
+            elif op is Op.RECV_GRAD:
+                self._grads[mb] = self.transport.recv(action.peer)
+            elif op is Op.BACKWARD:
+                grads = self._input_grads[mb] = stage.backward(mb, self._grads.pop(mb, None))
+                if stage.is_first:
+                    del self._input_grads[mb]
+                del grads
+            elif op is Op.SEND_GRAD:
+                self.transport.send(self._input_grads.pop(mb), action.peer, "input gradients")
+            elif op is Op.OPTIMIZER_STEP:
+                optimizer_step(action)
+            if self.trace_enabled:
+                self.trace.append((action, start, time.perf_counter()))
+        return losses
+
+    def events(self, rank: int, origin: float = 0.0) -> list:
+        """The recorded trace as ``TimedAction`` events (seconds from ``origin``)."""
+        from lightning_pipedream.schedule.timeline import TimedAction
+
+        return [TimedAction(rank, a, s - origin, e - origin) for a, s, e in self.trace]

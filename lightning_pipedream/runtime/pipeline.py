@@ -1,0 +1,163 @@
+"""The standalone API: train a pipelined ``nn.Sequential`` with torch.distributed, without Lightning."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_pipedream.runtime.engine import PipelineEngine, StepResult
+from lightning_pipedream.runtime.microbatch import batch_size, split
+from lightning_pipedream.runtime.transport import Transport
+from lightning_pipedream.schedule.builders import check_schedule_name
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+def check_balance(balance: Sequence[int], num_layers: int, num_stages: int) -> list[int]:
+    """Validate a balance (layers per stage) and return it as a list."""
+    if num_stages > num_layers:
+        raise ValueError(
+            f"The model has {num_layers} layers but {num_stages} stages were asked for; every stage needs at "
+            f"least one layer. Use at most {num_layers} processes, or split the model into more layers."
+        )
+    balance = list(balance)
+    if len(balance) != num_stages or any((not isinstance(b, int)) or b < 1 for b in balance) or sum(balance) != num_layers:
+        raise ValueError(
+            f"balance={balance} must list {num_stages} positive layer counts (one per stage) that add up to "
+            f"the model's {num_layers} layers."
+        )
+    return balance
+
+
+def even_balance(num_layers: int, num_stages: int) -> list[int]:
+    """Layers per stage, as even as possible (earlier stages take the remainder)."""
+    check_balance([1] * num_stages, num_stages, num_stages) if num_stages <= num_layers else check_balance(
+        [], num_layers, num_stages
+    )
+    base, extra = divmod(num_layers, num_stages)
+    return [base + (1 if s < extra else 0) for s in range(num_stages)]
+
+
+def stage_slice(layers: nn.Sequential, balance: Sequence[int], stage: int) -> nn.Sequential:
+    """The layers of ``stage``, keeping their names (so state dicts keep the model's keys)."""
+    start = sum(balance[:stage])
+    names = list(layers._modules)[start : start + balance[stage]]
+    return nn.Sequential(OrderedDict((name, layers._modules[name]) for name in names))
+
+
+class Pipeline:
+    """One rank's part of a pipeline-parallel ``nn.Sequential``.
+
+    Every rank builds the same full model, then keeps only its stage's layers. Call
+    :meth:`step` on every rank with the same batch: the first stage reads ``inputs``, the last
+    stage reads ``targets`` and computes ``loss_fn(output, targets)`` (mean-reduced: the step's
+    loss is the mean over the whole batch, as without micro-batches). ``schedule='pipedream'``
+    keeps the pipeline full between steps: call :meth:`drain` before reading final weights.
+    """
+
+    def __init__(
+        self,
+        layers: nn.Sequential,
+        *,
+        loss_fn: Callable[[Any, Any], Tensor],
+        optimizer: OptimizerFactory,
+        balance: Sequence[int] | None = None,
+        schedule: str = "1f1b",
+        chunks: int = 1,
+        weight_stashing: bool = True,
+        vertical_sync: bool = False,
+        group: dist.ProcessGroup | None = None,
+        device: torch.device | str = "cpu",
+        trace: bool = False,
+    ) -> None:
+        if not isinstance(layers, nn.Sequential):
+            raise TypeError(f"Pipeline needs an nn.Sequential of layers, got {type(layers).__name__}.")
+        check_schedule_name(schedule)
+        if not isinstance(chunks, int) or chunks < 1:
+            raise ValueError(
+                f"chunks must be an integer >= 1, got {chunks!r}: it is the number of micro-batches "
+                "one batch is split into (1 means no split)."
+            )
+        if schedule == "pipedream" and chunks != 1:
+            raise ValueError(
+                f"schedule='pipedream' runs each batch as one PipeDream minibatch; chunks={chunks} is not "
+                "supported. Use chunks=1, or schedule='1f1b'/'gpipe' to split batches into micro-batches."
+            )
+        self.rank = dist.get_rank(group)
+        self.num_stages = dist.get_world_size(group)
+        self.balance = (
+            check_balance(balance, len(layers), self.num_stages)
+            if balance is not None
+            else even_balance(len(layers), self.num_stages)
+        )
+        self.device = torch.device(device)
+        self.module = stage_slice(layers, self.balance, self.rank).to(self.device)
+        self.schedule = schedule
+        self.chunks = chunks
+        self.loss_fn = loss_fn
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        # A stage of parameter-free layers (an activation, a reshape) has nothing to optimize.
+        self.optimizer = optimizer(params) if params else None
+        self.transport = Transport(group=group, device=self.device)
+        self.engine = PipelineEngine(
+            self.module,
+            self.rank,
+            self.num_stages,
+            self.transport,
+            schedule=schedule,
+            chunks=chunks,
+            weight_stashing=weight_stashing,
+            vertical_sync=vertical_sync,
+            trace=trace,
+        )
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.num_stages - 1
+
+    def _update(self) -> None:
+        if self.optimizer is None:
+            return
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def step(self, inputs: Any, targets: Any = None) -> float | None:
+        """Train on one batch; returns the batch's loss on the last stage (None elsewhere).
+
+        For ``pipedream`` the returned loss is that of this batch's minibatch, whose forward
+        finishes on the last stage within the step; its backward on earlier stages, and their
+        updates, happen over the next steps.
+        """
+        chunks = self.chunks
+        in_parts = split(inputs, chunks) if self.is_first else None
+        tgt_parts = split(targets, chunks) if self.is_last else None
+        total = batch_size(targets) if self.is_last else 1
+        sizes = [batch_size(t) for t in tgt_parts] if tgt_parts is not None else []
+
+        def micro(mb: int) -> int:  # flushed schedules number micro-batches 0..chunks-1 in a step
+            return mb if self.schedule != "pipedream" else 0
+
+        def loss(mb: int, output: Any) -> Tensor:
+            assert tgt_parts is not None
+            value = self.loss_fn(output, tgt_parts[micro(mb)])
+            return value * (sizes[micro(mb)] / total) if chunks > 1 else value
+
+        result = self.engine.train_step(lambda mb: in_parts[micro(mb)], loss, self._update)  # type: ignore[index]
+        return float(sum(result.losses.values())) if self.is_last else None
+
+    def drain(self) -> StepResult:
+        """Finish the minibatches still in flight (``pipedream``); a no-op for flushed schedules."""
+        return self.engine.drain(self._update)
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """This stage's parameters and buffers, under the full model's names."""
+        return self.module.state_dict()

@@ -1,0 +1,100 @@
+"""Weight versions of one stage: PipeDream's weight stashing and vertical sync."""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+
+class WeightVersions:
+    """Gives each minibatch's forward the weights it must see, and keeps them until its backward.
+
+    Every forward runs on fresh leaf tensors that alias a version's storage, so its backward
+    computes gradients at exactly the weights the forward used, and those gradients land on the
+    leaves (then move to the parameters' ``.grad``). Before an optimizer step, if an in-flight
+    minibatch still uses the live storage, the parameters move to a copy (``p.data = clone``) and
+    the old storage stays with that minibatch: the update never writes into a tensor autograd
+    saved. A version lives exactly as long as a minibatch (or vertical sync) needs it.
+
+    With ``stashing=False`` (the paper's ablation) updates go into the live storage in place, so
+    a backward sees the newest weights, as PipeDream without stashing does.
+    """
+
+    def __init__(self, module: nn.Module, *, stashing: bool = True, vertical_sync: bool = False) -> None:
+        if vertical_sync and not stashing:
+            raise ValueError("vertical_sync=True needs weight_stashing=True: it chooses which stashed version to use.")
+        self.params = {n: p for n, p in module.named_parameters() if p.requires_grad}
+        self.stashing = stashing
+        self.vertical_sync = vertical_sync
+        self.num_updates = 0
+        self._live_in_use = False
+        self._history: dict[int, dict[str, Tensor]] = {}  # version -> storage, for vertical sync
+        self._leaves: dict[int, dict[str, Tensor]] = {}  # minibatch -> the leaves its forward used
+        self._version_of: dict[int, int] = {}
+
+    def forward_params(self, microbatch: int, version: int | None = None) -> dict[str, Tensor]:
+        """Leaves to run ``microbatch``'s forward on: the live weights, or an older ``version`` (vertical sync)."""
+        if version is None or version >= self.num_updates:
+            source = {n: p.data for n, p in self.params.items()}
+            self._live_in_use = True
+            version = self.num_updates
+        elif version in self._history:
+            source = self._history[version]
+        else:
+            raise RuntimeError(
+                f"Weight version {version} is no longer stored (have {sorted(self._history)} and live "
+                f"{self.num_updates}); the schedule and vertical sync disagree."
+            )
+        leaves = {n: t.detach().requires_grad_() for n, t in source.items()}
+        self._leaves[microbatch] = leaves
+        self._version_of[microbatch] = version
+        return leaves
+
+    def version_of(self, microbatch: int) -> int:
+        """The version (number of updates before it) that ``microbatch``'s forward used."""
+        return self._version_of[microbatch]
+
+    def collect_grads(self, microbatch: int) -> None:
+        """After ``microbatch``'s backward: add the gradients its leaves received to the parameters' ``.grad``."""
+        leaves = self._leaves.pop(microbatch)
+        self._version_of.pop(microbatch)
+        for name, leaf in leaves.items():
+            if leaf.grad is None:
+                continue
+            p = self.params[name]
+            p.grad = leaf.grad if p.grad is None else p.grad + leaf.grad
+
+    def before_update(self) -> None:
+        """Call right before the optimizer writes into the parameters."""
+        if self.stashing and (self._live_in_use or self.vertical_sync):
+            old = {}
+            for name, p in self.params.items():
+                old[name] = p.data
+                p.data = p.data.clone()
+            if self.vertical_sync:
+                self._history[self.num_updates] = old
+        self._live_in_use = False
+
+    def after_update(self, keep_from: int | None = None) -> None:
+        """Call right after the optimizer step; ``keep_from`` is the oldest version a future forward may need."""
+        self.num_updates += 1
+        if keep_from is not None:
+            needed = set(self._version_of.values())
+            for v in [v for v in self._history if v < keep_from and v not in needed]:
+                del self._history[v]
+
+    def clear(self) -> None:
+        """Forget everything stashed (after a drain)."""
+        if self._leaves:
+            raise RuntimeError(f"Minibatches {sorted(self._leaves)} are still in flight; drain the pipeline first.")
+        self._history.clear()
+        self._live_in_use = False
+
+    def stored_versions(self) -> int:
+        """How many distinct weight versions are alive: the live one plus stashed and kept ones."""
+        if not self.params:
+            return 0
+        name = next(iter(self.params))  # one parameter tells which storages are alive
+        ptrs = {self.params[name].data.data_ptr()}
+        ptrs |= {leaves[name].data_ptr() for leaves in self._leaves.values()}
+        ptrs |= {version[name].data_ptr() for version in self._history.values()}
+        return len(ptrs)

@@ -1,0 +1,253 @@
+"""The pipeline engine without Lightning: numerics against a single process, PipeDream's rule, failures."""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from lightning_pipedream.runtime.launch import RankFailedError, run_local
+from lightning_pipedream.runtime.pipeline import Pipeline, stage_slice
+
+LR, MOMENTUM = 0.1, 0.9
+
+
+def mlp(layers: int = 8, width: int = 8) -> nn.Sequential:
+    torch.manual_seed(0)
+    mods: list[nn.Module] = []
+    for _ in range(layers // 2):
+        mods += [nn.Linear(width, width), nn.Tanh()]
+    return nn.Sequential(*mods)
+
+
+def batches(n: int, size: int = 10, width: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(size, width, generator=g), torch.randn(size, width, generator=g)) for _ in range(n)]
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
+
+
+def train_pipeline(rank, world, schedule, chunks, n_batches, batch_size, options):
+    pipe = Pipeline(mlp(), loss_fn=nn.functional.mse_loss, optimizer=sgd, schedule=schedule, chunks=chunks, **options)
+    losses = [pipe.step(x, y) for x, y in batches(n_batches, batch_size)]
+    pipe.drain()
+    return pipe.state_dict(), losses
+
+
+def gather(results):
+    state = {}
+    for part, _ in results:
+        state.update(part)
+    return state, results[-1][1]
+
+
+def assert_close_state(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_flushed_schedules_equal_single_process(schedule, stages):
+    reference = mlp()
+    opt = sgd(reference.parameters())
+    want_losses = []
+    for x, y in batches(3):
+        loss = nn.functional.mse_loss(reference(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        want_losses.append(loss.item())
+    for chunks in (1, 3, 8):  # a batch of 10 does not divide into 3 or 8 micro-batches
+        state, losses = gather(run_local(train_pipeline, stages, schedule, chunks, 3, 10, {}, timeout=90))
+        assert_close_state(state, reference.state_dict())
+        assert losses == pytest.approx(want_losses, rel=1e-5)
+
+
+def pipedream_reference(n_batches: int, stages: int, vertical_sync: bool = False) -> dict:
+    """PipeDream's rule in one process: stage s computes minibatch t's gradient at the weights
+    after max(0, t - (stages - s) + 1) of its updates and applies it to its newest weights."""
+    model = mlp()
+    balance = [len(model) // stages + (1 if s < len(model) % stages else 0) for s in range(stages)]
+    parts = [stage_slice(model, balance, s) for s in range(stages)]
+    optimizers = [sgd(p.parameters()) for p in parts]
+    history = [[{n: p.detach().clone() for n, p in part.named_parameters()}] for part in parts]
+    for t, (x, y) in enumerate(batches(n_batches)):
+        leaves = []
+        h = x
+        for s, part in enumerate(parts):
+            version = max(0, t - stages + 1) if vertical_sync else max(0, t - (stages - s) + 1)
+            params = {n: w.clone().requires_grad_() for n, w in history[s][version].items()}
+            leaves.append(params)
+            h = functional_call(part, params, (h,))
+        loss = nn.functional.mse_loss(h, y)
+        loss.backward()
+        for s, part in enumerate(parts):
+            for n, p in part.named_parameters():
+                p.grad = leaves[s][n].grad
+            optimizers[s].step()
+            history[s].append({n: p.detach().clone() for n, p in part.named_parameters()})
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_pipedream_follows_weight_stashing_rule(stages):
+    n = 7
+    want = pipedream_reference(n, stages)
+    state, _ = gather(run_local(train_pipeline, stages, "pipedream", 1, n, 10, {}, timeout=90))
+    assert_close_state(state, want)
+    # Without stashing the backward sees newer weights: the result must differ from the rule.
+    state, _ = gather(run_local(train_pipeline, stages, "pipedream", 1, n, 10, {"weight_stashing": False}, timeout=90))
+    differences = [(state[k] - want[k]).abs().max().item() for k in want]
+    assert max(differences) > 1e-4
+
+
+def test_pipedream_vertical_sync_uses_input_stage_version():
+    n, stages = 7, 3
+    want = pipedream_reference(n, stages, vertical_sync=True)
+    state, _ = gather(run_local(train_pipeline, stages, "pipedream", 1, n, 10, {"vertical_sync": True}, timeout=90))
+    assert_close_state(state, want)
+    assert max((state[k] - pipedream_reference(n, stages)[k]).abs().max().item() for k in want) > 1e-4
+
+
+def count_versions(rank, world):
+    pipe = Pipeline(mlp(), loss_fn=nn.functional.mse_loss, optimizer=sgd, schedule="pipedream")
+    peak = 0
+    for x, y in batches(8):
+        pipe.step(x, y)
+        peak = max(peak, pipe.engine.weights.stored_versions())
+    pipe.drain()
+    return peak, pipe.engine.weights.stored_versions(), pipe.engine.in_flight
+
+
+def test_pipedream_keeps_at_most_in_flight_versions():
+    results = run_local(count_versions, 3, timeout=90)
+    for stage, (peak, after_drain, in_flight) in enumerate(results):
+        # the live weights plus one stash per in-flight minibatch that predates an update
+        assert peak <= 3 - stage, (stage, peak)
+        assert after_drain == 1 and in_flight == 0
+
+
+class Embed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(20, 8)
+
+    def forward(self, tokens):
+        return self.emb(tokens)
+
+
+class LSTMLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(8, 8, batch_first=True)
+
+    def forward(self, x):
+        return self.lstm(x)[0]
+
+
+def sequence_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(Embed(), LSTMLayer(), LSTMLayer(), nn.Linear(8, 20))
+
+
+def sequence_batches():
+    g = torch.Generator().manual_seed(2)
+    for length in (5, 9, 3, 12, 7):  # a different sequence length every step
+        tokens = torch.randint(0, 20, (6, length + 1), generator=g)
+        yield tokens[:, :-1], tokens[:, 1:]
+
+
+def sequence_loss(logits, targets):
+    return nn.functional.cross_entropy(logits.reshape(-1, 20), targets.reshape(-1))
+
+
+def train_sequence(rank, world, schedule, chunks):
+    pipe = Pipeline(sequence_model(), loss_fn=sequence_loss, optimizer=sgd, schedule=schedule, chunks=chunks)
+    losses = [pipe.step(x, y) for x, y in sequence_batches()]
+    pipe.drain()
+    return pipe.state_dict(), losses
+
+
+def test_sequence_lengths_change_every_step():
+    reference = sequence_model()
+    opt = sgd(reference.parameters())
+    for x, y in sequence_batches():
+        loss = sequence_loss(reference(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    state, losses = gather(run_local(train_sequence, 2, "1f1b", 2, timeout=90))
+    assert len(losses) == 5 and all(loss > 0 for loss in losses)
+    assert_close_state(state, reference.state_dict())
+    state, losses = gather(run_local(train_sequence, 2, "pipedream", 1, timeout=90))
+    assert len(losses) == 5
+
+
+class Boom(nn.Linear):
+    def forward(self, x):
+        raise ValueError("boom in stage 1")
+
+
+def failing_stage(rank, world):
+    pipe = Pipeline(nn.Sequential(nn.Linear(4, 4), Boom(4, 4)), loss_fn=nn.functional.mse_loss, optimizer=sgd,
+                    schedule="1f1b", chunks=2)
+    pipe.step(torch.randn(4, 4), torch.randn(4, 4))
+
+
+def test_failing_stage_stops_every_rank_quickly():
+    start = time.monotonic()
+    with pytest.raises(RankFailedError) as info:
+        run_local(failing_stage, 2, timeout=60)
+    assert time.monotonic() - start < 60
+    text = str(info.value)
+    assert "2 of 2 ranks failed" in text
+    rank0 = text.split("--- rank 1 ---")[0]
+    assert "PeerFailedError: Pipeline stage 1 failed with ValueError: boom in stage 1" in rank0
+
+
+def bad_pipeline(rank, world, case):
+    if case == "stages":
+        Pipeline(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), loss_fn=nn.functional.mse_loss, optimizer=sgd)
+    elif case == "small-batch":
+        pipe = Pipeline(mlp(), loss_fn=nn.functional.mse_loss, optimizer=sgd, schedule="gpipe", chunks=8)
+        pipe.step(torch.randn(4, 8), torch.randn(4, 8))
+
+
+def test_more_stages_than_layers_and_batch_smaller_than_chunks():
+    with pytest.raises(RankFailedError, match="The model has 2 layers but 3 stages were asked for; every stage needs"):
+        run_local(bad_pipeline, 3, "stages", timeout=60)
+    with pytest.raises(RankFailedError, match=r"A batch of 4 samples cannot be split into chunks=8 micro-batches; use a "):
+        run_local(bad_pipeline, 2, "small-batch", timeout=60)
+
+
+def test_bad_arguments_are_rejected_before_any_communication():
+    layers = mlp()
+    with pytest.raises(ValueError, match="chunks must be an integer >= 1, got 0"):
+        Pipeline(layers, loss_fn=nn.functional.mse_loss, optimizer=sgd, chunks=0)
+    with pytest.raises(ValueError, match="Unknown schedule 'zigzag'. Choose one of: gpipe, 1f1b, pipedream"):
+        Pipeline(layers, loss_fn=nn.functional.mse_loss, optimizer=sgd, schedule="zigzag")
+    with pytest.raises(ValueError, match="schedule='pipedream' runs each batch as one PipeDream minibatch"):
+        Pipeline(layers, loss_fn=nn.functional.mse_loss, optimizer=sgd, schedule="pipedream", chunks=4)
+    with pytest.raises(TypeError, match="Pipeline needs an nn.Sequential"):
+        Pipeline(nn.Linear(2, 2), loss_fn=nn.functional.mse_loss, optimizer=sgd)
+
+
+def test_stage_output_that_is_not_a_tensor_tree():
+    from lightning_pipedream.runtime.stage import Stage
+
+    class Odd(nn.Module):
+        def forward(self, x):
+            return {"features": x, "meta": object()}
+
+    stage = Stage(nn.Sequential(Odd()), index=0, num_stages=2)
+    with pytest.raises(TypeError, match=r"output of stage 0 contains output of stage 0\['meta'\] of type object, "
+                                        "which cannot cross a pipeline stage"):
+        stage.forward(0, torch.randn(2, 2))
