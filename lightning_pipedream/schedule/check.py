@@ -1,0 +1,387 @@
+"""Schedule validator (every receive matched, compute in order, no rank waits forever) and its text grid."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from lightning_pipedream.schedule.actions import Action, Op, Schedule
+
+
+class ScheduleError(ValueError):
+    """A schedule is unsound: it would compute the wrong thing, or some rank would wait forever."""
+
+
+# How each schedule updates weights. "per_step": every stage steps once per training step, after
+# all of that step's backwards (a flush). "per_backward": every backward is followed by its own
+# update before the stage computes anything else (PipeDream). Unlisted schedules are "per_step".
+OPTIMIZER_POLICY: dict[str, str] = {"pipedream": "per_backward"}
+
+_RECV, _SEND = (Op.RECV_ACT, Op.RECV_GRAD), (Op.SEND_ACT, Op.SEND_GRAD)
+
+
+# --------------------------------------------------------------------------------------------
+# The blocking simulation shared by the deadlock check and the grid.
+
+
+@dataclass
+class Placement:
+    """Where the unit-time blocking simulation put every action.
+
+    ``slot[rank][i]`` is the time slot in which action ``i`` of ``rank`` ran (-1: never, the rank
+    got stuck before it). ``stuck[rank]`` is the index of the receive the rank waits on forever,
+    or None when the rank finished. Every compute action takes one slot; sends, receives and
+    optimizer steps take none; a message sent in slot t can be received from slot t + 1 on.
+    """
+
+    slot: list[list[int]]
+    slots: int
+    stuck: list[int | None]
+
+
+def place(schedule: Schedule) -> Placement:
+    """Run every rank in lock step: a rank advances unless its next action is a receive with nothing to receive."""
+    ranks = schedule.actions
+    pos = [0] * len(ranks)
+    slot = [[-1] * len(actions) for actions in ranks]
+    sent: Counter = Counter()  # (src, dst) -> messages visible to the receiver
+    taken: Counter = Counter()  # (src, dst) -> messages already received
+    tick = 0
+    while True:
+        progressed = False
+        new_messages = []
+        for rank, actions in enumerate(ranks):
+            i, end, computed, row = pos[rank], len(actions), False, slot[rank]
+            while i < end:
+                action = actions[i]
+                op = action.op
+                if op is Op.FORWARD or op is Op.BACKWARD:
+                    if computed:
+                        break
+                    computed = True
+                elif op in _RECV:
+                    link = (action.peer, rank)
+                    if sent[link] <= taken[link]:
+                        break
+                    taken[link] += 1
+                elif op in _SEND:
+                    new_messages.append((rank, action.peer))
+                row[i] = tick
+                i += 1
+            if i != pos[rank]:
+                pos[rank] = i
+                progressed = True
+        for link in new_messages:  # visible from the next slot on: data takes time to travel
+            sent[link] += 1
+        if not progressed:
+            break
+        tick += 1
+    stuck = [p if p < len(actions) else None for p, actions in zip(pos, ranks)]
+    return Placement(slot, tick, stuck)
+
+
+# --------------------------------------------------------------------------------------------
+# The text grid.
+
+
+def _label(action: Action, stage_suffix: bool) -> str:
+    text = str(action)
+    return f"{text}s{action.stage}" if stage_suffix and action.op is not Op.OPTIMIZER_STEP else text
+
+
+def render_grid(
+    schedule: Schedule,
+    *,
+    mark: tuple[int, int] | None = None,
+    rows: tuple[int, int] | None = None,
+    placement: Placement | None = None,
+) -> str:
+    """The schedule as a text grid: one column per rank, one row per time slot, ``.`` where a rank idles.
+
+    Cells show compute actions (``F3``: forward of micro-batch 3, ``B3``: backward) and ``O`` for an
+    optimizer step (``B3+O`` when it follows a backward in the same slot); with several stages per
+    rank the stage is appended (``F3s5``). ``mark=(rank, index)`` brackets that action's cell
+    (``>F3<``); a rank that waits forever gets a last ``wait`` row with the receive it waits on.
+    ``rows=(first, last)`` prints only those slots.
+    """
+    placement = placement or place(schedule)
+    suffix = schedule.num_stages != schedule.num_ranks
+    n, slots = schedule.num_ranks, placement.slots
+    cells = [["" for _ in range(n)] for _ in range(slots)]
+    for rank, actions in enumerate(schedule.actions):
+        for action, tick in zip(actions, placement.slot[rank]):
+            if tick < 0 or not (action.op.is_compute or action.op is Op.OPTIMIZER_STEP):
+                continue
+            text = _label(action, suffix)
+            cells[tick][rank] = f"{cells[tick][rank]}+{text}" if cells[tick][rank] else text
+    wait = [""] * n
+    for rank, index in enumerate(placement.stuck):
+        if index is not None:
+            wait[rank] = "?" + str(schedule.actions[rank][index])
+    if mark is not None:
+        rank, index = mark
+        tick = placement.slot[rank][index] if index < len(schedule.actions[rank]) else -1
+        if tick >= 0:
+            action = schedule.actions[rank][index]
+            if action.op.is_compute:
+                cells[tick][rank] = f">{cells[tick][rank]}<"
+            else:  # keep the slot's compute visible beside the marked send or receive
+                cells[tick][rank] = "+".join(filter(None, [f">{action}<", cells[tick][rank]]))
+        elif wait[rank]:
+            wait[rank] = f">{wait[rank]}<"
+    first, last = rows if rows is not None else (0, slots - 1)
+    first, last = max(first, 0), min(last, slots - 1)
+    table = [[str(t)] + [c or "." for c in cells[t]] for t in range(first, last + 1)]
+    if any(wait):
+        table.append(["wait"] + [c or "." for c in wait])
+    header = ["slot"] + [f"rank {r}" for r in range(n)]
+    widths = [max(len(row[i]) for row in table + [header]) for i in range(n + 1)]
+    lines = ["  ".join(c.rjust(widths[0]) if i == 0 else c.ljust(widths[i]) for i, c in enumerate(row)).rstrip()
+             for row in [header] + table]
+    if first > 0:
+        lines.insert(1, "...")
+    if last < slots - 1:
+        lines.insert(len(lines) - (1 if any(wait) else 0), "...")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# The validator.
+
+
+class _Failer:
+    """Builds error messages that name the rank, the step and the action, with the grid around it."""
+
+    def __init__(self, schedule: Schedule) -> None:
+        self.schedule = schedule
+        self._placement: Placement | None = None
+
+    @property
+    def placement(self) -> Placement:
+        if self._placement is None:
+            self._placement = place(self.schedule)
+        return self._placement
+
+    def __call__(self, rank: int, index: int, problem: str) -> ScheduleError:
+        s = self.schedule
+        actions = s.actions[rank] if 0 <= rank < len(s.actions) else ()
+        what = f"({actions[index]})" if index < len(actions) else "(end of its list)"
+        head = f"{s.name} schedule, {s.num_stages} stages x {s.chunks} chunks: rank {rank}, step {index} {what}: {problem}"
+        if not 0 <= rank < len(s.actions):
+            return ScheduleError(head)
+        placement = self.placement
+        tick = placement.slot[rank][index] if index < len(actions) else -1
+        around = (tick - 4, tick + 4) if tick >= 0 else (placement.slots - 8, placement.slots)
+        grid = render_grid(s, mark=(rank, index), rows=around, placement=placement)
+        return ScheduleError(f"{head}\n{grid}")
+
+
+def validate(schedule: Schedule) -> None:
+    """Raise :class:`ScheduleError` unless ``schedule`` is sound.
+
+    Sound means: every action belongs to its rank and names the right peer; each stage runs the
+    forward and the backward of every micro-batch exactly once, the forward first, each only
+    after receiving its input; every receive has exactly one matching send, and messages between
+    two ranks are received in the order they are sent (point-to-point links are FIFO); optimizer
+    steps are where the schedule's policy puts them; and the blocking simulation finishes, so no
+    rank waits forever.
+    """
+    fail = _Failer(schedule)
+    _check_layout(schedule, fail)
+    for rank in range(schedule.num_ranks):
+        _check_rank_order(schedule, rank, fail)
+        _check_updates(schedule, rank, fail)
+    _check_links(schedule, fail)
+    _check_progress(schedule, fail)
+
+
+def _check_layout(s: Schedule, fail: _Failer) -> None:
+    """Sizes agree, every action sits on the rank of its stage, names a valid micro-batch and the right peer."""
+    if s.num_ranks < 1 or s.num_stages < 1 or s.chunks < 1:
+        raise ScheduleError(
+            f"{s.name} schedule has {s.num_ranks} ranks, {s.num_stages} stages and {s.chunks} chunks; "
+            "all must be >= 1."
+        )
+    if len(s.actions) != s.num_ranks:
+        raise ScheduleError(
+            f"{s.name} schedule lists actions for {len(s.actions)} ranks but declares "
+            f"num_ranks={s.num_ranks}; give one action list per rank."
+        )
+    last = s.num_stages - 1
+    for rank, actions in enumerate(s.actions):
+        for i, a in enumerate(actions):
+            if not 0 <= a.stage <= last or s.rank_of(a.stage) != rank:
+                where = f"stages are 0..{last}, stage s lives on rank s % {s.num_ranks}"
+                raise fail(rank, i, f"stage {a.stage} does not live on rank {rank} ({where}).")
+            if a.op is Op.OPTIMIZER_STEP:
+                continue
+            if not isinstance(a.microbatch, int) or not 0 <= a.microbatch < s.chunks:
+                raise fail(rank, i, f"micro-batch {a.microbatch!r} is out of range 0..{s.chunks - 1}.")
+            if a.op.is_compute:
+                continue
+            to_next = a.op in (Op.SEND_ACT, Op.RECV_GRAD)  # talks to the next stage, else the previous
+            other = a.stage + 1 if to_next else a.stage - 1
+            if not 0 <= other <= last:
+                side = "next" if to_next else "previous"
+                raise fail(rank, i, f"stage {a.stage} has no {side} stage to talk to.")
+            if a.peer != s.rank_of(other):
+                right = s.rank_of(other)
+                raise fail(rank, i, f"peer should be rank {right} (where stage {other} lives), not {a.peer}.")
+
+
+# What has happened to one (stage, micro-batch) on its rank, as bit flags, and how to say it.
+_FLAG = {Op.RECV_ACT: 1, Op.FORWARD: 2, Op.SEND_ACT: 4, Op.RECV_GRAD: 8, Op.BACKWARD: 16, Op.SEND_GRAD: 32}
+_NAME = {
+    Op.RECV_ACT: "input", Op.FORWARD: "forward", Op.SEND_ACT: "output",
+    Op.RECV_GRAD: "output gradient", Op.BACKWARD: "backward", Op.SEND_GRAD: "input gradient",
+}
+# op -> (flag that must be set before it, what is wrong otherwise); forward/backward checked apart.
+_NEEDS = {
+    Op.SEND_ACT: (2, "sends the output of micro-batch {mb} before its forward ran."),
+    Op.SEND_GRAD: (16, "sends the input gradient of micro-batch {mb} before its backward ran."),
+    Op.RECV_GRAD: (2, "receives the gradient of micro-batch {mb} before its forward ran; it can never come."),
+}
+
+
+def _check_rank_order(s: Schedule, rank: int, fail: _Failer) -> None:
+    """Each forward and backward exactly once, in order, each after the message it consumes."""
+    last = s.num_stages - 1
+    actions = s.actions[rank]
+    done: dict[tuple[int, int], int] = {}
+    first_at: dict[tuple[Op, int, int], int] = {}
+    for i, a in enumerate(actions):
+        op, stage, mb = a.op, a.stage, a.microbatch
+        if op is Op.OPTIMIZER_STEP:
+            continue
+        flags, bit = done.get((stage, mb), 0), _FLAG[op]
+        if flags & bit:
+            before = first_at[(op, stage, mb)]
+            raise fail(rank, i, f"duplicated {_NAME[op]} of micro-batch {mb} on stage {stage} (already at step {before}).")
+        if op is Op.FORWARD:
+            if stage > 0 and not flags & 1:
+                raise fail(rank, i, f"forward of micro-batch {mb} before its input was received (no RA{mb} before it).")
+        elif op is Op.BACKWARD:
+            if not flags & 2:
+                raise fail(rank, i, f"backward of micro-batch {mb} before its forward on stage {stage}.")
+            if stage < last and not flags & 8:
+                raise fail(rank, i, f"backward of micro-batch {mb} before its output gradient was received (no RG{mb} before it).")
+        elif op in _NEEDS and not flags & _NEEDS[op][0]:
+            raise fail(rank, i, _NEEDS[op][1].format(mb=mb))
+        done[(stage, mb)] = flags | bit
+        first_at[(op, stage, mb)] = i
+    for stage in range(rank, s.num_stages, s.num_ranks):
+        for mb in range(s.chunks):
+            for op in (Op.FORWARD, Op.BACKWARD):
+                if not done.get((stage, mb), 0) & _FLAG[op]:
+                    raise fail(rank, len(actions), f"never runs the {_NAME[op]} of micro-batch {mb} on stage {stage}.")
+
+
+def _check_updates(s: Schedule, rank: int, fail: _Failer) -> None:
+    """Optimizer steps where the schedule's policy (:data:`OPTIMIZER_POLICY`) puts them."""
+    actions = s.actions[rank]
+    if OPTIMIZER_POLICY.get(s.name, "per_step") == "per_backward":
+        pending: dict[int, int] = {}  # stage -> micro-batch whose backward still needs its update
+        for i, a in enumerate(actions):
+            if a.op is Op.OPTIMIZER_STEP:
+                if pending.pop(a.stage, None) is None:
+                    why = f"{s.name} updates once after every backward"
+                    raise fail(rank, i, f"optimizer step on stage {a.stage} without a backward before it; {why}.")
+            elif a.op.is_compute and a.stage in pending:
+                mb = pending[a.stage]
+                raise fail(rank, i, f"stage {a.stage} computes before the optimizer step that must follow backward {mb}.")
+            if a.op is Op.BACKWARD:
+                pending[a.stage] = a.microbatch
+        for stage, mb in pending.items():
+            raise fail(rank, len(actions), f"backward of micro-batch {mb} on stage {stage} has no optimizer step after it.")
+        return
+    # per_step: one update per stage and training step, after all of that step's backwards (the flush).
+    backwards_left = Counter((a.stage, a.step) for a in actions if a.op is Op.BACKWARD)
+    stepped: set[tuple[int, int]] = set()
+    for i, a in enumerate(actions):
+        key = (a.stage, a.step)
+        if a.op is Op.BACKWARD:
+            backwards_left[key] -= 1
+        elif a.op is Op.OPTIMIZER_STEP:
+            if key in stepped:
+                raise fail(rank, i, f"second optimizer step of stage {a.stage} in training step {a.step}; "
+                           "a flushed schedule steps once per training step.")
+            if backwards_left[key]:
+                raise fail(rank, i, f"optimizer step of stage {a.stage} before {backwards_left[key]} of the "
+                           f"backwards of training step {a.step}; move it after them (the flush).")
+            stepped.add(key)
+    for key in sorted({(a.stage, a.step) for a in actions} - stepped):
+        raise fail(rank, len(actions), f"stage {key[0]} has no optimizer step in training step {key[1]}.")
+
+
+def _message(a: Action) -> tuple:
+    """What a send carries or a receive expects: (kind, sending stage, micro-batch)."""
+    if a.op is Op.SEND_ACT or a.op is Op.SEND_GRAD:
+        return (a.op is Op.SEND_ACT, a.stage, a.microbatch)
+    return (a.op is Op.RECV_ACT, a.stage - 1 if a.op is Op.RECV_ACT else a.stage + 1, a.microbatch)
+
+
+def _describe(message: tuple) -> str:
+    is_act, stage, mb = message
+    return f"{'output' if is_act else 'input gradient'} of stage {stage} micro-batch {mb}"
+
+
+def _check_links(s: Schedule, fail: _Failer) -> None:
+    """Every receive has exactly one send, and the two sides of each link agree on the order."""
+    sends: dict[tuple[int, int], list] = {}
+    recvs: dict[tuple[int, int], list] = {}
+    for rank, actions in enumerate(s.actions):
+        for i, a in enumerate(actions):
+            if a.op in _SEND:
+                sends.setdefault((rank, a.peer), []).append((_message(a), rank, i))
+            elif a.op in _RECV:
+                recvs.setdefault((a.peer, rank), []).append((_message(a), rank, i))
+    for link in sorted(set(sends) | set(recvs)):
+        out, into = sends.get(link, []), recvs.get(link, [])
+        sent = {m for m, _, _ in out}
+        for message, rank, i in into:
+            if message not in sent:
+                why = f"which rank {link[0]} never sends; add the matching send"
+                raise fail(rank, i, f"waits for the {_describe(message)}, {why}.")
+        received = {m for m, _, _ in into}
+        for message, rank, i in out:
+            if message not in received:
+                why = f"to rank {link[1]}, which never receives it; add the matching receive"
+                raise fail(rank, i, f"sends the {_describe(message)} {why}.")
+        for (m_out, _, j), (m_in, rank, i) in zip(out, into):
+            if m_out != m_in:
+                raise fail(
+                    rank, i,
+                    f"expects the {_describe(m_in)}, but the message arriving next from rank {link[0]} is "
+                    f"the {_describe(m_out)} (rank {link[0]}'s step {j}): messages between two ranks arrive "
+                    "in the order they were sent, so receive them in that order.",
+                )
+        if len(out) > len(into):  # the same message twice: one copy is never received
+            message, rank, i = out[len(into)]
+            raise fail(rank, i, f"sends the {_describe(message)} again; rank {link[1]} receives it once.")
+        if len(into) > len(out):
+            message, rank, i = into[len(out)]
+            raise fail(rank, i, f"receives the {_describe(message)} again; rank {link[0]} sends it once.")
+
+
+def _check_progress(s: Schedule, fail: _Failer) -> None:
+    placement = fail.placement
+    stuck = {r: i for r, i in enumerate(placement.stuck) if i is not None}
+    if not stuck:
+        return
+    # Follow "waits for" from the first stuck rank until a rank repeats: that is the cycle to break.
+    path, rank = [], min(stuck)
+    while rank not in path and rank in stuck:
+        path.append(rank)
+        rank = s.actions[rank][stuck[rank]].peer
+    cycle = path[path.index(rank):] if rank in path else path[-1:]
+    waits = "; ".join(
+        f"rank {r} at step {i} ({s.actions[r][i]}) waits for the "
+        f"{_describe(_message(s.actions[r][i]))} from rank {s.actions[r][i].peer}"
+        for r, i in sorted(stuck.items())
+    )
+    first = min(cycle)
+    raise fail(
+        first, stuck[first],
+        f"deadlock: ranks {', '.join(map(str, sorted(cycle)))} wait for each other forever ({waits}). "
+        "Reorder the actions so that each send comes before the receive it unblocks.",
+    )
