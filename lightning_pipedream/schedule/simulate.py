@@ -1,0 +1,158 @@
+"""Times a schedule from per-stage costs and link speed: step time, bubble fraction, stored activations."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from lightning_pipedream.schedule.actions import Op, Schedule
+from lightning_pipedream.schedule.check import validate
+from lightning_pipedream.schedule.timeline import TimedAction, bubble_fraction
+
+
+@dataclass
+class SimResult:
+    """What :func:`simulate` predicts for one schedule.
+
+    ``step_time`` is the time of one training step: the makespan for a flushed schedule (one step),
+    and for a schedule that keeps the pipeline full across steps (``pipedream``) the steady-state
+    time per step, measured between steps in which every rank runs a backward (``steady_state``
+    says whether there were enough of them; if not it is ``makespan / steps``).
+    ``peak_activations[rank]`` is the most micro-batches whose forward ran and whose backward has
+    not yet, i.e. how many sets of activations the rank must keep.
+    """
+
+    schedule: str
+    num_stages: int
+    chunks: int
+    makespan: float
+    step_time: float
+    steady_state: bool
+    bubble_fraction: float
+    peak_activations: list[int]
+    events: list[TimedAction] = field(repr=False)
+
+    def summary(self) -> dict:
+        """The numbers, JSON-ready (without the events)."""
+        return {k: v for k, v in self.__dict__.items() if k != "events"}
+
+
+def _per_stage(name: str, value: float | Sequence[float], stages: int) -> list[float]:
+    values = [float(value)] * stages if isinstance(value, (int, float)) else [float(v) for v in value]
+    if len(values) != stages:
+        raise ValueError(f"{name} has {len(values)} values but the schedule has {stages} stages; give one per stage.")
+    if any(v < 0 or math.isnan(v) for v in values):
+        raise ValueError(f"{name} must be >= 0 (seconds or bytes), got {values}.")
+    return values
+
+
+def simulate(
+    schedule: Schedule,
+    forward_s: Sequence[float] | float,
+    backward_s: Sequence[float] | float,
+    *,
+    activation_bytes: Sequence[float] | float = 0,
+    bandwidth: float = math.inf,
+    latency: float = 0.0,
+    optimizer_s: float = 0.0,
+) -> SimResult:
+    """Run ``schedule`` on a clock: every rank does its actions in order, receives wait for their data.
+
+    ``forward_s[s]``/``backward_s[s]`` are the seconds stage s takes per micro-batch;
+    ``activation_bytes[s]`` is the size of stage s's output (its gradient has the same size).
+    A send takes no time on the sender; its message occupies the link (bytes / ``bandwidth``,
+    one message after another per direction) and arrives ``latency`` seconds after leaving.
+    """
+    validate(schedule)  # a schedule that deadlocks has no timing
+    p = schedule.num_stages
+    fwd, bwd = _per_stage("forward_s", forward_s, p), _per_stage("backward_s", backward_s, p)
+    size = _per_stage("activation_bytes", activation_bytes, p)
+    if not bandwidth > 0:
+        raise ValueError(f"bandwidth must be > 0 bytes per second (inf for free links), got {bandwidth}.")
+    if latency < 0 or optimizer_s < 0:
+        raise ValueError(f"latency and optimizer_s must be >= 0 seconds, got {latency} and {optimizer_s}.")
+    duration = {Op.FORWARD: fwd, Op.BACKWARD: bwd}
+
+    ranks = schedule.actions
+    clock = [0.0] * len(ranks)
+    pos = [0] * len(ranks)
+    arrivals: dict[tuple[int, int], deque[float]] = {}  # (src, dst) -> arrival times, FIFO
+    link_free: dict[tuple[int, int], float] = {}
+    events: list[TimedAction] = []
+    progressed = True
+    while progressed:  # advance each rank until it waits on a message not yet sent; repeat
+        progressed = False
+        for rank, actions in enumerate(ranks):
+            t, i = clock[rank], pos[rank]
+            while i < len(actions):
+                a = actions[i]
+                op = a.op
+                if op.is_recv:
+                    queue = arrivals.get((a.peer, rank))
+                    if not queue:
+                        break
+                    start, t = t, max(t, queue.popleft())
+                    events.append(TimedAction(rank, a, start, t))
+                elif op.is_send:
+                    link = (rank, a.peer)
+                    nbytes = size[a.stage] if op is Op.SEND_ACT else size[a.stage - 1]
+                    leaves = max(t, link_free.get(link, 0.0)) + nbytes / bandwidth
+                    link_free[link] = leaves
+                    arrivals.setdefault(link, deque()).append(leaves + latency)
+                    events.append(TimedAction(rank, a, t, t))
+                else:
+                    cost = optimizer_s if op is Op.OPTIMIZER_STEP else duration[op][a.stage]
+                    events.append(TimedAction(rank, a, t, t + cost))
+                    t += cost
+                i += 1
+            if i != pos[rank]:
+                clock[rank], pos[rank], progressed = t, i, True
+    span = max((e.end for e in events), default=0.0)
+    step_time, steady = _step_time(schedule, events, span)
+    return SimResult(
+        schedule.name, p, schedule.chunks, span, step_time, steady, bubble_fraction(events),
+        [_peak(actions) for actions in ranks], events,
+    )
+
+
+def _peak(actions) -> int:
+    live = peak = 0
+    for a in actions:
+        live += (a.op is Op.FORWARD) - (a.op is Op.BACKWARD)
+        peak = max(peak, live)
+    return peak
+
+
+def _step_time(schedule: Schedule, events: list[TimedAction], span: float) -> tuple[float, bool]:
+    steps = schedule.steps()
+    if steps == 1:
+        return span, False
+    # Full steps: every rank runs a backward in them (no warm-up, no drain). Each rank's step ends
+    # with its last action of that step. Stages behind the slowest one run faster for a while,
+    # until their slack is used up, so look at the later half of the full steps, and the slowest rank.
+    ends: dict[tuple[int, int], float] = {}
+    backward_in: list[set[int]] = [set() for _ in range(steps)]
+    for e in events:
+        key = (e.rank, e.action.step)
+        ends[key] = max(ends.get(key, 0.0), e.end)
+        if e.action.op is Op.BACKWARD:
+            backward_in[e.action.step].add(e.rank)
+    full = [t for t in range(steps) if len(backward_in[t]) == schedule.num_ranks]
+    if len(full) < 2:
+        return span / steps, False
+    window = full[(len(full) - 1) // 2:]
+    return max(
+        _mean_step([ends[(r, t)] - ends[(r, t - 1)] for t in window[1:]]) for r in range(schedule.num_ranks)
+    ), True
+
+
+def _mean_step(deltas: list[float]) -> float:
+    """Mean of step times that settle into a repeating pattern (often of one step, with latency of
+    several): average over whole repeats, else the window would over- or under-count a phase."""
+    n = len(deltas)
+    for k in range(1, n // 2 + 1):
+        if all(math.isclose(deltas[i], deltas[i + k], rel_tol=1e-9, abs_tol=1e-12) for i in range(n - k)):
+            return sum(deltas[n - k:]) / k
+    return sum(deltas) / n

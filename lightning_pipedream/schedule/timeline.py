@@ -1,0 +1,137 @@
+"""Timed actions (simulated or recorded): Chrome/Perfetto trace JSON, bubble fraction, a PNG Gantt chart."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lightning_pipedream.schedule.actions import Action, Op
+
+
+@dataclass(frozen=True)
+class TimedAction:
+    """One action that ran on ``rank`` from ``start`` to ``end`` (seconds; receives: the time spent waiting)."""
+
+    rank: int
+    action: Action
+    start: float
+    end: float
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+_BUSY = (Op.FORWARD, Op.BACKWARD, Op.OPTIMIZER_STEP)  # work; everything else is waiting or bookkeeping
+
+
+def _name(action: Action) -> str:
+    return f"{action} s{action.stage}"
+
+
+def to_chrome_trace(events: list[TimedAction]) -> dict:
+    """Chrome/Perfetto trace JSON (load it at ui.perfetto.dev or chrome://tracing): one track per rank.
+
+    Times are written in microseconds; ``args`` keep every field of the action, so
+    :func:`from_chrome_trace` gives the events back.
+    """
+    trace: list[dict[str, Any]] = []
+    for rank in sorted({e.rank for e in events}):
+        trace.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": rank, "args": {"name": f"rank {rank}"}})
+        trace.append({"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": rank, "args": {"sort_index": rank}})
+    for e in events:
+        a = e.action
+        trace.append({
+            "name": _name(a),
+            "cat": "compute" if a.op in _BUSY else "communication",
+            "ph": "X",
+            "pid": 0,
+            "tid": e.rank,
+            "ts": e.start * 1e6,
+            "dur": (e.end - e.start) * 1e6,
+            "args": {"op": a.op.value, "stage": a.stage, "microbatch": a.microbatch, "peer": a.peer, "step": a.step},
+        })
+    return {"traceEvents": trace, "displayTimeUnit": "ms"}
+
+
+def from_chrome_trace(obj: dict | list) -> list[TimedAction]:
+    """The events of a trace written by :func:`to_chrome_trace` (other events are skipped)."""
+    raw = obj.get("traceEvents", []) if isinstance(obj, dict) else obj
+    events = []
+    for ev in raw:
+        args = ev.get("args") or {}
+        if ev.get("ph") != "X" or "op" not in args:
+            continue
+        try:
+            op = Op(args["op"])
+        except ValueError as err:
+            known = ", ".join(o.value for o in Op)
+            raise ValueError(f"Trace event {ev.get('name')!r} has unknown op {args['op']!r}; expected one of {known}.") from err
+        action = Action(op, int(args["stage"]), args.get("microbatch"), args.get("peer"), int(args.get("step", 0)))
+        start = float(ev["ts"]) / 1e6
+        events.append(TimedAction(int(ev["tid"]), action, start, start + float(ev.get("dur", 0.0)) / 1e6))
+    return events
+
+
+def makespan(events: list[TimedAction]) -> float:
+    """Seconds from the first start to the last end."""
+    if not events:
+        return 0.0
+    return max(e.end for e in events) - min(e.start for e in events)
+
+
+def bubble_fraction(events: list[TimedAction]) -> float:
+    """1 - busy time / (ranks x makespan): the share of rank-time spent idle or waiting.
+
+    Busy means forward, backward and optimizer step; sends, receives (waits) and gaps are bubble.
+    """
+    span = makespan(events)
+    ranks = len({e.rank for e in events})
+    if span <= 0 or ranks == 0:
+        return 0.0
+    busy = sum(e.end - e.start for e in events if e.action.op in _BUSY)
+    return 1.0 - busy / (ranks * span)
+
+
+_COLOURS = {Op.FORWARD: "#4C72B0", Op.BACKWARD: "#DD8452", Op.OPTIMIZER_STEP: "#55A868"}
+
+
+def plot_timeline(events: list[TimedAction], path: str | Path, title: str = "") -> Path:
+    """Draw ``events`` as a Gantt chart PNG at ``path``: one row per rank (rank 0 on top).
+
+    Forwards and backwards are coloured boxes with the micro-batch number inside; optimizer steps
+    are green; sends and receives (waits, in recorded traces) are thin grey bars.
+    """
+    # Lazy, and without pyplot: no global backend switch, no GUI, safe in any process.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    path = Path(path)
+    ranks = sorted({e.rank for e in events}) or [0]
+    origin = min((e.start for e in events), default=0.0)
+    span = makespan(events) or 1.0
+    fig = Figure(figsize=(max(6.0, min(20.0, 0.25 * len(events) / len(ranks) + 4)), 0.6 * len(ranks) + 1.4))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    row = {rank: len(ranks) - 1 - i for i, rank in enumerate(ranks)}
+    for e in events:
+        op, y, left, width = e.action.op, row[e.rank], e.start - origin, e.end - e.start
+        if op in _COLOURS:
+            ax.barh(y, width, left=left, height=0.8, color=_COLOURS[op], edgecolor="black", linewidth=0.5)
+            if op is not Op.OPTIMIZER_STEP and width > span / 80:
+                ax.text(left + width / 2, y, str(e.action.microbatch), ha="center", va="center", fontsize=7, color="white")
+        elif width > 0:
+            ax.barh(y, width, left=left, height=0.15, color="#AAAAAA")
+    ax.set_yticks([row[r] for r in ranks], [f"rank {r}" for r in ranks])
+    ax.set_xlim(0, span)
+    ax.set_xlabel("seconds")
+    ax.set_title(title)
+    legend = [Patch(color=c, label=o.name.lower().replace("_", " ")) for o, c in _COLOURS.items()]
+    legend.append(Patch(color="#AAAAAA", label="send / receive wait"))
+    ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=4, fontsize=8, frameon=False)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    return path
