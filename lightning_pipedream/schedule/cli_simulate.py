@@ -1,0 +1,175 @@
+"""`python -m lightning_pipedream simulate`: predicted step time, bubble and stored activations of a schedule."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from lightning_pipedream.schedule.builders import build_schedule
+from lightning_pipedream.schedule.cli_show import add_schedule_arguments
+from lightning_pipedream.schedule.simulate import SimResult, simulate
+from lightning_pipedream.schedule.timeline import plot_timeline, to_chrome_trace
+
+
+class UsageError(Exception):
+    """Bad command-line input; the message says what to change."""
+
+
+def _numbers(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or comma-separated numbers such as 1.0,2.5, got {text!r}")
+    if any(v < 0 or math.isnan(v) for v in values):
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
+    return values
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0 (bytes per second; 'inf' for free links), got {text!r}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_schedule_arguments(parser)
+    costs = parser.add_argument_group("costs (seconds per micro-batch; one value, or one per stage: 1,1.5,1,1)")
+    costs.add_argument("--forward", type=_numbers, help="forward seconds per stage (default: 1.0)")
+    costs.add_argument("--backward", type=_numbers, help="backward seconds per stage (default: twice the forward)")
+    costs.add_argument("--activation-bytes", type=_numbers, help="bytes each stage sends forward (default: 0)")
+    costs.add_argument("--optimizer", type=float, default=0.0, help="seconds per optimizer step (default: 0)")
+    costs.add_argument("--profile", type=Path, help="per-layer profile JSON (plan/profile.py) instead of --forward/--backward")
+    costs.add_argument("--balance", help="with --profile: layers per stage, e.g. 3,2,2,3 (default: as equal as possible)")
+    links = parser.add_argument_group("links")
+    links.add_argument("--bandwidth", type=_positive, default=math.inf, help="bytes per second (default: inf)")
+    links.add_argument("--latency", type=float, default=0.0, help="seconds per message (default: 0)")
+    out = parser.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="print the prediction as JSON")
+    out.add_argument("--plot", type=Path, help="write a PNG timeline here")
+    out.add_argument("--trace", type=Path, help="write a Chrome/Perfetto trace JSON here")
+
+
+def _per_stage(flag: str, values: list[float] | None, stages: int, default: list[float]) -> list[float]:
+    if values is None:
+        return default
+    if len(values) == 1:
+        return values * stages
+    if len(values) != stages:
+        raise UsageError(f"{flag} has {len(values)} values but --stages is {stages}; give one value for all stages or one per stage.")
+    return values
+
+
+def _split(balance: str | None, layers: int, stages: int) -> list[int]:
+    """Layers per stage: the user's --balance, checked, or an equal split (earlier stages take the remainder)."""
+    if balance is None:
+        if layers < stages:
+            raise UsageError(f"the profile has {layers} layers, fewer than --stages {stages}; use at most {layers} stages.")
+        return [layers // stages + (s < layers % stages) for s in range(stages)]
+    try:
+        counts = [int(v) for v in balance.split(",")]
+    except ValueError:
+        raise UsageError(f"--balance must be whole numbers separated by commas, such as 3,2,2,3; got {balance!r}.")
+    if len(counts) != stages:
+        raise UsageError(f"--balance lists {len(counts)} stages but --stages is {stages}; give one layer count per stage.")
+    if any(c < 1 for c in counts) or sum(counts) != layers:
+        raise UsageError(f"--balance {balance} must be counts >= 1 adding up to the profile's {layers} layers.")
+    return counts
+
+
+def _profile_costs(args: argparse.Namespace, schedule_steps: int) -> tuple[list[float], list[float], list[float], str]:
+    if args.forward is not None or args.backward is not None or args.activation_bytes is not None:
+        raise UsageError("give either --profile or --forward/--backward/--activation-bytes, not both.")
+    try:  # the plan layer is optional here: only --profile needs it
+        from lightning_pipedream.plan.profile import Profile
+    except ImportError as err:
+        raise UsageError(f"--profile needs lightning_pipedream.plan.profile, which failed to import ({err}).")
+    try:
+        layers = Profile.load(args.profile).layers
+    except (OSError, ValueError, KeyError) as err:
+        raise UsageError(f"could not read the profile {args.profile}: {err}. Write one with `python -m lightning_pipedream plan`.")
+    counts = _split(args.balance, len(layers), args.stages)
+    # A profile times whole batches; flushed schedules split each batch into --chunks micro-batches,
+    # assumed to cost 1/chunks each. PipeDream runs one whole batch (minibatch) per step.
+    scale = 1.0 / args.chunks if schedule_steps == 1 else 1.0
+    fwd, bwd, act, start = [], [], [], 0
+    for count in counts:
+        stage = layers[start:start + count]
+        fwd.append(scale * sum(layer.forward_s for layer in stage))
+        bwd.append(scale * sum(layer.backward_s for layer in stage))
+        act.append(scale * stage[-1].activation_bytes)
+        start += count
+    note = f"profile {args.profile}: layers per stage {','.join(map(str, counts))}"
+    if scale != 1.0:
+        note += f"; batch times split over {args.chunks} micro-batches"
+    return fwd, bwd, act, note
+
+
+def analytic_bubble(name: str, stages: int, chunks: int) -> float | None:
+    """(p - 1) / (m + p - 1): the bubble of gpipe and 1f1b with equal stages and free links."""
+    return (stages - 1) / (chunks + stages - 1) if name in ("gpipe", "1f1b") else None
+
+
+def _report(args: argparse.Namespace, result: SimResult, fwd: list[float], bwd: list[float], note: str) -> str:
+    fmt = lambda xs: ", ".join(f"{x:g}" for x in xs)  # noqa: E731
+    unit = "minibatches" if args.schedule == "pipedream" else "micro-batches"
+    lines = [f"{args.schedule} schedule, {args.stages} stages x {args.chunks} {unit}"]
+    lines.append(f"  forward s:  {fmt(fwd)}\n  backward s: {fmt(bwd)}")
+    lines.append(f"  links: bandwidth {args.bandwidth:g} B/s, latency {args.latency:g} s" + (f"\n  {note}" if note else ""))
+    if result.steady_state:
+        lines.append(f"step time         {result.step_time:.6g} s per minibatch (steady state)")
+        lines.append(f"makespan          {result.makespan:.6g} s for all {args.chunks} minibatches, fill and drain included")
+    else:
+        lines.append(f"step time         {result.step_time:.6g} s")
+        if result.step_time != result.makespan:
+            lines.append(f"makespan          {result.makespan:.6g} s (too few minibatches for a steady state)")
+    bubble = f"bubble fraction   {result.bubble_fraction:.4f}"
+    analytic = analytic_bubble(args.schedule, args.stages, args.chunks)
+    if analytic is not None:
+        bubble += f"   (analytic (p-1)/(m+p-1) = {analytic:.4f}, for equal stages and free links)"
+    lines.append(bubble)
+    lines.append(f"peak activations  {' '.join(map(str, result.peak_activations))}   (micro-batches stored, per rank)")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    schedule = build_schedule(args.schedule, args.stages, args.chunks)
+    try:
+        if args.latency < 0 or args.optimizer < 0:
+            raise UsageError("--latency and --optimizer are seconds and must be >= 0.")
+        if args.profile is not None:
+            fwd, bwd, act, note = _profile_costs(args, schedule.steps())
+        else:
+            if args.balance is not None:
+                raise UsageError("--balance splits the layers of a --profile; give --profile too, or drop --balance.")
+            fwd = _per_stage("--forward", args.forward, args.stages, [1.0] * args.stages)
+            bwd = _per_stage("--backward", args.backward, args.stages, [2 * f for f in fwd])
+            act = _per_stage("--activation-bytes", args.activation_bytes, args.stages, [0.0] * args.stages)
+            note = ""
+    except UsageError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    result = simulate(
+        schedule, fwd, bwd, activation_bytes=act, bandwidth=args.bandwidth, latency=args.latency, optimizer_s=args.optimizer
+    )
+    if args.plot:
+        plot_timeline(result.events, args.plot, title=f"{args.schedule}, {args.stages} stages x {args.chunks}")
+    if args.trace:
+        args.trace.parent.mkdir(parents=True, exist_ok=True)
+        args.trace.write_text(json.dumps(to_chrome_trace(result.events)))
+    if args.json:
+        out = result.summary() | {
+            "analytic_bubble_fraction": analytic_bubble(args.schedule, args.stages, args.chunks),
+            "forward_s": fwd, "backward_s": bwd, "activation_bytes": act,
+            "bandwidth": None if math.isinf(args.bandwidth) else args.bandwidth, "latency": args.latency,
+        }
+        print(json.dumps(out, indent=2))
+    else:
+        print(_report(args, result, fwd, bwd, note))
+    return 0
