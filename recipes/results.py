@@ -1,0 +1,106 @@
+"""What a run reports: per-epoch lines, `results.json` in the Hydra run dir, and a multirun summary table."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import lightning as L
+import torch
+from hydra.experimental.callback import Callback as HydraCallback
+from omegaconf import DictConfig
+
+from recipes.tasks.base import RecipeTask
+
+RESULT_KEYS = ("task", "model", "schedule", "stages", "chunks", "metric_name", "metric",
+               "throughput_samples_per_s", "time_to_target_s")
+SUMMARY_COLUMNS = ("run", *RESULT_KEYS)
+
+
+def _batch_size(batch: Any) -> int:
+    while isinstance(batch, (list, tuple)):
+        batch = batch[0]
+    return int(batch.shape[0]) if isinstance(batch, torch.Tensor) else 1
+
+
+class ResultsCallback(L.Callback):
+    """Measures training throughput (samples per second of training steps, validation excluded), the
+    quality metric after each validation, and the wall time since `start` at which it first reached `target`."""
+
+    def __init__(self, target: float | None, start: float, echo: Callable[[str], None] = print) -> None:
+        self.target, self.start, self.echo = target, start, echo
+        self.samples, self.steps, self.train_seconds = 0, 0, 0.0
+        self.metric: float | None = None
+        self.time_to_target: float | None = None
+        self._step_start = 0.0
+
+    @property
+    def throughput(self) -> float | None:
+        return self.samples / self.train_seconds if self.train_seconds > 0 else None
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        self._step_start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.train_seconds += time.perf_counter() - self._step_start
+        self.samples += _batch_size(batch)
+        self.steps += 1
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.sanity_checking or not isinstance(pl_module, RecipeTask):
+            return
+        metric = pl_module.metric_from(trainer.callback_metrics)
+        if metric is None or math.isnan(metric):
+            return
+        self.metric = metric
+        elapsed = time.perf_counter() - self.start
+        if self.time_to_target is None and self.target is not None and pl_module.reached(metric, self.target):
+            self.time_to_target = elapsed
+        if trainer.is_global_zero:
+            rate = f"{self.throughput:.1f}" if self.throughput else "n/a"
+            self.echo(f"epoch {trainer.current_epoch:>3}  step {trainer.global_step:>5}  "
+                      f"{pl_module.metric_name}={metric:.4f}  throughput={rate} samples/s  elapsed={elapsed:.1f}s")
+
+
+class PlanPrinter(L.Callback):
+    """Print the pipeline plan (stages, layers, predicted time) when training starts, on rank 0."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        plan = getattr(trainer.strategy, "plan", None)
+        if plan is not None and trainer.is_global_zero:
+            print(plan.describe(), flush=True)
+
+
+def write_results(path: Path, results: dict[str, Any]) -> None:
+    """Write results.json with exactly the documented keys (missing ones as null)."""
+    path.write_text(json.dumps({key: results.get(key) for key in RESULT_KEYS}, indent=2) + "\n")
+
+
+def summarize(sweep_dir: Path) -> str:
+    """Collect the `results.json` of every run under `sweep_dir` into summary.json and a summary.md table."""
+    rows = []
+    for result in sorted(sweep_dir.glob("*/results.json"), key=lambda p: (len(p.parent.name), p.parent.name)):
+        rows.append({"run": result.parent.name, **json.loads(result.read_text())})
+    (sweep_dir / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
+
+    def cell(value: Any) -> str:
+        return f"{value:.4g}" if isinstance(value, float) else ("" if value is None else str(value))
+
+    lines = ["| " + " | ".join(SUMMARY_COLUMNS) + " |", "|" + "---|" * len(SUMMARY_COLUMNS)]
+    lines += ["| " + " | ".join(cell(row.get(c)) for c in SUMMARY_COLUMNS) + " |" for row in rows]
+    table = "\n".join(lines) + "\n"
+    (sweep_dir / "summary.md").write_text(table)
+    return table
+
+
+class MultirunSummary(HydraCallback):
+    """Hydra callback: after a `-m` sweep, write summary.md / summary.json in the sweep dir and print the table."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        if sweep_dir.is_dir():
+            print(f"summary of {sweep_dir}:\n" + summarize(sweep_dir), flush=True)

@@ -1,0 +1,154 @@
+"""`python recipes/train.py [task=... model=... strategy.schedule=... ...]`: train one of the PipeDream paper's tasks."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+START = time.perf_counter()
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: make `recipes` importable
+    sys.path.insert(0, str(ROOT))
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+
+# Problems the user fixes from the command line (bad name, bad path, missing package): one line, no traceback.
+USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, ImportError)
+
+
+def build_strategy(cfg: DictConfig) -> Any:
+    """`strategy.name=pipedream` -> PipeDreamStrategy(schedule, chunks, balance, plan, ...); other names go to Lightning."""
+    if cfg.name != "pipedream":
+        return cfg.name
+    try:
+        from lightning_pipedream import PipeDreamStrategy
+    except ImportError as err:
+        raise ImportError(f"strategy=pipedream needs lightning_pipedream.PipeDreamStrategy, which failed to import "
+                          f"({err}); to train on one process use strategy=auto trainer.devices=1") from err
+    options = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k != "name"}
+    return PipeDreamStrategy(**options)
+
+
+def world_size(devices: Any) -> int:
+    """Processes the Trainer will start for `trainer.devices` (an int or a list of device ids)."""
+    if isinstance(devices, int):
+        return devices
+    return len(devices) if isinstance(devices, (list, tuple)) else 1
+
+
+def build(cfg: DictConfig) -> tuple[Any, Any, Any, Any]:
+    """(trainer, task module, data module, results callback) from the composed config."""
+    import lightning as L
+    import torch
+
+    from recipes.data import build_datamodule
+    from recipes.models import build_model
+    from recipes.results import PlanPrinter, ResultsCallback
+    from recipes.tasks import TASKS
+
+    task = cfg.task.name
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; choose one of: {', '.join(TASKS)}")
+    # the ranks share the machine's cores: more intra-op threads than cores per process only adds contention
+    torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // world_size(cfg.trainer.devices)))
+    L.seed_everything(cfg.seed, verbose=False)  # every rank must build the same data and initial weights
+
+    data_options = OmegaConf.to_container(cfg.data, resolve=True)
+    datamodule = build_datamodule(data_options.pop("name"), task, seed=cfg.seed, **data_options)
+    datamodule.setup("fit")
+    model_options = OmegaConf.to_container(cfg.model, resolve=True)
+    layers = build_model(model_options.pop("name"), task, **{**model_options, **datamodule.model_kwargs()})
+    module = TASKS[task].from_data(layers, OmegaConf.to_container(cfg.optim, resolve=True), datamodule)
+
+    results = ResultsCallback(target=cfg.task.target, start=START)
+    trainer = L.Trainer(**OmegaConf.to_container(cfg.trainer, resolve=True), strategy=build_strategy(cfg.strategy),
+                        callbacks=[results, PlanPrinter()])
+    return trainer, module, datamodule, results
+
+
+def train(cfg: DictConfig, output_dir: Path) -> dict[str, Any] | None:
+    """Train; on rank 0 return the results and write them to `output_dir`/results.json."""
+    from recipes.results import write_results
+
+    try:
+        trainer, module, datamodule, results = build(cfg)
+    except USER_ERRORS as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    _hand_this_job_to_child_processes(output_dir)
+    trainer.fit(module, datamodule=datamodule)
+    if not trainer.is_global_zero:
+        return None
+
+    plan = getattr(trainer.strategy, "plan", None)
+    pipelined = cfg.strategy.name == "pipedream"
+    summary = {
+        "task": cfg.task.name,
+        "model": cfg.model.name,
+        "schedule": cfg.strategy.schedule if pipelined else cfg.strategy.name,
+        "stages": len(plan.stages) if plan is not None else 1,
+        "chunks": cfg.strategy.chunks if pipelined else 1,
+        "metric_name": module.metric_name,
+        "metric": results.metric,
+        "throughput_samples_per_s": results.throughput,
+        "time_to_target_s": results.time_to_target,
+    }
+    if plan is not None and results.steps:
+        print(f"time per minibatch: predicted {plan.time_per_minibatch * 1e3:.1f} ms, "
+              f"measured {results.train_seconds / results.steps * 1e3:.1f} ms", flush=True)
+    write_results(output_dir / "results.json", summary)
+    print(f"done: {module.metric_name}={_fmt(results.metric)}  throughput={_fmt(results.throughput)} samples/s  "
+          f"time_to_target={_fmt(results.time_to_target)} s  wall={time.perf_counter() - START:.1f} s  "
+          f"-> {output_dir / 'results.json'}", flush=True)
+    return summary
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4g}"
+
+
+def _hand_this_job_to_child_processes(output_dir: Path) -> None:
+    """Lightning starts ranks > 0 by re-running sys.argv plus hydra.run.dir=<run dir>. In a -m sweep that
+    would re-run the whole sweep, so hand it this job's own overrides and output dir instead."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode != RunMode.MULTIRUN:
+        return
+    sys.argv = [sys.argv[0], *hydra_cfg.overrides.task]
+    OmegaConf.set_readonly(hydra_cfg, False)
+    hydra_cfg.run.dir = str(output_dir)
+
+
+def _reset_distributed(env_before: dict[str, str]) -> None:
+    """Let the next job of a sweep start its own process group on a fresh port."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(env_before)
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    # a tiny in-memory data set needs no loader workers, and 2-step smoke runs log less often than every 50 steps
+    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    warnings.filterwarnings("ignore", message=".*smaller than the logging interval.*")
+    env_before = dict(os.environ)
+    try:
+        train(cfg, Path(HydraConfig.get().runtime.output_dir))
+    finally:
+        _reset_distributed(env_before)
+
+
+if __name__ == "__main__":
+    main()
