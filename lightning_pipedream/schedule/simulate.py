@@ -130,8 +130,7 @@ def _step_time(schedule: Schedule, events: list[TimedAction], span: float) -> tu
     if steps == 1:
         return span, False
     # Full steps: every rank runs a backward in them (no warm-up, no drain). Each rank's step ends
-    # with its last action of that step. Stages behind the slowest one run faster for a while,
-    # until their slack is used up, so look at the later half of the full steps, and the slowest rank.
+    # with its last action of that step; the slowest rank sets the pace.
     ends: dict[tuple[int, int], float] = {}
     backward_in: list[set[int]] = [set() for _ in range(steps)]
     for e in events:
@@ -142,17 +141,25 @@ def _step_time(schedule: Schedule, events: list[TimedAction], span: float) -> tu
     full = [t for t in range(steps) if len(backward_in[t]) == schedule.num_ranks]
     if len(full) < 2:
         return span / steps, False
-    window = full[(len(full) - 1) // 2:]
     return max(
-        _mean_step([ends[(r, t)] - ends[(r, t - 1)] for t in window[1:]]) for r in range(schedule.num_ranks)
+        _mean_step([ends[(r, t)] - ends[(r, t - 1)] for t in full[1:]]) for r in range(schedule.num_ranks)
     ), True
 
 
 def _mean_step(deltas: list[float]) -> float:
-    """Mean of step times that settle into a repeating pattern (often of one step, with latency of
-    several): average over whole repeats, else the window would over- or under-count a phase."""
+    """The long-run mean of a rank's step times.
+
+    Stages behind the slowest one run faster at first, until their slack is used up, and with
+    latency the steps settle into a pattern that repeats every few steps. So: the shortest
+    pattern that repeats at least twice and covers the later half, averaged over one repeat;
+    failing that (too few steps), the mean of the later half.
+    """
     n = len(deltas)
     for k in range(1, n // 2 + 1):
-        if all(math.isclose(deltas[i], deltas[i + k], rel_tol=1e-9, abs_tol=1e-12) for i in range(n - k)):
+        i = n - k - 1
+        while i >= 0 and math.isclose(deltas[i], deltas[i + k], rel_tol=1e-9, abs_tol=1e-12):
+            i -= 1
+        if n - 1 - i >= max(2 * k, (n + 1) // 2):  # the repeating suffix is deltas[i + 1:]
             return sum(deltas[n - k:]) / k
-    return sum(deltas) / n
+    later = deltas[n // 2:]
+    return sum(later) / len(later)

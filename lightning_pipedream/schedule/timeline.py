@@ -130,8 +130,8 @@ def plot_timeline(events: list[TimedAction], path: str | Path, title: str = "") 
     ax.set_title(title)
     legend = [Patch(color=c, label=o.name.lower().replace("_", " ")) for o, c in _COLOURS.items()]
     legend.append(Patch(color="#AAAAAA", label="send / receive wait"))
-    ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=4, fontsize=8, frameon=False)
-    fig.tight_layout()
+    fig.legend(handles=legend, loc="lower center", ncol=4, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.35 / fig.get_figheight(), 1, 1))  # leave room for the legend below
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     return path
