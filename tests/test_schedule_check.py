@@ -156,7 +156,7 @@ def test_grid_rows_and_mark():
     ]
 
 
-def _round_robin(num_ranks: int, num_stages: int, chunks: int, order: dict[int, list]) -> Schedule:
+def _round_robin(num_ranks: int, num_stages: int, chunks: int, order: dict[int, list], name: str = "gpipe") -> Schedule:
     """A schedule from per-rank compute orders [(op, stage, mb)], with stage s on rank s % num_ranks."""
     ranks = []
     for rank in range(num_ranks):
@@ -174,7 +174,7 @@ def _round_robin(num_ranks: int, num_stages: int, chunks: int, order: dict[int, 
             else:
                 acts.append(Action(Op.OPTIMIZER_STEP, stage))
         ranks.append(tuple(acts))
-    return Schedule("gpipe", num_ranks, num_stages, chunks, tuple(ranks))
+    return Schedule(name, num_ranks, num_stages, chunks, tuple(ranks))
 
 
 def test_several_stages_per_rank():
@@ -190,6 +190,25 @@ def test_several_stages_per_rank():
     validate(s)
     grid = render_grid(s)
     assert "F0s2" in grid and "B2s1+Os1" not in grid and "B2s1+O" in grid
+
+
+def test_forward_only_schedules():
+    order = {r: [("F", r, i) for i in range(3)] for r in range(3)}
+    validate(_round_robin(3, 3, 3, order, name="inference"))
+    with pytest.raises(ScheduleError, match=r"rank 2, step 4 \(end of its list\): never runs the forward of micro-batch 2"):
+        validate(_round_robin(3, 3, 3, {**order, 2: order[2][:2]}, name="inference"))
+    with pytest.raises(ScheduleError, match=r"rank 0, step 6 \(O\): inference runs forwards only; remove this optimizer_step"):
+        validate(_round_robin(3, 3, 3, {**order, 0: order[0] + [("O", 0, None)]}, name="inference"))
+    with pytest.raises(ScheduleError, match=r"   2  F2\+>O<  F1"):
+        validate(_round_robin(3, 3, 3, {**order, 0: order[0] + [("O", 0, None)]}, name="inference"))
+    with pytest.raises(ScheduleError, match=r"rank 0, step 6 \(end of its list\): never runs the backward"):
+        validate(_round_robin(3, 3, 3, order, name="gpipe"))  # a training schedule needs its backwards
+    import lightning_pipedream.schedule.builders as builders
+
+    if hasattr(builders, "inference"):
+        for p in range(1, MAX_STAGES + 1):
+            for m in range(1, MAX_CHUNKS + 1, 7):
+                validate(builders.inference(p, m))
 
 
 def test_sends_may_be_delayed():

@@ -14,8 +14,9 @@ class ScheduleError(ValueError):
 
 # How each schedule updates weights. "per_step": every stage steps once per training step, after
 # all of that step's backwards (a flush). "per_backward": every backward is followed by its own
-# update before the stage computes anything else (PipeDream). Unlisted schedules are "per_step".
-OPTIMIZER_POLICY: dict[str, str] = {"pipedream": "per_backward"}
+# update before the stage computes anything else (PipeDream). "none": forwards only, no backward
+# and no update (evaluation). Unlisted schedules are "per_step".
+OPTIMIZER_POLICY: dict[str, str] = {"pipedream": "per_backward", "inference": "none"}
 
 _RECV, _SEND = (Op.RECV_ACT, Op.RECV_GRAD), (Op.SEND_ACT, Op.SEND_GRAD)
 
@@ -123,10 +124,12 @@ def render_grid(
         tick = placement.slot[rank][index] if index < len(schedule.actions[rank]) else -1
         if tick >= 0:
             action = schedule.actions[rank][index]
-            if action.op.is_compute:
-                cells[tick][rank] = f">{cells[tick][rank]}<"
-            else:  # keep the slot's compute visible beside the marked send or receive
-                cells[tick][rank] = "+".join(filter(None, [f">{action}<", cells[tick][rank]]))
+            parts, text = [p for p in cells[tick][rank].split("+") if p], _label(action, suffix)
+            if text in parts:  # a compute or an optimizer step: bracket it where it is shown
+                parts[len(parts) - 1 - parts[::-1].index(text)] = f">{text}<"
+            else:  # a send or receive: shown in front of the slot's compute
+                parts.insert(0, f">{action}<")
+            cells[tick][rank] = "+".join(parts)
         elif wait[rank]:
             wait[rank] = f">{wait[rank]}<"
     first, last = rows if rows is not None else (0, slots - 1)
@@ -269,9 +272,10 @@ def _check_rank_order(s: Schedule, rank: int, fail: _Failer) -> None:
             raise fail(rank, i, _NEEDS[op][1].format(mb=mb))
         done[(stage, mb)] = flags | bit
         first_at[(op, stage, mb)] = i
+    required = (Op.FORWARD,) if OPTIMIZER_POLICY.get(s.name) == "none" else (Op.FORWARD, Op.BACKWARD)
     for stage in range(rank, s.num_stages, s.num_ranks):
         for mb in range(s.chunks):
-            for op in (Op.FORWARD, Op.BACKWARD):
+            for op in required:
                 if not done.get((stage, mb), 0) & _FLAG[op]:
                     raise fail(rank, len(actions), f"never runs the {_NAME[op]} of micro-batch {mb} on stage {stage}.")
 
@@ -279,7 +283,13 @@ def _check_rank_order(s: Schedule, rank: int, fail: _Failer) -> None:
 def _check_updates(s: Schedule, rank: int, fail: _Failer) -> None:
     """Optimizer steps where the schedule's policy (:data:`OPTIMIZER_POLICY`) puts them."""
     actions = s.actions[rank]
-    if OPTIMIZER_POLICY.get(s.name, "per_step") == "per_backward":
+    policy = OPTIMIZER_POLICY.get(s.name, "per_step")
+    if policy == "none":
+        for i, a in enumerate(actions):
+            if a.op in (Op.BACKWARD, Op.RECV_GRAD, Op.SEND_GRAD, Op.OPTIMIZER_STEP):
+                raise fail(rank, i, f"{s.name} runs forwards only; remove this {a.op.name.lower()}.")
+        return
+    if policy == "per_backward":
         pending: dict[int, int] = {}  # stage -> micro-batch whose backward still needs its update
         for i, a in enumerate(actions):
             if a.op is Op.OPTIMIZER_STEP:
