@@ -44,8 +44,13 @@ class Executor:
         loss: LossFn,
         optimizer_step: StepFn,
         version: VersionFn | None = None,
-    ) -> dict[int, Tensor]:
-        """Run ``actions``; returns the losses (detached) of the micro-batches whose forward ended here."""
+        train: bool = True,
+    ) -> dict[int, Any]:
+        """Run ``actions``; returns the losses (detached) of the micro-batches whose forward ended here.
+
+        With ``train=False`` forwards run without autograd and keep nothing, and the values
+        ``loss`` returns on the last stage (any step output) are returned as they are.
+        """
         losses: dict[int, Tensor] = {}
         stage = self.stage
         for action in actions:
@@ -55,12 +60,18 @@ class Executor:
                 self._inputs[mb] = self.transport.recv(action.peer)
             elif op is Op.FORWARD:
                 x = inputs(mb) if stage.is_first else self._inputs.pop(mb)
-                out = stage.forward(mb, x, None if version is None else version(mb))
-                if stage.is_last:
+                if not train:
+                    out = stage.infer(x)
+                    if stage.is_last:
+                        losses[mb] = loss(mb, out)
+                elif stage.is_last:
+                    out = stage.forward(mb, x, None if version is None else version(mb))
                     value = loss(mb, out)
                     stage.keep_loss(mb, value)
                     losses[mb] = value.detach()
                 else:
+                    out = stage.forward(mb, x, None if version is None else version(mb))
+                if not stage.is_last:
                     self._outputs[mb] = out
             elif op is Op.SEND_ACT:
                 self.transport.send(self._outputs.pop(mb), action.peer, f"output of stage {stage.index}")

@@ -53,6 +53,11 @@ class Stage:
         self._saved[microbatch] = (in_leaves, out_leaves)
         return output
 
+    def infer(self, inputs: Any) -> Any:
+        """Forward without autograd and without keeping anything (evaluation)."""
+        with torch.no_grad():
+            return self.module(inputs)
+
     def keep_loss(self, microbatch: int, loss: Tensor) -> None:
         """On the last stage the backward starts from the loss rather than from the outputs."""
         in_leaves, _ = self._saved[microbatch]

@@ -123,6 +123,11 @@ def pipedream(num_stages: int, minibatches: int) -> Schedule:
     return Schedule("pipedream", num_stages, num_stages, minibatches, actions)
 
 
+def inference(num_stages: int, chunks: int) -> Schedule:
+    """Forward passes only, micro-batch by micro-batch (validation, test, predict)."""
+    return _flushed("inference", num_stages, chunks, lambda stage: [("F", m) for m in range(chunks)])
+
+
 _BUILDERS: dict[str, Callable[[int, int], Schedule]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
