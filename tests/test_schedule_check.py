@@ -336,3 +336,26 @@ def test_bad_sizes():
     s = build_schedule("gpipe", 2, 2)
     with pytest.raises(ScheduleError, match="lists actions for 1 ranks but declares num_ranks=2"):
         validate(replace(s, actions=s.actions[:1]))
+
+
+def test_schedule_package_is_pure_python():
+    """No torch or Lightning in schedule/, and matplotlib only inside functions (imported when drawing)."""
+    import ast
+    from pathlib import Path
+
+    import lightning_pipedream.schedule as package
+
+    for path in Path(package.__file__).parent.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        top_level = {id(node) for node in tree.body}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            roots = {n.split(".")[0] for n in names}
+            assert not roots & {"torch", "lightning", "pytorch_lightning"}, f"{path.name} imports {roots}"
+            if "matplotlib" in roots:
+                assert id(node) not in top_level, f"{path.name} imports matplotlib at module level"
