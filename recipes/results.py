@@ -67,12 +67,22 @@ class ResultsCallback(L.Callback):
 
 
 class PlanPrinter(L.Callback):
-    """Print the pipeline plan (stages, layers, predicted time) when training starts, on rank 0."""
+    """When training starts, print on rank 0 which layers each pipeline stage runs (the strategy prints the
+    plan's predicted times when it partitions; this adds the layer names, which only the full model knows)."""
+
+    def __init__(self, layer_names: list[str]) -> None:
+        self.layer_names = layer_names
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        plan = getattr(trainer.strategy, "plan", None)
-        if plan is not None and trainer.is_global_zero:
-            print(plan.describe(), flush=True)
+        balance = getattr(trainer.strategy, "balance", None)
+        if not balance or not trainer.is_global_zero:
+            return
+        lines, start = [f"pipeline: {len(balance)} stages, layers per stage {list(balance)}"], 0
+        for stage, count in enumerate(balance):
+            names = self.layer_names[start:start + count]
+            lines.append(f"  stage {stage}: layers {start}..{start + count - 1}: {', '.join(names)}")
+            start += count
+        print("\n".join(lines), flush=True)
 
 
 def write_results(path: Path, results: dict[str, Any]) -> None:
