@@ -1,0 +1,413 @@
+"""Per-layer profiles: the profiler that times a module layer by layer, JSON files, PipeDream's graph.txt."""
+
+from __future__ import annotations
+
+import heapq
+import json
+import math
+import re
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+
+@dataclass
+class LayerProfile:
+    """One layer: seconds per minibatch forward and backward, bytes of its output and of its parameters."""
+
+    name: str
+    forward_s: float
+    backward_s: float
+    activation_bytes: int
+    parameter_bytes: int
+    description: str = ""
+
+
+@dataclass
+class Profile:
+    """Layers in a topological order; ``edges`` are (producer, consumer) layer indices, a chain when None."""
+
+    layers: list[LayerProfile]
+    edges: list[tuple[int, int]] | None = None
+    batch_size: int | None = None
+    source: str = ""
+    profiling_s: float | None = None  # wall time the profiler took, to report its overhead
+    no_cut_after: list[int] = field(default_factory=list)  # layers that share a stage with the next layer
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        where = f" ({self.source})" if self.source else ""
+        if not self.layers:
+            raise ValueError(f"The profile{where} has no layers; profile a model with at least one layer.")
+        seen: set[str] = set()
+        for index, layer in enumerate(self.layers):
+            if layer.name in seen:
+                raise ValueError(f"The profile{where} names two layers {layer.name!r}; layer names must be unique.")
+            seen.add(layer.name)
+            for key in ("forward_s", "backward_s", "activation_bytes", "parameter_bytes"):
+                value = getattr(layer, key)
+                if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0 or math.isinf(value):
+                    raise ValueError(f"Layer {index} ({layer.name}) of the profile{where} has {key}={value!r}; use a number >= 0.")
+        count = len(self.layers)
+        for index in self.no_cut_after:
+            if not (isinstance(index, int) and 0 <= index < count - 1):
+                raise ValueError(f"The profile{where} has no_cut_after={index!r}; use indices of layers 0..{count - 2}.")
+        if self.edges is not None:
+            for a, b in self.edges:
+                if not (0 <= a < count and 0 <= b < count):
+                    raise ValueError(f"The profile{where} has an edge {a} -> {b} outside its {count} layers.")
+                if a >= b:
+                    raise ValueError(
+                        f"The profile{where} has an edge {a} -> {b} that goes backwards; list layers in a topological order."
+                    )
+
+    @property
+    def names(self) -> list[str]:
+        return [layer.name for layer in self.layers]
+
+    def cut_allowed(self) -> list[bool]:
+        """Whether a stage may end after each layer but the last."""
+        allowed = [True] * (len(self.layers) - 1)
+        for index in self.no_cut_after:
+            allowed[index] = False
+        return allowed
+
+    def cut_bytes(self) -> list[int]:
+        """Bytes crossing the cut after each layer but the last: the outputs of every layer before the cut
+        that a layer after it consumes (each output counted once, however many edges it has)."""
+        count = len(self.layers)
+        edges = self.edges if self.edges is not None else [(i, i + 1) for i in range(count - 1)]
+        last_use = list(range(count))
+        for a, b in edges:
+            last_use[a] = max(last_use[a], b)
+        delta = [0] * (count + 1)
+        for index, layer in enumerate(self.layers):  # layer i crosses the cuts i .. last_use[i]-1
+            if last_use[index] > index:
+                delta[index] += layer.activation_bytes
+                delta[last_use[index]] -= layer.activation_bytes
+        cuts, running = [], 0
+        for k in range(count - 1):
+            running += delta[k]
+            cuts.append(running)
+        return cuts
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "layers": [asdict(layer) for layer in self.layers],
+            "edges": None if self.edges is None else [list(e) for e in self.edges],
+            "batch_size": self.batch_size,
+            "source": self.source,
+            "profiling_s": self.profiling_s,
+            **({"no_cut_after": list(self.no_cut_after)} if self.no_cut_after else {}),
+            **({"extra": self.extra} if self.extra else {}),
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any] | str) -> Profile:
+        if isinstance(data, str):
+            data = json.loads(data)
+        if not isinstance(data, dict) or not isinstance(data.get("layers"), list):
+            raise ValueError("A profile is a JSON object with a 'layers' list; this one has none.")
+        layers = []
+        for index, entry in enumerate(data["layers"]):
+            try:
+                layers.append(LayerProfile(**entry))
+            except TypeError as err:
+                raise ValueError(
+                    f"Layer {index} of the profile is {entry!r}; each layer needs name, forward_s, backward_s, "
+                    f"activation_bytes and parameter_bytes ({err})."
+                ) from None
+        edges = data.get("edges")
+        return cls(
+            layers,
+            edges=None if edges is None else [(int(a), int(b)) for a, b in edges],
+            batch_size=data.get("batch_size"),
+            source=data.get("source", ""),
+            profiling_s=data.get("profiling_s"),
+            no_cut_after=[int(i) for i in data.get("no_cut_after") or []],
+            extra=data.get("extra") or {},
+        )
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        """Read a profile saved by :meth:`save`, or a PipeDream ``graph.txt`` (recognised by its first line)."""
+        text = Path(path).read_text()
+        if not text.strip():
+            raise ValueError(f"The profile {path} is empty; write one with Profile.save or `python -m lightning_pipedream plan`.")
+        if not text.lstrip().startswith("{"):
+            return parse_pipedream_graph(text, source=str(path))
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"The profile {path} is not valid JSON: line {err.lineno}, column {err.colno}: {err.msg}.") from None
+        profile = cls.from_json(data)
+        profile.source = profile.source or str(path)
+        return profile
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The profiler
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, (list, tuple)):
+        return [t for item in tree for t in _tensors(item)]
+    if isinstance(tree, dict):
+        return [t for item in tree.values() for t in _tensors(item)]
+    return []
+
+
+def _fresh_leaves(tree: Any) -> Any:
+    """The same tree with each tensor detached; floating tensors require grad, as a stage's input does."""
+    if isinstance(tree, torch.Tensor):
+        leaf = tree.detach()
+        return leaf.requires_grad_(True) if leaf.is_floating_point() else leaf
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # namedtuple
+        return type(tree)(*(_fresh_leaves(item) for item in tree))
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_fresh_leaves(item) for item in tree)
+    if isinstance(tree, dict):
+        return {key: _fresh_leaves(item) for key, item in tree.items()}
+    return tree
+
+
+def _call(layer: nn.Module, inputs: Any) -> Any:
+    # A layer receives its predecessor's output as one argument, whatever its structure.
+    return layer(inputs)
+
+
+def _synchronize(tensors: list[torch.Tensor]) -> None:
+    devices = {t.device for t in tensors if t.device.type == "cuda"}
+    for device in devices:
+        torch.cuda.synchronize(device)
+
+
+def _median_time(fn: Callable[[], Any], sync: Callable[[], None], warmup: int, repeats: int) -> tuple[float, Any]:
+    result = None
+    for _ in range(warmup):
+        result = fn()
+    sync()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = fn()
+        sync()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples), result
+
+
+def _profile_layer(name: str, layer: nn.Module, inputs: Any, warmup: int, repeats: int) -> tuple[LayerProfile, Any]:
+    in_tensors = _tensors(inputs)
+    params = [p for p in layer.parameters() if p.requires_grad]
+    sync = lambda: _synchronize(in_tensors)  # noqa: E731
+
+    forward_s, output = _median_time(lambda: _call(layer, inputs), sync, warmup, repeats)
+    out_tensors = _tensors(output)
+    activation_bytes = sum(t.numel() * t.element_size() for t in out_tensors)
+    parameter_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in layer.parameters()}.values())
+
+    wrt = [t for t in in_tensors if t.requires_grad] + params
+    # Backward: a fresh (untimed) forward each time, then autograd.grad so that no .grad is written.
+    backward_s = 0.0
+    if wrt and any(t.requires_grad for t in out_tensors):
+        samples = []
+        for attempt in range(warmup + repeats):
+            out = [t for t in _tensors(_call(layer, inputs)) if t.requires_grad]
+            grads = [torch.ones_like(t) for t in out]
+            sync()
+            start = time.perf_counter()
+            torch.autograd.grad(out, wrt, grad_outputs=grads, allow_unused=True)
+            sync()
+            if attempt >= warmup:
+                samples.append(time.perf_counter() - start)
+        backward_s = statistics.median(samples)
+    profile = LayerProfile(name, forward_s, backward_s, int(activation_bytes), int(parameter_bytes), type(layer).__name__)
+    return profile, output
+
+
+def profile_module(layers: nn.Sequential, sample_input: Any, *, warmup: int = 1, repeats: int = 3) -> Profile:
+    """Time each child of ``layers`` on ``sample_input`` (one minibatch): forward and backward seconds
+    (median of ``repeats`` after ``warmup`` runs), output bytes and parameter bytes.
+
+    Each layer runs on the previous layer's output (a tensor or a tuple/list/dict of them). Buffers such as
+    BatchNorm statistics and the random number generators are restored afterwards, and no ``.grad`` is set.
+    """
+    if not isinstance(layers, nn.Sequential) or len(layers) == 0:
+        raise ValueError("profile_module needs a non-empty torch.nn.Sequential; split the model into layers first.")
+    if warmup < 0 or repeats < 1:
+        raise ValueError(f"profile_module needs warmup >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}.")
+    started = time.perf_counter()
+    buffers = {name: buf.detach().clone() for name, buf in layers.named_buffers()}
+    devices = sorted({t.device.index for t in _tensors(sample_input) if t.device.type == "cuda"} - {None})
+    results = []
+    with torch.random.fork_rng(devices=devices):
+        inputs = _fresh_leaves(sample_input)
+        for name, layer in layers.named_children():
+            result, output = _profile_layer(name, layer, inputs, warmup, repeats)
+            results.append(result)
+            inputs = _fresh_leaves(output)
+    with torch.no_grad():
+        for name, buf in layers.named_buffers():
+            buf.copy_(buffers[name])
+    batch = _tensors(sample_input)
+    batch_size = int(batch[0].shape[0]) if batch and batch[0].dim() > 0 else None
+    return Profile(results, batch_size=batch_size, source="profile_module", profiling_s=time.perf_counter() - started)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# PipeDream's graph.txt
+
+_NODE = re.compile(r"^(?P<id>\S+) -- (?P<desc>.*) -- (?P<meta>forward_compute_time=.*)$")
+_META = re.compile(
+    r"^forward_compute_time=(?P<f>[^,]+), backward_compute_time=(?P<b>[^,]+), "
+    r"activation_size=(?P<a>\[[^\]]*\]|[^,]+), parameter_size=(?P<p>[^,\s]+)(?: -- stage_id=\d+)?$"
+)
+_EDGE = re.compile(r"^\t(?P<a>\S+) -- (?P<b>\S+)\s*$")
+
+
+def _number(text: str, what: str, where: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{where}: {what} is {text!r}, not a number.") from None
+    if not value >= 0 or math.isinf(value):
+        raise ValueError(f"{where}: {what} is {text!r}; it must be a finite number >= 0.")
+    return value
+
+
+def _natural_key(node_id: str) -> tuple[str, int]:
+    match = re.match(r"^(.*?)(\d+)$", node_id)
+    return (match.group(1), int(match.group(2))) if match else (node_id, -1)
+
+
+def parse_pipedream_graph(text: str, source: str = "graph.txt", *, attach_side_sources: bool = True) -> Profile:
+    """Parse PipeDream's profile format: ``nodeN -- desc -- forward_compute_time=ms, backward_compute_time=ms,
+    activation_size=bytes, parameter_size=bytes`` lines, then tab-prefixed ``nodeA -- nodeB`` edges.
+
+    Times become seconds. As PipeDream's optimizer does, ``Input`` sources cost nothing and stay in the first
+    stage. Other nodes follow in a topological order that takes lower node numbers first. PipeDream's optimizer
+    grows stages from the first source only, so nodes that source does not reach (GNMT's decoder embedding and
+    initial hidden state) always share the stage of their first consumer; ``attach_side_sources=False`` lets
+    the partitioner place them in an earlier stage instead (the activations they send are still counted).
+    """
+    nodes: dict[str, LayerProfile] = {}
+    edges: list[tuple[str, str]] = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        where = f"{source}, line {number}"
+        if not line.strip():
+            continue
+        if line.startswith("\t"):
+            match = _EDGE.match(line)
+            if not match:
+                raise ValueError(f"{where}: expected an edge 'nodeA -- nodeB' after a tab, got {line.strip()!r}.")
+            edges.append((match["a"], match["b"]))
+            continue
+        match = _NODE.match(line.strip())
+        meta = _META.match(match["meta"]) if match else None
+        if not match or not meta:
+            raise ValueError(
+                f"{where}: expected 'nodeN -- description -- forward_compute_time=MS, backward_compute_time=MS, "
+                f"activation_size=BYTES, parameter_size=BYTES', got {line.strip()[:120]!r}."
+            )
+        if match["id"] in nodes:
+            raise ValueError(f"{where}: node {match['id']} is defined twice.")
+        activation = meta["a"]
+        if activation.startswith("["):  # a layer with several outputs lists their sizes
+            sizes = [s for s in activation.strip("[]").split(";") if s.strip()]
+            activation_bytes = sum(_number(s.strip(), "activation_size", where) for s in sizes)
+        else:
+            activation_bytes = _number(activation, "activation_size", where)
+        nodes[match["id"]] = LayerProfile(
+            name=match["id"],
+            forward_s=_number(meta["f"], "forward_compute_time", where) / 1000.0,
+            backward_s=_number(meta["b"], "backward_compute_time", where) / 1000.0,
+            activation_bytes=int(round(activation_bytes)),
+            parameter_bytes=int(round(_number(meta["p"], "parameter_size", where))),
+            description=match["desc"],
+        )
+    if not nodes:
+        raise ValueError(f"{source} has no nodes; a PipeDream profile lists 'nodeN -- ...' lines, then edges.")
+    for a, b in edges:
+        for node in (a, b):
+            if node not in nodes:
+                raise ValueError(f"{source}: an edge names {node}, which no node line defines.")
+    return _order_graph(nodes, edges, source, attach_side_sources)
+
+
+def _order_graph(nodes: dict[str, LayerProfile], edges: list[tuple[str, str]], source: str,
+                 attach_side_sources: bool) -> Profile:
+    consumers: dict[str, list[str]] = {n: [] for n in nodes}
+    indegree = {n: 0 for n in nodes}
+    for a, b in set(edges):
+        consumers[a].append(b)
+        indegree[b] += 1
+    inputs = [n for n, layer in nodes.items() if indegree[n] == 0 and layer.description.startswith("Input")]
+    for n in inputs:  # PipeDream's optimizer zeroes the inputs: the first stage always holds them
+        nodes[n] = LayerProfile(n, 0.0, 0.0, 0, 0, nodes[n].description)
+    # Kahn's algorithm; inputs first, then the lowest node number, which follows the profiler's trace order.
+    ready = [((0 if n in inputs else 1, _natural_key(n)), n) for n, d in indegree.items() if d == 0]
+    heapq.heapify(ready)
+    order: list[str] = []
+    while ready:
+        _, n = heapq.heappop(ready)
+        order.append(n)
+        for m in consumers[n]:
+            indegree[m] -= 1
+            if indegree[m] == 0:
+                heapq.heappush(ready, ((1, _natural_key(m)), m))
+    if len(order) != len(nodes):
+        stuck = sorted(set(nodes) - set(order), key=_natural_key)[:5]
+        raise ValueError(f"{source}: the graph has a cycle through {', '.join(stuck)}; PipeDream graphs must be DAGs.")
+    index = {n: i for i, n in enumerate(order)}
+    no_cut = {index[n] for n in inputs}  # the inputs stay with the first layer
+    if attach_side_sources:
+        no_cut |= _side_branches(nodes, consumers, inputs, index)
+    return Profile(
+        [nodes[n] for n in order],
+        edges=sorted({(index[a], index[b]) for a, b in edges}),
+        source=source,
+        no_cut_after=sorted(i for i in no_cut if i < len(order) - 1),
+        extra={"format": "pipedream-graph", "time_unit_in_file": "ms"},
+    )
+
+
+def _side_branches(nodes: dict[str, LayerProfile], consumers: dict[str, list[str]], inputs: list[str],
+                   index: dict[str, int]) -> set[int]:
+    """Positions from each node the first source does not reach up to (excluding) its first consumer."""
+    fed = {m for n in nodes if n not in inputs for m in consumers[n]}  # fed by something other than an input
+    sources = [n for n in nodes if n not in inputs and n not in fed]
+    if not sources:
+        return set()
+    reached, stack = {sources[0]}, [sources[0]]  # PipeDream starts from the first source in file order
+    while stack:
+        for m in consumers[stack.pop()]:
+            if m not in reached:
+                reached.add(m)
+                stack.append(m)
+    blocked: set[int] = set()
+    for n in nodes:
+        if n in reached or n in inputs or not consumers[n]:
+            continue
+        first_consumer = min(index[m] for m in consumers[n])
+        blocked.update(range(index[n], first_consumer))
+    return blocked
+
+
+def load_pipedream_graph(path: str | Path, *, attach_side_sources: bool = True) -> Profile:
+    """Read a PipeDream ``graph.txt`` profile (see :func:`parse_pipedream_graph`)."""
+    text = Path(path).read_text()
+    if not text.strip():
+        raise ValueError(f"The PipeDream profile {path} is empty; it should list 'nodeN -- ...' lines, then edges.")
+    return parse_pipedream_graph(text, source=str(path), attach_side_sources=attach_side_sources)
