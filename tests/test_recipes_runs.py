@@ -1,0 +1,105 @@
+"""End-to-end recipe runs on 2 processes: each task's smallest config, and multirun sweeps with their summary."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = ROOT / "recipes" / "train.py"
+# task -> (default model, metric name, metric range)
+TASKS = {
+    "image": ("digits_cnn", "val_acc", (0.0, 1.0)),
+    "translation": ("gnmt8", "val_bleu", (0.0, 1.0)),
+    "language_model": ("awd_lstm", "perplexity", (1.0, math.inf)),
+    "video_captioning": ("s2vt", "val_bleu", (0.0, 1.0)),
+}
+RESULT_KEYS = {"task", "model", "schedule", "stages", "chunks", "metric_name", "metric",
+               "throughput_samples_per_s", "time_to_target_s"}
+
+
+def _strategy_importable() -> bool:
+    try:
+        from lightning_pipedream import PipeDreamStrategy  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+pytestmark = pytest.mark.skipif(not _strategy_importable(),
+                                reason="lightning_pipedream.PipeDreamStrategy does not import; the 2-process runs need it")
+
+
+def train(args: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    """Run recipes/train.py in a subprocess (Lightning re-runs sys.argv for rank 1, which must not be pytest)."""
+    proc = subprocess.run([sys.executable, str(TRAIN), *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"train.py {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def job_dirs(sweep: Path) -> dict[str, Path]:
+    """Sweep job dirs keyed by their overrides joined with commas, e.g. 'experiment=smoke_image'."""
+    dirs = {}
+    for run_dir in sweep.iterdir():
+        overrides = run_dir / ".hydra" / "overrides.yaml"
+        if overrides.is_file():
+            dirs[",".join(line[2:] for line in overrides.read_text().splitlines())] = run_dir
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def smoke_sweep(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, Path]:
+    """One multirun of the four tasks' smallest configs (one Python start-up for all four)."""
+    tmp = tmp_path_factory.mktemp("smoke")
+    experiments = ",".join(f"smoke_{task}" for task in TASKS)
+    proc = train(["-m", f"experiment={experiments}", f"hydra.sweep.dir={tmp / 'sweep'}"], cwd=tmp)
+    return proc, tmp / "sweep"
+
+
+def check_results(results: dict, task: str, schedule: str, chunks: int) -> None:
+    model, metric_name, (low, high) = TASKS[task]
+    assert set(results) == RESULT_KEYS
+    assert (results["task"], results["model"], results["metric_name"]) == (task, model, metric_name)
+    assert (results["schedule"], results["stages"], results["chunks"]) == (schedule, 2, chunks)
+    assert isinstance(results["metric"], float) and low <= results["metric"] <= high
+    assert results["throughput_samples_per_s"] > 0
+    assert results["time_to_target_s"] is None or results["time_to_target_s"] >= 0
+
+
+@pytest.mark.parametrize("task", list(TASKS))
+def test_smallest_config_runs_two_steps_on_two_processes(smoke_sweep, task: str) -> None:
+    proc, sweep = smoke_sweep
+    run_dir = job_dirs(sweep)[f"experiment=smoke_{task}"]
+    check_results(json.loads((run_dir / "results.json").read_text()), task, "pipedream", 1)
+    # the rank-0 validation line of that job: two optimizer steps were taken before it
+    metric_name = TASKS[task][1]
+    assert any(" step     2  " in line and f"{metric_name}=" in line for line in proc.stdout.splitlines())
+    assert (run_dir / "train_ddp_process_1.log").exists(), "rank 1 did not run in this job's directory"
+
+
+def test_multirun_writes_summary_of_its_runs(smoke_sweep) -> None:
+    _, sweep = smoke_sweep
+    rows = json.loads((sweep / "summary.json").read_text())
+    assert [row["task"] for row in rows] == list(TASKS)
+    for row in rows:
+        assert {k: v for k, v in row.items() if k != "run"} == json.loads((sweep / row["run"] / "results.json").read_text())
+    table = (sweep / "summary.md").read_text().splitlines()
+    assert table[0].startswith("| run | task | model | schedule | stages | chunks |")
+    assert len(table) == 2 + len(TASKS)
+
+
+def test_sweep_over_schedules_and_chunks(tmp_path: Path) -> None:
+    proc = train(["-m", "experiment=smoke_image", "strategy.schedule=1f1b,gpipe", "strategy.chunks=2",
+                  f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=tmp_path)
+    runs = job_dirs(tmp_path / "sweep")
+    for schedule in ("1f1b", "gpipe"):
+        run_dir = runs[f"experiment=smoke_image,strategy.schedule={schedule},strategy.chunks=2"]
+        check_results(json.loads((run_dir / "results.json").read_text()), "image", schedule, 2)
+    summary = json.loads((tmp_path / "sweep" / "summary.json").read_text())
+    assert [(row["schedule"], row["chunks"]) for row in summary] == [("1f1b", 2), ("gpipe", 2)]
+    assert "summary of" in proc.stdout
