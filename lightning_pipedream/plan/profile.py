@@ -116,21 +116,22 @@ class Profile:
             data = json.loads(data)
         if not isinstance(data, dict) or not isinstance(data.get("layers"), list):
             raise ValueError("A profile is a JSON object with a 'layers' list; this one has none.")
+        source = data.get("source", "")
         layers = []
         for index, entry in enumerate(data["layers"]):
             try:
                 layers.append(LayerProfile(**entry))
             except TypeError as err:
                 raise ValueError(
-                    f"Layer {index} of the profile is {entry!r}; each layer needs name, forward_s, backward_s, "
-                    f"activation_bytes and parameter_bytes ({err})."
+                    f"Layer {index} of the profile{f' ({source})' if source else ''} is {entry!r}; each layer needs "
+                    f"name, forward_s, backward_s, activation_bytes and parameter_bytes ({err})."
                 ) from None
         edges = data.get("edges")
         return cls(
             layers,
             edges=None if edges is None else [(int(a), int(b)) for a, b in edges],
             batch_size=data.get("batch_size"),
-            source=data.get("source", ""),
+            source=source,
             profiling_s=data.get("profiling_s"),
             no_cut_after=[int(i) for i in data.get("no_cut_after") or []],
             extra=data.get("extra") or {},
@@ -151,9 +152,9 @@ class Profile:
             data = json.loads(text)
         except json.JSONDecodeError as err:
             raise ValueError(f"The profile {path} is not valid JSON: line {err.lineno}, column {err.colno}: {err.msg}.") from None
-        profile = cls.from_json(data)
-        profile.source = profile.source or str(path)
-        return profile
+        if isinstance(data, dict) and not data.get("source"):
+            data["source"] = str(path)
+        return cls.from_json(data)
 
 
 # ---------------------------------------------------------------------------------------------------------

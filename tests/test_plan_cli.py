@@ -1,0 +1,86 @@
+"""`python -m lightning_pipedream plan`: the table, --json, --save, and errors as exit code 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from lightning_pipedream.plan import LayerProfile, Plan, Profile, cli
+
+GRAPHS = Path(__file__).resolve().parents[1] / ".." / "shared" / "pipedream-profiles"
+
+
+def _run(argv, capsys):
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    rc = cli.run(parser.parse_args(argv))
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+@pytest.fixture
+def vgg16():
+    path = GRAPHS / "vgg16" / "graph.txt"
+    if not path.exists():
+        pytest.skip("PipeDream's profiles are not in ../shared")
+    return str(path)
+
+
+def test_json_for_machines(vgg16, capsys):
+    rc, out, _ = _run(["--pipedream-graph", vgg16, "--workers", "4", "--bandwidth", "1e9", "--json"], capsys)
+    assert rc == 0
+    data = json.loads(out)
+    assert [s["replicas"] for s in data["stages"]] == [3, 1]
+    assert data["stages"][0]["layers"][-1] == "node18" and data["stages"][1]["layers"][0] == "node19"
+    assert data["time_per_minibatch"] == pytest.approx(0.205520896)
+
+
+def test_table_for_people(vgg16, capsys):
+    rc, out, _ = _run(["--pipedream-graph", vgg16, "--workers", "4,4", "--bandwidth", "1e10,1.25e9"], capsys)
+    assert rc == 0
+    assert "stage  layers" in out and "replicas" in out and "configuration 12-1-2-1" in out
+    assert "16 workers: 4 workers at 10 GB/s, then 4 workers at 1.25 GB/s" in out
+    assert "predicted time per minibatch: 67.134 ms" in out
+
+
+def test_saved_profile_straight_and_save(tmp_path, capsys):
+    layers = [LayerProfile(f"layer{i}", 0.01 * (i + 1), 0.02 * (i + 1), 1000, 4000) for i in range(6)]
+    Profile(layers).save(tmp_path / "profile.json")
+    argv = ["--profile", str(tmp_path / "profile.json"), "--workers", "3", "--bandwidth", "1e9", "--straight",
+            "--save", str(tmp_path / "plan.json"), "--json"]
+    rc, out, _ = _run(argv, capsys)
+    assert rc == 0
+    plan = Plan.load(tmp_path / "plan.json")
+    assert plan.to_json() == json.loads(out)
+    assert plan.balance == [3, 2, 1] and [s.replicas for s in plan.stages] == [1, 1, 1]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--profile", "missing.json", "--workers", "2", "--bandwidth", "1e9"], "missing.json"),
+        (["--profile", "{p}", "--workers", "4,4", "--bandwidth", "1e9"], "--workers lists 2 levels but --bandwidth lists 1"),
+        (["--profile", "{p}", "--workers", "9", "--bandwidth", "1e9", "--straight"],
+         "9 workers but the profile has only 2 layers: without replication every worker needs its own stage"),
+        (["--profile", "{p}", "--workers", "2", "--bandwidth", "1e9", "--memory", "3"], "within memory_limit=3 bytes"),
+        (["--profile", "{p}", "--workers", "2", "--bandwidth", "1e9", "--free-side-sources"], "applies to --pipedream-graph only"),
+        (["--profile", "{bad}", "--workers", "2", "--bandwidth", "1e9"], "is not valid JSON: line 2"),
+    ],
+)
+def test_errors_exit_2_with_a_message(tmp_path, capsys, argv, message):
+    Profile([LayerProfile("a", 1, 1, 1, 1), LayerProfile("b", 1, 1, 1, 1)]).save(tmp_path / "p.json")
+    (tmp_path / "bad.json").write_text('{"layers":\n [oops]}')
+    argv = [a.format(p=tmp_path / "p.json", bad=tmp_path / "bad.json") for a in argv]
+    rc, out, err = _run(argv, capsys)
+    assert rc == 2 and out == ""
+    assert err.startswith("error: ") and message in err
+
+
+def test_through_the_dispatcher(vgg16, capsys):
+    from lightning_pipedream.__main__ import main
+
+    assert main(["plan", "--pipedream-graph", vgg16, "--workers", "4", "--bandwidth", "1e9", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["stages"][0]["replicas"] == 3
