@@ -305,3 +305,7 @@ def test_bad_arguments():
         Plan.from_json({"stages": [{"replicas": 2}]})
     with pytest.raises(ValueError, match="replicas=0"):
         Plan.from_json({"stages": [{"layers": ["a"], "replicas": 0}]})
+    with pytest.raises(ValueError, match=r"Stage 0 of the plan has unknown fields \['replica'\]"):
+        Plan.from_json({"stages": [{"layers": ["a"], "replica": 2}]})
+    with pytest.raises(ValueError, match=r"The plan has unknown fields \['time'\]"):
+        Plan.from_json({"stages": [{"layers": ["a"]}], "time": 1.0})

@@ -86,6 +86,10 @@ class Plan:
         for index, entry in enumerate(data["stages"]):
             if not isinstance(entry, dict) or not isinstance(entry.get("layers"), list):
                 raise ValueError(f"Stage {index} of the plan is {entry!r}; give it a 'layers' list of layer names.")
+            unknown = set(entry) - set(StagePlan.__dataclass_fields__)
+            if unknown:
+                raise ValueError(f"Stage {index} of the plan has unknown fields {sorted(unknown)}; "
+                                 f"known fields are {sorted(StagePlan.__dataclass_fields__)}.")
             stages.append(StagePlan(**entry))
         known = {f for f in cls.__dataclass_fields__ if f != "stages"}
         unknown = set(data) - known - {"stages"}
