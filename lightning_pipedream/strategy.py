@@ -120,6 +120,7 @@ class PipeDreamStrategy(DDPStrategy):
         self._grads_aside: list[tuple[nn.Parameter, Tensor | None]] = []
         self._local_names: dict[int, str] = {}
         self._full_keys: list[str] = []
+        self._module_set_up: Any = None
 
     # ----------------------------------------------------------------------------------- ranks
     @property
@@ -145,16 +146,19 @@ class PipeDreamStrategy(DDPStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         assert module is not None
-        self._layers_name, layers = find_layers(module, self._layers_arg)
-        self._full_keys = list(module.state_dict())
-        self.balance = self._decide_balance(trainer, module, layers)
-        if trainer.state.fn == TrainerFn.FITTING:
-            # The full model's optimizer layout maps checkpoints (single-device format) to this rank's stage.
+        if self._engine is None or module is not self._module_set_up:
+            self._layers_name, layers = find_layers(module, self._layers_arg)
+            self._full_keys = list(module.state_dict())
+            self.balance = self._decide_balance(trainer, module, layers)
+            # The full model's optimizer layout maps checkpoints (single-device form) to this rank's stage.
             self._optimizer_layouts = OptimizerLayout.of_module(module, _init_optimizers_and_lr_schedulers)
-        self._keep_own_stage(module, layers)
-        self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        self._build_engine()
+            self._keep_own_stage(module, layers)
+            self._module_set_up = module
+            self.precision_plugin.convert_module(self.model)
+            self.model_to_device()
+            self._build_engine()
+        else:  # a later fit/validate/test/predict with the same model: keep its stages
+            self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -389,7 +393,8 @@ class PipeDreamStrategy(DDPStrategy):
         outputs = self._engine.executor.run(
             actions, inputs=inputs, loss=output_of, optimizer_step=lambda a: None, train=False
         )
-        self._engine.transport.wait_all()
+        # No wait_all() here: under pipedream a training gradient may still be on its way to a stage
+        # that only receives it in the next training step; waiting for it now would deadlock.
         payload = None
         if self.is_last_stage:
             merged = None

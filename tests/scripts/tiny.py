@@ -17,12 +17,15 @@ from lightning_pipedream import PipeDreamStrategy
 
 
 class TinyClassifier(L.LightningModule):
-    def __init__(self, width: int = 16, lr: float = 0.1):
+    def __init__(self, width: int = 16, lr: float = 0.1, single_layer: bool = False, scheduler: bool = True):
         super().__init__()
         self.save_hyperparameters()
-        self.layers = nn.Sequential(
-            nn.Linear(8, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 4)
-        )
+        if single_layer:
+            self.layers = nn.Sequential(nn.Linear(8, 4))
+        else:
+            self.layers = nn.Sequential(
+                nn.Linear(8, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 4)
+            )
         self.val_acc = torchmetrics.Accuracy(task="multiclass", num_classes=4)
 
     def forward(self, x):
@@ -50,6 +53,8 @@ class TinyClassifier(L.LightningModule):
 
     def configure_optimizers(self):
         opt = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+        if not self.hparams.scheduler:
+            return opt
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
         return {"optimizer": opt, "lr_scheduler": sched}
 
@@ -61,10 +66,33 @@ def data(n: int = 60):
     return TensorDataset(x, y)
 
 
+class LossRecorder(L.Callback):
+    """Writes every step's logged training loss (rank 0) and this rank's share of the model."""
+
+    def __init__(self, out: str) -> None:
+        self.out, self.losses = out, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(trainer.callback_metrics["train_loss"]))
+
+    def on_train_end(self, trainer, pl_module):
+        optimizer = trainer.optimizers[0]
+        share = {
+            "parameters": sum(p.numel() for p in pl_module.parameters()),
+            "optimizer_parameters": sum(p.numel() for g in optimizer.param_groups for p in g["params"]),
+            "optimizer_state_tensors": sum(
+                v.numel() for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0
+            ),
+            "losses": self.losses,
+        }
+        with open(os.path.join(self.out, f"rank{trainer.global_rank}.json"), "w") as f:
+            json.dump(share, f)
+
+
 def main() -> None:
     out, options = sys.argv[1], json.loads(sys.argv[2])
     L.seed_everything(0, verbose=False)
-    model = TinyClassifier()
+    model = TinyClassifier(**options.pop("model", {}))
     strategy = options.pop("strategy", None)
     if isinstance(strategy, dict):
         strategy = PipeDreamStrategy(**strategy)
@@ -77,16 +105,33 @@ def main() -> None:
     )
     if strategy is not None:
         trainer_args["strategy"] = strategy
+    callbacks = [LossRecorder(out)]
+    if options.pop("checkpoint_every_epoch", False):
+        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=out, every_n_epochs=1, save_top_k=-1))
+        trainer_args["enable_checkpointing"] = True
+    if "monitor" in options:  # ModelCheckpoint and EarlyStopping on a metric logged by the last stage
+        monitor = options.pop("monitor")
+        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=out, monitor=monitor, mode="max", save_top_k=1))
+        callbacks.append(L.pytorch.callbacks.EarlyStopping(monitor=monitor, mode="max", patience=1, min_delta=1.0))
+        trainer_args["enable_checkpointing"] = True
+    trainer_args["callbacks"] = callbacks
     trainer_args.update(options.pop("trainer", {}))
     trainer = L.Trainer(**trainer_args)
     train = DataLoader(data(), batch_size=options.pop("batch_size", 12), shuffle=False)
     val = DataLoader(data(24), batch_size=12)
     trainer.fit(model, train, val, ckpt_path=options.pop("resume", None))
     trainer.save_checkpoint(os.path.join(out, "final.ckpt"))
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    predictions = trainer.predict(model, DataLoader(data(24), batch_size=12)) if options.pop("predict", False) else None
     if trainer.is_global_zero:
-        metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        metrics["epoch"] = trainer.current_epoch
+        metrics["global_step"] = trainer.global_step
+        if predictions is not None:
+            metrics["predictions"] = torch.cat(predictions).tolist()
         with open(os.path.join(out, "metrics.json"), "w") as f:
             json.dump(metrics, f)
+    if options:
+        raise SystemExit(f"unused options: {options}")
 
 
 if __name__ == "__main__":
