@@ -283,8 +283,9 @@ def _minmax_product(left: np.ndarray, right: np.ndarray) -> np.ndarray:
 
 
 def _pipedream(profile: Profile, topology: Topology, *, memory_limit: float | None, straight: bool,
-               cost_model: str) -> tuple[float, list[tuple[int, int, int, int]]]:
-    """Solve level by level (innermost first); return the time and stages as (first, last, replicas, level)."""
+               cost_model: str) -> tuple[float, list[tuple[int, int, int, float]]]:
+    """Solve level by level (innermost first); return the time and the stages as
+    (first layer, last layer, replicas, bandwidth of the link their input arrives on)."""
     sums = _Sums(profile)
     inner = sums.range(sums.compute, empty=_INF)
     levels: list[_Level] = []
@@ -306,7 +307,7 @@ def _pipedream(profile: Profile, topology: Topology, *, memory_limit: float | No
         for a, b, r, is_first in level.cover(first, last, level.workers, limit):
             input_level = level_of_input if is_first else depth
             if depth == 0:
-                out.append((a, b, replicas * r, input_level))
+                out.append((a, b, replicas * r, topology.levels[input_level][1]))
             else:
                 below = levels[depth - 1]
                 out += expand(depth - 1, a, b, float(below.best[below.workers][a, b]), replicas * r, input_level)
@@ -419,7 +420,8 @@ def partition(profile: Profile, topology: Topology, method: str = "pipedream", *
         balance = _min_max_split(weights, workers, sums.cuttable)
         time = _straight_time(sums, topology, balance)
         starts = np.cumsum([0] + balance[:-1])
-        spans = [(int(a), int(a) + c - 1, 1, len(topology.levels) - 1) for a, c in zip(starts, balance)]
+        spans = [(int(a), int(a) + c - 1, 1, topology.bandwidth_between(max(s - 1, 0), s))
+                 for s, (a, c) in enumerate(zip(starts, balance))]
     stages = [_stage_plan(sums, names, topology, span, cost_model) for span in spans]
     dp_time = data_parallel_time(profile, topology, cost_model)
     return Plan(
@@ -437,12 +439,12 @@ def partition(profile: Profile, topology: Topology, method: str = "pipedream", *
     )
 
 
-def _stage_plan(sums: _Sums, names: list[str], topology: Topology, span: tuple[int, int, int, int],
+def _stage_plan(sums: _Sums, names: list[str], topology: Topology, span: tuple[int, int, int, float],
                 cost_model: str) -> StagePlan:
-    first, last, replicas, input_level = span
+    first, last, replicas, input_bandwidth = span
     compute = float(sums.compute[first:last + 1].sum())
     params = float(sums.params[first:last + 1].sum())
-    # Replicas spread over the smallest level group that holds them; the input comes over its cut's level.
+    # Replicas spread over the smallest level group that holds them.
     group, sync_band = 1, topology.levels[0][1]
     for workers, bandwidth in topology.levels:
         if group >= replicas:
@@ -450,7 +452,7 @@ def _stage_plan(sums: _Sums, names: list[str], topology: Topology, span: tuple[i
         group, sync_band = group * workers, bandwidth
     transfer = 0.0
     if first > 0:
-        transfer = 2.0 * float(sums.cut[first - 1]) / topology.levels[input_level][1]
+        transfer = 2.0 * float(sums.cut[first - 1]) / input_bandwidth
         transfer /= replicas if cost_model == "code" else 1
     return StagePlan(
         layers=names[first:last + 1],
