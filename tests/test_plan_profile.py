@@ -38,7 +38,8 @@ def test_sleeping_layers_give_the_expected_time_balance():
     ms = 1e-3
     forward = [10 * ms, 10 * ms, 10 * ms, 30 * ms, 10 * ms, 10 * ms]
     layers = nn.Sequential(*[Sleeper(f, 2 * f) for f in forward])
-    profile = profile_module(layers, torch.randn(4, 8), warmup=1, repeats=3)
+    # The input requires grad, as a later stage's would, so that the first layer's backward runs too.
+    profile = profile_module(layers, torch.randn(4, 8, requires_grad=True), warmup=1, repeats=3)
     assert profile.names == [str(i) for i in range(6)]
     for layer, f in zip(profile.layers, forward):
         assert f <= layer.forward_s < f + 8 * ms  # sleep never returns early; the machine may be busy
@@ -83,13 +84,15 @@ class Head(nn.Module):
 
 
 def test_layers_that_pass_tuples_and_dicts():
-    profile = profile_module(nn.Sequential(Split(), Merge(), Head()), torch.randn(5, 8))
+    profile = profile_module(nn.Sequential(Split(), Merge(), Head()), torch.randn(5, 8, requires_grad=True))
     split, merge, head = profile.layers
     int_bytes = torch.arange(3).element_size() * 3
     assert split.activation_bytes == 5 * 8 * 4 + 5 * 4 + int_bytes
     assert merge.activation_bytes == 5 * 8 * 4 + int_bytes and merge.parameter_bytes == (64 + 8) * 4
     assert head.activation_bytes == 5 * 8 * 4
     assert all(l.backward_s > 0 for l in profile.layers) and profile.batch_size == 5
+    # A batch of data needs no gradient: a first layer without parameters then has no backward.
+    assert profile_module(nn.Sequential(Split(), Merge()), torch.randn(5, 8)).layers[0].backward_s == 0.0
 
 
 def test_profiling_leaves_no_trace():

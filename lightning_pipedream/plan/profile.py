@@ -170,17 +170,19 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
     return []
 
 
-def _fresh_leaves(tree: Any) -> Any:
-    """The same tree with each tensor detached; floating tensors require grad, as a stage's input does."""
+def _fresh_leaves(tree: Any, requires_grad: bool = True) -> Any:
+    """The same tree with each tensor detached; floating tensors require grad, as a later stage's input does
+    (with ``requires_grad=False``, those that required it before)."""
     if isinstance(tree, torch.Tensor):
         leaf = tree.detach()
-        return leaf.requires_grad_(True) if leaf.is_floating_point() else leaf
+        wanted = requires_grad or tree.requires_grad
+        return leaf.requires_grad_(True) if wanted and leaf.is_floating_point() else leaf
     if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # namedtuple
-        return type(tree)(*(_fresh_leaves(item) for item in tree))
+        return type(tree)(*(_fresh_leaves(item, requires_grad) for item in tree))
     if isinstance(tree, (list, tuple)):
-        return type(tree)(_fresh_leaves(item) for item in tree)
+        return type(tree)(_fresh_leaves(item, requires_grad) for item in tree)
     if isinstance(tree, dict):
-        return {key: _fresh_leaves(item) for key, item in tree.items()}
+        return {key: _fresh_leaves(item, requires_grad) for key, item in tree.items()}
     return tree
 
 
@@ -242,7 +244,8 @@ def profile_module(layers: nn.Sequential, sample_input: Any, *, warmup: int = 1,
     """Time each child of ``layers`` on ``sample_input`` (one minibatch): forward and backward seconds
     (median of ``repeats`` after ``warmup`` runs), output bytes and parameter bytes.
 
-    Each layer runs on the previous layer's output (a tensor or a tuple/list/dict of them). Buffers such as
+    Each layer runs on the previous layer's output (a tensor or a tuple/list/dict of them); the first layer's
+    backward computes gradients for ``sample_input`` only where it requires them. Buffers such as
     BatchNorm statistics and the random number generators are restored afterwards, and no ``.grad`` is set.
     """
     if not isinstance(layers, nn.Sequential) or len(layers) == 0:
@@ -254,7 +257,7 @@ def profile_module(layers: nn.Sequential, sample_input: Any, *, warmup: int = 1,
     devices = sorted({t.device.index for t in _tensors(sample_input) if t.device.type == "cuda"} - {None})
     results = []
     with torch.random.fork_rng(devices=devices):
-        inputs = _fresh_leaves(sample_input)
+        inputs = _fresh_leaves(sample_input, requires_grad=False)  # a batch of data needs no gradient
         for name, layer in layers.named_children():
             result, output = _profile_layer(name, layer, inputs, warmup, repeats)
             results.append(result)
