@@ -19,7 +19,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from torch import Tensor, nn
 
 from lightning_pipedream.runtime.engine import PipelineEngine
-from lightning_pipedream.runtime.microbatch import batch_size, merge, split
+from lightning_pipedream.runtime.microbatch import batch_size, flatten, merge, split
 from lightning_pipedream.runtime.pipeline import check_balance, even_balance, stage_slice
 from lightning_pipedream.runtime.transport import Transport
 from lightning_pipedream.schedule.builders import SCHEDULES, check_schedule_name, inference
@@ -259,6 +259,8 @@ class PipeDreamStrategy(DDPStrategy):
         assert self._engine is not None
         module = self.lightning_module
         batch, batch_idx = _batch_args(args, kwargs)
+        if batch_idx == 0:
+            self._check_same_batch(batch)
         parts = split(batch, self.chunks) if self.chunks > 1 else [batch]
         sizes = [batch_size(p) for p in parts]
         total = sum(sizes)
@@ -300,6 +302,22 @@ class PipeDreamStrategy(DDPStrategy):
         LogRecorder.replay(module, logs)
         loss_tensor = torch.tensor(loss_value, device=self.root_device, requires_grad=True)
         return {"loss": loss_tensor, **extra} if extra else loss_tensor
+
+    def _check_same_batch(self, batch: Any) -> None:
+        """At each epoch's first batch, make sure every stage got the same one (a cheap fingerprint)."""
+        if self.num_stages == 1:
+            return
+        leaves, _ = flatten(batch, "batch")
+        mine = torch.tensor([float(t.double().sum()) if t.is_floating_point() or not t.is_complex() else 0.0
+                             for t in leaves[:4]] + [float(batch_size(batch))], dtype=torch.float64)
+        everyone = [torch.zeros_like(mine) for _ in range(self.num_stages)]
+        dist.all_gather(everyone, mine.to(self.root_device) if self.root_device.type != "cpu" else mine)
+        if any(not torch.equal(everyone[0].cpu(), other.cpu()) for other in everyone[1:]):
+            raise RuntimeError(
+                "The pipeline stages received different training batches: every rank must iterate the same data "
+                "in the same order (stage 0 reads the inputs, the last stage the targets). Keep Lightning's default "
+                "sampler, or with use_distributed_sampler=False seed every rank's shuffling identically."
+            )
 
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         """The pipeline already back-propagated in ``training_step``: put its gradients in place."""

@@ -79,12 +79,12 @@ def test_flushed_schedules_match_single_device(tmp_path, reference, schedule):
 def test_pipedream_with_logging_monitoring_checkpoint_and_predict(tmp_path):
     # Trainer(strategy="pipedream") by name; the partition comes from profiling.
     run_tiny(tmp_path, {
-        "devices": 2, "strategy": "pipedream", "monitor": "val_acc", "predict": True, "limit_val_batches": 2,
-        "trainer": {"max_epochs": 4, "max_steps": -1},
+        "devices": 2, "strategy": "pipedream", "monitor": "val_acc", "predict": True, "test": True,
+        "limit_val_batches": 2, "trainer": {"max_epochs": 4, "max_steps": -1},
     })
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     # Logged on the last stage, seen by rank 0's callbacks: EarlyStopping stopped after 2 epochs.
-    assert {"train_loss", "val_acc", "val_loss"} <= set(metrics)
+    assert {"train_loss", "val_acc", "val_loss", "test_loss"} <= set(metrics)
     assert metrics["epoch"] == 2 and metrics["global_step"] == 10
     best = sorted(tmp_path.glob("epoch=*.ckpt"))
     assert len(best) == 1
@@ -121,11 +121,24 @@ def test_resume_equals_uninterrupted(tmp_path, resume_runs, source, devices):
     assert rank_info(tmp_path, 0)["losses"] == pytest.approx(rank_info(single, 0)["losses"][2:], rel=1e-5)
 
 
-def test_clipping_and_accumulation_match_single_device(tmp_path):
+def test_clipping_accumulation_and_plan_file_match_single_device(tmp_path):
+    from lightning_pipedream.plan.partition import Plan, StagePlan
+
+    plan = tmp_path / "plan.json"
+    Plan([StagePlan(["0", "1"]), StagePlan(["2", "3", "4"])], schedule="gpipe", chunks=3).save(plan)
     options = {"max_steps": 2, "batch_size": 6, "trainer": {"gradient_clip_val": 0.05, "accumulate_grad_batches": 2}}
     run_tiny(tmp_path / "single", options)
-    run_tiny(tmp_path / "pipe", {**options, "devices": 2, "strategy": {"schedule": "gpipe", "chunks": 3}})
+    run_tiny(tmp_path / "pipe", {**options, "devices": 2, "strategy": {"schedule": "gpipe", "chunks": 3,
+                                                                      "plan": str(plan)}})
     assert_same_weights(tmp_path / "pipe" / "final.ckpt", tmp_path / "single" / "final.ckpt")
+    assert rank_info(tmp_path / "pipe", 0)["parameters"] == 8 * 16 + 16  # stage 0 holds layers 0 and 1
+
+
+def test_stages_that_see_different_batches_are_stopped(tmp_path):
+    # An unseeded shuffle per rank: stage 0's inputs would not belong to the last stage's labels.
+    proc = run_tiny(tmp_path, {"devices": 2, "shuffle_per_rank": True, "strategy": {"schedule": "1f1b"},
+                               "trainer": {"use_distributed_sampler": False}}, expect_ok=False)
+    assert "The pipeline stages received different training batches" in proc.stderr
 
 
 def test_bf16_and_mid_epoch_validation(tmp_path):

@@ -117,11 +117,16 @@ def main() -> None:
     trainer_args["callbacks"] = callbacks
     trainer_args.update(options.pop("trainer", {}))
     trainer = L.Trainer(**trainer_args)
-    train = DataLoader(data(), batch_size=options.pop("batch_size", 12), shuffle=False)
+    shuffle = options.pop("shuffle_per_rank", False)  # a deliberately wrong setup: each rank its own order
+    generator = torch.Generator().manual_seed(int(os.environ.get("LOCAL_RANK", 0))) if shuffle else None
+    train = DataLoader(data(), batch_size=options.pop("batch_size", 12), shuffle=shuffle, generator=generator)
     val = DataLoader(data(24), batch_size=12)
     trainer.fit(model, train, val, ckpt_path=options.pop("resume", None))
     trainer.save_checkpoint(os.path.join(out, "final.ckpt"))
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    if options.pop("test", False):
+        trainer.test(model, DataLoader(data(24), batch_size=12))
+        metrics.update({k: float(v) for k, v in trainer.callback_metrics.items()})
     predictions = trainer.predict(model, DataLoader(data(24), batch_size=12)) if options.pop("predict", False) else None
     if trainer.is_global_zero:
         metrics["epoch"] = trainer.current_epoch
