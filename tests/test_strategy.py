@@ -206,7 +206,8 @@ def test_bad_strategy_arguments():
 def test_gpu_requested_without_gpu():
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    with pytest.raises(MisconfigurationException, match="GPUAccelerator` can not run on your system"):
+    # Lightning's own check, before any strategy code runs.
+    with pytest.raises(MisconfigurationException, match="No supported gpu backend found"):
         L.Trainer(accelerator="gpu", devices=2, strategy=PipeDreamStrategy())
 
 
@@ -219,7 +220,7 @@ class NoSequential(L.LightningModule):
 class TwoSequentials(L.LightningModule):
     def __init__(self):
         super().__init__()
-        self.encoder, self.decoder = nn.Sequential(nn.Linear(2, 2)), nn.Sequential(nn.Linear(2, 2))
+        self.encoder, self.decoder = nn.Sequential(nn.Linear(2, 2)), nn.Sequential(nn.Softmax(-1))
 
 
 class ParameterOutside(L.LightningModule):
@@ -242,7 +243,9 @@ def test_modules_that_do_not_fit_the_contract():
         find_layers(NoSequential(), None)
     with pytest.raises(ValueError, match="several nn.Sequential attributes \\(encoder, decoder\\); name the one"):
         find_layers(TwoSequentials(), None)
-    assert find_layers(TwoSequentials(), "decoder")[0] == "decoder"
+    assert find_layers(TwoSequentials(), "encoder")[0] == "encoder"
+    with pytest.raises(ValueError, match="has parameters outside self.decoder: encoder.0.weight"):
+        find_layers(TwoSequentials(), "decoder")
     with pytest.raises(ValueError, match=r"layers='first'\): NoSequential.first is Linear, not an nn.Sequential"):
         find_layers(NoSequential(), "first")
     with pytest.raises(ValueError, match="has parameters outside self.layers: scale"):
