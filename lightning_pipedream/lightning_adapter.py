@@ -58,7 +58,7 @@ def find_layers(module: LightningModule, name: str | None) -> tuple[str, nn.Sequ
             f"trainable parameter must belong to one layer of self.{name}; move them into a layer."
         )
     owner: dict[int, str] = {}
-    for layer_name, layer in layers.named_children():
+    for layer_name, layer in layers._modules.items():  # named_children() would hide a repeated layer
         for p in layer.parameters():
             if owner.setdefault(id(p), layer_name) != layer_name:
                 raise ValueError(
