@@ -28,6 +28,7 @@ class StagePlan:
     layers: list[str]
     replicas: int = 1
     compute_s: float = 0.0
+    forward_s: float = 0.0  # the forward share of compute_s (the simulator needs the split)
     allreduce_s: float = 0.0
     transfer_s: float = 0.0
     parameter_bytes: int = 0
@@ -65,6 +66,30 @@ class Plan:
     def balance(self) -> list[int]:
         """Layers per stage, in pipeline order."""
         return [len(stage.layers) for stage in self.stages]
+
+    def simulated_time_per_minibatch(self, minibatches: int = 32, bandwidth: float | None = None) -> float:
+        """The schedule simulator's steady-state time per minibatch for this plan's stages.
+
+        Each stage runs at its per-replica compute time (replicas share the minibatches) plus its
+        all-reduce time in the backward; activations cross links at ``bandwidth``. Beside the
+        partitioner's analytic prediction it shows what the schedule's dependencies add.
+        """
+        from lightning_pipedream.schedule.builders import build_schedule
+        from lightning_pipedream.schedule.simulate import simulate
+
+        if bandwidth is None:  # the links between stages: the topology's innermost level
+            bandwidth = float(self.topology[0][1]) if self.topology else math.inf
+        forward = [stage.forward_s for stage in self.stages]
+        backward = [stage.compute_s - stage.forward_s + stage.allreduce_s for stage in self.stages]
+        if self.schedule == "pipedream":
+            result = simulate(build_schedule("pipedream", len(self.stages), minibatches), forward, backward,
+                              activation_bytes=[stage.output_bytes for stage in self.stages], bandwidth=bandwidth)
+            return result.step_time
+        chunks = max(1, self.chunks)
+        result = simulate(build_schedule(self.schedule, len(self.stages), chunks),
+                          [f / chunks for f in forward], [b / chunks for b in backward],
+                          activation_bytes=[stage.output_bytes / chunks for stage in self.stages], bandwidth=bandwidth)
+        return result.step_time
 
     @property
     def num_workers(self) -> int:
@@ -124,7 +149,8 @@ class Plan:
         config = "-".join(str(stage.replicas) for stage in self.stages)
         summary = [f"method {self.method}" + (f" (cost model {self.cost_model})" if self.cost_model else "")
                    + f", {len(self.stages)} stages on {self.num_workers} workers, configuration {config}",
-                   f"predicted time per minibatch: {self.time_per_minibatch * 1e3:.3f} ms"]
+                   f"predicted time per minibatch: {self.time_per_minibatch * 1e3:.3f} ms (analytic), "
+                   f"{self.simulated_time_per_minibatch() * 1e3:.3f} ms (schedule simulator)"]
         if self.speedup_vs_one_worker is not None:
             summary.append(f"predicted speedup: {self.speedup_vs_one_worker:.2f}x over one worker"
                            + (f", {self.speedup_vs_data_parallel:.2f}x over data parallelism"
@@ -143,6 +169,7 @@ class _Sums:
     def __init__(self, profile: Profile) -> None:
         self.count = len(profile.layers)
         self.compute = np.array([l.forward_s + l.backward_s for l in profile.layers], dtype=float)
+        self.forward = np.array([l.forward_s for l in profile.layers], dtype=float)
         self.params = np.array([l.parameter_bytes for l in profile.layers], dtype=float)
         self.acts = np.array([l.activation_bytes for l in profile.layers], dtype=float)
         # cut[k]: bytes sent from layers 0..k to layers k+1..; 0 after the last layer.
@@ -443,6 +470,7 @@ def _stage_plan(sums: _Sums, names: list[str], topology: Topology, span: tuple[i
                 cost_model: str) -> StagePlan:
     first, last, replicas, input_bandwidth = span
     compute = float(sums.compute[first:last + 1].sum())
+    forward = float(sums.forward[first:last + 1].sum())
     params = float(sums.params[first:last + 1].sum())
     # Replicas spread over the smallest level group that holds them.
     group, sync_band = 1, topology.levels[0][1]
@@ -458,6 +486,7 @@ def _stage_plan(sums: _Sums, names: list[str], topology: Topology, span: tuple[i
         layers=names[first:last + 1],
         replicas=replicas,
         compute_s=compute / replicas,
+        forward_s=forward / replicas,
         allreduce_s=float(_allreduce(params, replicas, sync_band)) / replicas,
         transfer_s=transfer,
         parameter_bytes=int(params),
