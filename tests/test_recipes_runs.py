@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -36,10 +38,18 @@ pytestmark = pytest.mark.skipif(not _strategy_importable(),
 
 
 def train(args: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
-    """Run recipes/train.py in a subprocess (Lightning re-runs sys.argv for rank 1, which must not be pytest)."""
-    proc = subprocess.run([sys.executable, str(TRAIN), *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"train.py {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return proc
+    """Run recipes/train.py in a subprocess (Lightning re-runs sys.argv for rank 1, which must not be pytest).
+    On timeout the whole process group goes, rank 1 included, so a hung run fails instead of lingering."""
+    proc = subprocess.Popen([sys.executable, str(TRAIN), *args], cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"train.py {' '.join(args)} did not finish in {timeout} s:\n{stdout[-3000:]}\n{stderr[-3000:]}")
+    assert proc.returncode == 0, f"train.py {' '.join(args)} failed:\n{stdout[-3000:]}\n{stderr[-3000:]}"
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
 def job_dirs(sweep: Path) -> dict[str, Path]:
