@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -113,3 +114,18 @@ def test_sweep_over_schedules_and_chunks(tmp_path: Path) -> None:
     summary = json.loads((tmp_path / "sweep" / "summary.json").read_text())
     assert [(row["schedule"], row["chunks"]) for row in summary] == [("1f1b", 2), ("gpipe", 2)]
     assert "summary of" in proc.stdout
+
+
+def test_main_job_defaults_train_digits_to_90_percent(tmp_path: Path) -> None:
+    """`python recipes/train.py` with no task arguments: the plan, per-epoch accuracy and throughput, >= 90%."""
+    start = time.perf_counter()
+    proc = train([f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, timeout=180)
+    assert time.perf_counter() - start < 180
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    check_results(results, "image", "pipedream", 1)
+    assert results["metric"] >= 0.9 and results["time_to_target_s"] is not None  # target: 95%
+    out = proc.stdout
+    assert "pipeline: 2 stages, layers per stage" in out and "stage 1: layers" in out
+    assert "time per minibatch: predicted" in out and "measured" in out
+    epochs = [line for line in out.splitlines() if line.startswith("epoch ")]
+    assert len(epochs) == 10 and all("val_acc=" in line and "samples/s" in line for line in epochs)
