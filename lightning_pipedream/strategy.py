@@ -32,6 +32,7 @@ from lightning_pipedream.lightning_adapter import (
 )
 
 _DEFAULT_TIMEOUT = timedelta(minutes=30)
+_SUMMARY_SLOTS = 64  # numbers a training step's loss and logs may use before they travel pickled
 
 
 class PipeDreamStrategy(DDPStrategy):
@@ -121,6 +122,7 @@ class PipeDreamStrategy(DDPStrategy):
         self._local_names: dict[int, str] = {}
         self._full_keys: list[str] = []
         self._module_set_up: Any = None
+        self._summary_schema: Any = None
 
     # ----------------------------------------------------------------------------------- ranks
     @property
@@ -298,7 +300,7 @@ class PipeDreamStrategy(DDPStrategy):
             last_output = outputs[max(outputs)]
             extra = {k: _detached(v) for k, v in last_output.items() if k != "loss"} if isinstance(last_output, Mapping) else {}
             payload = (float(sum(result.losses.values())), extra, recorder.aggregate())
-        loss_value, extra, logs = self._from_last_stage(payload)
+        loss_value, extra, logs = self._step_summary_from_last_stage(payload)
         LogRecorder.replay(module, logs)
         loss_tensor = torch.tensor(loss_value, device=self.root_device, requires_grad=True)
         return {"loss": loss_tensor, **extra} if extra else loss_tensor
@@ -426,6 +428,35 @@ class PipeDreamStrategy(DDPStrategy):
         if send_output:
             return _to_device(merged, self.root_device)
         return None
+
+    def _step_summary_from_last_stage(self, payload: Any) -> Any:
+        """Broadcast (loss, extra outputs, logs) from the last stage, in one small tensor when it can.
+
+        The names and options of what is logged rarely change between steps: while they don't,
+        only the numbers travel (one broadcast of a fixed-size tensor instead of pickled objects).
+        """
+        if self.num_stages == 1:
+            return payload
+        numbers = torch.zeros(_SUMMARY_SLOTS, dtype=torch.float64)
+        if payload is not None:
+            loss_value, extra, logs = payload
+            schema = (extra, [(name, options) for name, _, options in logs])
+            values = [loss_value] + [value for _, value, _ in logs]
+            fits = not extra and len(values) <= _SUMMARY_SLOTS - 2 and schema == self._summary_schema
+            numbers[0], numbers[1] = (1.0 if fits else 0.0), len(values)
+            if fits:
+                numbers[2 : 2 + len(values)] = torch.tensor(values, dtype=torch.float64)
+        device_numbers = numbers.to(self.root_device)
+        dist.broadcast(device_numbers, src=self.num_stages - 1)
+        numbers = device_numbers.cpu()
+        if numbers[0] == 0.0:  # something new: send it whole, and remember its shape
+            payload = self._from_last_stage(payload)
+            _, extra, logs = payload
+            self._summary_schema = (extra, [(name, options) for name, _, options in logs])
+            return payload
+        extra, shape = self._summary_schema
+        values = numbers[2 : 2 + int(numbers[1])].tolist()
+        return values[0], {}, [(name, value, options) for (name, options), value in zip(shape, values[1:])]
 
     def _from_last_stage(self, payload: Any) -> Any:
         """Broadcast a small Python object from the last stage to every rank (loss, logs, outputs)."""
