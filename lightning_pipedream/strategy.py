@@ -22,7 +22,7 @@ from lightning_pipedream.runtime.engine import PipelineEngine
 from lightning_pipedream.runtime.microbatch import batch_size, flatten, merge, split
 from lightning_pipedream.runtime.pipeline import check_balance, even_balance, stage_slice
 from lightning_pipedream.runtime.transport import Transport
-from lightning_pipedream.schedule.builders import SCHEDULES, check_schedule_name, inference
+from lightning_pipedream.schedule.builders import SCHEDULES, check_schedule_options, inference
 from lightning_pipedream.lightning_adapter import (
     InputCaptured,
     LogRecorder,
@@ -74,19 +74,7 @@ class PipeDreamStrategy(DDPStrategy):
         timeout: timedelta | None = _DEFAULT_TIMEOUT,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
-        check_schedule_name(schedule)
-        if not isinstance(chunks, int) or chunks < 1:
-            raise ValueError(
-                f"chunks must be an integer >= 1, got {chunks!r}: it is the number of micro-batches "
-                "one batch is split into (1 means no split)."
-            )
-        if schedule == "pipedream" and chunks != 1:
-            raise ValueError(
-                f"schedule='pipedream' runs each batch as one PipeDream minibatch; chunks={chunks} is not "
-                "supported. Use chunks=1, or schedule='1f1b'/'gpipe' to split batches into micro-batches."
-            )
-        if vertical_sync and schedule != "pipedream":
-            raise ValueError("vertical_sync=True only applies to schedule='pipedream'.")
+        check_schedule_options(schedule, chunks, vertical_sync)
         if start_method != "popen":
             # spawn/fork launchers copy only rank 0's weights back to the main process: wrong for a pipeline.
             raise ValueError(

@@ -16,7 +16,7 @@ from lightning_pipedream.runtime.weights import WeightVersions
 from lightning_pipedream.schedule.actions import Action, Op
 from lightning_pipedream.schedule.builders import (
     build_schedule,
-    check_schedule_name,
+    check_schedule_options,
     pipedream_drain,
     pipedream_step,
 )
@@ -53,14 +53,8 @@ class PipelineEngine:
         vertical_sync: bool = False,
         trace: bool = False,
     ) -> None:
-        self.schedule = check_schedule_name(schedule)
-        if schedule == "pipedream" and chunks != 1:
-            raise ValueError(
-                f"schedule='pipedream' runs each batch as one PipeDream minibatch; chunks={chunks} is not "
-                "supported. Use chunks=1, or schedule='1f1b'/'gpipe' to split batches into micro-batches."
-            )
-        if vertical_sync and schedule != "pipedream":
-            raise ValueError("vertical_sync=True only applies to schedule='pipedream'.")
+        check_schedule_options(schedule, chunks, vertical_sync)
+        self.schedule = schedule
         self.num_stages = num_stages
         self.chunks = chunks
         self.weights = (

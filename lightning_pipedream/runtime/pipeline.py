@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from lightning_pipedream.runtime.engine import PipelineEngine, StepResult
 from lightning_pipedream.runtime.microbatch import batch_size, split
 from lightning_pipedream.runtime.transport import Transport
-from lightning_pipedream.schedule.builders import check_schedule_name
+from lightning_pipedream.schedule.builders import check_schedule_options
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -77,17 +77,7 @@ class Pipeline:
     ) -> None:
         if not isinstance(layers, nn.Sequential):
             raise TypeError(f"Pipeline needs an nn.Sequential of layers, got {type(layers).__name__}.")
-        check_schedule_name(schedule)
-        if not isinstance(chunks, int) or chunks < 1:
-            raise ValueError(
-                f"chunks must be an integer >= 1, got {chunks!r}: it is the number of micro-batches "
-                "one batch is split into (1 means no split)."
-            )
-        if schedule == "pipedream" and chunks != 1:
-            raise ValueError(
-                f"schedule='pipedream' runs each batch as one PipeDream minibatch; chunks={chunks} is not "
-                "supported. Use chunks=1, or schedule='1f1b'/'gpipe' to split batches into micro-batches."
-            )
+        check_schedule_options(schedule, chunks, vertical_sync)
         self.rank = dist.get_rank(group)
         self.num_stages = dist.get_world_size(group)
         self.balance = (

@@ -142,6 +142,23 @@ def check_schedule_name(name: str) -> str:
     return name
 
 
+def check_schedule_options(schedule: str, chunks: int, vertical_sync: bool = False) -> None:
+    """Validate a training configuration (schedule, micro-batches, vertical sync) as a user gives it."""
+    check_schedule_name(schedule)
+    if not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(
+            f"chunks must be an integer >= 1, got {chunks!r}: it is the number of micro-batches "
+            "one batch is split into (1 means no split)."
+        )
+    if schedule == "pipedream" and chunks != 1:
+        raise ValueError(
+            f"schedule='pipedream' runs each batch as one PipeDream minibatch; chunks={chunks} is not "
+            "supported. Use chunks=1, or schedule='1f1b'/'gpipe' to split batches into micro-batches."
+        )
+    if vertical_sync and schedule != "pipedream":
+        raise ValueError("vertical_sync=True only applies to schedule='pipedream'.")
+
+
 def build_schedule(name: str, num_stages: int, chunks: int) -> Schedule:
     """Build a schedule by name. For ``pipedream``, ``chunks`` is the number of minibatches before a drain."""
     return _BUILDERS[check_schedule_name(name)](num_stages, chunks)
