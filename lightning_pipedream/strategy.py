@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from lightning_pipedream.runtime.engine import PipelineEngine
 from lightning_pipedream.runtime.microbatch import batch_size, flatten, merge, split
-from lightning_pipedream.runtime.pipeline import check_balance, even_balance, stage_slice
+from lightning_pipedream.runtime.pipeline import check_balance, check_stage_count, even_balance, stage_slice
 from lightning_pipedream.runtime.transport import Transport
 from lightning_pipedream.schedule.builders import SCHEDULES, check_schedule_options, inference
 from lightning_pipedream.lightning_adapter import (
@@ -177,8 +177,7 @@ class PipeDreamStrategy(DDPStrategy):
             return check_balance(self.plan.balance, len(layers), self.num_stages)
         if self._balance_arg is not None:
             return check_balance(self._balance_arg, len(layers), self.num_stages)
-        if self.num_stages > len(layers):
-            check_balance([], len(layers), self.num_stages)  # raises the "more stages than layers" error
+        check_stage_count(len(layers), self.num_stages)
         if self.num_stages == 1:
             return [len(layers)]
         if trainer.state.fn != TrainerFn.FITTING:

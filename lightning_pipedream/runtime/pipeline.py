@@ -18,13 +18,18 @@ from lightning_pipedream.schedule.builders import check_schedule_options
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 
-def check_balance(balance: Sequence[int], num_layers: int, num_stages: int) -> list[int]:
-    """Validate a balance (layers per stage) and return it as a list."""
+def check_stage_count(num_layers: int, num_stages: int) -> None:
+    """Every stage needs at least one layer."""
     if num_stages > num_layers:
         raise ValueError(
             f"The model has {num_layers} layers but {num_stages} stages were asked for; every stage needs at "
             f"least one layer. Use at most {num_layers} processes, or split the model into more layers."
         )
+
+
+def check_balance(balance: Sequence[int], num_layers: int, num_stages: int) -> list[int]:
+    """Validate a balance (layers per stage) and return it as a list."""
+    check_stage_count(num_layers, num_stages)
     balance = list(balance)
     if len(balance) != num_stages or any((not isinstance(b, int)) or b < 1 for b in balance) or sum(balance) != num_layers:
         raise ValueError(
@@ -36,9 +41,7 @@ def check_balance(balance: Sequence[int], num_layers: int, num_stages: int) -> l
 
 def even_balance(num_layers: int, num_stages: int) -> list[int]:
     """Layers per stage, as even as possible (earlier stages take the remainder)."""
-    check_balance([1] * num_stages, num_stages, num_stages) if num_stages <= num_layers else check_balance(
-        [], num_layers, num_stages
-    )
+    check_stage_count(num_layers, num_stages)
     base, extra = divmod(num_layers, num_stages)
     return [base + (1 if s < extra else 0) for s in range(num_stages)]
 
