@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import pickle
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +49,10 @@ def _default_store() -> Any:
         return None
 
 
+_ALIGN = 64  # every leaf starts at a multiple of this many bytes in a message (any dtype can view it)
+_HEADER = 8  # one int64 at the start of every message
+
+
 @dataclass
 class _Meta:
     spec: tuple
@@ -55,21 +60,43 @@ class _Meta:
     dtypes: list[str]
     requires_grad: list[bool]
 
+    def layout(self) -> tuple[list[int], list[int], int]:
+        """Byte offset and size of each leaf in a message, and the message's size."""
+        offsets, sizes, end = [], [], _HEADER
+        for shape, dtype in zip(self.shapes, self.dtypes):
+            nbytes = math.prod(shape) * getattr(torch, dtype).itemsize
+            end = -(-end // _ALIGN) * _ALIGN
+            offsets.append(end)
+            sizes.append(nbytes)
+            end += nbytes
+        return offsets, sizes, end
+
 
 @dataclass
 class _Channel:
     last_meta: _Meta | None = None
+
+    def message_size(self) -> int:
+        """The size both ends expect for the next message: that of the last tree's layout."""
+        return _HEADER if self.last_meta is None else self.last_meta.layout()[2]
 
 
 @dataclass
 class Transport:
     """Sends and receives tensor trees to and from other ranks of ``group``.
 
-    Every message starts with a one-number header: 0 when the tree's structure, shapes and
-    dtypes are those of the previous message on the same channel, otherwise the length of a
-    pickled description that follows. So static shapes cost one tiny message, and a sequence
-    whose length changes every batch still works. Sends are asynchronous; every handle is
-    waited on, at the latest in :meth:`wait_all` (gloo has hung on unwaited batched p2p).
+    Each tree travels as one message (a byte buffer: an int64 header, then every tensor at an
+    aligned offset), and the receiver gets its tensors as views of that buffer. Both ends of a
+    channel remember the last tree's structure, shapes and dtypes, so both know the size of the
+    next message: a header of 0 means "same structure, the data follows in this message". When
+    the structure changes (or on a channel's first message), the message of the expected size
+    carries instead the length of a pickled description, and the description itself if it fits;
+    otherwise the description follows in its own message; then the data comes in a message of
+    the new size. So static shapes cost one message per tree, and a sequence whose length
+    changes every batch still works. (Two dependent messages per tree, header then data, cost
+    gloo a few milliseconds each on a busy machine: a send queued before its receive is posted
+    waits for the receiver's notification.) Sends are asynchronous; every handle is waited on,
+    at the latest in :meth:`wait_all` (gloo has hung on unwaited batched p2p).
     """
 
     group: Any = None
@@ -93,43 +120,66 @@ class Transport:
             [bool(t.requires_grad) for t in leaves],
         )
         channel = self._send_channels.setdefault(peer, _Channel())
-        tensors: list[Tensor] = []
-        if meta == channel.last_meta:
-            tensors.append(torch.zeros(1, dtype=torch.int64, device=self.device))
-        else:
-            blob = torch.frombuffer(bytearray(pickle.dumps(meta)), dtype=torch.uint8).to(self.device)
-            tensors.append(torch.tensor([blob.numel()], dtype=torch.int64, device=self.device))
-            tensors.append(blob)
-            channel.last_meta = meta
-        tensors += [t.detach().contiguous() for t in leaves if t.numel() > 0]
         dst = self._global(peer)
-        for t in tensors:
-            self._pending.append((self._call(dist.isend, t, dst), [t]))
-            self.bytes_sent += t.numel() * t.element_size()
+        if meta != channel.last_meta:
+            # The receiver expects a message of the old layout's size: it says what changed.
+            blob = pickle.dumps(meta)
+            notice = torch.zeros(channel.message_size(), dtype=torch.uint8, device=self.device)
+            notice[:_HEADER].view(torch.int64).fill_(len(blob))
+            fits = _HEADER + len(blob) <= notice.numel()
+            blob_tensor = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(self.device)
+            if fits:
+                notice[_HEADER : _HEADER + len(blob)].copy_(blob_tensor)
+            self._isend(notice, dst)
+            if not fits:
+                self._isend(blob_tensor, dst)
+            channel.last_meta = meta
+        offsets, sizes, total = meta.layout()
+        message = torch.empty(total, dtype=torch.uint8, device=self.device)
+        message[:_HEADER].view(torch.int64).zero_()
+        with torch.no_grad():
+            for t, offset, nbytes in zip(leaves, offsets, sizes):
+                if nbytes:
+                    message[offset : offset + nbytes].view(t.dtype).view(t.shape).copy_(t.detach())
+        self._isend(message, dst)
         self._reap()
 
     def recv(self, peer: int) -> Any:
-        """Receive the next tree from ``peer`` (blocking); float tensors that required grad at the sender do here too."""
+        """Receive the next tree from ``peer`` (blocking); float tensors that required grad at the sender do here too.
+
+        The tensors are views of the received message's buffer.
+        """
         src = self._global(peer)
         channel = self._recv_channels.setdefault(peer, _Channel())
-        header = torch.empty(1, dtype=torch.int64, device=self.device)
-        self._recv_into(header, src)
-        if int(header.item()) > 0:
-            blob = torch.empty(int(header.item()), dtype=torch.uint8, device=self.device)
-            self._recv_into(blob, src)
+        message = torch.empty(channel.message_size(), dtype=torch.uint8, device=self.device)
+        self._recv_into(message, src)
+        blob_size = int(message[:_HEADER].view(torch.int64).item())
+        if blob_size > 0:
+            if _HEADER + blob_size <= message.numel():
+                blob = message[_HEADER : _HEADER + blob_size]
+            else:
+                blob = torch.empty(blob_size, dtype=torch.uint8, device=self.device)
+                self._recv_into(blob, src)
             channel.last_meta = pickle.loads(blob.cpu().numpy().tobytes())
+            message = torch.empty(channel.message_size(), dtype=torch.uint8, device=self.device)
+            self._recv_into(message, src)
+            if int(message[:_HEADER].view(torch.int64).item()) != 0:
+                raise PeerFailedError(f"Rank {peer} sent a second description in a row; the peers disagree.")
         meta = channel.last_meta
         if meta is None:
             raise PeerFailedError(f"The first message from rank {peer} carried no description; the peers disagree.")
+        offsets, sizes, _ = meta.layout()
         leaves = []
-        for shape, dtype, needs_grad in zip(meta.shapes, meta.dtypes, meta.requires_grad):
-            t = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
-            if t.numel() > 0:
-                self._recv_into(t, src)
+        for shape, dtype, needs_grad, offset, nbytes in zip(meta.shapes, meta.dtypes, meta.requires_grad, offsets, sizes):
+            t = message[offset : offset + nbytes].view(getattr(torch, dtype)).view(shape).detach()
             if needs_grad:
                 t.requires_grad_()
             leaves.append(t)
         return unflatten(leaves, meta.spec)
+
+    def _isend(self, tensor: Tensor, dst: int) -> None:
+        self._pending.append((self._call(dist.isend, tensor, dst), [tensor]))
+        self.bytes_sent += tensor.numel() * tensor.element_size()
 
     def wait_all(self) -> None:
         """Wait until every send has been received."""
