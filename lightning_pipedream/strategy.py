@@ -354,12 +354,17 @@ class PipeDreamStrategy(DDPStrategy):
             optimizer.zero_grad(set_to_none=True)
 
     def _clip_grad_by_global_norm(self, optimizer: Any, clip_val: float) -> None:
-        """Clip by the norm over the whole model: every stage's gradients, summed across ranks."""
+        """Clip by the norm over the whole model: every stage's gradients, summed across ranks.
+
+        Under ``pipedream`` the stages hold gradients of different minibatches at any moment (and
+        the drain updates stages a different number of times), so there each stage clips by its own
+        norm, as PipeDream's runtime did.
+        """
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         square = torch.zeros(1, device=self.root_device, dtype=torch.float32)
         for g in grads:
             square += g.detach().float().pow(2).sum()
-        if self.num_stages > 1:
+        if self.num_stages > 1 and self.schedule != "pipedream":
             dist.all_reduce(square)
         norm = square.sqrt()
         factor = torch.clamp(clip_val / (norm + 1e-6), max=1.0)
