@@ -19,6 +19,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from torch import Tensor, nn
 
 from lightning_pipedream.runtime.engine import PipelineEngine
+from lightning_pipedream.runtime.failures import pipeline_failures
 from lightning_pipedream.runtime.microbatch import batch_size, flatten, merge, split
 from lightning_pipedream.runtime.pipeline import check_balance, check_stage_count, even_balance, stage_slice
 from lightning_pipedream.runtime.transport import Transport
@@ -439,7 +440,8 @@ class PipeDreamStrategy(DDPStrategy):
             if fits:
                 numbers[2 : 2 + len(values)] = torch.tensor(values, dtype=torch.float64)
         device_numbers = numbers.to(self.root_device)
-        dist.broadcast(device_numbers, src=self.num_stages - 1)
+        with pipeline_failures(self.stage_index):
+            dist.broadcast(device_numbers, src=self.num_stages - 1)
         numbers = device_numbers.cpu()
         if numbers[0] == 0.0:  # something new: send it whole, and remember its shape
             payload = self._from_last_stage(payload)
@@ -455,7 +457,8 @@ class PipeDreamStrategy(DDPStrategy):
         if self.num_stages == 1:
             return payload
         box = [payload]
-        dist.broadcast_object_list(box, src=self.num_stages - 1)
+        with pipeline_failures(self.stage_index):
+            dist.broadcast_object_list(box, src=self.num_stages - 1)
         return box[0]
 
     # ----------------------------------------------------------------------------- checkpoints

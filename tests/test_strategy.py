@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import lightning as L
@@ -191,6 +192,16 @@ def test_more_stages_than_layers_fails_on_every_rank(tmp_path):
                     expect_ok=False)
     assert proc.returncode != 0
     assert "The model has 1 layers but 2 stages were asked for; every stage needs at least one layer" in proc.stderr
+
+
+def test_a_failing_stage_stops_every_rank_with_its_error(tmp_path):
+    start = time.monotonic()
+    proc = run_tiny(tmp_path, {"devices": 2, "fail_in_last_layer": True,
+                               "strategy": {"schedule": "pipedream", "balance": [3, 3]}}, timeout=120, expect_ok=False)
+    assert proc.returncode != 0 and time.monotonic() - start < 60
+    assert "[rank1]: ValueError: boom on the third forward" in proc.stderr
+    assert ("[rank0]: lightning_pipedream.runtime.transport.PeerFailedError: Pipeline stage 1 failed with "
+            "ValueError: boom on the third forward (this rank, stage 0, stopped because of it)") in proc.stderr
 
 
 def test_bad_strategy_arguments():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,7 +10,8 @@ from torch import Tensor, nn
 
 from lightning_pipedream.runtime.executor import Executor, InputFn, LossFn
 from lightning_pipedream.runtime.stage import Stage
-from lightning_pipedream.runtime.transport import PeerFailedError, Transport, post_error, posted_error
+from lightning_pipedream.runtime.failures import pipeline_failures
+from lightning_pipedream.runtime.transport import Transport
 from lightning_pipedream.runtime.weights import WeightVersions
 from lightning_pipedream.schedule.actions import Action, Op
 from lightning_pipedream.schedule.builders import (
@@ -121,7 +121,7 @@ class PipelineEngine:
                 weights.after_update(keep_from=self.version_for(action.step + 1))
 
         vertical = weights is not None and weights.vertical_sync
-        try:
+        with pipeline_failures(self.stage.index):
             result.losses = self.executor.run(
                 actions,
                 inputs=inputs,
@@ -129,26 +129,7 @@ class PipelineEngine:
                 optimizer_step=optimizer_step,
                 version=self.version_for if vertical else None,
             )
-        except PeerFailedError as err:
-            # Say why the peer went away, when it left a word, rather than only "connection closed".
-            cause = _wait_for_posted_error()
-            if cause is None:
-                raise
-            raise PeerFailedError(f"{cause} (this rank, stage {self.stage.index}, stopped because of it)") from err
-        except Exception as err:
-            post_error(f"Pipeline stage {self.stage.index} failed with {type(err).__name__}: {err}")
-            raise
         return result
-
-
-def _wait_for_posted_error(seconds: float = 2.0) -> str | None:
-    # The failing rank posts its error before exiting, but our socket may close first.
-    deadline = time.monotonic() + seconds
-    while True:
-        message = posted_error()
-        if message is not None or time.monotonic() > deadline:
-            return message
-        time.sleep(0.05)
 
 
 def _no_inputs(mb: int) -> Any:

@@ -66,6 +66,20 @@ def data(n: int = 60):
     return TensorDataset(x, y)
 
 
+class FailOnThirdCall(nn.Module):
+    """A layer that raises on its third forward: a stage failing in the middle of training."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 3:
+            raise ValueError("boom on the third forward")
+        return x
+
+
 class LossRecorder(L.Callback):
     """Writes every step's logged training loss (rank 0) and this rank's share of the model."""
 
@@ -93,6 +107,8 @@ def main() -> None:
     out, options = sys.argv[1], json.loads(sys.argv[2])
     L.seed_everything(0, verbose=False)
     model = TinyClassifier(**options.pop("model", {}))
+    if options.pop("fail_in_last_layer", False):
+        model.layers.append(FailOnThirdCall())
     strategy = options.pop("strategy", None)
     if isinstance(strategy, dict):
         strategy = PipeDreamStrategy(**strategy)
