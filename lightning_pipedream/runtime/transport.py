@@ -75,10 +75,25 @@ class _Meta:
 @dataclass
 class _Channel:
     last_meta: _Meta | None = None
+    offsets: list[int] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
+    dtypes: list[torch.dtype] = field(default_factory=list)
+    size: int = _HEADER  # the size both ends expect for the next message: that of the last tree's layout
 
-    def message_size(self) -> int:
-        """The size both ends expect for the next message: that of the last tree's layout."""
-        return _HEADER if self.last_meta is None else self.last_meta.layout()[2]
+    def set_meta(self, meta: _Meta) -> None:
+        self.last_meta = meta
+        self.offsets, self.sizes, self.size = meta.layout()
+        self.dtypes = [getattr(torch, d) for d in meta.dtypes]
+
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
 
 
 @dataclass
@@ -104,6 +119,7 @@ class Transport:
     _send_channels: dict[int, _Channel] = field(default_factory=dict)
     _recv_channels: dict[int, _Channel] = field(default_factory=dict)
     _pending: list[tuple[Any, list[Tensor]]] = field(default_factory=list)
+    _posted: dict[int, tuple[Any, Tensor]] = field(default_factory=dict)  # peer -> receive posted ahead
     bytes_sent: int = 0
 
     def _global(self, peer: int) -> int:
@@ -116,15 +132,15 @@ class Transport:
         meta = _Meta(
             spec,
             [tuple(t.shape) for t in leaves],
-            [str(t.dtype).removeprefix("torch.") for t in leaves],
-            [bool(t.requires_grad) for t in leaves],
+            [_dtype_name(t.dtype) for t in leaves],
+            [t.requires_grad for t in leaves],
         )
         channel = self._send_channels.setdefault(peer, _Channel())
         dst = self._global(peer)
         if meta != channel.last_meta:
             # The receiver expects a message of the old layout's size: it says what changed.
             blob = pickle.dumps(meta)
-            notice = torch.zeros(channel.message_size(), dtype=torch.uint8, device=self.device)
+            notice = torch.zeros(channel.size, dtype=torch.uint8, device=self.device)
             notice[:_HEADER].view(torch.int64).fill_(len(blob))
             fits = _HEADER + len(blob) <= notice.numel()
             blob_tensor = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(self.device)
@@ -133,14 +149,12 @@ class Transport:
             self._isend(notice, dst)
             if not fits:
                 self._isend(blob_tensor, dst)
-            channel.last_meta = meta
-        offsets, sizes, total = meta.layout()
-        message = torch.empty(total, dtype=torch.uint8, device=self.device)
-        message[:_HEADER].view(torch.int64).zero_()
-        with torch.no_grad():
-            for t, offset, nbytes in zip(leaves, offsets, sizes):
-                if nbytes:
-                    message[offset : offset + nbytes].view(t.dtype).view(t.shape).copy_(t.detach())
+            channel.set_meta(meta)
+        message = torch.empty(channel.size, dtype=torch.uint8, device=self.device)
+        message[:_HEADER].zero_()
+        for t, offset, nbytes in zip(leaves, channel.offsets, channel.sizes):
+            if nbytes:
+                message[offset : offset + nbytes].view(t.dtype).view(t.shape).copy_(t.detach())
         self._isend(message, dst)
         self._reap()
 
@@ -151,8 +165,13 @@ class Transport:
         """
         src = self._global(peer)
         channel = self._recv_channels.setdefault(peer, _Channel())
-        message = torch.empty(channel.message_size(), dtype=torch.uint8, device=self.device)
-        self._recv_into(message, src)
+        posted = self._posted.pop(peer, None)
+        if posted is not None:
+            work, message = posted
+            self._wait(work)
+        else:
+            message = torch.empty(channel.size, dtype=torch.uint8, device=self.device)
+            self._recv_into(message, src)
         blob_size = int(message[:_HEADER].view(torch.int64).item())
         if blob_size > 0:
             if _HEADER + blob_size <= message.numel():
@@ -160,22 +179,39 @@ class Transport:
             else:
                 blob = torch.empty(blob_size, dtype=torch.uint8, device=self.device)
                 self._recv_into(blob, src)
-            channel.last_meta = pickle.loads(blob.cpu().numpy().tobytes())
-            message = torch.empty(channel.message_size(), dtype=torch.uint8, device=self.device)
+            channel.set_meta(pickle.loads(blob.cpu().numpy().tobytes()))
+            message = torch.empty(channel.size, dtype=torch.uint8, device=self.device)
             self._recv_into(message, src)
             if int(message[:_HEADER].view(torch.int64).item()) != 0:
                 raise PeerFailedError(f"Rank {peer} sent a second description in a row; the peers disagree.")
         meta = channel.last_meta
         if meta is None:
             raise PeerFailedError(f"The first message from rank {peer} carried no description; the peers disagree.")
-        offsets, sizes, _ = meta.layout()
         leaves = []
-        for shape, dtype, needs_grad, offset, nbytes in zip(meta.shapes, meta.dtypes, meta.requires_grad, offsets, sizes):
-            t = message[offset : offset + nbytes].view(getattr(torch, dtype)).view(shape).detach()
+        for shape, dtype, needs_grad, offset, nbytes in zip(
+            meta.shapes, channel.dtypes, meta.requires_grad, channel.offsets, channel.sizes
+        ):
+            t = message[offset : offset + nbytes].view(dtype).view(shape).detach()
             if needs_grad:
                 t.requires_grad_()
             leaves.append(t)
         return unflatten(leaves, meta.spec)
+
+    def post_recv(self, peer: int) -> None:
+        """Post the receive of the next message from ``peer`` now, for a later :meth:`recv` to wait on.
+
+        Call it only when a :meth:`recv` from ``peer`` is certain to follow (the executor does, for
+        the receives of the actions it is running). A receive posted before the peer sends lets the
+        peer's send go out at once (gloo otherwise holds a send until the receiver asks for it, and
+        on a busy rank that costs a thread wake-up or more), and the data lands while this rank
+        computes. Both ends know the next message's size, so the buffer is right even when the
+        tree's shapes change.
+        """
+        if peer in self._posted:
+            return
+        channel = self._recv_channels.setdefault(peer, _Channel())
+        message = torch.empty(channel.size, dtype=torch.uint8, device=self.device)
+        self._posted[peer] = (self._call(dist.irecv, message, self._global(peer)), message)
 
     def _isend(self, tensor: Tensor, dst: int) -> None:
         self._pending.append((self._call(dist.isend, tensor, dst), [tensor]))
