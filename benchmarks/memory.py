@@ -10,6 +10,9 @@ allocations do not inflate another's peak. Per rank it reports:
 * ``rss_setup_mb``: resident memory once the model, stage and optimizer exist (torch itself is most of it);
 * ``peak_rss_mb``: the peak resident memory (VmHWM) over the training steps, after resetting the
   peak at the end of setup (``/proc/self/clear_refs``); ``peak_rss_growth_mb`` is the difference;
+* ``rss_end_mb`` and ``rss_after_malloc_trim_mb``: resident memory after the steps, and after
+  ``gc.collect()`` freed what only reference cycles kept and glibc's ``malloc_trim(0)`` returned
+  the free memory it kept (so: what nothing uses any more);
 * ``peak_in_flight``: the most micro-batches (pipedream: minibatches) whose forward has run and
   whose backward has not, read from the stage after every forward;
 * ``peak_activation_mb``: the most bytes of tensors that autograd kept for backward at one time
@@ -22,6 +25,7 @@ allocations do not inflate another's peak. Per rank it reports:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import subprocess
 import sys
@@ -44,6 +48,17 @@ def _status_kb(key: str) -> int:
             if line.startswith(key + ":"):
                 return int(line.split()[1])
     raise KeyError(key)
+
+
+def _malloc_trim() -> bool:
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        return True
+    except (OSError, AttributeError):
+        return False
 
 
 def _reset_peak_rss() -> bool:
@@ -152,11 +167,16 @@ def memory_worker(rank: int, world: int, cfg: Config, schedule: str, steps: int)
             step()
         pipe.drain()
     peak = _status_kb("VmHWM")
+    rss_end = _status_kb("VmRSS")
+    trimmed = _malloc_trim()
     out = {
         "rank": rank,
         "rss_setup_mb": rss_setup / 1024,
         "peak_rss_mb": peak / 1024,
         "peak_rss_growth_mb": (peak - rss_setup) / 1024 if reset else None,
+        "rss_end_mb": rss_end / 1024,
+        # what the C allocator holds but nothing uses: given back by malloc_trim (glibc only)
+        "rss_after_malloc_trim_mb": _status_kb("VmRSS") / 1024 if trimmed else None,
         "peak_in_flight": peaks["in_flight"],
         "peak_activation_mb": meter.peak / 2**20,
         "activation_mb_per_microbatch": None,
@@ -205,12 +225,13 @@ def main(argv: list[str] | None = None) -> dict:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=1))
-    print(f"{'schedule':10s} {'rank':>4s} {'setup MB':>9s} {'peak MB':>8s} {'growth MB':>9s} {'in flight':>9s} "
-          f"{'act. MB':>8s} {'versions':>8s} {'weights MB':>10s}")
+    print(f"{'schedule':10s} {'rank':>4s} {'setup MB':>9s} {'peak MB':>8s} {'growth MB':>9s} {'trimmed MB':>10s} "
+          f"{'in flight':>9s} {'act. MB':>8s} {'versions':>8s} {'weights MB':>10s}")
     for schedule, ranks in results.items():
         for r in ranks:
             growth = "" if r["peak_rss_growth_mb"] is None else f"{r['peak_rss_growth_mb']:.1f}"
-            print(f"{schedule:10s} {r['rank']:4d} {r['rss_setup_mb']:9.1f} {r['peak_rss_mb']:8.1f} {growth:>9s} "
+            trimmed = "" if r["rss_after_malloc_trim_mb"] is None else f"{r['rss_after_malloc_trim_mb']:.1f}"
+            print(f"{schedule:10s} {r['rank']:4d} {r['rss_setup_mb']:9.1f} {r['peak_rss_mb']:8.1f} {growth:>9s} {trimmed:>10s} "
                   f"{r['peak_in_flight']:9d} {r['peak_activation_mb']:8.2f} {r.get('peak_weight_versions', 1):8d} "
                   f"{r.get('weight_versions_mb', r['param_mb']):10.1f}")
     return doc

@@ -2,8 +2,9 @@
 
 Run from the repository root::
 
-    python benchmarks/schedules.py --json benchmarks/results/schedules.json          # ~8 minutes
+    python benchmarks/schedules.py --json benchmarks/results/schedules.json          # 6-10 minutes
     python benchmarks/schedules.py --quick --json /tmp/quick.json                     # < 2 minutes
+    python benchmarks/schedules.py --malloc keep --json benchmarks/results/schedules_malloc_keep.json
 
 The model is 8 x (Linear(1024, 1024) + ReLU) with MSE loss and plain SGD; a step is a batch of
 512 samples in 8 micro-batches of 64. Every multi-process contender runs 2 processes (one stage
@@ -18,15 +19,20 @@ each, the model split in the middle) with 1 thread each, over gloo on loopback. 
   same split, ``return_outputs=False``.
 * ``one_thread``: one process, 1 thread, the same 8 micro-batches one after another (gradient
   accumulation), then one SGD step: the work of one step with no parallelism.
+* ``one_thread_per_minibatch``: one process, 1 thread, an SGD step after every 64 samples: the
+  work PipeDream does (8 optimizer steps per 512 samples), without its pipeline.
 * ``two_threads``: one process, 2 threads (intra-op), the whole batch of 512 at once.
 
 The contenders are interleaved: every round runs each once, the order rotating from round to
-round; the figures are medians over rounds. Before and during the runs the machine's load is
-recorded: ``foreign_cores`` is the CPU time used by processes other than the benchmark's, per
-second of wall time (from /proc/stat minus our children's rusage), the best sign of a busy machine.
+round; the figures are medians over rounds, and over the runs during which the machine was
+quiet. Before each run it waits (within a budget) for other processes to calm down. Before and
+during the runs the machine's load is recorded: ``foreign_cores`` is the CPU time used by
+processes other than the benchmark's, per second of wall time (from /proc/stat minus our
+children's rusage), the best sign of a busy machine.
 
 Besides steps/s the run measures what the simulator needs (per-stage forward/backward of a
-micro-batch in isolation, the optimizer step, the link's latency and bandwidth), predicts every
+micro-batch in isolation and with both stages running at once, the optimizer step, the link's
+latency and bandwidth, and the same costs as the traced runs recorded them), predicts every
 schedule's step time with ``lightning_pipedream.schedule.simulate``, and compares it, and the
 bubble measured from the traced runs, with the measurements. Traces (Chrome/Perfetto JSON, one
 step of each schedule, both ranks) go to ``--trace-dir`` for ``benchmarks/timelines.py``.
@@ -57,7 +63,7 @@ from lightning_pipedream.runtime.transport import Transport
 from lightning_pipedream.schedule.actions import Op
 from lightning_pipedream.schedule.builders import build_schedule
 from lightning_pipedream.schedule.simulate import simulate
-from lightning_pipedream.schedule.timeline import TimedAction, bubble_fraction, to_chrome_trace
+from lightning_pipedream.schedule.timeline import TimedAction, bubble_fraction, makespan, to_chrome_trace
 
 OURS = ("gpipe", "1f1b", "pipedream")
 TORCH = ("gpipe", "1f1b")
@@ -394,6 +400,26 @@ class LoadMeter:
         return False
 
 
+def keep_freed_memory() -> bool:
+    """Tell glibc's malloc to keep freed memory for reuse rather than give it back to the OS.
+
+    By default glibc returns large freed blocks (``munmap``, heap trimming), so the next
+    allocation of a tensor that size faults its pages in again; on this VM a page fault costs
+    about a microsecond, so a 4 MiB gradient or weight copy costs ~1 ms more each time. The
+    PyTorch CPU tuning guide's advice (jemalloc, tcmalloc) aims at the same. Applies to this
+    process and the processes it forks afterwards; returns False where it cannot (not glibc).
+    """
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    # 32 MiB is the largest mmap threshold glibc accepts; fixing it also stops its dynamic adjustment.
+    return bool(libc.mallopt(m_mmap_threshold, 32 << 20)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
+
+
 BUSY_CORES = 0.25  # other processes using more than this many cores: the machine is busy
 
 
@@ -530,7 +556,12 @@ def trace_costs(runs: list[dict]) -> dict | None:
 
 
 def measured_bubble(events: list[TimedAction], schedule: str, cfg: Config) -> dict:
-    """Bubble of one step from a trace: per flushed step (makespan of that step's actions on both ranks)."""
+    """Bubble of each flushed step from a trace, with ``bubble_fraction`` over the step's window.
+
+    A step's window runs from its first forward (on stage 0) to its last action's end; waits
+    that began earlier (the last stage finishes its previous step first and waits for the next
+    one's input) are clipped to the window, so that consecutive windows do not overlap.
+    """
     ranks = sorted({e.rank for e in events})
     if schedule == "pipedream":
         # 8 PipeDream steps per batch; the trace has whole runs of them. Bubble over the whole trace.
@@ -543,8 +574,13 @@ def measured_bubble(events: list[TimedAction], schedule: str, cfg: Config) -> di
         evs = []
         for r, n in zip(ranks, n_actions):
             evs += per_rank[r][k * n:(k + 1) * n]
-        values.append(bubble_fraction(evs))
+        values.append(bubble_fraction(_clip_to_first_forward(evs)))
     return {"per_step": values, "median": statistics.median(values)}
+
+
+def _clip_to_first_forward(events: list[TimedAction]) -> list[TimedAction]:
+    start = min(e.start for e in events if e.action.op is Op.FORWARD)
+    return [TimedAction(e.rank, e.action, max(e.start, start), e.end) for e in events if e.end > start]
 
 
 def one_step_events(events: list[TimedAction], schedule: str, cfg: Config, step: int) -> list[TimedAction]:
@@ -561,6 +597,7 @@ def one_step_events(events: list[TimedAction], schedule: str, cfg: Config, step:
         for r in ranks:
             n = len(build_schedule(schedule, cfg.stages, cfg.chunks).actions[r])
             chosen += [e for e in events if e.rank == r][step * n:(step + 1) * n]
+        chosen = _clip_to_first_forward(chosen)  # from the step's first forward, as measured_bubble
     origin = min(e.start for e in chosen)
     return [TimedAction(e.rank, e.action, e.start - origin, e.end - origin) for e in chosen]
 
@@ -572,9 +609,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=None)
-    parser.add_argument("--trace-dir", type=Path, default=Path("benchmarks/results/traces"),
+    parser.add_argument("--trace-dir", default="benchmarks/results/traces",
                         help="where the traced runs' Chrome traces go ('' for none)")
     parser.add_argument("--no-trace-contenders", action="store_true", help="skip the ours_*_trace contenders")
+    parser.add_argument("--malloc", choices=("default", "keep"), default="default",
+                        help="keep: glibc keeps freed memory for reuse (see keep_freed_memory), in every contender")
     parser.add_argument("--only", default="", help="comma-separated contenders to run (one_thread is always run)")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--width", type=int, default=1024)
@@ -586,7 +625,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--wait-budget", type=float, default=None,
                         help="seconds of such waiting in all (default 150; quick 20)")
     args = parser.parse_args(argv)
-    rounds = args.rounds or (2 if args.quick else 7)
+    rounds = args.rounds or (2 if args.quick else 6)
     steps = args.steps or (3 if args.quick else 10)
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     if args.max_wait is None:
@@ -594,6 +633,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.wait_budget is None:
         args.wait_budget = 20.0 if args.quick else 150.0
     cfg = Config(layers=args.layers, width=args.width, batch=args.batch, chunks=args.chunks)
+    if args.malloc == "keep" and not keep_freed_memory():
+        parser.error("--malloc keep needs glibc")
     names = contenders(include_trace=not args.no_trace_contenders)
     if args.only:
         wanted = set(args.only.split(",")) | {"one_thread"}
@@ -603,7 +644,7 @@ def main(argv: list[str] | None = None) -> dict:
         names = [n for n in names if n in wanted]
     started = time.time()
 
-    load0 = idle_load()
+    load0 = idle_load(1.0 if args.quick else 2.0)
     print(f"machine: {os.cpu_count()} CPUs, load average {load0['loadavg_1m']:.2f}, "
           f"other processes using {load0['foreign_cores']:.2f} cores", flush=True)
     # The load average lags by a minute (and counts this benchmark's own recent runs): the CPU that
@@ -726,16 +767,21 @@ def main(argv: list[str] | None = None) -> dict:
         bubbles[s] = {
             "analytic": (p - 1) / (m + p - 1) if s in TORCH else 0.0,
             "simulated": pred[s]["bubble_fraction"],
+            "simulated_trace_costs": replay[s]["bubble_fraction"] if s in replay else None,
             "measured_whole_step_median": statistics.median(whole),
         }
         if f"ours_{s}_trace" in kept_events:
             events = kept_events[f"ours_{s}_trace"]
             if s in TORCH:
                 bubbles[s]["measured_in_step_median"] = measured_bubble(events, s, cfg)["median"]
-            if str(args.trace_dir):
-                args.trace_dir.mkdir(parents=True, exist_ok=True)
-                one_step = one_step_events(events, s, cfg, step=min(1, steps - 1))
-                (args.trace_dir / f"real_{s}.json").write_text(json.dumps(to_chrome_trace(one_step)))
+            if args.trace_dir:
+                trace_dir = Path(args.trace_dir)
+                trace_dir.mkdir(parents=True, exist_ok=True)
+                # the step whose span is the median of the run's: a typical one, not a disturbed one
+                spans = [makespan(one_step_events(events, s, cfg, step=k)) for k in range(steps)]
+                typical = sorted(range(steps), key=lambda k: spans[k])[steps // 2]
+                one_step = one_step_events(events, s, cfg, step=typical)
+                (trace_dir / f"real_{s}.json").write_text(json.dumps(to_chrome_trace(one_step)))
         # the per-action cost of recording, measured in isolation
     trace_overhead["record_cost_s_per_action"] = _record_cost()
     for s in OURS:
@@ -746,7 +792,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     doc = {
         "config": {**asdict(cfg), "micro_batch": cfg.micro, "threads_per_process": 1, "lr": LR,
-                   "rounds": rounds, "timed_steps_per_run": steps, "warmup_steps": warmup, "quick": args.quick,
+                   "rounds": rounds, "timed_steps_per_run": steps, "malloc": args.malloc, "warmup_steps": warmup, "quick": args.quick,
                    "step": f"one batch of {cfg.batch} samples (pipedream: {cfg.chunks} minibatches of {cfg.micro})"},
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
                     "cpus": os.cpu_count(), "load_before": load0,

@@ -18,6 +18,7 @@ def _load(name: str):
         sys.path.insert(0, str(BENCHMARKS))  # memory.py and timelines.py import schedules.py as a sibling
     spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
     spec.loader.exec_module(module)
     return module
 
@@ -28,6 +29,7 @@ def test_schedules_memory_and_timelines_run(tmp_path):
     schedules = _load("schedules")
     out, traces = tmp_path / "schedules.json", tmp_path / "traces"
     doc = schedules.main(TINY + ["--rounds", "1", "--steps", "2", "--warmup", "0", "--quick",
+                                 "--max-wait", "0", "--wait-budget", "0",
                                  "--json", str(out), "--trace-dir", str(traces)])
     saved = json.loads(out.read_text())
     assert saved["contenders"].keys() == doc["contenders"].keys()
