@@ -26,7 +26,7 @@ class WeightVersions:
         self.stashing = stashing
         self.vertical_sync = vertical_sync
         self.num_updates = 0
-        self._live_in_use = False
+        self._live_users: set[int] = set()  # minibatches in flight whose forward used the live storage
         self._history: dict[int, dict[str, Tensor]] = {}  # version -> storage, for vertical sync
         self._leaves: dict[int, dict[str, Tensor]] = {}  # minibatch -> the leaves its forward used
         self._version_of: dict[int, int] = {}
@@ -35,7 +35,7 @@ class WeightVersions:
         """Leaves to run ``microbatch``'s forward on: the live weights, or an older ``version`` (vertical sync)."""
         if version is None or version >= self.num_updates:
             source = {n: p.data for n, p in self.params.items()}
-            self._live_in_use = True
+            self._live_users.add(microbatch)
             version = self.num_updates
         elif version in self._history:
             source = self._history[version]
@@ -57,6 +57,7 @@ class WeightVersions:
         """After ``microbatch``'s backward: add the gradients its leaves received to the parameters' ``.grad``."""
         leaves = self._leaves.pop(microbatch)
         self._version_of.pop(microbatch)
+        self._live_users.discard(microbatch)
         for name, leaf in leaves.items():
             if leaf.grad is None:
                 continue
@@ -65,14 +66,16 @@ class WeightVersions:
 
     def before_update(self) -> None:
         """Call right before the optimizer writes into the parameters."""
-        if self.stashing and (self._live_in_use or self.vertical_sync):
+        # Only a minibatch still in flight needs the old storage (on the last stage none is: its
+        # forward and backward both come before the update, so it updates in place).
+        if self.stashing and (self._live_users or self.vertical_sync):
             old = {}
             for name, p in self.params.items():
                 old[name] = p.data
                 p.data = p.data.clone()
             if self.vertical_sync:
                 self._history[self.num_updates] = old
-        self._live_in_use = False
+        self._live_users.clear()
 
     def after_update(self, keep_from: int | None = None) -> None:
         """Call right after the optimizer step; ``keep_from`` is the oldest version a future forward may need."""
@@ -87,7 +90,7 @@ class WeightVersions:
         if self._leaves:
             raise RuntimeError(f"Minibatches {sorted(self._leaves)} are still in flight; drain the pipeline first.")
         self._history.clear()
-        self._live_in_use = False
+        self._live_users.clear()
 
     def stored_versions(self) -> int:
         """How many distinct weight versions are alive: the live one plus stashed and kept ones."""
