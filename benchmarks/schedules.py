@@ -46,7 +46,6 @@ import os
 import platform
 import resource
 import statistics
-import sys
 import time
 import warnings
 from dataclasses import asdict, dataclass

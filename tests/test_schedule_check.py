@@ -326,9 +326,9 @@ def test_dropping_or_repeating_any_action_is_rejected(name):
     s = build_schedule(name, 3, 4)
     for rank, actions in enumerate(s.actions):
         for i in range(len(actions)):
-            with pytest.raises(ScheduleError, match=rf"rank \d, step \d+"):
+            with pytest.raises(ScheduleError, match=r"rank \d, step \d+"):
                 validate(_edit(s, rank, lambda acts: acts[:i] + acts[i + 1:]))
-            with pytest.raises(ScheduleError, match=rf"rank \d, step \d+"):
+            with pytest.raises(ScheduleError, match=r"rank \d, step \d+"):
                 validate(_edit(s, rank, lambda acts: acts[:i + 1] + acts[i:]))
 
 
