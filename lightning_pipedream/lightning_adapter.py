@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -225,4 +225,70 @@ def _cpu(value: Any) -> Any:
         return value.detach().cpu()
     if isinstance(value, dict):
         return {k: _cpu(v) for k, v in value.items()}
+    return value
+
+
+class Elsewhere(nn.Module):
+    """Stands in for a layer that lives on another stage's process."""
+
+    def __init__(self, name: str, stage: int) -> None:
+        super().__init__()
+        self.layer_name, self.stage = name, stage
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            f"Layer {self.layer_name!r} lives on pipeline stage {self.stage}, another process. Under "
+            "PipeDreamStrategy the layers run only through the pipeline: call self(x) (or the Sequential) "
+            "from training/validation/test/predict_step, not a single layer."
+        )
+
+    def extra_repr(self) -> str:
+        return f"{self.layer_name!r} on stage {self.stage}"
+
+
+class Replay(nn.Module):
+    """Stands in for the whole Sequential on the last stage: returns the pipeline's output."""
+
+    def __init__(self, output: Any) -> None:
+        super().__init__()
+        self.output = output
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.output
+
+
+class _Capture(nn.Module):
+    """Stands in for the whole Sequential on the first stage: catches its input and stops the step."""
+
+    def forward(self, x: Any, *rest: Any, **kwargs: Any) -> Any:
+        if rest or kwargs:
+            raise TypeError(
+                "The pipelined nn.Sequential must be called with one argument (a tensor or a tuple/dict of tensors); "
+                f"it got {1 + len(rest)} positional and {len(kwargs)} keyword arguments."
+            )
+        raise InputCaptured(x)
+
+
+def capture_layers_input(module: LightningModule, name: str, hook: str, *args: Any, **kwargs: Any) -> Any:
+    """Run the user's step until it calls the Sequential, and return that call's input."""
+    step = getattr(module, hook)
+    try:
+        with swap_layers(module, name, _Capture()), LogRecorder().capture(module, 1):
+            step(*args, **kwargs)
+    except InputCaptured as captured:
+        return captured.value
+    raise RuntimeError(
+        f"{type(module).__name__}.{hook} returned without calling self.{name} (through self(x) / forward). "
+        f"Under PipeDreamStrategy every step must run the model's layers exactly once, via self(x)."
+    )
+
+
+def loss_of(step_output: Any) -> Tensor:
+    value = step_output.get("loss") if isinstance(step_output, Mapping) else step_output
+    if not isinstance(value, Tensor) or value.dim() != 0:
+        raise TypeError(
+            "Under PipeDreamStrategy training_step must return the loss as a scalar tensor (or a dict with a "
+            f"'loss' scalar); it returned {type(step_output).__name__}. Skipping a step by returning None is "
+            "not supported: the other stages have already run it."
+        )
     return value

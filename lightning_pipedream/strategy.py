@@ -25,15 +25,19 @@ from lightning_pipedream.runtime.pipeline import check_balance, check_stage_coun
 from lightning_pipedream.runtime.transport import Transport
 from lightning_pipedream.schedule.builders import SCHEDULES, check_schedule_options, inference
 from lightning_pipedream.lightning_adapter import (
-    InputCaptured,
+    Elsewhere,
     LogRecorder,
     OptimizerLayout,
+    Replay,
+    capture_layers_input,
     find_layers,
+    loss_of,
     swap_layers,
 )
 
 _DEFAULT_TIMEOUT = timedelta(minutes=30)
-_SUMMARY_SLOTS = 64  # numbers a training step's loss and logs may use before they travel pickled
+_SUMMARY_SLOTS = 64
+_CPU = torch.device("cpu")  # numbers a training step's loss and logs may use before they travel pickled
 
 
 class PipeDreamStrategy(DDPStrategy):
@@ -204,7 +208,7 @@ class PipeDreamStrategy(DDPStrategy):
         if batch is None:
             return None, even_balance(len(layers), self.num_stages)
         batch = self.batch_to_device(batch)
-        sample = _capture_layers_input(module, self._layers_name, "training_step", batch, 0)
+        sample = capture_layers_input(module, self._layers_name, "training_step", batch, 0)
         profile = profile_module(layers, sample)
         plan = partition(profile, Topology.flat(self.num_stages, self.bandwidth), "pipedream", straight=True)
         if len(plan.stages) != self.num_stages:
@@ -221,7 +225,7 @@ class PipeDreamStrategy(DDPStrategy):
         stage_of = [s for s, count in enumerate(self.balance) for _ in range(count)]
         for i, name in enumerate(list(layers._modules)):
             if name not in own._modules:
-                layers._modules[name] = _Elsewhere(name, stage_of[i])
+                layers._modules[name] = Elsewhere(name, stage_of[i])
         self._stage_module = own
         prefix = f"{self._layers_name}."
         self._local_names = {id(p): prefix + n for n, p in own.named_parameters()}
@@ -262,13 +266,13 @@ class PipeDreamStrategy(DDPStrategy):
             return parts[mb if flushed else 0]
 
         def inputs(mb: int) -> Any:
-            return _capture_layers_input(module, self._layers_name, "training_step", part(mb), batch_idx)
+            return capture_layers_input(module, self._layers_name, "training_step", part(mb), batch_idx)
 
         def loss(mb: int, output: Any) -> Tensor:
             i = mb if flushed else 0
-            with swap_layers(module, self._layers_name, _Replay(output)), recorder.capture(module, sizes[i]):
+            with swap_layers(module, self._layers_name, Replay(output)), recorder.capture(module, sizes[i]):
                 step_output = module.training_step(part(mb), batch_idx)
-            value = _loss_of(step_output)
+            value = loss_of(step_output)
             outputs[mb] = step_output
             return value * (sizes[i] / total) if len(parts) > 1 else value
 
@@ -286,7 +290,7 @@ class PipeDreamStrategy(DDPStrategy):
         payload = None
         if self.is_last_stage:
             last_output = outputs[max(outputs)]
-            extra = {k: _detached(v) for k, v in last_output.items() if k != "loss"} if isinstance(last_output, Mapping) else {}
+            extra = {k: _to_device(v, _CPU) for k, v in last_output.items() if k != "loss"} if isinstance(last_output, Mapping) else {}
             payload = (float(sum(result.losses.values())), extra, recorder.aggregate())
         loss_value, extra, logs = self._step_summary_from_last_stage(payload)
         LogRecorder.replay(module, logs)
@@ -396,10 +400,10 @@ class PipeDreamStrategy(DDPStrategy):
         recorder = LogRecorder()
 
         def inputs(mb: int) -> Any:
-            return _capture_layers_input(module, self._layers_name, hook, parts[mb], batch_idx, *extra_args, **kwargs)
+            return capture_layers_input(module, self._layers_name, hook, parts[mb], batch_idx, *extra_args, **kwargs)
 
         def output_of(mb: int, output: Any) -> Any:
-            with swap_layers(module, self._layers_name, _Replay(output)), recorder.capture(module, sizes[mb]):
+            with swap_layers(module, self._layers_name, Replay(output)), recorder.capture(module, sizes[mb]):
                 return step(parts[mb], batch_idx, *extra_args, **kwargs)
 
         actions = inference(self.num_stages, len(parts)).actions[self.stage_index]
@@ -414,7 +418,7 @@ class PipeDreamStrategy(DDPStrategy):
             if send_output:
                 values = [outputs[mb] for mb in sorted(outputs)]
                 merged = values[0] if len(values) == 1 else _merge_outputs(values)
-                merged = _to_cpu(merged)
+                merged = _to_device(merged, _CPU)
             payload = (merged, recorder.aggregate())
         merged, logs = self._from_last_stage(payload)
         LogRecorder.replay(module, logs)
@@ -536,61 +540,6 @@ class PipeDreamStrategy(DDPStrategy):
         )
 
 
-class _Elsewhere(nn.Module):
-    """Stands in for a layer that lives on another stage's process."""
-
-    def __init__(self, name: str, stage: int) -> None:
-        super().__init__()
-        self.layer_name, self.stage = name, stage
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(
-            f"Layer {self.layer_name!r} lives on pipeline stage {self.stage}, another process. Under "
-            "PipeDreamStrategy the layers run only through the pipeline: call self(x) (or the Sequential) "
-            "from training/validation/test/predict_step, not a single layer."
-        )
-
-    def extra_repr(self) -> str:
-        return f"{self.layer_name!r} on stage {self.stage}"
-
-
-class _Replay(nn.Module):
-    """Stands in for the whole Sequential on the last stage: returns the pipeline's output."""
-
-    def __init__(self, output: Any) -> None:
-        super().__init__()
-        self.output = output
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.output
-
-
-class _Capture(nn.Module):
-    """Stands in for the whole Sequential on the first stage: catches its input and stops the step."""
-
-    def forward(self, x: Any, *rest: Any, **kwargs: Any) -> Any:
-        if rest or kwargs:
-            raise TypeError(
-                "The pipelined nn.Sequential must be called with one argument (a tensor or a tuple/dict of tensors); "
-                f"it got {1 + len(rest)} positional and {len(kwargs)} keyword arguments."
-            )
-        raise InputCaptured(x)
-
-
-def _capture_layers_input(module: LightningModule, name: str, hook: str, *args: Any, **kwargs: Any) -> Any:
-    """Run the user's step until it calls the Sequential, and return that call's input."""
-    step = getattr(module, hook)
-    try:
-        with swap_layers(module, name, _Capture()), LogRecorder().capture(module, 1):
-            step(*args, **kwargs)
-    except InputCaptured as captured:
-        return captured.value
-    raise RuntimeError(
-        f"{type(module).__name__}.{hook} returned without calling self.{name} (through self(x) / forward). "
-        f"Under PipeDreamStrategy every step must run the model's layers exactly once, via self(x)."
-    )
-
-
 def _first_training_batch(trainer: Trainer) -> Any:
     source = getattr(trainer.fit_loop, "_data_source", None)
     if source is None or not source.is_defined():
@@ -610,23 +559,6 @@ def _batch_args(args: tuple, kwargs: dict) -> tuple[Any, int]:
     return batch, batch_idx
 
 
-def _loss_of(step_output: Any) -> Tensor:
-    value = step_output.get("loss") if isinstance(step_output, Mapping) else step_output
-    if not isinstance(value, Tensor) or value.dim() != 0:
-        raise TypeError(
-            "Under PipeDreamStrategy training_step must return the loss as a scalar tensor (or a dict with a "
-            f"'loss' scalar); it returned {type(step_output).__name__}. Skipping a step by returning None is "
-            "not supported: the other stages have already run it."
-        )
-    return value
-
-
-def _detached(value: Any) -> Any:
-    if isinstance(value, Tensor):
-        return value.detach().cpu()
-    return value
-
-
 def _merge_outputs(values: list[Any]) -> Any:
     try:
         return merge(values)
@@ -634,19 +566,9 @@ def _merge_outputs(values: list[Any]) -> Any:
         return values
 
 
-def _to_cpu(value: Any) -> Any:
-    if isinstance(value, Tensor):
-        return value.detach().cpu()
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_cpu(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _to_cpu(v) for k, v in value.items()}
-    return value
-
-
 def _to_device(value: Any, device: torch.device) -> Any:
     if isinstance(value, Tensor):
-        return value.to(device)
+        return value.detach().to(device)
     if isinstance(value, (list, tuple)):
         return type(value)(_to_device(v, device) for v in value)
     if isinstance(value, dict):
