@@ -114,9 +114,11 @@ def stage_module(cfg: Config, rank: int) -> nn.Sequential:
 # timed steps.
 
 
-def _timed(step, warmup: int, steps: int, finish=None, barrier: bool = True) -> dict:
+def _timed(step, warmup: int, steps: int, finish=None, barrier: bool = True, after_warmup=None) -> dict:
     for _ in range(warmup):
         step()
+    if after_warmup is not None:
+        after_warmup()
     if barrier:
         dist.barrier()
     f0, c0, t0 = _faults(), _cpu_self(), time.perf_counter()
@@ -161,18 +163,7 @@ def ours_worker(rank: int, world: int, cfg: Config, schedule: str, trace: bool, 
 
         finish = None
     executor = pipe.engine.executor
-    for _ in range(warmup):
-        step()
-    executor.trace.clear()
-    dist.barrier()
-    f0, c0, t0 = _faults(), _cpu_self(), time.perf_counter()
-    loss = None
-    for _ in range(steps):
-        loss = step()
-    if finish is not None:
-        finish()
-    t1 = time.perf_counter()
-    out = {"t0": t0, "t1": t1, "cpu_s": _cpu_self() - c0, "faults": _faults() - f0, "loss": loss}
+    out = _timed(step, warmup, steps, finish, after_warmup=executor.trace.clear)
     if trace:
         out["busy_s"] = sum(e - s for a, s, e in executor.trace if a.op in (Op.FORWARD, Op.BACKWARD, Op.OPTIMIZER_STEP))
         # mean seconds of this rank's forwards, backwards and optimizer steps, as the simulator takes them
