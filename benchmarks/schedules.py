@@ -57,7 +57,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_pipedream.runtime.launch import run_local
-from lightning_pipedream.runtime.pipeline import Pipeline, even_balance, stage_slice
+from lightning_pipedream.plan.balance import even_balance, stage_slice
+from lightning_pipedream.runtime.pipeline import Pipeline
 from lightning_pipedream.runtime.transport import Transport
 from lightning_pipedream.schedule.actions import Op
 from lightning_pipedream.schedule.builders import build_schedule
@@ -145,7 +146,7 @@ def ours_worker(rank: int, world: int, cfg: Config, schedule: str, trace: bool, 
     x, y = make_batch(cfg)
     chunks = 1 if schedule == "pipedream" else cfg.chunks
     pipe = Pipeline(build_model(cfg), loss_fn=nn.functional.mse_loss, optimizer=sgd, schedule=schedule,
-                    chunks=chunks, trace=trace)
+                    chunks=chunks, record=trace)
     if schedule == "pipedream":
         xs, ys = x.split(cfg.micro), y.split(cfg.micro)
 
@@ -163,17 +164,17 @@ def ours_worker(rank: int, world: int, cfg: Config, schedule: str, trace: bool, 
 
         finish = None
     executor = pipe.engine.executor
-    out = _timed(step, warmup, steps, finish, after_warmup=executor.trace.clear)
+    out = _timed(step, warmup, steps, finish, after_warmup=executor.records.clear)
     if trace:
-        out["busy_s"] = sum(e - s for a, s, e in executor.trace if a.op in (Op.FORWARD, Op.BACKWARD, Op.OPTIMIZER_STEP))
+        out["busy_s"] = sum(e - s for a, s, e in executor.records if a.op in (Op.FORWARD, Op.BACKWARD, Op.OPTIMIZER_STEP))
         # mean seconds of this rank's forwards, backwards and optimizer steps, as the simulator takes them
         out["op_mean_s"] = {
-            op.value: statistics.mean([e - s for a, s, e in executor.trace if a.op is op] or [0.0])
+            op.value: statistics.mean([e - s for a, s, e in executor.records if a.op is op] or [0.0])
             for op in (Op.FORWARD, Op.BACKWARD, Op.OPTIMIZER_STEP)
         }
-        out["actions"] = len(executor.trace)
+        out["actions"] = len(executor.records)
         if keep_trace_steps:
-            out["events"] = [(a, s, e) for a, s, e in executor.trace]
+            out["events"] = [(a, s, e) for a, s, e in executor.records]
     return out
 
 
@@ -501,7 +502,7 @@ def predict(cfg: Config, prof: dict, link: dict) -> dict:
     out = {}
     for name in OURS:
         if name == "pipedream":
-            sched = build_schedule("pipedream", cfg.stages, 4 * cfg.chunks)
+            sched = build_schedule("pipedream", cfg.stages, minibatches=4 * cfg.chunks)
         else:
             sched = build_schedule(name, cfg.stages, cfg.chunks)
         r = simulate(

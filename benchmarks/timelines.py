@@ -62,7 +62,7 @@ def simulated(schedule: str, results: dict) -> tuple[list[TimedAction], float]:
     kwargs = dict(activation_bytes=link["activation_bytes"], bandwidth=link["bandwidth_Bps"], latency=link["latency_s"],
                   optimizer_s=max(prof["optimizer_s"]))
     if schedule == "pipedream":
-        r = simulate(build_schedule("pipedream", stages, 4 * chunks), prof["forward_s"], prof["backward_s"], **kwargs)
+        r = simulate(build_schedule("pipedream", stages, minibatches=4 * chunks), prof["forward_s"], prof["backward_s"], **kwargs)
         return steady_window(r.events, 2 * chunks, chunks), r.step_time * chunks
     r = simulate(build_schedule(schedule, stages, chunks), prof["forward_s"], prof["backward_s"], **kwargs)
     return r.events, r.step_time

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from lightning_pipedream.runtime.engine import PipelineEngine
 from lightning_pipedream.runtime.failures import pipeline_failures
 from lightning_pipedream.runtime.microbatch import batch_size, flatten, merge, split
-from lightning_pipedream.runtime.pipeline import check_balance, check_stage_count, even_balance, stage_slice
+from lightning_pipedream.plan.balance import check_balance, check_stage_count, even_balance, stage_slice
 from lightning_pipedream.runtime.transport import Transport
 from lightning_pipedream.schedule.builders import SCHEDULES, check_schedule_options, inference
 from lightning_pipedream.lightning_adapter import (

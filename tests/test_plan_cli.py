@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_pipedream.plan import LayerProfile, Plan, Profile, cli
+from lightning_pipedream.cli import plan as cli
+from lightning_pipedream.plan import LayerProfile, Plan, Profile
 
 GRAPHS = Path(__file__).resolve().parents[1] / ".." / "shared" / "pipedream-profiles"
 

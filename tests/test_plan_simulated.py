@@ -19,7 +19,8 @@ def test_straight_pipeline_without_communication_matches_the_slowest_stage():
     # pipedream's steady state: one minibatch per (forward + backward) of the slowest stage
     assert plan.simulated_time_per_minibatch() == pytest.approx(6.0)
     assert plan.simulated_time_per_minibatch() == pytest.approx(plan.time_per_minibatch)
-    assert "ms (schedule simulator)" in plan.describe()
+    assert "ms (schedule simulator)" in plan.describe(simulated=True)
+    assert "schedule simulator" not in plan.describe()  # printing a plan does not run the simulator
 
 
 def test_flushed_schedule_prediction_includes_its_bubble():

@@ -41,13 +41,20 @@ def _index(actions, text: str) -> int:
 # Every builder, every size.
 
 
+def _build(name: str, stages: int, count: int) -> Schedule:
+    """``count`` micro-batches per step, or for pipedream ``count`` minibatches before the drain."""
+    if name == "pipedream":
+        return build_schedule(name, stages, minibatches=count)
+    return build_schedule(name, stages, count)
+
+
 def test_every_builder_and_size_is_valid_and_fast():
     start = time.perf_counter()
     count = 0
     for name in SCHEDULES:
         for stages in range(1, MAX_STAGES + 1):
             for chunks in range(1, MAX_CHUNKS + 1):
-                schedule = build_schedule(name, stages, chunks)
+                schedule = _build(name, stages, chunks)
                 validate(schedule)
                 placement = place(schedule)
                 assert all(i is None for i in placement.stuck)
@@ -89,7 +96,7 @@ def test_1f1b_stage0_warmup_has_stages_minus_one_forwards():
 def test_pipedream_shapes():
     for p in range(1, MAX_STAGES + 1):
         for n in range(1, MAX_CHUNKS + 1):
-            s = build_schedule("pipedream", p, n)
+            s = build_schedule("pipedream", p, minibatches=n)
             assert s.steps() == n + (p > 1)  # n steps, then the drain (empty with one stage)
             for stage, actions in enumerate(s.actions):
                 assert _peak_in_flight(actions) == min(p - stage, n)
@@ -195,13 +202,13 @@ def test_several_stages_per_rank():
 def test_forward_only_schedules():
     order = {r: [("F", r, i) for i in range(3)] for r in range(3)}
     validate(_round_robin(3, 3, 3, order, name="inference"))
-    with pytest.raises(ScheduleError, match=r"rank 2, step 4 \(end of its list\): never runs the forward of micro-batch 2"):
+    with pytest.raises(ScheduleError, match=r"rank 2, action 4 \(end of its list\): never runs the forward of micro-batch 2"):
         validate(_round_robin(3, 3, 3, {**order, 2: order[2][:2]}, name="inference"))
-    with pytest.raises(ScheduleError, match=r"rank 0, step 6 \(O\): inference runs forwards only; remove this optimizer_step"):
+    with pytest.raises(ScheduleError, match=r"rank 0, action 6 \(O\): inference runs forwards only; remove this optimizer_step"):
         validate(_round_robin(3, 3, 3, {**order, 0: order[0] + [("O", 0, None)]}, name="inference"))
     with pytest.raises(ScheduleError, match=r"   2  F2\+>O<  F1"):
         validate(_round_robin(3, 3, 3, {**order, 0: order[0] + [("O", 0, None)]}, name="inference"))
-    with pytest.raises(ScheduleError, match=r"rank 0, step 6 \(end of its list\): never runs the backward"):
+    with pytest.raises(ScheduleError, match=r"rank 0, action 6 \(end of its list\): never runs the backward"):
         validate(_round_robin(3, 3, 3, order, name="gpipe"))  # a training schedule needs its backwards
     import lightning_pipedream.schedule.builders as builders
 
@@ -236,10 +243,10 @@ def test_swapped_receive_deadlocks():
         actions.insert(3, grad)
         return actions
 
-    with pytest.raises(ScheduleError, match=r"rank 1, step 3 \(RG0@2\): deadlock: ranks 1, 2 wait for each other") as err:
+    with pytest.raises(ScheduleError, match=r"rank 1, action 3 \(RG0@2\): deadlock: ranks 1, 2 wait for each other") as err:
         validate(_edit(s, 1, early_grad))
     text = str(err.value)
-    assert "rank 2 at step 2 (RA1@1) waits for the output of stage 1 micro-batch 1 from rank 1" in text
+    assert "rank 2 at action 2 (RA1@1) waits for the output of stage 1 micro-batch 1 from rank 1" in text
     assert "wait  ?RG0@1  >?RG0@2<  ?RA1@1" in text  # the grid's last row: what each rank waits on
 
 
@@ -247,7 +254,7 @@ def test_missing_send():
     s = build_schedule("gpipe", 3, 4)
     broken = _edit(s, 0, lambda acts: [a for a in acts if str(a) != "SA2@1"])
     with pytest.raises(
-        ScheduleError, match=r"rank 1, step 6 \(RA2@0\): waits for the output of stage 0 micro-batch 2, which rank 0 never sends"
+        ScheduleError, match=r"rank 1, action 6 \(RA2@0\): waits for the output of stage 0 micro-batch 2, which rank 0 never sends"
     ) as err:
         validate(broken)
     assert ">RA2@0<" in str(err.value)
@@ -256,14 +263,14 @@ def test_missing_send():
 def test_missing_receive():
     s = build_schedule("1f1b", 2, 2)
     broken = _edit(s, 0, lambda acts: [a for a in acts if str(a) != "RG1@1"])
-    with pytest.raises(ScheduleError, match=r"rank 0, step \d+ \(B1\): backward of micro-batch 1 before its output gradient"):
+    with pytest.raises(ScheduleError, match=r"rank 0, action \d+ \(B1\): backward of micro-batch 1 before its output gradient"):
         validate(broken)
 
 
 def test_backward_before_forward():
     s = build_schedule("1f1b", 2, 3)
     broken = _edit(s, 1, lambda acts: acts[:1] + [acts[2], acts[1]] + acts[3:])  # RA0 B0 F0 ...
-    with pytest.raises(ScheduleError, match=r"rank 1, step 1 \(B0\): backward of micro-batch 0 before its forward on stage 1") as err:
+    with pytest.raises(ScheduleError, match=r"rank 1, action 1 \(B0\): backward of micro-batch 0 before its forward on stage 1") as err:
         validate(broken)
     assert ">B0<" in str(err.value)
 
@@ -271,7 +278,7 @@ def test_backward_before_forward():
 def test_duplicated_forward():
     s = build_schedule("gpipe", 3, 4)
     broken = _edit(s, 0, lambda acts: acts[:2] + [acts[0]] + acts[2:])
-    with pytest.raises(ScheduleError, match=r"rank 0, step 2 \(F0\): duplicated forward of micro-batch 0 on stage 0 \(already at step 0\)") as err:
+    with pytest.raises(ScheduleError, match=r"rank 0, action 2 \(F0\): duplicated forward of micro-batch 0 on stage 0 \(already at action 0\)") as err:
         validate(broken)
     assert "   1  >F0<    F0" in str(err.value)
 
@@ -279,56 +286,56 @@ def test_duplicated_forward():
 def test_receives_out_of_order_on_one_link():
     s = build_schedule("gpipe", 3, 4)
     broken = _edit(s, 1, lambda acts: acts[3:6] + acts[:3] + acts[6:])  # RA1 F1 SA1 RA0 F0 SA0 ...
-    with pytest.raises(ScheduleError, match=r"rank 1, step 0 \(RA1@0\): expects the output of stage 0 micro-batch 1, but the message arriving next"):
+    with pytest.raises(ScheduleError, match=r"rank 1, action 0 \(RA1@0\): expects the output of stage 0 micro-batch 1, but the message arriving next"):
         validate(broken)
 
 
 def test_never_runs_backward():
     s = build_schedule("gpipe", 1, 2)
     broken = _edit(s, 0, lambda acts: [a for a in acts if str(a) != "B1"])
-    with pytest.raises(ScheduleError, match=r"rank 0, step 4 \(end of its list\): never runs the backward of micro-batch 1"):
+    with pytest.raises(ScheduleError, match=r"rank 0, action 4 \(end of its list\): never runs the backward of micro-batch 1"):
         validate(broken)
 
 
 def test_wrong_peer_and_wrong_rank():
     s = build_schedule("gpipe", 3, 2)
     bad_peer = _edit(s, 0, lambda acts: [replace(a, peer=2) if a.op is Op.SEND_ACT else a for a in acts])
-    with pytest.raises(ScheduleError, match=r"rank 0, step 1 \(SA0@2\): peer should be rank 1"):
+    with pytest.raises(ScheduleError, match=r"rank 0, action 1 \(SA0@2\): peer should be rank 1"):
         validate(bad_peer)
     bad_stage = _edit(s, 0, lambda acts: [replace(acts[0], stage=1)] + acts[1:])
-    with pytest.raises(ScheduleError, match=r"rank 0, step 0 \(F0\): stage 1 does not live on rank 0"):
+    with pytest.raises(ScheduleError, match=r"rank 0, action 0 \(F0\): stage 1 does not live on rank 0"):
         validate(bad_stage)
 
 
 def test_optimizer_step_placement():
     flushed = build_schedule("1f1b", 2, 2)
     early = _edit(flushed, 0, lambda acts: [acts[-1]] + acts[:-1])
-    with pytest.raises(ScheduleError, match=r"rank 0, step 0 \(O\): optimizer step of stage 0 before 2 of the backwards"):
+    with pytest.raises(ScheduleError, match=r"rank 0, action 0 \(O\): optimizer step of stage 0 before 2 of the backwards"):
         validate(early)
     none = _edit(flushed, 1, lambda acts: acts[:-1])
-    with pytest.raises(ScheduleError, match=r"rank 1, step \d+ \(end of its list\): stage 1 has no optimizer step"):
+    with pytest.raises(ScheduleError, match=r"rank 1, action \d+ \(end of its list\): stage 1 has no optimizer step"):
         validate(none)
     twice = _edit(flushed, 1, lambda acts: acts + [acts[-1]])
     with pytest.raises(ScheduleError, match=r"second optimizer step of stage 1"):
         validate(twice)
 
-    pd = build_schedule("pipedream", 3, 4)
+    pd = build_schedule("pipedream", 3, minibatches=4)
     skipped = _edit(pd, 0, lambda acts: [a for a in acts if not (a.op is Op.OPTIMIZER_STEP and a.step == 3)])
-    with pytest.raises(ScheduleError, match=r"rank 0, step \d+ \(B2\): stage 0 computes before the optimizer step that must follow backward 1"):
+    with pytest.raises(ScheduleError, match=r"rank 0, action \d+ \(B2\): stage 0 computes before the optimizer step that must follow backward 1"):
         validate(skipped)
     extra = _edit(pd, 2, lambda acts: [Action(Op.OPTIMIZER_STEP, 2)] + acts)
-    with pytest.raises(ScheduleError, match=r"rank 2, step 0 \(O\): optimizer step on stage 2 without a backward before it"):
+    with pytest.raises(ScheduleError, match=r"rank 2, action 0 \(O\): optimizer step on stage 2 without a backward before it"):
         validate(extra)
 
 
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_dropping_or_repeating_any_action_is_rejected(name):
-    s = build_schedule(name, 3, 4)
+    s = _build(name, 3, 4)
     for rank, actions in enumerate(s.actions):
         for i in range(len(actions)):
-            with pytest.raises(ScheduleError, match=r"rank \d, step \d+"):
+            with pytest.raises(ScheduleError, match=r"rank \d, action \d+"):
                 validate(_edit(s, rank, lambda acts: acts[:i] + acts[i + 1:]))
-            with pytest.raises(ScheduleError, match=r"rank \d, step \d+"):
+            with pytest.raises(ScheduleError, match=r"rank \d, action \d+"):
                 validate(_edit(s, rank, lambda acts: acts[:i + 1] + acts[i:]))
 
 

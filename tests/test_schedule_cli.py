@@ -11,7 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from lightning_pipedream.schedule import cli_show, cli_simulate
+from lightning_pipedream.cli import show as cli_show
+from lightning_pipedream.cli import simulate as cli_simulate
 from lightning_pipedream.schedule.builders import build_schedule
 from lightning_pipedream.schedule.check import render_grid
 from lightning_pipedream.schedule.timeline import from_chrome_trace
@@ -51,7 +52,7 @@ def test_simulate_text(capsys):
 
 
 def test_simulate_pipedream_reports_steady_state_and_makespan(capsys):
-    argv = ["--schedule", "pipedream", "--stages", "4", "--chunks", "8", "--forward", "1,1,2,1", "--backward", "2"]
+    argv = ["--schedule", "pipedream", "--stages", "4", "--minibatches", "8", "--forward", "1,1,2,1", "--backward", "2"]
     rc, out, _ = _run(cli_simulate, argv, capsys)
     assert rc == 0
     assert "step time         4 s per minibatch (steady state)" in out  # the slowest stage: 2 + 2
@@ -79,7 +80,7 @@ def test_simulate_json_plot_and_trace(tmp_path, capsys):
     [
         (["--schedule", "foo"], "argument --schedule: invalid choice: 'foo' (choose from"),
         (["--stages", "0"], "argument --stages: must be a whole number >= 1 (the number of pipeline stages), got '0'"),
-        (["--chunks", "-2"], "argument --chunks: must be a whole number >= 1 (micro-batches per step"),
+        (["--chunks", "-2"], "argument --chunks: must be a whole number >= 1 (micro-batches per training step"),
         (["--chunks", "two"], "argument --chunks: must be a whole number >= 1"),
     ],
 )
@@ -93,7 +94,7 @@ def test_bad_schedule_arguments(module, argv, message, capsys):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--stages", "4", "--forward", "1,2"], "--forward has 2 values but --stages is 4; give one value for all stages or one per stage"),
+        (["--stages", "4", "--forward", "1,2"], "--forward has 2 values but the schedule has 4 stages; give one value for all stages or one per stage"),
         (["--backward", "x"], "argument --backward: expected a number or comma-separated numbers such as 1.0,2.5, got 'x'"),
         (["--forward", "-1"], "argument --forward: must be >= 0"),
         (["--bandwidth", "0"], "argument --bandwidth: must be a number > 0 (bytes per second; 'inf' for free links)"),
@@ -126,7 +127,7 @@ def fake_profile(monkeypatch):
 
 
 def test_profile_with_balance(fake_profile, capsys):
-    argv = ["--schedule", "pipedream", "--stages", "2", "--chunks", "6", "--profile", "p.json", "--balance", "3,2", "--json"]
+    argv = ["--schedule", "pipedream", "--stages", "2", "--minibatches", "6", "--profile", "p.json", "--balance", "3,2", "--json"]
     rc, out, _ = _run(cli_simulate, argv, capsys)
     assert rc == 0, out
     data = json.loads(out)
@@ -160,7 +161,6 @@ def test_bad_profile_arguments(fake_profile, argv, message, capsys):
     assert message in err
 
 
-@pytest.mark.skipif(importlib.util.find_spec("lightning_pipedream.plan.cli") is None, reason="plan CLI not written yet")
 def test_through_the_dispatcher(capsys):
     from lightning_pipedream.__main__ import main
 

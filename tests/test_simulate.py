@@ -32,7 +32,7 @@ def test_peak_activations():
     assert simulate(build_schedule("gpipe", 4, 8), 1, 2).peak_activations == [8, 8, 8, 8]
     assert simulate(build_schedule("1f1b", 4, 8), 1, 2).peak_activations == [4, 3, 2, 1]
     assert simulate(build_schedule("1f1b", 4, 2), 1, 2).peak_activations == [2, 2, 2, 1]
-    assert simulate(build_schedule("pipedream", 4, 8), 1, 2).peak_activations == [4, 3, 2, 1]
+    assert simulate(build_schedule("pipedream", 4, minibatches=8), 1, 2).peak_activations == [4, 3, 2, 1]
 
 
 def test_slowest_stage_sets_the_flushed_step():
@@ -44,7 +44,7 @@ def test_slowest_stage_sets_the_flushed_step():
 
 
 def test_pipedream_steady_state_equal_stages():
-    r = simulate(build_schedule("pipedream", 4, 8), 1.0, 2.0)
+    r = simulate(build_schedule("pipedream", 4, minibatches=8), 1.0, 2.0)
     assert r.steady_state and r.step_time == pytest.approx(3.0)
     assert r.makespan == pytest.approx((8 + 4 - 1) * 3.0)  # the run with its fill and drain, as 1F1B
 
@@ -54,13 +54,13 @@ def test_pipedream_steady_state_equal_stages():
 def test_pipedream_steady_state_is_the_slowest_stage(times, extra):
     p = len(times)
     fwd, bwd = [f for f, _ in times], [b for _, b in times]
-    r = simulate(build_schedule("pipedream", p, p + extra), fwd, bwd)
+    r = simulate(build_schedule("pipedream", p, minibatches=p + extra), fwd, bwd)
     assert r.steady_state
     assert r.step_time == pytest.approx(max(f + b for f, b in times), rel=1e-9)
 
 
 def test_pipedream_without_enough_steps_reports_the_average():
-    r = simulate(build_schedule("pipedream", 4, 4), 1.0, 2.0)  # only one step has every stage busy
+    r = simulate(build_schedule("pipedream", 4, minibatches=4), 1.0, 2.0)  # only one step has every stage busy
     assert not r.steady_state
     assert r.step_time == pytest.approx(r.makespan / 5)  # 4 steps and the drain
 
@@ -96,7 +96,7 @@ def test_latency_slows_pipedream_steady_state():
     # With latency the step times repeat in a pattern of several steps (3, 4, 4, 4 for p = 4).
     for p, n in [(2, 40), (3, 40), (4, 16), (4, 40), (6, 40)]:
         for lat in (0.1, 1.0):
-            r = simulate(build_schedule("pipedream", p, n), 1.0, 2.0, latency=lat)
+            r = simulate(build_schedule("pipedream", p, minibatches=n), 1.0, 2.0, latency=lat)
             assert r.step_time == pytest.approx(3.0 + 2 * (p - 1) * lat / p)
 
 
@@ -128,7 +128,7 @@ def test_events_are_consistent():
 
 def test_bad_inputs():
     s = build_schedule("gpipe", 3, 2)
-    with pytest.raises(ValueError, match="forward_s has 2 values but the schedule has 3 stages; give one per stage"):
+    with pytest.raises(ValueError, match="forward_s has 2 values but the schedule has 3 stages; give one value for all stages or one per stage"):
         simulate(s, [1.0, 1.0], 1.0)
     with pytest.raises(ValueError, match=r"backward_s must be >= 0"):
         simulate(s, 1.0, [1.0, -1.0, 1.0])

@@ -52,7 +52,7 @@ def test_chrome_trace_layout():
 
 
 def test_chrome_trace_round_trip_through_json():
-    events = simulate(build_schedule("pipedream", 3, 5), [0.1, 0.2, 0.3], [0.2, 0.3, 0.4], latency=0.01).events
+    events = simulate(build_schedule("pipedream", 3, minibatches=5), [0.1, 0.2, 0.3], [0.2, 0.3, 0.4], latency=0.01).events
     back = from_chrome_trace(json.loads(json.dumps(to_chrome_trace(events))))
     assert [(e.rank, e.action) for e in back] == [(e.rank, e.action) for e in events]
     assert [e.start for e in back] == pytest.approx([e.start for e in events], abs=1e-9)

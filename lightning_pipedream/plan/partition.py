@@ -12,6 +12,8 @@ import numpy as np
 
 from lightning_pipedream.plan.profile import Profile
 from lightning_pipedream.plan.topology import Topology
+from lightning_pipedream.schedule.builders import build_schedule
+from lightning_pipedream.schedule.simulate import simulate
 
 METHODS = ("uniform", "parameters", "time", "pipedream")
 COST_MODELS = ("code", "paper")
@@ -74,15 +76,12 @@ class Plan:
         all-reduce time in the backward; activations cross links at ``bandwidth``. Beside the
         partitioner's analytic prediction it shows what the schedule's dependencies add.
         """
-        from lightning_pipedream.schedule.builders import build_schedule
-        from lightning_pipedream.schedule.simulate import simulate
-
         if bandwidth is None:  # the links between stages: the topology's innermost level
             bandwidth = float(self.topology[0][1]) if self.topology else math.inf
         forward = [stage.forward_s for stage in self.stages]
         backward = [stage.compute_s - stage.forward_s + stage.allreduce_s for stage in self.stages]
         if self.schedule == "pipedream":
-            result = simulate(build_schedule("pipedream", len(self.stages), minibatches), forward, backward,
+            result = simulate(build_schedule("pipedream", len(self.stages), minibatches=minibatches), forward, backward,
                               activation_bytes=[stage.output_bytes for stage in self.stages], bandwidth=bandwidth)
             return result.step_time
         chunks = max(1, self.chunks)
@@ -134,8 +133,12 @@ class Plan:
             raise ValueError(f"The plan {path} is not valid JSON: line {err.lineno}, column {err.colno}: {err.msg}.") from None
         return cls.from_json(data)
 
-    def describe(self) -> str:
-        """A table for people: stage, layers, replicas and the predicted per-stage times."""
+    def describe(self, simulated: bool = False) -> str:
+        """A table for people: stage, layers, replicas and the predicted per-stage times.
+
+        ``simulated=True`` adds the schedule simulator's time per minibatch (it runs the simulator,
+        which takes milliseconds to seconds on deep pipelines, so only when asked).
+        """
         rows = [("stage", "layers", "replicas", "compute ms", "all-reduce ms", "transfer ms")]
         for index, stage in enumerate(self.stages):
             names = stage.layers
@@ -149,8 +152,8 @@ class Plan:
         config = "-".join(str(stage.replicas) for stage in self.stages)
         summary = [f"method {self.method}" + (f" (cost model {self.cost_model})" if self.cost_model else "")
                    + f", {len(self.stages)} stages on {self.num_workers} workers, configuration {config}",
-                   f"predicted time per minibatch: {self.time_per_minibatch * 1e3:.3f} ms (analytic), "
-                   f"{self.simulated_time_per_minibatch() * 1e3:.3f} ms (schedule simulator)"]
+                   f"predicted time per minibatch: {self.time_per_minibatch * 1e3:.3f} ms (analytic)"
+                   + (f", {self.simulated_time_per_minibatch() * 1e3:.3f} ms (schedule simulator)" if simulated else "")]
         if self.speedup_vs_one_worker is not None:
             summary.append(f"predicted speedup: {self.speedup_vs_one_worker:.2f}x over one worker"
                            + (f", {self.speedup_vs_data_parallel:.2f}x over data parallelism"

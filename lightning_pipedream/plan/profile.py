@@ -10,10 +10,13 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
+
+from lightning_pipedream.tree import map_tensors, tensors
 
 
 @dataclass
@@ -160,30 +163,16 @@ class Profile:
 # ---------------------------------------------------------------------------------------------------------
 # The profiler
 
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    if isinstance(tree, torch.Tensor):
-        return [tree]
-    if isinstance(tree, (list, tuple)):
-        return [t for item in tree for t in _tensors(item)]
-    if isinstance(tree, dict):
-        return [t for item in tree.values() for t in _tensors(item)]
-    return []
-
-
 def _fresh_leaves(tree: Any, requires_grad: bool = True) -> Any:
     """The same tree with each tensor detached; floating tensors require grad, as a later stage's input does
     (with ``requires_grad=False``, those that required it before)."""
-    if isinstance(tree, torch.Tensor):
-        leaf = tree.detach()
-        wanted = requires_grad or tree.requires_grad
+
+    def fresh(t: torch.Tensor) -> torch.Tensor:
+        leaf = t.detach()
+        wanted = requires_grad or t.requires_grad
         return leaf.requires_grad_(True) if wanted and leaf.is_floating_point() else leaf
-    if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # namedtuple
-        return type(tree)(*(_fresh_leaves(item, requires_grad) for item in tree))
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_fresh_leaves(item, requires_grad) for item in tree)
-    if isinstance(tree, dict):
-        return {key: _fresh_leaves(item, requires_grad) for key, item in tree.items()}
-    return tree
+
+    return map_tensors(fresh, tree)
 
 
 def _call(layer: nn.Module, inputs: Any) -> Any:
@@ -212,12 +201,12 @@ def _median_time(fn: Callable[[], Any], sync: Callable[[], None], warmup: int, r
 
 
 def _profile_layer(name: str, layer: nn.Module, inputs: Any, warmup: int, repeats: int) -> tuple[LayerProfile, Any]:
-    in_tensors = _tensors(inputs)
+    in_tensors = tensors(inputs)
     params = [p for p in layer.parameters() if p.requires_grad]
     sync = lambda: _synchronize(in_tensors)  # noqa: E731
 
     forward_s, output = _median_time(lambda: _call(layer, inputs), sync, warmup, repeats)
-    out_tensors = _tensors(output)
+    out_tensors = tensors(output)
     activation_bytes = sum(t.numel() * t.element_size() for t in out_tensors)
     parameter_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in layer.parameters()}.values())
 
@@ -227,7 +216,7 @@ def _profile_layer(name: str, layer: nn.Module, inputs: Any, warmup: int, repeat
     if wrt and any(t.requires_grad for t in out_tensors):
         samples = []
         for attempt in range(warmup + repeats):
-            out = [t for t in _tensors(_call(layer, inputs)) if t.requires_grad]
+            out = [t for t in tensors(_call(layer, inputs)) if t.requires_grad]
             grads = [torch.ones_like(t) for t in out]
             sync()
             start = time.perf_counter()
@@ -254,7 +243,7 @@ def profile_module(layers: nn.Sequential, sample_input: Any, *, warmup: int = 1,
         raise ValueError(f"profile_module needs warmup >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}.")
     started = time.perf_counter()
     buffers = {name: buf.detach().clone() for name, buf in layers.named_buffers()}
-    devices = sorted({t.device.index for t in _tensors(sample_input) if t.device.type == "cuda"} - {None})
+    devices = sorted({t.device.index for t in tensors(sample_input) if t.device.type == "cuda"} - {None})
     results = []
     with torch.random.fork_rng(devices=devices):
         inputs = _fresh_leaves(sample_input, requires_grad=False)  # a batch of data needs no gradient
@@ -265,7 +254,7 @@ def profile_module(layers: nn.Sequential, sample_input: Any, *, warmup: int = 1,
     with torch.no_grad():
         for name, buf in layers.named_buffers():
             buf.copy_(buffers[name])
-    batch = _tensors(sample_input)
+    batch = tensors(sample_input)
     batch_size = int(batch[0].shape[0]) if batch and batch[0].dim() > 0 else None
     return Profile(results, batch_size=batch_size, source="profile_module", profiling_s=time.perf_counter() - started)
 

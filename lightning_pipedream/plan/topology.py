@@ -90,6 +90,3 @@ class Topology:
     def to_json(self) -> list[list[float]]:
         return [[w, b] for w, b in self.levels]
 
-    @classmethod
-    def from_json(cls, data: list[list[float]]) -> Topology:
-        return cls([(int(w), float(b)) for w, b in data])

@@ -9,8 +9,8 @@ from typing import Any
 from torch import Tensor, nn
 
 from lightning_pipedream.runtime.executor import Executor, InputFn, LossFn
-from lightning_pipedream.runtime.stage import Stage
 from lightning_pipedream.runtime.failures import pipeline_failures
+from lightning_pipedream.runtime.stage import Stage
 from lightning_pipedream.runtime.transport import Transport
 from lightning_pipedream.runtime.weights import WeightVersions
 from lightning_pipedream.schedule.actions import Action, Op
@@ -21,7 +21,9 @@ from lightning_pipedream.schedule.builders import (
     pipedream_step,
 )
 
-UpdateFn = Callable[[], None]  # applies the gradients now in the parameters' .grad
+# Applies the gradients now in the parameters' .grad; receives the minibatch they belong to (for
+# ``pipedream`` the minibatch whose backward just ran, for flushed schedules the step's minibatch).
+UpdateFn = Callable[[int], None]
 
 
 @dataclass
@@ -29,7 +31,6 @@ class StepResult:
     """What one training step did on this rank."""
 
     losses: dict[int, Tensor] = field(default_factory=dict)  # micro-batch -> loss, on the last stage
-    updates: int = 0  # optimizer steps this rank took
 
 
 class PipelineEngine:
@@ -51,9 +52,12 @@ class PipelineEngine:
         chunks: int = 1,
         weight_stashing: bool = True,
         vertical_sync: bool = False,
-        trace: bool = False,
+        record: bool = False,
+        trace: bool | None = None,
     ) -> None:
         check_schedule_options(schedule, chunks, vertical_sync)
+        if trace is not None:  # TODO(issue 14): the strategy still passes trace=; remove once it passes record=
+            record = trace
         self.schedule = schedule
         self.num_stages = num_stages
         self.chunks = chunks
@@ -63,16 +67,22 @@ class PipelineEngine:
             else None
         )
         self.stage = Stage(module, stage_index, num_stages, self.weights)
-        self.executor = Executor(self.stage, transport, rank_of_stage=lambda s: s, trace=trace)
+        self.executor = Executor(self.stage, transport, record=record)
         self.transport = transport
         self._flushed = None if schedule == "pipedream" else build_schedule(schedule, num_stages, chunks)
         self._admitted = 0  # pipedream: minibatches admitted since the last drain
+        self._steps = 0  # flushed schedules: training steps run so far
         self._base_version = 0  # pipedream: updates every stage had made at the last drain
 
     @property
     def in_flight(self) -> int:
         """Minibatches admitted but not yet fully back-propagated on this stage."""
         return self.stage.in_flight()
+
+    @property
+    def next_minibatch(self) -> int:
+        """The number the next :meth:`train_step` gives its minibatch (what ``update`` will receive for it)."""
+        return self._admitted if self._flushed is None else self._steps
 
     def step_actions(self) -> list[Action]:
         """This rank's actions for the next training step."""
@@ -83,10 +93,11 @@ class PipelineEngine:
     def train_step(self, inputs: InputFn, loss: LossFn, update: UpdateFn) -> StepResult:
         """Run one training step. ``inputs``/``loss`` receive the micro-batch number (for
         ``pipedream``: the minibatch number since the last drain, which is also the step's)."""
-        result = self._run(self.step_actions(), inputs, loss, update)
+        result = self._run(self.step_actions(), inputs, loss, update, self.next_minibatch)
         if self._flushed is None:
             self._admitted += 1
         else:
+            self._steps += 1
             self.transport.wait_all()
         return result
 
@@ -95,7 +106,7 @@ class PipelineEngine:
         if self._flushed is not None or self._admitted == 0:
             return StepResult()
         actions = pipedream_drain(self.num_stages, self.stage.index, self._admitted)
-        result = self._run(actions, _no_inputs, _no_loss, update)
+        result = self._run(actions, _no_inputs, _no_loss, update, self._admitted)
         self.transport.wait_all()
         self._admitted = 0
         assert self.weights is not None
@@ -107,15 +118,19 @@ class PipelineEngine:
         """Vertical sync: the version stage 0 used for ``minibatch`` (it has made ``t - stages + 1`` updates)."""
         return self._base_version + max(0, minibatch - self.num_stages + 1)
 
-    def _run(self, actions: list[Action], inputs: InputFn, loss: LossFn, update: UpdateFn) -> StepResult:
+    def _run(
+        self, actions: list[Action], inputs: InputFn, loss: LossFn, update: UpdateFn, step_minibatch: int
+    ) -> StepResult:
         result = StepResult()
         weights = self.weights
+        # Which minibatch each optimizer step applies: pipedream's follows that minibatch's backward.
+        applies = iter(_minibatch_of_each_update(actions) if self._flushed is None else [])
 
         def optimizer_step(action: Action) -> None:
+            minibatch = next(applies) if self._flushed is None else step_minibatch
             if weights is not None:
                 weights.before_update()
-            update()
-            result.updates += 1
+            update(minibatch)
             if weights is not None:
                 # The next forward here admits minibatch step+1; vertical sync needs versions from its one on.
                 weights.after_update(keep_from=self.version_for(action.step + 1))
@@ -130,6 +145,17 @@ class PipelineEngine:
                 version=self.version_for if vertical else None,
             )
         return result
+
+
+def _minibatch_of_each_update(actions: list[Action]) -> list[int]:
+    """For each OPTIMIZER_STEP in ``actions``: the micro-batch of the last BACKWARD before it."""
+    out, last = [], -1
+    for action in actions:
+        if action.op is Op.BACKWARD:
+            last = action.microbatch
+        elif action.op is Op.OPTIMIZER_STEP:
+            out.append(last)
+    return out
 
 
 def _no_inputs(mb: int) -> Any:

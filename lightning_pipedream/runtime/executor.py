@@ -8,9 +8,9 @@ from typing import Any
 
 from torch import Tensor
 
-from lightning_pipedream.schedule.actions import Action, Op
 from lightning_pipedream.runtime.stage import Stage
 from lightning_pipedream.runtime.transport import Transport
+from lightning_pipedream.schedule.actions import Action, Op
 
 InputFn = Callable[[int], Any]  # micro-batch -> the first stage's input
 LossFn = Callable[[int, Any], Tensor]  # micro-batch, last stage's output -> loss to back-propagate
@@ -21,8 +21,8 @@ VersionFn = Callable[[int], "int | None"]  # micro-batch -> weight version its f
 class Executor:
     """Executes actions in order: receives block, sends don't, compute runs on the stage.
 
-    With ``trace=True`` every action is recorded with its start and end time (``perf_counter``
-    seconds); a blocking receive's time is the time spent waiting for the peer.
+    With ``record=True`` every action is appended to :attr:`records` as ``(action, start, end)``
+    (``perf_counter`` seconds); a blocking receive's time is the time spent waiting for the peer.
     """
 
     # Post each receive ahead (see Transport.post_recv). Measured on 2 CPU ranks over gloo (the
@@ -30,12 +30,11 @@ class Executor:
     # receive-when-reached, e.g. to compare.
     post_receives = True
 
-    def __init__(self, stage: Stage, transport: Transport, rank_of_stage: Callable[[int], int], trace: bool = False):
+    def __init__(self, stage: Stage, transport: Transport, record: bool = False) -> None:
         self.stage = stage
         self.transport = transport
-        self.rank_of_stage = rank_of_stage
-        self.trace_enabled = trace
-        self.trace: list[tuple[Action, float, float]] = []
+        self.record = record
+        self.records: list[tuple[Action, float, float]] = []
         self._inputs: dict[int, Any] = {}
         self._grads: dict[int, Any] = {}
         self._outputs: dict[int, Any] = {}
@@ -103,15 +102,15 @@ class Executor:
                 self.transport.send(self._input_grads.pop(mb), action.peer, "input gradients")
             elif op is Op.OPTIMIZER_STEP:
                 optimizer_step(action)
-            if self.trace_enabled:
-                self.trace.append((action, start, time.perf_counter()))
+            if self.record:
+                self.records.append((action, start, time.perf_counter()))
         return losses
 
     def events(self, rank: int, origin: float = 0.0) -> list:
-        """The recorded trace as ``TimedAction`` events (seconds from ``origin``)."""
+        """The :attr:`records` as ``TimedAction`` events (seconds from ``origin``)."""
         from lightning_pipedream.schedule.timeline import TimedAction
 
-        return [TimedAction(rank, a, s - origin, e - origin) for a, s, e in self.trace]
+        return [TimedAction(rank, a, s - origin, e - origin) for a, s, e in self.records]
 
 
 def _next_receive_peers(actions: Sequence[Action]) -> list[bool]:

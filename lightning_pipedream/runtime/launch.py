@@ -6,6 +6,7 @@ import faulthandler
 import multiprocessing as mp
 import os
 import pickle
+import queue as queue_module
 import shutil
 import sys
 import tempfile
@@ -75,7 +76,7 @@ def run_local(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
                 break
             try:
                 rank, ok, payload = queue.get(timeout=min(remaining, 1.0))
-            except Exception:  # queue.Empty: check whether a rank died without reporting
+            except queue_module.Empty:  # nothing yet: check whether a rank died without reporting
                 if any(p.exitcode not in (None, 0) for p in procs) and all(
                     p.exitcode is not None for p in procs
                 ):

@@ -1,73 +1,13 @@
-"""Tensor trees: flatten and rebuild them, split batches into micro-batches and merge them back."""
+"""Split batches (tensor trees) into micro-batches and merge micro-batch outputs back."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch import Tensor
 
-# A tree spec is a nested description of a tensor tree with the tensors taken out:
-#   ("T",)                      a tensor leaf
-#   ("C", value)                a constant leaf (None, a number, a string) carried as is
-#   ("tuple"|"list", [specs])   a sequence
-#   ("dict", [keys], [specs])   a mapping
-TreeSpec = tuple
-
-
-class TensorTreeError(TypeError):
-    """A value that is not a tensor tree was given where one was expected."""
-
-
-_CONSTANT_TYPES = (type(None), bool, int, float, str)
-
-
-def flatten(tree: Any, where: str = "value") -> tuple[list[Tensor], TreeSpec]:
-    """Return the tensors of ``tree`` in a fixed order, and a spec to rebuild it."""
-    leaves: list[Tensor] = []
-    spec = _flatten_into(tree, where, where, leaves)
-    return leaves, spec
-
-
-# Module-level recursion, not nested closures: a closure that calls itself is a reference cycle,
-# which kept every tree (and its autograd graph, and stashed weights) alive until the garbage
-# collector ran; pipedream's resident memory grew by ~300 MB in the benchmark because of it.
-def _flatten_into(node: Any, path: str, where: str, leaves: list[Tensor]) -> TreeSpec:
-    if isinstance(node, Tensor):
-        leaves.append(node)
-        return ("T",)
-    if isinstance(node, _CONSTANT_TYPES):
-        return ("C", node)
-    if isinstance(node, (tuple, list)):
-        kind = "list" if isinstance(node, list) else "tuple"
-        return (kind, [_flatten_into(child, f"{path}[{i}]", where, leaves) for i, child in enumerate(node)])
-    if isinstance(node, dict):
-        keys = list(node.keys())
-        return ("dict", keys, [_flatten_into(node[k], f"{path}[{k!r}]", where, leaves) for k in keys])
-    raise TensorTreeError(
-        f"{where} contains {path} of type {type(node).__name__}, which cannot cross a pipeline stage. "
-        "Stage outputs must be tensors or tuples/lists/dicts of tensors (None, numbers and strings "
-        "are carried as constants); convert it to a tensor or return it from the last stage only."
-    )
-
-
-def unflatten(leaves: list[Tensor], spec: TreeSpec) -> Any:
-    """Rebuild the tree described by ``spec`` from its tensors."""
-    return _build(iter(leaves), spec)
-
-
-def _build(leaves: Iterator[Tensor], node: TreeSpec) -> Any:
-    kind = node[0]
-    if kind == "T":
-        return next(leaves)
-    if kind == "C":
-        return node[1]
-    if kind == "dict":
-        return {k: _build(leaves, child) for k, child in zip(node[1], node[2])}
-    children = [_build(leaves, child) for child in node[1]]
-    return children if kind == "list" else tuple(children)
-
+# The tree walker lives in lightning_pipedream.tree (plan/ uses it too); re-exported for the runtime.
+from lightning_pipedream.tree import TensorTreeError, TreeSpec, flatten, unflatten
 
 def batch_size(tree: Any) -> int:
     """The size of dim 0 shared by the tensors of a batch."""
@@ -105,3 +45,6 @@ def merge(parts: list[Any]) -> Any:
     columns = zip(*(leaves for leaves, _ in flat))
     merged = [torch.cat(col) if col[0].dim() > 0 else torch.stack(col) for col in columns]
     return unflatten(merged, spec)
+
+
+__all__ = ["TensorTreeError", "TreeSpec", "batch_size", "flatten", "merge", "split", "unflatten"]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -10,47 +9,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_pipedream.plan.balance import check_balance, even_balance, stage_slice
 from lightning_pipedream.runtime.engine import PipelineEngine, StepResult
 from lightning_pipedream.runtime.microbatch import batch_size, split
 from lightning_pipedream.runtime.transport import Transport
 from lightning_pipedream.schedule.builders import check_schedule_options
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
-
-
-def check_stage_count(num_layers: int, num_stages: int) -> None:
-    """Every stage needs at least one layer."""
-    if num_stages > num_layers:
-        raise ValueError(
-            f"The model has {num_layers} layers but {num_stages} stages were asked for; every stage needs at "
-            f"least one layer. Use at most {num_layers} processes, or split the model into more layers."
-        )
-
-
-def check_balance(balance: Sequence[int], num_layers: int, num_stages: int) -> list[int]:
-    """Validate a balance (layers per stage) and return it as a list."""
-    check_stage_count(num_layers, num_stages)
-    balance = list(balance)
-    if len(balance) != num_stages or any((not isinstance(b, int)) or b < 1 for b in balance) or sum(balance) != num_layers:
-        raise ValueError(
-            f"balance={balance} must list {num_stages} positive layer counts (one per stage) that add up to "
-            f"the model's {num_layers} layers."
-        )
-    return balance
-
-
-def even_balance(num_layers: int, num_stages: int) -> list[int]:
-    """Layers per stage, as even as possible (earlier stages take the remainder)."""
-    check_stage_count(num_layers, num_stages)
-    base, extra = divmod(num_layers, num_stages)
-    return [base + (1 if s < extra else 0) for s in range(num_stages)]
-
-
-def stage_slice(layers: nn.Sequential, balance: Sequence[int], stage: int) -> nn.Sequential:
-    """The layers of ``stage``, keeping their names (so state dicts keep the model's keys)."""
-    start = sum(balance[:stage])
-    names = list(layers._modules)[start : start + balance[stage]]
-    return nn.Sequential(OrderedDict((name, layers._modules[name]) for name in names))
 
 
 class Pipeline:
@@ -76,7 +41,7 @@ class Pipeline:
         vertical_sync: bool = False,
         group: dist.ProcessGroup | None = None,
         device: torch.device | str = "cpu",
-        trace: bool = False,
+        record: bool = False,
     ) -> None:
         if not isinstance(layers, nn.Sequential):
             raise TypeError(f"Pipeline needs an nn.Sequential of layers, got {type(layers).__name__}.")
@@ -106,7 +71,7 @@ class Pipeline:
             chunks=chunks,
             weight_stashing=weight_stashing,
             vertical_sync=vertical_sync,
-            trace=trace,
+            record=record,
         )
 
     @property
@@ -117,7 +82,7 @@ class Pipeline:
     def is_last(self) -> bool:
         return self.rank == self.num_stages - 1
 
-    def _update(self) -> None:
+    def _update(self, minibatch: int) -> None:
         if self.optimizer is None:
             return
         self.optimizer.step()

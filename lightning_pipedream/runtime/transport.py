@@ -120,7 +120,6 @@ class Transport:
     _recv_channels: dict[int, _Channel] = field(default_factory=dict)
     _pending: list[tuple[Any, list[Tensor]]] = field(default_factory=list)
     _posted: dict[int, tuple[Any, Tensor]] = field(default_factory=dict)  # peer -> receive posted ahead
-    bytes_sent: int = 0
 
     def _global(self, peer: int) -> int:
         # Peers are ranks within ``group``; torch.distributed p2p takes global ranks.
@@ -215,7 +214,6 @@ class Transport:
 
     def _isend(self, tensor: Tensor, dst: int) -> None:
         self._pending.append((self._call(dist.isend, tensor, dst), [tensor]))
-        self.bytes_sent += tensor.numel() * tensor.element_size()
 
     def wait_all(self) -> None:
         """Wait until every send has been received."""

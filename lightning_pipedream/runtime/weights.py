@@ -22,7 +22,9 @@ class WeightVersions:
     def __init__(self, module: nn.Module, *, stashing: bool = True, vertical_sync: bool = False) -> None:
         if vertical_sync and not stashing:
             raise ValueError("vertical_sync=True needs weight_stashing=True: it chooses which stashed version to use.")
-        self.params = {n: p for n, p in module.named_parameters() if p.requires_grad}
+        # Every parameter, frozen ones too: one unfrozen during training (fine-tuning) is stashed
+        # from then on, and its forward leaves ask for gradients exactly when the parameter does.
+        self.params = dict(module.named_parameters())
         self.stashing = stashing
         self.vertical_sync = vertical_sync
         self.num_updates = 0
@@ -44,14 +46,10 @@ class WeightVersions:
                 f"Weight version {version} is no longer stored (have {sorted(self._history)} and live "
                 f"{self.num_updates}); the schedule and vertical sync disagree."
             )
-        leaves = {n: t.detach().requires_grad_() for n, t in source.items()}
+        leaves = {n: t.detach().requires_grad_(self.params[n].requires_grad) for n, t in source.items()}
         self._leaves[microbatch] = leaves
         self._version_of[microbatch] = version
         return leaves
-
-    def version_of(self, microbatch: int) -> int:
-        """The version (number of updates before it) that ``microbatch``'s forward used."""
-        return self._version_of[microbatch]
 
     def collect_grads(self, microbatch: int) -> None:
         """After ``microbatch``'s backward: add the gradients its leaves received to the parameters' ``.grad``."""

@@ -58,13 +58,23 @@ class Action:
 
 @dataclass(frozen=True)
 class Schedule:
-    """Every rank's list of actions for one schedule and size."""
+    """Every rank's list of actions for one schedule and size.
+
+    ``chunks`` is the number of micro-batches one training step splits its batch into (1 for
+    ``pipedream``); ``minibatches`` the number of batches the action lists admit (1 for a flushed
+    schedule, the minibatches before the drain for ``pipedream``). Action micro-batch numbers run
+    over ``0 .. chunks * minibatches - 1``.
+
+    ``num_ranks`` is kept apart from ``num_stages``: the validator and the simulator already handle
+    several stages per rank (stage s on rank s % num_ranks), which interleaved schedules need.
+    """
 
     name: str
     num_ranks: int
     num_stages: int
     chunks: int
     actions: tuple[tuple[Action, ...], ...]  # actions[rank] in execution order
+    minibatches: int = 1
 
     def rank_of(self, stage: int) -> int:
         """Stages are laid out round-robin over ranks (stage s lives on rank s % num_ranks)."""
@@ -73,3 +83,13 @@ class Schedule:
     def steps(self) -> int:
         """How many training steps the schedule spans (1 for flushed schedules)."""
         return 1 + max((a.step for rank in self.actions for a in rank), default=0)
+
+    @property
+    def microbatch_count(self) -> int:
+        """How many micro-batch numbers the actions use: ``chunks * minibatches``."""
+        return self.chunks * self.minibatches
+
+    def size(self) -> str:
+        """``"4 stages x 8 chunks"``, or ``"... x 8 minibatches"`` for a schedule that runs several."""
+        count = f"{self.minibatches} minibatches" if self.minibatches > 1 else f"{self.chunks} chunks"
+        return f"{self.num_stages} stages x {count}"

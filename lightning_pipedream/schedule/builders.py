@@ -12,13 +12,25 @@ ComputeOrder = list[tuple[str, int] | str]
 SCHEDULES = ("gpipe", "1f1b", "pipedream")
 
 
-def _check_sizes(num_stages: int, chunks: int, what: str = "chunks") -> None:
+def check_chunks(chunks: object) -> None:
+    """The one check (and wording) of a ``chunks`` value, wherever a user gives one."""
+    if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
+        raise ValueError(
+            f"chunks must be an integer >= 1, got {chunks!r}: it is the number of micro-batches "
+            "one batch is split into (1 means no split)."
+        )
+
+
+def _check_stages(num_stages: object) -> None:
     if not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"num_stages must be an integer >= 1, got {num_stages!r}.")
-    if not isinstance(chunks, int) or chunks < 1:
+
+
+def _check_minibatches(minibatches: object) -> None:
+    if not isinstance(minibatches, int) or minibatches < 1:
         raise ValueError(
-            f"{what} must be an integer >= 1, got {chunks!r}: it is the number of micro-batches "
-            "one batch is split into (1 means no split)."
+            f"minibatches must be an integer >= 1, got {minibatches!r}: it is the number of PipeDream "
+            "minibatches (training steps) run before the drain."
         )
 
 
@@ -48,7 +60,8 @@ def _with_communication(stage: int, num_stages: int, order: Iterable, step: int 
 
 
 def _flushed(name: str, num_stages: int, chunks: int, order_of: Callable[[int], ComputeOrder]) -> Schedule:
-    _check_sizes(num_stages, chunks)
+    _check_stages(num_stages)
+    check_chunks(chunks)
     actions = tuple(
         tuple(_with_communication(s, num_stages, order_of(s))) for s in range(num_stages)
     )
@@ -90,7 +103,7 @@ def pipedream_step(num_stages: int, stage: int, step: int) -> list[Action]:
     ``num_stages - stage - 1`` forwards is over) the backward of its oldest minibatch in flight,
     followed by an optimizer step. Minibatch numbers count from the last drain.
     """
-    _check_sizes(num_stages, 1)
+    _check_stages(num_stages)
     order: ComputeOrder = [("F", step)]
     oldest = step - in_flight(num_stages, stage) + 1
     if oldest >= 0:
@@ -100,7 +113,7 @@ def pipedream_step(num_stages: int, stage: int, step: int) -> list[Action]:
 
 def pipedream_drain(num_stages: int, stage: int, minibatches: int) -> list[Action]:
     """One stage's actions that empty the pipeline after ``minibatches`` steps (end of data, checkpoint)."""
-    _check_sizes(num_stages, 1)
+    _check_stages(num_stages)
     if minibatches < 0:
         raise ValueError(f"minibatches must be >= 0, got {minibatches}.")
     first_pending = max(0, minibatches - in_flight(num_stages, stage) + 1)
@@ -112,7 +125,8 @@ def pipedream_drain(num_stages: int, stage: int, minibatches: int) -> list[Actio
 
 def pipedream(num_stages: int, minibatches: int) -> Schedule:
     """PipeDream's asynchronous 1F1B over ``minibatches`` steps followed by a drain, as one schedule."""
-    _check_sizes(num_stages, minibatches, "minibatches")
+    _check_stages(num_stages)
+    _check_minibatches(minibatches)
     actions = tuple(
         tuple(
             [a for t in range(minibatches) for a in pipedream_step(num_stages, s, t)]
@@ -120,7 +134,7 @@ def pipedream(num_stages: int, minibatches: int) -> Schedule:
         )
         for s in range(num_stages)
     )
-    return Schedule("pipedream", num_stages, num_stages, minibatches, actions)
+    return Schedule("pipedream", num_stages, num_stages, 1, actions, minibatches=minibatches)
 
 
 def inference(num_stages: int, chunks: int) -> Schedule:
@@ -145,11 +159,7 @@ def check_schedule_name(name: str) -> str:
 def check_schedule_options(schedule: str, chunks: int, vertical_sync: bool = False) -> None:
     """Validate a training configuration (schedule, micro-batches, vertical sync) as a user gives it."""
     check_schedule_name(schedule)
-    if not isinstance(chunks, int) or chunks < 1:
-        raise ValueError(
-            f"chunks must be an integer >= 1, got {chunks!r}: it is the number of micro-batches "
-            "one batch is split into (1 means no split)."
-        )
+    check_chunks(chunks)
     if schedule == "pipedream" and chunks != 1:
         raise ValueError(
             f"schedule='pipedream' runs each batch as one PipeDream minibatch; chunks={chunks} is not "
@@ -159,6 +169,23 @@ def check_schedule_options(schedule: str, chunks: int, vertical_sync: bool = Fal
         raise ValueError("vertical_sync=True only applies to schedule='pipedream'.")
 
 
-def build_schedule(name: str, num_stages: int, chunks: int) -> Schedule:
-    """Build a schedule by name. For ``pipedream``, ``chunks`` is the number of minibatches before a drain."""
-    return _BUILDERS[check_schedule_name(name)](num_stages, chunks)
+def build_schedule(name: str, num_stages: int, chunks: int = 1, *, minibatches: int | None = None) -> Schedule:
+    """Build a schedule by name.
+
+    ``gpipe`` and ``1f1b`` cover one training step of ``chunks`` micro-batches. ``pipedream`` runs
+    whole batches (``chunks`` must be 1) and covers ``minibatches`` training steps and the drain.
+    """
+    check_schedule_options(name, chunks)
+    if name == "pipedream":
+        if minibatches is None:
+            raise ValueError(
+                "build_schedule('pipedream', ...) needs minibatches=N: the number of minibatches "
+                "(training steps) to run before the drain."
+            )
+        return pipedream(num_stages, minibatches)
+    if minibatches is not None:
+        raise ValueError(
+            f"minibatches={minibatches} applies to schedule='pipedream' only; {name!r} covers one "
+            "training step of `chunks` micro-batches."
+        )
+    return _BUILDERS[name](num_stages, chunks)

@@ -153,7 +153,7 @@ def render_grid(
 
 
 class _Failer:
-    """Builds error messages that name the rank, the step and the action, with the grid around it."""
+    """Builds error messages that name the rank, the action's index in its list and the action, with the grid around it."""
 
     def __init__(self, schedule: Schedule) -> None:
         self.schedule = schedule
@@ -169,7 +169,7 @@ class _Failer:
         s = self.schedule
         actions = s.actions[rank] if 0 <= rank < len(s.actions) else ()
         what = f"({actions[index]})" if index < len(actions) else "(end of its list)"
-        head = f"{s.name} schedule, {s.num_stages} stages x {s.chunks} chunks: rank {rank}, step {index} {what}: {problem}"
+        head = f"{s.name} schedule, {s.size()}: rank {rank}, action {index} {what}: {problem}"
         if not 0 <= rank < len(s.actions):
             return ScheduleError(head)
         placement = self.placement
@@ -200,10 +200,10 @@ def validate(schedule: Schedule) -> None:
 
 def _check_layout(s: Schedule, fail: _Failer) -> None:
     """Sizes agree, every action sits on the rank of its stage, names a valid micro-batch and the right peer."""
-    if s.num_ranks < 1 or s.num_stages < 1 or s.chunks < 1:
+    if s.num_ranks < 1 or s.num_stages < 1 or s.chunks < 1 or s.minibatches < 1:
         raise ScheduleError(
-            f"{s.name} schedule has {s.num_ranks} ranks, {s.num_stages} stages and {s.chunks} chunks; "
-            "all must be >= 1."
+            f"{s.name} schedule has {s.num_ranks} ranks, {s.num_stages} stages, {s.chunks} chunks and "
+            f"{s.minibatches} minibatches; all must be >= 1."
         )
     if len(s.actions) != s.num_ranks:
         raise ScheduleError(
@@ -218,8 +218,8 @@ def _check_layout(s: Schedule, fail: _Failer) -> None:
                 raise fail(rank, i, f"stage {a.stage} does not live on rank {rank} ({where}).")
             if a.op is Op.OPTIMIZER_STEP:
                 continue
-            if not isinstance(a.microbatch, int) or not 0 <= a.microbatch < s.chunks:
-                raise fail(rank, i, f"micro-batch {a.microbatch!r} is out of range 0..{s.chunks - 1}.")
+            if not isinstance(a.microbatch, int) or not 0 <= a.microbatch < s.microbatch_count:
+                raise fail(rank, i, f"micro-batch {a.microbatch!r} is out of range 0..{s.microbatch_count - 1}.")
             if a.op.is_compute:
                 continue
             to_next = a.op in (Op.SEND_ACT, Op.RECV_GRAD)  # talks to the next stage, else the previous
@@ -259,7 +259,7 @@ def _check_rank_order(s: Schedule, rank: int, fail: _Failer) -> None:
         flags, bit = done.get((stage, mb), 0), _FLAG[op]
         if flags & bit:
             before = first_at[(op, stage, mb)]
-            raise fail(rank, i, f"duplicated {_NAME[op]} of micro-batch {mb} on stage {stage} (already at step {before}).")
+            raise fail(rank, i, f"duplicated {_NAME[op]} of micro-batch {mb} on stage {stage} (already at action {before}).")
         if op is Op.FORWARD:
             if stage > 0 and not flags & 1:
                 raise fail(rank, i, f"forward of micro-batch {mb} before its input was received (no RA{mb} before it).")
@@ -274,7 +274,7 @@ def _check_rank_order(s: Schedule, rank: int, fail: _Failer) -> None:
         first_at[(op, stage, mb)] = i
     required = (Op.FORWARD,) if OPTIMIZER_POLICY.get(s.name) == "none" else (Op.FORWARD, Op.BACKWARD)
     for stage in range(rank, s.num_stages, s.num_ranks):
-        for mb in range(s.chunks):
+        for mb in range(s.microbatch_count):
             for op in required:
                 if not done.get((stage, mb), 0) & _FLAG[op]:
                     raise fail(rank, len(actions), f"never runs the {_NAME[op]} of micro-batch {mb} on stage {stage}.")
@@ -362,7 +362,7 @@ def _check_links(s: Schedule, fail: _Failer) -> None:
                 raise fail(
                     rank, i,
                     f"expects the {_describe(m_in)}, but the message arriving next from rank {link[0]} is "
-                    f"the {_describe(m_out)} (rank {link[0]}'s step {j}): messages between two ranks arrive "
+                    f"the {_describe(m_out)} (rank {link[0]}'s action {j}): messages between two ranks arrive "
                     "in the order they were sent, so receive them in that order.",
                 )
         if len(out) > len(into):  # the same message twice: one copy is never received
@@ -385,7 +385,7 @@ def _check_progress(s: Schedule, fail: _Failer) -> None:
         rank = s.actions[rank][stuck[rank]].peer
     cycle = path[path.index(rank):] if rank in path else path[-1:]
     waits = "; ".join(
-        f"rank {r} at step {i} ({s.actions[r][i]}) waits for the "
+        f"rank {r} at action {i} ({s.actions[r][i]}) waits for the "
         f"{_describe(_message(s.actions[r][i]))} from rank {s.actions[r][i].peer}"
         for r, i in sorted(stuck.items())
     )

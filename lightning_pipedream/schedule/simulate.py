@@ -26,7 +26,8 @@ class SimResult:
 
     schedule: str
     num_stages: int
-    chunks: int
+    chunks: int  # micro-batches per training step
+    minibatches: int  # batches admitted (pipedream: before the drain; 1 for flushed schedules)
     makespan: float
     step_time: float
     steady_state: bool
@@ -39,10 +40,14 @@ class SimResult:
         return {k: v for k, v in self.__dict__.items() if k != "events"}
 
 
-def _per_stage(name: str, value: float | Sequence[float], stages: int) -> list[float]:
+def per_stage(name: str, value: float | Sequence[float], stages: int) -> list[float]:
+    """One value per stage from a number (every stage) or a list (checked: one per stage, each >= 0)."""
     values = [float(value)] * stages if isinstance(value, (int, float)) else [float(v) for v in value]
     if len(values) != stages:
-        raise ValueError(f"{name} has {len(values)} values but the schedule has {stages} stages; give one per stage.")
+        raise ValueError(
+            f"{name} has {len(values)} values but the schedule has {stages} stages; "
+            "give one value for all stages or one per stage."
+        )
     if any(v < 0 or math.isnan(v) for v in values):
         raise ValueError(f"{name} must be >= 0 (seconds or bytes), got {values}.")
     return values
@@ -67,8 +72,8 @@ def simulate(
     """
     validate(schedule)  # a schedule that deadlocks has no timing
     p = schedule.num_stages
-    fwd, bwd = _per_stage("forward_s", forward_s, p), _per_stage("backward_s", backward_s, p)
-    size = _per_stage("activation_bytes", activation_bytes, p)
+    fwd, bwd = per_stage("forward_s", forward_s, p), per_stage("backward_s", backward_s, p)
+    size = per_stage("activation_bytes", activation_bytes, p)
     if not bandwidth > 0:
         raise ValueError(f"bandwidth must be > 0 bytes per second (inf for free links), got {bandwidth}.")
     if latency < 0 or optimizer_s < 0:
@@ -112,7 +117,7 @@ def simulate(
     span = max((e.end for e in events), default=0.0)
     step_time, steady = _step_time(schedule, events, span)
     return SimResult(
-        schedule.name, p, schedule.chunks, span, step_time, steady, bubble_fraction(events),
+        schedule.name, p, schedule.chunks, schedule.minibatches, span, step_time, steady, bubble_fraction(events),
         [_peak(actions) for actions in ranks], events,
     )
 

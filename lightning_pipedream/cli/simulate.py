@@ -8,21 +8,19 @@ import math
 import sys
 from pathlib import Path
 
-from lightning_pipedream.schedule.builders import build_schedule
-from lightning_pipedream.schedule.cli_show import add_schedule_arguments
-from lightning_pipedream.schedule.simulate import SimResult, simulate
+from lightning_pipedream.cli.show import UsageError, add_schedule_arguments, schedule_of, size_text
+from lightning_pipedream.schedule.actions import Schedule
+from lightning_pipedream.schedule.simulate import SimResult, per_stage, simulate
 from lightning_pipedream.schedule.timeline import plot_timeline, to_chrome_trace
-
-
-class UsageError(Exception):
-    """Bad command-line input; the message says what to change."""
 
 
 def _numbers(text: str) -> list[float]:
     try:
         values = [float(v) for v in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number or comma-separated numbers such as 1.0,2.5, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected a number or comma-separated numbers such as 1.0,2.5, got {text!r}"
+        ) from None
     if any(v < 0 or math.isnan(v) for v in values):
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
     return values
@@ -59,11 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _per_stage(flag: str, values: list[float] | None, stages: int, default: list[float]) -> list[float]:
     if values is None:
         return default
-    if len(values) == 1:
-        return values * stages
-    if len(values) != stages:
-        raise UsageError(f"{flag} has {len(values)} values but --stages is {stages}; give one value for all stages or one per stage.")
-    return values
+    try:
+        return per_stage(flag, values if len(values) > 1 else values[0], stages)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
 
 
 def _split(balance: str | None, layers: int, stages: int) -> list[int]:
@@ -75,7 +72,9 @@ def _split(balance: str | None, layers: int, stages: int) -> list[int]:
     try:
         counts = [int(v) for v in balance.split(",")]
     except ValueError:
-        raise UsageError(f"--balance must be whole numbers separated by commas, such as 3,2,2,3; got {balance!r}.")
+        raise UsageError(
+            f"--balance must be whole numbers separated by commas, such as 3,2,2,3; got {balance!r}."
+        ) from None
     if len(counts) != stages:
         raise UsageError(f"--balance lists {len(counts)} stages but --stages is {stages}; give one layer count per stage.")
     if any(c < 1 for c in counts) or sum(counts) != layers:
@@ -83,21 +82,21 @@ def _split(balance: str | None, layers: int, stages: int) -> list[int]:
     return counts
 
 
-def _profile_costs(args: argparse.Namespace, schedule_steps: int) -> tuple[list[float], list[float], list[float], str]:
+def _profile_costs(args: argparse.Namespace, schedule: Schedule) -> tuple[list[float], list[float], list[float], str]:
     if args.forward is not None or args.backward is not None or args.activation_bytes is not None:
         raise UsageError("give either --profile or --forward/--backward/--activation-bytes, not both.")
-    try:  # the plan layer is optional here: only --profile needs it
-        from lightning_pipedream.plan.profile import Profile
-    except ImportError as err:
-        raise UsageError(f"--profile needs lightning_pipedream.plan.profile, which failed to import ({err}).")
+    from lightning_pipedream.plan.profile import Profile  # imported here: only --profile needs torch
+
     try:
         layers = Profile.load(args.profile).layers
     except (OSError, ValueError, KeyError) as err:
-        raise UsageError(f"could not read the profile {args.profile}: {err}. Write one with `python -m lightning_pipedream plan`.")
+        raise UsageError(
+            f"could not read the profile {args.profile}: {err}. Write one with `python -m lightning_pipedream plan`."
+        ) from None
     counts = _split(args.balance, len(layers), args.stages)
     # A profile times whole batches; flushed schedules split each batch into --chunks micro-batches,
     # assumed to cost 1/chunks each. PipeDream runs one whole batch (minibatch) per step.
-    scale = 1.0 / args.chunks if schedule_steps == 1 else 1.0
+    scale = 1.0 / schedule.chunks
     fwd, bwd, act, start = [], [], [], 0
     for count in counts:
         stage = layers[start:start + count]
@@ -107,7 +106,7 @@ def _profile_costs(args: argparse.Namespace, schedule_steps: int) -> tuple[list[
         start += count
     note = f"profile {args.profile}: layers per stage {','.join(map(str, counts))}"
     if scale != 1.0:
-        note += f"; batch times split over {args.chunks} micro-batches"
+        note += f"; batch times split over {schedule.chunks} micro-batches"
     return fwd, bwd, act, note
 
 
@@ -116,21 +115,22 @@ def analytic_bubble(name: str, stages: int, chunks: int) -> float | None:
     return (stages - 1) / (chunks + stages - 1) if name in ("gpipe", "1f1b") else None
 
 
-def _report(args: argparse.Namespace, result: SimResult, fwd: list[float], bwd: list[float], note: str) -> str:
+def _report(schedule: Schedule, args: argparse.Namespace, result: SimResult, fwd: list[float], bwd: list[float],
+            note: str) -> str:
     fmt = lambda xs: ", ".join(f"{x:g}" for x in xs)  # noqa: E731
-    unit = "minibatches" if args.schedule == "pipedream" else "micro-batches"
-    lines = [f"{args.schedule} schedule, {args.stages} stages x {args.chunks} {unit}"]
+    lines = [f"{args.schedule} schedule, {size_text(schedule)}"]
     lines.append(f"  forward s:  {fmt(fwd)}\n  backward s: {fmt(bwd)}")
     lines.append(f"  links: bandwidth {args.bandwidth:g} B/s, latency {args.latency:g} s" + (f"\n  {note}" if note else ""))
     if result.steady_state:
         lines.append(f"step time         {result.step_time:.6g} s per minibatch (steady state)")
-        lines.append(f"makespan          {result.makespan:.6g} s for all {args.chunks} minibatches, fill and drain included")
+        lines.append(f"makespan          {result.makespan:.6g} s for all {schedule.minibatches} minibatches, "
+                     "fill and drain included")
     else:
         lines.append(f"step time         {result.step_time:.6g} s")
         if result.step_time != result.makespan:
             lines.append(f"makespan          {result.makespan:.6g} s (too few minibatches for a steady state)")
     bubble = f"bubble fraction   {result.bubble_fraction:.4f}"
-    analytic = analytic_bubble(args.schedule, args.stages, args.chunks)
+    analytic = analytic_bubble(args.schedule, args.stages, schedule.chunks)
     if analytic is not None:
         bubble += f"   (analytic (p-1)/(m+p-1) = {analytic:.4f}, for equal stages and free links)"
     lines.append(bubble)
@@ -138,38 +138,43 @@ def _report(args: argparse.Namespace, result: SimResult, fwd: list[float], bwd: 
     return "\n".join(lines)
 
 
+def _costs(args: argparse.Namespace, schedule: Schedule) -> tuple[list[float], list[float], list[float], str]:
+    """Per-stage forward and backward seconds, activation bytes, and a note on where they came from."""
+    if args.latency < 0 or args.optimizer < 0:
+        raise UsageError("--latency and --optimizer are seconds and must be >= 0.")
+    if args.profile is not None:
+        return _profile_costs(args, schedule)
+    if args.balance is not None:
+        raise UsageError("--balance splits the layers of a --profile; give --profile too, or drop --balance.")
+    fwd = _per_stage("--forward", args.forward, args.stages, [1.0] * args.stages)
+    bwd = _per_stage("--backward", args.backward, args.stages, [2 * f for f in fwd])
+    act = _per_stage("--activation-bytes", args.activation_bytes, args.stages, [0.0] * args.stages)
+    return fwd, bwd, act, ""
+
+
 def run(args: argparse.Namespace) -> int:
-    schedule = build_schedule(args.schedule, args.stages, args.chunks)
     try:
-        if args.latency < 0 or args.optimizer < 0:
-            raise UsageError("--latency and --optimizer are seconds and must be >= 0.")
-        if args.profile is not None:
-            fwd, bwd, act, note = _profile_costs(args, schedule.steps())
-        else:
-            if args.balance is not None:
-                raise UsageError("--balance splits the layers of a --profile; give --profile too, or drop --balance.")
-            fwd = _per_stage("--forward", args.forward, args.stages, [1.0] * args.stages)
-            bwd = _per_stage("--backward", args.backward, args.stages, [2 * f for f in fwd])
-            act = _per_stage("--activation-bytes", args.activation_bytes, args.stages, [0.0] * args.stages)
-            note = ""
+        schedule = schedule_of(args)
+        fwd, bwd, act, note = _costs(args, schedule)
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     result = simulate(
         schedule, fwd, bwd, activation_bytes=act, bandwidth=args.bandwidth, latency=args.latency, optimizer_s=args.optimizer
     )
+    size = schedule.minibatches if schedule.name == "pipedream" else schedule.chunks
     if args.plot:
-        plot_timeline(result.events, args.plot, title=f"{args.schedule}, {args.stages} stages x {args.chunks}")
+        plot_timeline(result.events, args.plot, title=f"{args.schedule}, {args.stages} stages x {size}")
     if args.trace:
         args.trace.parent.mkdir(parents=True, exist_ok=True)
         args.trace.write_text(json.dumps(to_chrome_trace(result.events)))
     if args.json:
         out = result.summary() | {
-            "analytic_bubble_fraction": analytic_bubble(args.schedule, args.stages, args.chunks),
+            "analytic_bubble_fraction": analytic_bubble(args.schedule, args.stages, schedule.chunks),
             "forward_s": fwd, "backward_s": bwd, "activation_bytes": act,
             "bandwidth": None if math.isinf(args.bandwidth) else args.bandwidth, "latency": args.latency,
         }
         print(json.dumps(out, indent=2))
     else:
-        print(_report(args, result, fwd, bwd, note))
+        print(_report(schedule, args, result, fwd, bwd, note))
     return 0

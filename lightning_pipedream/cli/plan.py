@@ -51,5 +51,5 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(plan.to_json()))
     else:
         print(f"{profile.source}: {len(profile.layers)} layers; {topology.describe()}")
-        print(plan.describe())
+        print(plan.describe(simulated=True))
     return 0

@@ -1,0 +1,25 @@
+"""`python -m lightning_pipedream plan|simulate|show`: plans and timelines without training (never loads Lightning)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+# subcommand -> module that provides `add_arguments(parser)` and `run(args) -> int`
+COMMANDS = {
+    "plan": ("lightning_pipedream.cli.plan", "profile a model or read a PipeDream profile, and partition it"),
+    "simulate": ("lightning_pipedream.cli.simulate", "predict step time, bubble and memory of a schedule"),
+    "show": ("lightning_pipedream.cli.show", "print a schedule as a step x rank grid"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` (default: ``sys.argv[1:]``), run the subcommand and return its exit status."""
+    parser = argparse.ArgumentParser(prog="python -m lightning_pipedream", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (module_name, help_text) in COMMANDS.items():
+        module = importlib.import_module(module_name)
+        module.add_arguments(sub.add_parser(name, help=help_text, description=help_text))
+    args = parser.parse_args(argv)
+    module = importlib.import_module(COMMANDS[args.command][0])
+    return int(module.run(args) or 0)

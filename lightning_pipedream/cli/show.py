@@ -1,0 +1,100 @@
+"""`python -m lightning_pipedream show`: print a schedule as a time slot x rank grid, validated."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from lightning_pipedream.schedule.actions import Schedule
+from lightning_pipedream.schedule.builders import SCHEDULES, build_schedule
+from lightning_pipedream.schedule.check import ScheduleError, render_grid, validate
+
+
+class UsageError(Exception):
+    """Bad command-line input; the message says what to change."""
+
+
+def at_least_one(what: str):
+    """An argparse type: an integer >= 1, with an error that says what the number means."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if value < 1 or str(value) != text.strip():
+            raise argparse.ArgumentTypeError(f"must be a whole number >= 1 ({what}), got {text!r}")
+        return value
+
+    return parse
+
+
+def add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
+    """--schedule, --stages, --chunks and --minibatches, shared by `show` and `simulate`."""
+    parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="which schedule (default: 1f1b)")
+    parser.add_argument(
+        "--stages", type=at_least_one("the number of pipeline stages"), default=4, help="pipeline stages (default: 4)"
+    )
+    parser.add_argument(
+        "--chunks",
+        type=at_least_one("micro-batches per training step"),
+        help="gpipe/1f1b: micro-batches per training step (default: 8); pipedream runs whole batches (1)",
+    )
+    parser.add_argument(
+        "--minibatches",
+        type=at_least_one("pipedream minibatches before the drain"),
+        help="pipedream: minibatches (training steps) run before the drain (default: 8)",
+    )
+
+
+def schedule_of(args: argparse.Namespace) -> Schedule:
+    """The schedule that --schedule, --stages, --chunks and --minibatches ask for; UsageError if they disagree."""
+    if args.schedule == "pipedream":
+        if args.chunks not in (None, 1):
+            raise UsageError(
+                f"--chunks {args.chunks}: pipedream runs each batch whole (chunks=1); to run more minibatches "
+                f"before the drain use --minibatches {args.chunks}."
+            )
+        return build_schedule("pipedream", args.stages, minibatches=args.minibatches or 8)
+    if args.minibatches is not None:
+        raise UsageError(
+            f"--minibatches applies to --schedule pipedream only; {args.schedule} runs one batch of --chunks "
+            "micro-batches per step."
+        )
+    return build_schedule(args.schedule, args.stages, args.chunks or 8)
+
+
+def size_text(schedule: Schedule) -> str:
+    """``"4 stages x 8 micro-batches"`` or ``"4 stages x 8 minibatches"`` for the report's first line."""
+    if schedule.name == "pipedream":
+        return f"{schedule.num_stages} stages x {schedule.minibatches} minibatches"
+    return f"{schedule.num_stages} stages x {schedule.chunks} micro-batches"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_schedule_arguments(parser)
+    parser.add_argument("--actions", action="store_true", help="also list every rank's actions, sends and receives included")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        schedule = schedule_of(args)
+    except UsageError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"{args.schedule} schedule, {size_text(schedule)}")
+    print("F3 = forward of micro-batch 3, B3 = its backward, O = optimizer step, . = idle; one slot = one forward or backward")
+    print()
+    print(render_grid(schedule))
+    if args.actions:
+        print()
+        for rank, actions in enumerate(schedule.actions):
+            print(f"rank {rank}: {' '.join(map(str, actions))}")
+    print()
+    try:
+        validate(schedule)
+    except ScheduleError as err:
+        print(f"error: the schedule is not valid: {err}", file=sys.stderr)
+        return 1
+    print("valid: every receive has its send, forwards precede backwards, no rank waits forever")
+    return 0
