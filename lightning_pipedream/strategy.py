@@ -10,20 +10,14 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from torch import Tensor, nn
 
-from lightning_pipedream.runtime.engine import PipelineEngine
-from lightning_pipedream.runtime.failures import pipeline_failures
-from lightning_pipedream.runtime.microbatch import batch_size, flatten, merge, split
-from lightning_pipedream.plan.balance import check_balance, check_stage_count, even_balance, stage_slice
-from lightning_pipedream.runtime.transport import Transport
-from lightning_pipedream.schedule.builders import SCHEDULES, check_schedule_options, inference
 from lightning_pipedream.lightning_adapter import (
     Elsewhere,
     LogRecorder,
@@ -34,6 +28,12 @@ from lightning_pipedream.lightning_adapter import (
     loss_of,
     swap_layers,
 )
+from lightning_pipedream.plan.balance import check_balance, check_stage_count, even_balance, stage_slice
+from lightning_pipedream.runtime.engine import PipelineEngine
+from lightning_pipedream.runtime.failures import pipeline_failures
+from lightning_pipedream.runtime.microbatch import batch_size, flatten, merge, split
+from lightning_pipedream.runtime.transport import Transport
+from lightning_pipedream.schedule.builders import SCHEDULES, check_schedule_options, inference
 
 _DEFAULT_TIMEOUT = timedelta(minutes=30)
 _SUMMARY_SLOTS = 64
