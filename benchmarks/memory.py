@@ -210,30 +210,56 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
     results = {}
     for schedule in OURS:
-        cmd = [sys.executable, __file__, "--one", schedule, "--steps", str(args.steps), "--layers", str(args.layers),
-               "--width", str(args.width), "--batch", str(args.batch), "--chunks", str(args.chunks)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--one",
+            schedule,
+            "--steps",
+            str(args.steps),
+            "--layers",
+            str(args.layers),
+            "--width",
+            str(args.width),
+            "--batch",
+            str(args.batch),
+            "--chunks",
+            str(args.chunks),
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             raise RuntimeError(f"{schedule} failed:\n{proc.stderr}")
         results[schedule] = json.loads(proc.stdout.strip().splitlines()[-1])
     doc = {
-        "config": {"layers": cfg.layers, "width": cfg.width, "batch": cfg.batch, "chunks": cfg.chunks,
-                   "stages": cfg.stages, "micro_batch": cfg.micro, "steps": args.steps,
-                   "activation_mb_per_layer_per_microbatch": cfg.micro * cfg.width * 4 / 2**20},
+        "config": {
+            "layers": cfg.layers,
+            "width": cfg.width,
+            "batch": cfg.batch,
+            "chunks": cfg.chunks,
+            "stages": cfg.stages,
+            "micro_batch": cfg.micro,
+            "steps": args.steps,
+            "activation_mb_per_layer_per_microbatch": cfg.micro * cfg.width * 4 / 2**20,
+        },
         "ranks": results,
     }
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=1))
-    print(f"{'schedule':10s} {'rank':>4s} {'setup MB':>9s} {'peak MB':>8s} {'growth MB':>9s} {'trimmed MB':>10s} "
-          f"{'in flight':>9s} {'act. MB':>8s} {'versions':>8s} {'weights MB':>10s}")
+    print(
+        f"{'schedule':10s} {'rank':>4s} {'setup MB':>9s} {'peak MB':>8s} {'growth MB':>9s} {'trimmed MB':>10s} "
+        f"{'in flight':>9s} {'act. MB':>8s} {'versions':>8s} {'weights MB':>10s}"
+    )
     for schedule, ranks in results.items():
         for r in ranks:
             growth = "" if r["peak_rss_growth_mb"] is None else f"{r['peak_rss_growth_mb']:.1f}"
             trimmed = "" if r["rss_after_malloc_trim_mb"] is None else f"{r['rss_after_malloc_trim_mb']:.1f}"
-            print(f"{schedule:10s} {r['rank']:4d} {r['rss_setup_mb']:9.1f} {r['peak_rss_mb']:8.1f} {growth:>9s} {trimmed:>10s} "
-                  f"{r['peak_in_flight']:9d} {r['peak_activation_mb']:8.2f} {r.get('peak_weight_versions', 1):8d} "
-                  f"{r.get('weight_versions_mb', r['param_mb']):10.1f}")
+            print(
+                f"{schedule:10s} {r['rank']:4d} {r['rss_setup_mb']:9.1f} {r['peak_rss_mb']:8.1f} "
+                f"{growth:>9s} {trimmed:>10s} "
+                f"{r['peak_in_flight']:9d} {r['peak_activation_mb']:8.2f} {r.get('peak_weight_versions', 1):8d} "
+                f"{r.get('weight_versions_mb', r['param_mb']):10.1f}"
+            )
     return doc
 
 

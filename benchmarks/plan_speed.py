@@ -51,15 +51,24 @@ def plan_times(root: Path, repeats: int) -> list[dict]:
             for straight in (False, True):
                 seconds = _median_seconds(lambda: partition(profile, topology, straight=straight), repeats)
                 plan = partition(profile, topology, straight=straight)
-                rows.append({
-                    "model": model, "layers": len(profile.layers), "topology": name, "straight": straight,
-                    "plan_s": seconds, "load_s": load_s,
-                    "configuration": "-".join(str(s.replicas) for s in plan.stages),
-                    "time_per_minibatch": plan.time_per_minibatch,
-                    "speedup_vs_data_parallel": plan.speedup_vs_data_parallel,
-                })
-                print(f"{model:9s} {name:22s} {'straight' if straight else '        '} plan {seconds * 1e3:7.1f} ms  "
-                      f"-> {rows[-1]['configuration']:30s} {plan.time_per_minibatch * 1e3:8.2f} ms/minibatch", flush=True)
+                rows.append(
+                    {
+                        "model": model,
+                        "layers": len(profile.layers),
+                        "topology": name,
+                        "straight": straight,
+                        "plan_s": seconds,
+                        "load_s": load_s,
+                        "configuration": "-".join(str(s.replicas) for s in plan.stages),
+                        "time_per_minibatch": plan.time_per_minibatch,
+                        "speedup_vs_data_parallel": plan.speedup_vs_data_parallel,
+                    }
+                )
+                print(
+                    f"{model:9s} {name:22s} {'straight' if straight else '        '} plan {seconds * 1e3:7.1f} ms  "
+                    f"-> {rows[-1]['configuration']:30s} {plan.time_per_minibatch * 1e3:8.2f} ms/minibatch",
+                    flush=True,
+                )
     return rows
 
 
@@ -71,8 +80,11 @@ def profiler_overhead(repeats: int) -> dict:
     wall = statistics.median(p.profiling_s for p in runs)
     model_s = statistics.median(sum(l.forward_s + l.backward_s for l in p.layers) for p in runs)
     result = {"layers": 20, "profiling_s": wall, "measured_step_s": model_s, "overhead_x_step": wall / model_s}
-    print(f"profiler: 20 layers in {wall:.3f} s, {wall / model_s:.1f}x the forward+backward it measured "
-          f"({model_s * 1e3:.1f} ms)", flush=True)
+    print(
+        f"profiler: 20 layers in {wall:.3f} s, {wall / model_s:.1f}x the forward+backward it measured "
+        f"({model_s * 1e3:.1f} ms)",
+        flush=True,
+    )
     return result
 
 
@@ -86,15 +98,25 @@ def main(argv: list[str] | None = None) -> None:
     overhead = profiler_overhead(args.repeats)
     gnmt = next(r for r in rows if r["model"] == "gnmt16" and r["topology"].startswith("4x4") and not r["straight"])
     flat16 = max(r["plan_s"] for r in rows if r["topology"].startswith("16 flat"))
-    targets = {"gnmt16_4x4_under_1s": gnmt["plan_s"] < 1.0, "all_16_flat_under_1s": flat16 < 1.0,
-               "profile_20_layers_under_5s": overhead["profiling_s"] < 5.0}
-    print(f"GNMT-16 on 4x4: {gnmt['plan_s'] * 1e3:.1f} ms; slowest profile on 16 flat workers: {flat16 * 1e3:.1f} ms; "
-          f"targets met: {all(targets.values())}")
+    targets = {
+        "gnmt16_4x4_under_1s": gnmt["plan_s"] < 1.0,
+        "all_16_flat_under_1s": flat16 < 1.0,
+        "profile_20_layers_under_5s": overhead["profiling_s"] < 5.0,
+    }
+    print(
+        f"GNMT-16 on 4x4: {gnmt['plan_s'] * 1e3:.1f} ms; slowest profile on 16 flat workers: {flat16 * 1e3:.1f} ms; "
+        f"targets met: {all(targets.values())}"
+    )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        machine = {"python": platform.python_version(), "torch": torch.__version__, "cpu_threads": torch.get_num_threads()}
-        args.json.write_text(json.dumps({"plans": rows, "profiler": overhead, "targets": targets, "machine": machine},
-                                        indent=1) + "\n")
+        machine = {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "cpu_threads": torch.get_num_threads(),
+        }
+        args.json.write_text(
+            json.dumps({"plans": rows, "profiler": overhead, "targets": targets, "machine": machine}, indent=1) + "\n"
+        )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Markdown tables of the benchmark results, as docs/benchmarks.md shows them.
 
-    python benchmarks/report.py [--schedules benchmarks/results/schedules.json] [--memory benchmarks/results/memory.json]
+python benchmarks/report.py [--schedules benchmarks/results/schedules.json] [--memory benchmarks/results/memory.json]
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ def throughput(doc: dict) -> str:
             vs_torch += f" (vs {r['ratio_vs_torch_of'].replace('torch_', '')})"
         quiet = f"{_f(r['steps_per_s_quiet'])} ({r['quiet_runs']})" if r["steps_per_s_quiet"] else "- (0)"
         rows.append(
-            f"| {NAMES.get(name, name)} | {r['steps_per_s']:.2f} | {r['spread']['min']:.2f} - {r['spread']['max']:.2f} | "
+            f"| {NAMES.get(name, name)} | {r['steps_per_s']:.2f} | "
+            f"{r['spread']['min']:.2f} - {r['spread']['max']:.2f} | "
             f"{r['samples_per_s']:.0f} | {quiet} | {vs_torch} | {r['speedup_vs_one_thread']:.3f} | "
             f"{r['cpu_s_per_step_median']:.3f} | {r['page_faults_per_step_median']:.0f} |"
         )
@@ -53,27 +54,36 @@ def targets(doc: dict) -> str:
     for s in ("gpipe", "1f1b"):
         r = c.get(f"ours_{s}", {})
         if "ratio_vs_torch" in r:
-            rows.append(f"| ours {s} / torch {s} >= 1.0 (aim 1.15) | {r['ratio_vs_torch']:.3f} | "
-                        f"{_f(r.get('ratio_vs_torch_quiet'), '.3f')} | {r['ratio_vs_torch_paired_median']:.3f} |")
+            rows.append(
+                f"| ours {s} / torch {s} >= 1.0 (aim 1.15) | {r['ratio_vs_torch']:.3f} | "
+                f"{_f(r.get('ratio_vs_torch_quiet'), '.3f')} | {r['ratio_vs_torch_paired_median']:.3f} |"
+            )
     r = c.get("ours_pipedream", {})
     if r:
-        rows.append(f"| pipedream / 1 thread (same micro-batches) >= 1.7 | {r['speedup_vs_one_thread']:.3f} | "
-                    f"{_f(r.get('speedup_vs_one_thread_quiet'), '.3f')} | {r['speedup_vs_one_thread_paired_median']:.3f} |")
+        rows.append(
+            f"| pipedream / 1 thread (same micro-batches) >= 1.7 | {r['speedup_vs_one_thread']:.3f} | "
+            f"{_f(r.get('speedup_vs_one_thread_quiet'), '.3f')} | {r['speedup_vs_one_thread_paired_median']:.3f} |"
+        )
         if "speedup_vs_one_thread_same_updates" in r:
-            rows.append(f"| pipedream / 1 thread with an SGD step per 64 (same work) | "
-                        f"{r['speedup_vs_one_thread_same_updates']:.3f} | - | - |")
+            rows.append(
+                f"| pipedream / 1 thread with an SGD step per 64 (same work) | "
+                f"{r['speedup_vs_one_thread_same_updates']:.3f} | - | - |"
+            )
     for s in ("gpipe", "1f1b"):
         for who in ("ours", "torch"):
             r = c.get(f"{who}_{s}")
             if r:
-                rows.append(f"| {who} {s}: share of the ideal 2x over 1 thread | {r['ideal_speedup_fraction']:.3f} | "
-                            f"{_f(r.get('speedup_vs_one_thread_quiet') and r['speedup_vs_one_thread_quiet'] / 2, '.3f')} | - |")
+                rows.append(
+                    f"| {who} {s}: share of the ideal 2x over 1 thread | {r['ideal_speedup_fraction']:.3f} | "
+                    f"{_f(r.get('speedup_vs_one_thread_quiet') and r['speedup_vs_one_thread_quiet'] / 2, '.3f')} | - |"
+                )
     return "\n".join(rows)
 
 
 def simulator(doc: dict) -> str:
     rows = [
-        "| schedule | measured s/step | simulated, isolated costs | measured / simulated | simulated, concurrent costs | "
+        "| schedule | measured s/step | simulated, isolated costs | measured / simulated | "
+        "simulated, concurrent costs | "
         "measured / simulated | simulated, costs from the trace | measured / simulated |",
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -84,15 +94,18 @@ def simulator(doc: dict) -> str:
         rows.append(
             f"| {s} | {r['measured_step_s']:.4f} ({r['measured_step_from']}) | {r['simulated_step_s']:.4f} | "
             f"{r['measured_over_simulated']:.3f} | {r['simulated_step_s_concurrent_costs']:.4f} | "
-            f"{r['measured_over_simulated_concurrent_costs']:.3f} | {_f(r.get('simulated_step_s_trace_costs'), '.4f')} | "
+            f"{r['measured_over_simulated_concurrent_costs']:.3f} | "
+            f"{_f(r.get('simulated_step_s_trace_costs'), '.4f')} | "
             f"{_f(r.get('measured_over_simulated_trace_costs'), '.3f')} |"
         )
     return "\n".join(rows)
 
 
 def costs(doc: dict) -> str:
-    rows = ["| costs (ms) | forward s0 | forward s1 | backward s0 | backward s1 | optimizer s0 | optimizer s1 |",
-            "|---|---|---|---|---|---|---|"]
+    rows = [
+        "| costs (ms) | forward s0 | forward s1 | backward s0 | backward s1 | optimizer s0 | optimizer s1 |",
+        "|---|---|---|---|---|---|---|",
+    ]
 
     def row(label: str, p: dict) -> str:
         ms = [f"{v * 1e3:.2f}" for k in ("forward_s", "backward_s", "optimizer_s") for v in p[k]]
@@ -104,42 +117,59 @@ def costs(doc: dict) -> str:
         rows.append(row(f"recorded in the {s} trace", r["costs"]))
     link = doc["link"]
     rows.append("")
-    rows.append(f"Link (our transport, ping-pong / 2): {link['small'] * 1e6:.0f} us for a tiny message, "
-                f"{link['activation'] * 1e6:.0f} us for one activation ({link['activation_bytes'] // 1024} KiB): "
-                f"latency {link['latency_s'] * 1e6:.0f} us, bandwidth {link['bandwidth_Bps'] / 1e9:.1f} GB/s.")
+    rows.append(
+        f"Link (our transport, ping-pong / 2): {link['small'] * 1e6:.0f} us for a tiny message, "
+        f"{link['activation'] * 1e6:.0f} us for one activation ({link['activation_bytes'] // 1024} KiB): "
+        f"latency {link['latency_s'] * 1e6:.0f} us, bandwidth {link['bandwidth_Bps'] / 1e9:.1f} GB/s."
+    )
     return "\n".join(rows)
 
 
 def bubbles(doc: dict) -> str:
-    rows = ["| schedule | analytic (p-1)/(m+p-1) | simulated (isolated costs) | simulated (costs from the trace) | "
-            "measured in one step (trace) | measured over the timed run (trace) |", "|---|---|---|---|---|---|"]
+    rows = [
+        "| schedule | analytic (p-1)/(m+p-1) | simulated (isolated costs) | simulated (costs from the trace) | "
+        "measured in one step (trace) | measured over the timed run (trace) |",
+        "|---|---|---|---|---|---|",
+    ]
     for s, b in doc["bubble"].items():
-        rows.append(f"| {s} | {b['analytic']:.3f} | {_f(b['simulated'], '.3f')} | {_f(b.get('simulated_trace_costs'), '.3f')} | "
-                    f"{_f(b.get('measured_in_step_median'), '.3f')} | {b['measured_whole_step_median']:.3f} |")
+        rows.append(
+            f"| {s} | {b['analytic']:.3f} | {_f(b['simulated'], '.3f')} | "
+            f"{_f(b.get('simulated_trace_costs'), '.3f')} | "
+            f"{_f(b.get('measured_in_step_median'), '.3f')} | {b['measured_whole_step_median']:.3f} |"
+        )
     return "\n".join(rows)
 
 
 def trace_overhead(doc: dict) -> str:
     t = doc["trace_overhead"]
-    rows = ["| schedule | step time with trace / without - 1 (medians) | same, paired by round (median) | "
-            "CPU time per step with trace / without - 1 (medians) | "
-            "recording cost (actions x cost per record) / step time |", "|---|---|---|---|---|"]
+    rows = [
+        "| schedule | step time with trace / without - 1 (medians) | same, paired by round (median) | "
+        "CPU time per step with trace / without - 1 (medians) | "
+        "recording cost (actions x cost per record) / step time |",
+        "|---|---|---|---|---|",
+    ]
     c = doc["contenders"]
     for s in ("gpipe", "1f1b", "pipedream"):
         if s in t:
             cpu = c[f"ours_{s}_trace"]["cpu_s_per_step_median"] / c[f"ours_{s}"]["cpu_s_per_step_median"] - 1
-            rows.append(f"| {s} | {t[s]['median_ratio_minus_1']:+.2%} | {t[s]['paired_median']:+.2%} | {cpu:+.2%} | "
-                        f"{t[s].get('record_cost_fraction_of_step', 0):.4%} |")
+            rows.append(
+                f"| {s} | {t[s]['median_ratio_minus_1']:+.2%} | {t[s]['paired_median']:+.2%} | {cpu:+.2%} | "
+                f"{t[s].get('record_cost_fraction_of_step', 0):.4%} |"
+            )
     rows.append("")
-    rows.append(f"One record (two perf_counter calls and a list append) costs {t['record_cost_s_per_action'] * 1e9:.0f} ns.")
+    rows.append(
+        f"One record (two perf_counter calls and a list append) costs {t['record_cost_s_per_action'] * 1e9:.0f} ns."
+    )
     return "\n".join(rows)
 
 
 def memory(doc: dict) -> str:
-    rows = ["| schedule | rank | micro-batches in flight (peak) | stored activations, MB (peak) | weight versions (peak) | "
-            "weights, MB | RSS after setup, MB | peak RSS, MB | peak RSS - setup, MB | RSS at the end, MB | "
-            "RSS after gc.collect + malloc_trim, MB |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| schedule | rank | micro-batches in flight (peak) | stored activations, MB (peak) | weight versions (peak) | "
+        "weights, MB | RSS after setup, MB | peak RSS, MB | peak RSS - setup, MB | RSS at the end, MB | "
+        "RSS after gc.collect + malloc_trim, MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for s, ranks in doc["ranks"].items():
         for r in ranks:
             rows.append(
@@ -159,13 +189,21 @@ def main(argv: list[str] | None = None) -> None:
     if args.schedules.exists():
         doc = json.loads(args.schedules.read_text())
         m = doc["machine"]
-        print(f"Machine: {m['cpus']} CPUs, {m['platform']}, torch {m['torch']}. Before the run other processes used "
-              f"{m['load_before']['foreign_cores']:.2f} cores (load average {m['load_before']['loadavg_1m']:.2f}); "
-              f"during the runs {m['foreign_cores_during_runs_median']:.2f} cores (median, max "
-              f"{m['foreign_cores_during_runs_max']:.2f}). {doc['config']['rounds']} rounds x "
-              f"{doc['config']['timed_steps_per_run']} timed steps; {doc['seconds']:.0f} s in all.\n")
-        for title, fn in (("Throughput", throughput), ("Targets", targets), ("Simulator", simulator),
-                          ("Costs", costs), ("Bubble", bubbles), ("Trace overhead", trace_overhead)):
+        print(
+            f"Machine: {m['cpus']} CPUs, {m['platform']}, torch {m['torch']}. Before the run other processes used "
+            f"{m['load_before']['foreign_cores']:.2f} cores (load average {m['load_before']['loadavg_1m']:.2f}); "
+            f"during the runs {m['foreign_cores_during_runs_median']:.2f} cores (median, max "
+            f"{m['foreign_cores_during_runs_max']:.2f}). {doc['config']['rounds']} rounds x "
+            f"{doc['config']['timed_steps_per_run']} timed steps; {doc['seconds']:.0f} s in all.\n"
+        )
+        for title, fn in (
+            ("Throughput", throughput),
+            ("Targets", targets),
+            ("Simulator", simulator),
+            ("Costs", costs),
+            ("Bubble", bubbles),
+            ("Trace overhead", trace_overhead),
+        ):
             print(f"### {title}\n\n{fn(doc)}\n")
     if args.memory.exists():
         print(f"### Memory\n\n{memory(json.loads(args.memory.read_text()))}\n")

@@ -56,8 +56,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_pipedream.runtime.launch import run_local
 from lightning_pipedream.plan.balance import even_balance, stage_slice
+from lightning_pipedream.runtime.launch import run_local
 from lightning_pipedream.runtime.pipeline import Pipeline
 from lightning_pipedream.runtime.transport import Transport
 from lightning_pipedream.schedule.actions import Op
@@ -141,12 +141,14 @@ def _cpu_self() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def ours_worker(rank: int, world: int, cfg: Config, schedule: str, trace: bool, warmup: int, steps: int,
-                keep_trace_steps: int = 0) -> dict:
+def ours_worker(
+    rank: int, world: int, cfg: Config, schedule: str, trace: bool, warmup: int, steps: int, keep_trace_steps: int = 0
+) -> dict:
     x, y = make_batch(cfg)
     chunks = 1 if schedule == "pipedream" else cfg.chunks
-    pipe = Pipeline(build_model(cfg), loss_fn=nn.functional.mse_loss, optimizer=sgd, schedule=schedule,
-                    chunks=chunks, record=trace)
+    pipe = Pipeline(
+        build_model(cfg), loss_fn=nn.functional.mse_loss, optimizer=sgd, schedule=schedule, chunks=chunks, record=trace
+    )
     if schedule == "pipedream":
         xs, ys = x.split(cfg.micro), y.split(cfg.micro)
 
@@ -166,7 +168,9 @@ def ours_worker(rank: int, world: int, cfg: Config, schedule: str, trace: bool, 
     executor = pipe.engine.executor
     out = _timed(step, warmup, steps, finish, after_warmup=executor.records.clear)
     if trace:
-        out["busy_s"] = sum(e - s for a, s, e in executor.records if a.op in (Op.FORWARD, Op.BACKWARD, Op.OPTIMIZER_STEP))
+        out["busy_s"] = sum(
+            e - s for a, s, e in executor.records if a.op in (Op.FORWARD, Op.BACKWARD, Op.OPTIMIZER_STEP)
+        )
         # mean seconds of this rank's forwards, backwards and optimizer steps, as the simulator takes them
         out["op_mean_s"] = {
             op.value: statistics.mean([e - s for a, s, e in executor.records if a.op is op] or [0.0])
@@ -206,8 +210,9 @@ def torch_worker(rank: int, world: int, cfg: Config, schedule: str, warmup: int,
     return _timed(step, warmup, steps)
 
 
-def single_worker(rank: int, world: int, cfg: Config, threads: int, warmup: int, steps: int,
-                  update_per_minibatch: bool = False) -> dict:
+def single_worker(
+    rank: int, world: int, cfg: Config, threads: int, warmup: int, steps: int, update_per_minibatch: bool = False
+) -> dict:
     torch.set_num_threads(threads)
     x, y = make_batch(cfg)
     model = build_model(cfg)
@@ -415,7 +420,8 @@ BUSY_CORES = 0.25  # other processes using more than this many cores: the machin
 
 
 def wait_for_quiet(max_wait: float, sample: float = 0.5) -> float:
-    """Sleep until other processes use less than BUSY_CORES cores (sampled over ``sample`` s), at most ``max_wait`` s."""
+    """Sleep until other processes use less than BUSY_CORES cores (sampled over ``sample`` s), at most
+    ``max_wait`` s."""
     start = time.perf_counter()
     while time.perf_counter() - start < max_wait:
         with LoadMeter() as m:
@@ -450,27 +456,36 @@ def run_contender(name: str, cfg: Config, warmup: int, steps: int, timeout: floa
     if name.startswith("ours_"):
         schedule = name.removeprefix("ours_").removesuffix("_trace")
         trace = name.endswith("_trace")
-        results = run_local(ours_worker, cfg.stages, cfg, schedule, trace, warmup, steps, int(keep_trace),
-                            timeout=timeout)
+        results = run_local(
+            ours_worker, cfg.stages, cfg, schedule, trace, warmup, steps, int(keep_trace), timeout=timeout
+        )
     elif name.startswith("torch_"):
         results = run_local(torch_worker, cfg.stages, cfg, name.removeprefix("torch_"), warmup, steps, timeout=timeout)
     else:
         threads = 2 if name == "two_threads" else 1
-        results = run_local(single_worker, 1, cfg, threads, warmup, steps, name == "one_thread_per_minibatch",
-                            timeout=timeout)
+        results = run_local(
+            single_worker, 1, cfg, threads, warmup, steps, name == "one_thread_per_minibatch", timeout=timeout
+        )
     t0 = min(r["t0"] for r in results)
     t1 = max(r["t1"] for r in results)
     losses = [r["loss"] for r in results if r["loss"] is not None]
-    run = {"seconds": t1 - t0, "steps": steps, "steps_per_s": steps / (t1 - t0), "loss": losses[-1] if losses else None,
-           "cpu_s_per_step": sum(r["cpu_s"] for r in results) / steps,
-           "page_faults_per_step": sum(r["faults"] for r in results) / steps}
+    run = {
+        "seconds": t1 - t0,
+        "steps": steps,
+        "steps_per_s": steps / (t1 - t0),
+        "loss": losses[-1] if losses else None,
+        "cpu_s_per_step": sum(r["cpu_s"] for r in results) / steps,
+        "page_faults_per_step": sum(r["faults"] for r in results) / steps,
+    }
     if "busy_s" in results[0]:
         run["op_mean_s"] = [r["op_mean_s"] for r in results]
         busy = sum(r["busy_s"] for r in results)
         run["bubble_whole_step"] = 1 - busy / (len(results) * (t1 - t0))
         run["actions_per_step_per_rank"] = results[0]["actions"] / steps
     if keep_trace and "events" in results[0]:
-        run["events"] = [TimedAction(rank, a, s - t0, e - t0) for rank, r in enumerate(results) for a, s, e in r["events"]]
+        run["events"] = [
+            TimedAction(rank, a, s - t0, e - t0) for rank, r in enumerate(results) for a, s, e in r["events"]
+        ]
     return run
 
 
@@ -564,7 +579,7 @@ def measured_bubble(events: list[TimedAction], schedule: str, cfg: Config) -> di
     for k in range(steps):
         evs = []
         for r, n in zip(ranks, n_actions):
-            evs += per_rank[r][k * n:(k + 1) * n]
+            evs += per_rank[r][k * n : (k + 1) * n]
         values.append(bubble_fraction(_clip_to_first_forward(evs)))
     return {"per_step": values, "median": statistics.median(values)}
 
@@ -587,7 +602,7 @@ def one_step_events(events: list[TimedAction], schedule: str, cfg: Config, step:
         chosen = []
         for r in ranks:
             n = len(build_schedule(schedule, cfg.stages, cfg.chunks).actions[r])
-            chosen += [e for e in events if e.rank == r][step * n:(step + 1) * n]
+            chosen += [e for e in events if e.rank == r][step * n : (step + 1) * n]
         chosen = _clip_to_first_forward(chosen)  # from the step's first forward, as measured_bubble
     origin = min(e.start for e in chosen)
     return [TimedAction(e.rank, e.action, e.start - origin, e.end - origin) for e in chosen]
@@ -600,21 +615,31 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=None)
-    parser.add_argument("--trace-dir", default="benchmarks/results/traces",
-                        help="where the traced runs' Chrome traces go ('' for none)")
+    parser.add_argument(
+        "--trace-dir", default="benchmarks/results/traces", help="where the traced runs' Chrome traces go ('' for none)"
+    )
     parser.add_argument("--no-trace-contenders", action="store_true", help="skip the ours_*_trace contenders")
-    parser.add_argument("--malloc", choices=("default", "keep"), default="default",
-                        help="keep: glibc keeps freed memory for reuse (see keep_freed_memory), in every contender")
+    parser.add_argument(
+        "--malloc",
+        choices=("default", "keep"),
+        default="default",
+        help="keep: glibc keeps freed memory for reuse (see keep_freed_memory), in every contender",
+    )
     parser.add_argument("--only", default="", help="comma-separated contenders to run (one_thread is always run)")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=512)
     parser.add_argument("--chunks", type=int, default=8)
     parser.add_argument("--timeout", type=float, default=300.0)
-    parser.add_argument("--max-wait", type=float, default=None,
-                        help="seconds to wait before a run for other processes to use < %.2f cores (default 20; quick 5)" % 0.25)
-    parser.add_argument("--wait-budget", type=float, default=None,
-                        help="seconds of such waiting in all (default 150; quick 20)")
+    parser.add_argument(
+        "--max-wait",
+        type=float,
+        default=None,
+        help=f"seconds to wait before a run for other processes to use < {BUSY_CORES:.2f} cores (default 20; quick 5)",
+    )
+    parser.add_argument(
+        "--wait-budget", type=float, default=None, help="seconds of such waiting in all (default 150; quick 20)"
+    )
     args = parser.parse_args(argv)
     rounds = args.rounds or (2 if args.quick else 6)
     steps = args.steps or (3 if args.quick else 10)
@@ -636,8 +661,11 @@ def main(argv: list[str] | None = None) -> dict:
     started = time.time()
 
     load0 = idle_load(1.0 if args.quick else 2.0)
-    print(f"machine: {os.cpu_count()} CPUs, load average {load0['loadavg_1m']:.2f}, "
-          f"other processes using {load0['foreign_cores']:.2f} cores", flush=True)
+    print(
+        f"machine: {os.cpu_count()} CPUs, load average {load0['loadavg_1m']:.2f}, "
+        f"other processes using {load0['foreign_cores']:.2f} cores",
+        flush=True,
+    )
     # The load average lags by a minute (and counts this benchmark's own recent runs): the CPU that
     # other processes use right now says more.
     if load0["foreign_cores"] > BUSY_CORES or load0["loadavg_1m"] > (os.cpu_count() or 1):
@@ -655,7 +683,7 @@ def main(argv: list[str] | None = None) -> dict:
     runs: dict[str, list[dict]] = {n: [] for n in names}
     kept_events: dict[str, list[TimedAction]] = {}
     for rnd in range(rounds):
-        order = names[rnd % len(names):] + names[: rnd % len(names)]
+        order = names[rnd % len(names) :] + names[: rnd % len(names)]
         for name in order:
             keep = name.endswith("_trace") and rnd == rounds - 1
             # Wait a little for a quiet moment (other engineers' tests come in bursts), within a budget.
@@ -667,8 +695,12 @@ def main(argv: list[str] | None = None) -> dict:
             if "events" in run:
                 kept_events[name] = run.pop("events")
             runs[name].append(run)
-            print(f"round {rnd + 1}/{rounds} {name:26s} {run['steps_per_s']:7.3f} steps/s "
-                  f"{run['cpu_s_per_step']:6.3f} cpu-s/step {run['page_faults_per_step']:7.0f} faults/step (others using {meter.foreign_cores:.2f} cores)", flush=True)
+            print(
+                f"round {rnd + 1}/{rounds} {name:26s} {run['steps_per_s']:7.3f} steps/s "
+                f"{run['cpu_s_per_step']:6.3f} cpu-s/step {run['page_faults_per_step']:7.0f} faults/step "
+                f"(others using {meter.foreign_cores:.2f} cores)",
+                flush=True,
+            )
 
     # What the simulator needs, measured before and after the rounds (the lower of the two is the
     # less disturbed), then its predictions.
@@ -694,7 +726,9 @@ def main(argv: list[str] | None = None) -> dict:
             "samples_per_s": statistics.median(sps) * cfg.batch,
             "spread": _spread(sps),
             # the runs during which other processes used < BUSY_CORES cores: closest to a quiet machine
-            "steps_per_s_quiet": _median_or_none([r["steps_per_s"] for r in runs[name] if r["foreign_cores"] < BUSY_CORES]),
+            "steps_per_s_quiet": _median_or_none(
+                [r["steps_per_s"] for r in runs[name] if r["foreign_cores"] < BUSY_CORES]
+            ),
             "quiet_runs": sum(r["foreign_cores"] < BUSY_CORES for r in runs[name]),
             "foreign_cores_median": statistics.median(r["foreign_cores"] for r in runs[name]),
             "cpu_s_per_step_median": statistics.median(r["cpu_s_per_step"] for r in runs[name]),
@@ -714,17 +748,20 @@ def main(argv: list[str] | None = None) -> dict:
             r["ratio_vs_torch_of"] = ref
             # paired, round by round: robust to the load drifting between rounds
             r["ratio_vs_torch_paired_median"] = statistics.median(
-                a["steps_per_s"] / b["steps_per_s"] for a, b in zip(runs[name], runs[ref]))
+                a["steps_per_s"] / b["steps_per_s"] for a, b in zip(runs[name], runs[ref])
+            )
             r["ratio_vs_torch_quiet"] = _ratio(r["steps_per_s_quiet"], results[ref]["steps_per_s_quiet"])
         r["speedup_vs_one_thread"] = r["steps_per_s"] / one
         r["speedup_vs_one_thread_quiet"] = _ratio(r["steps_per_s_quiet"], results["one_thread"]["steps_per_s_quiet"])
         r["speedup_vs_one_thread_paired_median"] = statistics.median(
-            a["steps_per_s"] / b["steps_per_s"] for a, b in zip(runs[name], runs["one_thread"]))
+            a["steps_per_s"] / b["steps_per_s"] for a, b in zip(runs[name], runs["one_thread"])
+        )
         r["ideal_speedup_fraction"] = r["speedup_vs_one_thread"] / cfg.stages
         if schedule == "pipedream" and "one_thread_per_minibatch" in results:
             # against one thread doing the same work: an optimizer step after every minibatch
             r["speedup_vs_one_thread_same_updates"] = (
-                r["steps_per_s"] / results["one_thread_per_minibatch"]["steps_per_s"])
+                r["steps_per_s"] / results["one_thread_per_minibatch"]["steps_per_s"]
+            )
         if not name.endswith("_trace"):
             # against the quiet runs where there are some: the simulator knows nothing of other processes
             measured_step = 1 / (r["steps_per_s_quiet"] or r["steps_per_s"])
@@ -739,7 +776,9 @@ def main(argv: list[str] | None = None) -> dict:
                 r["measured_over_simulated_trace_costs"] = measured_step / replay[schedule]["step_time_s"]
     for s in TORCH:
         if f"torch_{s}" in results:
-            results[f"torch_{s}"]["ideal_speedup_fraction"] = results[f"torch_{s}"]["speedup_vs_one_thread"] / cfg.stages
+            results[f"torch_{s}"]["ideal_speedup_fraction"] = (
+                results[f"torch_{s}"]["speedup_vs_one_thread"] / cfg.stages
+            )
 
     trace_overhead = {}
     bubbles = {}
@@ -779,17 +818,33 @@ def main(argv: list[str] | None = None) -> dict:
         if s in trace_overhead and f"ours_{s}_trace" in runs:
             per_step = runs[f"ours_{s}_trace"][0].get("actions_per_step_per_rank", 0)
             trace_overhead[s]["record_cost_fraction_of_step"] = (
-                per_step * trace_overhead["record_cost_s_per_action"] * results[f"ours_{s}"]["steps_per_s"])
+                per_step * trace_overhead["record_cost_s_per_action"] * results[f"ours_{s}"]["steps_per_s"]
+            )
 
     doc = {
-        "config": {**asdict(cfg), "micro_batch": cfg.micro, "threads_per_process": 1, "lr": LR,
-                   "rounds": rounds, "timed_steps_per_run": steps, "malloc": args.malloc, "warmup_steps": warmup, "quick": args.quick,
-                   "step": f"one batch of {cfg.batch} samples (pipedream: {cfg.chunks} minibatches of {cfg.micro})"},
-        "machine": {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-                    "cpus": os.cpu_count(), "load_before": load0,
-                    "foreign_cores_during_runs_median": statistics.median(
-                        r["foreign_cores"] for rs in runs.values() for r in rs),
-                    "foreign_cores_during_runs_max": max(r["foreign_cores"] for rs in runs.values() for r in rs)},
+        "config": {
+            **asdict(cfg),
+            "micro_batch": cfg.micro,
+            "threads_per_process": 1,
+            "lr": LR,
+            "rounds": rounds,
+            "timed_steps_per_run": steps,
+            "malloc": args.malloc,
+            "warmup_steps": warmup,
+            "quick": args.quick,
+            "step": f"one batch of {cfg.batch} samples (pipedream: {cfg.chunks} minibatches of {cfg.micro})",
+        },
+        "machine": {
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "cpus": os.cpu_count(),
+            "load_before": load0,
+            "foreign_cores_during_runs_median": statistics.median(
+                r["foreign_cores"] for rs in runs.values() for r in rs
+            ),
+            "foreign_cores_during_runs_max": max(r["foreign_cores"] for rs in runs.values() for r in rs),
+        },
         "contenders": results,
         "profile": prof,
         "profile_runs": {"isolated_before": prof_before, "isolated_after": prof_after, "concurrent": prof_concurrent},
@@ -823,25 +878,37 @@ def _record_cost(n: int = 200_000) -> float:
 def _print_summary(doc: dict) -> None:
     res = doc["contenders"]
     print()
-    print(f"{'contender':26s} {'steps/s':>8s} {'min':>7s} {'max':>7s} {'vs torch':>9s} {'vs 1 thread':>11s} "
-          f"{'others':>7s} {'quiet steps/s (runs)':>21s}")
+    print(
+        f"{'contender':26s} {'steps/s':>8s} {'min':>7s} {'max':>7s} {'vs torch':>9s} {'vs 1 thread':>11s} "
+        f"{'others':>7s} {'quiet steps/s (runs)':>21s}"
+    )
     for name, r in res.items():
         vs_torch = f"{r['ratio_vs_torch']:.3f}" if "ratio_vs_torch" in r else ""
         quiet = f"{r['steps_per_s_quiet']:.3f} ({r['quiet_runs']})" if r["steps_per_s_quiet"] else "-"
-        print(f"{name:26s} {r['steps_per_s']:8.3f} {r['spread']['min']:7.3f} {r['spread']['max']:7.3f} "
-              f"{vs_torch:>9s} {r['speedup_vs_one_thread']:11.3f} {r['foreign_cores_median']:7.2f} {quiet:>21s}")
+        print(
+            f"{name:26s} {r['steps_per_s']:8.3f} {r['spread']['min']:7.3f} {r['spread']['max']:7.3f} "
+            f"{vs_torch:>9s} {r['speedup_vs_one_thread']:11.3f} {r['foreign_cores_median']:7.2f} {quiet:>21s}"
+        )
     print()
-    print(f"{'schedule':10s} {'measured s':>10s} {'simulated s':>11s} {'ratio':>6s} {'bubble':>7s} {'analytic':>8s} {'trace cost':>10s}")
+    print(
+        f"{'schedule':10s} {'measured s':>10s} {'simulated s':>11s} {'ratio':>6s} {'bubble':>7s} "
+        f"{'analytic':>8s} {'trace cost':>10s}"
+    )
     for s in OURS:
         r = res.get(f"ours_{s}", {})
         b = doc["bubble"].get(s, {})
         t = doc["trace_overhead"].get(s, {})
-        print(f"{s:10s} {r.get('measured_step_s', 0):10.4f} {r.get('simulated_step_s', 0):11.4f} "
-              f"{r.get('measured_over_simulated', 0):6.3f} {b.get('measured_in_step_median', b.get('measured_whole_step_median', 0)):7.3f} "
-              f"{b.get('analytic', 0):8.3f} {t.get('paired_median', 0):+10.3%}")
+        print(
+            f"{s:10s} {r.get('measured_step_s', 0):10.4f} {r.get('simulated_step_s', 0):11.4f} "
+            f"{r.get('measured_over_simulated', 0):6.3f} "
+            f"{b.get('measured_in_step_median', b.get('measured_whole_step_median', 0)):7.3f} "
+            f"{b.get('analytic', 0):8.3f} {t.get('paired_median', 0):+10.3%}"
+        )
     m = doc["machine"]
-    print(f"\nother processes used {m['foreign_cores_during_runs_median']:.2f} cores (median, max "
-          f"{m['foreign_cores_during_runs_max']:.2f}) of {m['cpus']} during the runs; took {doc['seconds']:.0f} s")
+    print(
+        f"\nother processes used {m['foreign_cores_during_runs_median']:.2f} cores (median, max "
+        f"{m['foreign_cores_during_runs_max']:.2f}) of {m['cpus']} during the runs; took {doc['seconds']:.0f} s"
+    )
 
 
 if __name__ == "__main__":

@@ -59,10 +59,16 @@ def simulated(schedule: str, results: dict) -> tuple[list[TimedAction], float]:
     """The simulator's events for ``schedule`` with the benchmark's measured costs, and its step time."""
     cfg, prof, link = results["config"], results["profile"], results["link"]
     stages, chunks = cfg["stages"], cfg["chunks"]
-    kwargs = dict(activation_bytes=link["activation_bytes"], bandwidth=link["bandwidth_Bps"], latency=link["latency_s"],
-                  optimizer_s=max(prof["optimizer_s"]))
+    kwargs = dict(
+        activation_bytes=link["activation_bytes"],
+        bandwidth=link["bandwidth_Bps"],
+        latency=link["latency_s"],
+        optimizer_s=max(prof["optimizer_s"]),
+    )
     if schedule == "pipedream":
-        r = simulate(build_schedule("pipedream", stages, minibatches=4 * chunks), prof["forward_s"], prof["backward_s"], **kwargs)
+        r = simulate(
+            build_schedule("pipedream", stages, minibatches=4 * chunks), prof["forward_s"], prof["backward_s"], **kwargs
+        )
         return steady_window(r.events, 2 * chunks, chunks), r.step_time * chunks
     r = simulate(build_schedule(schedule, stages, chunks), prof["forward_s"], prof["backward_s"], **kwargs)
     return r.events, r.step_time
@@ -87,8 +93,11 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"no trace_rank*.json in {args.strategy_trace}")
         events = load_trace(*files)
         name = args.schedule or "run"
-        path = plot_timeline(events, args.out / f"real_{name}_strategy.png",
-                             title=f"{name}: PipeDreamStrategy trace, {len(files)} ranks, {_ms(makespan(events))}")
+        path = plot_timeline(
+            events,
+            args.out / f"real_{name}_strategy.png",
+            title=f"{name}: PipeDreamStrategy trace, {len(files)} ranks, {_ms(makespan(events))}",
+        )
         print(f"wrote {path}")
         return
 
@@ -100,9 +109,10 @@ def main(argv: list[str] | None = None) -> None:
         sim_events, sim_step = simulated(schedule, results)
         what = "8 minibatches of 64 (steady state)" if schedule == "pipedream" else size
         sim_path = plot_timeline(
-            sim_events, args.out / f"sim2_{schedule}.png",
+            sim_events,
+            args.out / f"sim2_{schedule}.png",
             title=f"simulated {schedule}: {what}, measured costs; step {_ms(sim_step)}, "
-                  f"bubble {bubble_fraction(sim_events):.2f}",
+            f"bubble {bubble_fraction(sim_events):.2f}",
         )
         print(f"wrote {sim_path}")
         if not trace.exists():
@@ -110,9 +120,10 @@ def main(argv: list[str] | None = None) -> None:
             continue
         events = load_trace(trace)
         path = plot_timeline(
-            events, args.out / f"real_{schedule}.png",
+            events,
+            args.out / f"real_{schedule}.png",
             title=f"real {schedule}: {what}, 1 thread per rank; step {_ms(makespan(events))}, "
-                  f"bubble {bubble_fraction(events):.2f}",
+            f"bubble {bubble_fraction(events):.2f}",
         )
         print(f"wrote {path}")
 

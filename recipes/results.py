@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import lightning as L
 import torch
@@ -15,8 +16,17 @@ from omegaconf import DictConfig
 
 from recipes.tasks.base import RecipeTask
 
-RESULT_KEYS = ("task", "model", "schedule", "stages", "chunks", "metric_name", "metric",
-               "throughput_samples_per_s", "time_to_target_s")
+RESULT_KEYS = (
+    "task",
+    "model",
+    "schedule",
+    "stages",
+    "chunks",
+    "metric_name",
+    "metric",
+    "throughput_samples_per_s",
+    "time_to_target_s",
+)
 SUMMARY_COLUMNS = ("run", *RESULT_KEYS)
 
 
@@ -41,11 +51,14 @@ class ResultsCallback(L.Callback):
     def throughput(self) -> float | None:
         return self.samples / self.train_seconds if self.train_seconds > 0 else None
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self._step_start = time.perf_counter()
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self.train_seconds += time.perf_counter() - self._step_start
         self.samples += _batch_size(batch)
         self.steps += 1
@@ -62,8 +75,10 @@ class ResultsCallback(L.Callback):
             self.time_to_target = elapsed
         if trainer.is_global_zero:
             rate = f"{self.throughput:.1f}" if self.throughput else "n/a"
-            self.echo(f"epoch {trainer.current_epoch:>3}  step {trainer.global_step:>5}  "
-                      f"{pl_module.metric_name}={metric:.4f}  throughput={rate} samples/s  elapsed={elapsed:.1f}s")
+            self.echo(
+                f"epoch {trainer.current_epoch:>3}  step {trainer.global_step:>5}  "
+                f"{pl_module.metric_name}={metric:.4f}  throughput={rate} samples/s  elapsed={elapsed:.1f}s"
+            )
 
 
 class PlanPrinter(L.Callback):
@@ -79,7 +94,7 @@ class PlanPrinter(L.Callback):
             return
         lines, start = [f"pipeline: {len(balance)} stages, layers per stage {list(balance)}"], 0
         for stage, count in enumerate(balance):
-            names = self.layer_names[start:start + count]
+            names = self.layer_names[start : start + count]
             lines.append(f"  stage {stage}: layers {start}..{start + count - 1}: {', '.join(names)}")
             start += count
         print("\n".join(lines), flush=True)

@@ -1,4 +1,4 @@
-"""`python recipes/train.py [task=... model=... strategy.schedule=... ...]`: train one of the PipeDream paper's tasks."""
+"""`python recipes/train.py [task=... model=... strategy.schedule=...]`: train one of the PipeDream paper's tasks."""
 
 from __future__ import annotations
 
@@ -21,14 +21,16 @@ USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, ImportError)
 
 
 def build_strategy(cfg: DictConfig) -> Any:
-    """`strategy.name=pipedream` -> PipeDreamStrategy(schedule, chunks, balance, plan, ...); other names go to Lightning."""
+    """`strategy.name=pipedream` -> PipeDreamStrategy(schedule, chunks, balance, plan, ...); others go to Lightning."""
     if cfg.name != "pipedream":
         return cfg.name
     try:
         from lightning_pipedream import PipeDreamStrategy
     except ImportError as err:
-        raise ImportError(f"strategy=pipedream needs lightning_pipedream.PipeDreamStrategy, which failed to import "
-                          f"({err}); to train on one process use strategy=auto trainer.devices=1") from err
+        raise ImportError(
+            f"strategy=pipedream needs lightning_pipedream.PipeDreamStrategy, which failed to import "
+            f"({err}); to train on one process use strategy=auto trainer.devices=1"
+        ) from err
     options = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k != "name"}
     return PipeDreamStrategy(**options)
 
@@ -65,8 +67,11 @@ def build(cfg: DictConfig, start: float) -> tuple[Any, Any, Any, Any]:
     module = TASKS[task].from_data(layers, OmegaConf.to_container(cfg.optim, resolve=True), datamodule)
 
     results = ResultsCallback(target=cfg.task.target, start=start)
-    trainer = L.Trainer(**OmegaConf.to_container(cfg.trainer, resolve=True), strategy=build_strategy(cfg.strategy),
-                        callbacks=[results, PlanPrinter([type(layer).__name__ for layer in layers])])
+    trainer = L.Trainer(
+        **OmegaConf.to_container(cfg.trainer, resolve=True),
+        strategy=build_strategy(cfg.strategy),
+        callbacks=[results, PlanPrinter([type(layer).__name__ for layer in layers])],
+    )
     return trainer, module, datamodule, results
 
 
@@ -100,12 +105,18 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, Any] | None:
         "time_to_target_s": results.time_to_target,
     }
     if plan is not None and results.steps:
-        print(f"time per minibatch: predicted {plan.time_per_minibatch * 1e3:.1f} ms, "
-              f"measured {results.train_seconds / results.steps * 1e3:.1f} ms", flush=True)
+        print(
+            f"time per minibatch: predicted {plan.time_per_minibatch * 1e3:.1f} ms, "
+            f"measured {results.train_seconds / results.steps * 1e3:.1f} ms",
+            flush=True,
+        )
     write_results(output_dir / "results.json", summary)
-    print(f"done: {module.metric_name}={_fmt(results.metric)}  throughput={_fmt(results.throughput)} samples/s  "
-          f"time_to_target={_fmt(results.time_to_target)} s  wall={time.perf_counter() - start:.1f} s  "
-          f"-> {output_dir / 'results.json'}", flush=True)
+    print(
+        f"done: {module.metric_name}={_fmt(results.metric)}  throughput={_fmt(results.throughput)} samples/s  "
+        f"time_to_target={_fmt(results.time_to_target)} s  wall={time.perf_counter() - start:.1f} s  "
+        f"-> {output_dir / 'results.json'}",
+        flush=True,
+    )
     return summary
 
 
@@ -143,8 +154,12 @@ def main(cfg: DictConfig) -> None:
 
     # in-memory data sets need no loader workers; smoke runs are shorter than the logging interval; the
     # pipeline replays the last stage's logs on every rank, so Lightning's sync_dist advice does not apply
-    for message in (".*does not have many workers.*", ".*smaller than the logging interval.*",
-                    ".*sync_dist=True.*", ".*isinstance\\(treespec, LeafSpec\\).*"):
+    for message in (
+        ".*does not have many workers.*",
+        ".*smaller than the logging interval.*",
+        ".*sync_dist=True.*",
+        ".*isinstance\\(treespec, LeafSpec\\).*",
+    ):
         warnings.filterwarnings("ignore", message=message)
     env_before = dict(os.environ)
     try:

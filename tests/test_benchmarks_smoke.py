@@ -25,7 +25,6 @@ def _load(name: str):
 
 @pytest.mark.timeout(60)
 def test_schedules_memory_and_timelines_run(tmp_path):
-    pytest.importorskip("matplotlib")
     schedules = _load("schedules")
     out, traces = tmp_path / "schedules.json", tmp_path / "traces"
     doc = schedules.main(TINY + ["--rounds", "1", "--steps", "2", "--warmup", "0", "--quick",

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from lightning_pipedream.runtime.launch import RankFailedError, run_local
 from lightning_pipedream.plan.balance import stage_slice
+from lightning_pipedream.runtime.launch import RankFailedError, run_local
 from lightning_pipedream.runtime.pipeline import Pipeline
 
 LR, MOMENTUM = 0.1, 0.9

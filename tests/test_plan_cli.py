@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 import pytest
 
 from lightning_pipedream.cli import plan as cli
 from lightning_pipedream.plan import LayerProfile, Plan, Profile
-
-GRAPHS = Path(__file__).resolve().parents[1] / ".." / "shared" / "pipedream-profiles"
 
 
 def _run(argv, capsys):
@@ -23,11 +20,8 @@ def _run(argv, capsys):
 
 
 @pytest.fixture
-def vgg16():
-    path = GRAPHS / "vgg16" / "graph.txt"
-    if not path.exists():
-        pytest.skip("PipeDream's profiles are not in ../shared")
-    return str(path)
+def vgg16(pipedream_profiles):
+    return str(pipedream_profiles / "vgg16" / "graph.txt")
 
 
 def test_json_for_machines(vgg16, capsys):

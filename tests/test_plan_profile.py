@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -201,10 +200,8 @@ def test_inconsistent_profiles():
         Profile([a, b], no_cut_after=[1])
 
 
-def test_shipped_profiles_load(request):
-    root = Path(request.config.rootpath) / ".." / "shared" / "pipedream-profiles"
-    if not root.exists():
-        pytest.skip("PipeDream's profiles are not in ../shared")
+def test_shipped_profiles_load(pipedream_profiles):
+    root = pipedream_profiles
     sizes = {m: len(load_pipedream_graph(root / m / "graph.txt").layers)
              for m in ["vgg16", "alexnet", "resnet50", "gnmt8", "gnmt16"]}
     assert sizes == {"vgg16": 41, "alexnet": 23, "resnet50": 177, "gnmt8": 48, "gnmt16": 96}

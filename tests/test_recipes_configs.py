@@ -3,14 +3,12 @@ and a data set of the same task, and the strategy group builds what the Trainer 
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # `recipes` is not an installed package
 
 from recipes.data import DATA  # noqa: E402
 from recipes.models import MODELS  # noqa: E402
@@ -49,7 +47,6 @@ def test_command_line_model_wins_over_the_task_default() -> None:
 
 
 def test_strategy_group_builds_the_strategy() -> None:
-    pytest.importorskip("lightning_pipedream", reason="PipeDreamStrategy not importable")
     from lightning_pipedream import PipeDreamStrategy
 
     strategy = build_strategy(composed("strategy.schedule=gpipe", "strategy.chunks=4", "strategy.balance=[4,6]").strategy)

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import csv
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `recipes` is not an installed package
 
 from recipes.data import build_datamodule  # noqa: E402
 from recipes.data.translation import number_to_words  # noqa: E402

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # `recipes` is not an installed package
 
 from recipes.data import build_datamodule  # noqa: E402
 

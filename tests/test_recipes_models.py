@@ -3,15 +3,11 @@ parameters, no in-place ops) and have the paper architectures' structure."""
 
 from __future__ import annotations
 
-import sys
-from functools import lru_cache
-from pathlib import Path
+from functools import cache
 
 import pytest
 import torch
 from torch import nn
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `recipes` is not an installed package
 
 from recipes.models import MODELS, build_model  # noqa: E402
 from recipes.models.awd_lstm import WeightDropLSTM  # noqa: E402
@@ -31,7 +27,7 @@ OUTPUT = {"digits_cnn": (3, 10), "vgg16": (2, 10), "resnet50": (2, 10), "alexnet
           "gnmt16": (2, 4, 13), "awd_lstm": (2, 7, 20), "s2vt": (2, 4, 13)}
 
 
-@lru_cache(maxsize=None)
+@cache
 def small(name: str) -> nn.Sequential:
     torch.manual_seed(0)
     return build_model(name, MODELS[name][0], **SMALL[name][0])

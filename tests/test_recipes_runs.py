@@ -26,18 +26,6 @@ RESULT_KEYS = {"task", "model", "schedule", "stages", "chunks", "metric_name", "
                "throughput_samples_per_s", "time_to_target_s"}
 
 
-def _strategy_importable() -> bool:
-    try:
-        from lightning_pipedream import PipeDreamStrategy  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-pytestmark = pytest.mark.skipif(not _strategy_importable(),
-                                reason="lightning_pipedream.PipeDreamStrategy does not import; the 2-process runs need it")
-
-
 def train(args: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
     """Run recipes/train.py in a subprocess (Lightning re-runs sys.argv for rank 1, which must not be pytest).
     On timeout the whole process group goes, rank 1 included, so a hung run fails instead of lingering."""

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from lightning_pipedream.schedule.actions import Action, Op, Schedule
-from lightning_pipedream.schedule.builders import SCHEDULES, build_schedule
+from lightning_pipedream.schedule.builders import SCHEDULES, build_schedule, inference
 from lightning_pipedream.schedule.check import ScheduleError, place, render_grid, validate
 
 MAX_STAGES, MAX_CHUNKS = 8, 32
@@ -210,12 +210,9 @@ def test_forward_only_schedules():
         validate(_round_robin(3, 3, 3, {**order, 0: order[0] + [("O", 0, None)]}, name="inference"))
     with pytest.raises(ScheduleError, match=r"rank 0, action 6 \(end of its list\): never runs the backward"):
         validate(_round_robin(3, 3, 3, order, name="gpipe"))  # a training schedule needs its backwards
-    import lightning_pipedream.schedule.builders as builders
-
-    if hasattr(builders, "inference"):
-        for p in range(1, MAX_STAGES + 1):
-            for m in range(1, MAX_CHUNKS + 1, 7):
-                validate(builders.inference(p, m))
+    for p in range(1, MAX_STAGES + 1):
+        for m in range(1, MAX_CHUNKS + 1, 7):
+            validate(inference(p, m))
 
 
 def test_sends_may_be_delayed():

@@ -16,17 +16,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--profile", type=Path, help="a profile JSON saved by Profile.save (or a graph.txt)")
     source.add_argument("--pipedream-graph", type=Path, help="a PipeDream profile, graph.txt")
-    parser.add_argument("--workers", required=True, help="workers per level, innermost first, e.g. 4,4 (PipeDream's -n)")
-    parser.add_argument("--bandwidth", required=True,
-                        help="bytes/s per level, innermost first, e.g. 1e10,1.25e9 (PipeDream's -b)")
+    parser.add_argument(
+        "--workers", required=True, help="workers per level, innermost first, e.g. 4,4 (PipeDream's -n)"
+    )
+    parser.add_argument(
+        "--bandwidth", required=True, help="bytes/s per level, innermost first, e.g. 1e10,1.25e9 (PipeDream's -b)"
+    )
     parser.add_argument("--memory", type=float, help="memory limit per worker in bytes (default: none)")
     parser.add_argument("--straight", action="store_true", help="no stage replication: one worker per stage")
     parser.add_argument("--method", choices=METHODS, default="pipedream", help="partitioner (default: pipedream)")
-    parser.add_argument("--cost-model", choices=COST_MODELS, default="code",
-                        help="pipedream's cost model: 'code' as PipeDream's optimizer (default), 'paper' as its text")
-    parser.add_argument("--free-side-sources", action="store_true",
-                        help="with --pipedream-graph: let layers fed only by other inputs (GNMT's decoder embedding) "
-                             "move to earlier stages, which PipeDream's optimizer does not")
+    parser.add_argument(
+        "--cost-model",
+        choices=COST_MODELS,
+        default="code",
+        help="pipedream's cost model: 'code' as PipeDream's optimizer (default), 'paper' as its text",
+    )
+    parser.add_argument(
+        "--free-side-sources",
+        action="store_true",
+        help="with --pipedream-graph: let layers fed only by other inputs (GNMT's decoder embedding) "
+        "move to earlier stages, which PipeDream's optimizer does not",
+    )
     parser.add_argument("--save", type=Path, help="also write the plan here, for PipeDreamStrategy(plan=...)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
@@ -40,8 +50,9 @@ def run(args: argparse.Namespace) -> int:
             profile = load_pipedream_graph(args.pipedream_graph, attach_side_sources=not args.free_side_sources)
         else:
             profile = Profile.load(args.profile)
-        plan = partition(profile, topology, args.method, memory_limit=args.memory, straight=args.straight,
-                         cost_model=args.cost_model)
+        plan = partition(
+            profile, topology, args.method, memory_limit=args.memory, straight=args.straight, cost_model=args.cost_model
+        )
     except (OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -73,7 +73,9 @@ def size_text(schedule: Schedule) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_schedule_arguments(parser)
-    parser.add_argument("--actions", action="store_true", help="also list every rank's actions, sends and receives included")
+    parser.add_argument(
+        "--actions", action="store_true", help="also list every rank's actions, sends and receives included"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -83,7 +85,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"{args.schedule} schedule, {size_text(schedule)}")
-    print("F3 = forward of micro-batch 3, B3 = its backward, O = optimizer step, . = idle; one slot = one forward or backward")
+    print(
+        "F3 = forward of micro-batch 3, B3 = its backward, O = optimizer step, . = idle; "
+        "one slot = one forward or backward"
+    )
     print()
     print(render_grid(schedule))
     if args.actions:

@@ -43,8 +43,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     costs.add_argument("--backward", type=_numbers, help="backward seconds per stage (default: twice the forward)")
     costs.add_argument("--activation-bytes", type=_numbers, help="bytes each stage sends forward (default: 0)")
     costs.add_argument("--optimizer", type=float, default=0.0, help="seconds per optimizer step (default: 0)")
-    costs.add_argument("--profile", type=Path, help="per-layer profile JSON (plan/profile.py) instead of --forward/--backward")
-    costs.add_argument("--balance", help="with --profile: layers per stage, e.g. 3,2,2,3 (default: as equal as possible)")
+    costs.add_argument(
+        "--profile", type=Path, help="per-layer profile JSON (plan/profile.py) instead of --forward/--backward"
+    )
+    costs.add_argument(
+        "--balance", help="with --profile: layers per stage, e.g. 3,2,2,3 (default: as equal as possible)"
+    )
     links = parser.add_argument_group("links")
     links.add_argument("--bandwidth", type=_positive, default=math.inf, help="bytes per second (default: inf)")
     links.add_argument("--latency", type=float, default=0.0, help="seconds per message (default: 0)")
@@ -67,7 +71,9 @@ def _split(balance: str | None, layers: int, stages: int) -> list[int]:
     """Layers per stage: the user's --balance, checked, or an equal split (earlier stages take the remainder)."""
     if balance is None:
         if layers < stages:
-            raise UsageError(f"the profile has {layers} layers, fewer than --stages {stages}; use at most {layers} stages.")
+            raise UsageError(
+                f"the profile has {layers} layers, fewer than --stages {stages}; use at most {layers} stages."
+            )
         return [layers // stages + (s < layers % stages) for s in range(stages)]
     try:
         counts = [int(v) for v in balance.split(",")]
@@ -76,7 +82,9 @@ def _split(balance: str | None, layers: int, stages: int) -> list[int]:
             f"--balance must be whole numbers separated by commas, such as 3,2,2,3; got {balance!r}."
         ) from None
     if len(counts) != stages:
-        raise UsageError(f"--balance lists {len(counts)} stages but --stages is {stages}; give one layer count per stage.")
+        raise UsageError(
+            f"--balance lists {len(counts)} stages but --stages is {stages}; give one layer count per stage."
+        )
     if any(c < 1 for c in counts) or sum(counts) != layers:
         raise UsageError(f"--balance {balance} must be counts >= 1 adding up to the profile's {layers} layers.")
     return counts
@@ -99,7 +107,7 @@ def _profile_costs(args: argparse.Namespace, schedule: Schedule) -> tuple[list[f
     scale = 1.0 / schedule.chunks
     fwd, bwd, act, start = [], [], [], 0
     for count in counts:
-        stage = layers[start:start + count]
+        stage = layers[start : start + count]
         fwd.append(scale * sum(layer.forward_s for layer in stage))
         bwd.append(scale * sum(layer.backward_s for layer in stage))
         act.append(scale * stage[-1].activation_bytes)
@@ -115,16 +123,21 @@ def analytic_bubble(name: str, stages: int, chunks: int) -> float | None:
     return (stages - 1) / (chunks + stages - 1) if name in ("gpipe", "1f1b") else None
 
 
-def _report(schedule: Schedule, args: argparse.Namespace, result: SimResult, fwd: list[float], bwd: list[float],
-            note: str) -> str:
+def _report(
+    schedule: Schedule, args: argparse.Namespace, result: SimResult, fwd: list[float], bwd: list[float], note: str
+) -> str:
     fmt = lambda xs: ", ".join(f"{x:g}" for x in xs)  # noqa: E731
     lines = [f"{args.schedule} schedule, {size_text(schedule)}"]
     lines.append(f"  forward s:  {fmt(fwd)}\n  backward s: {fmt(bwd)}")
-    lines.append(f"  links: bandwidth {args.bandwidth:g} B/s, latency {args.latency:g} s" + (f"\n  {note}" if note else ""))
+    lines.append(
+        f"  links: bandwidth {args.bandwidth:g} B/s, latency {args.latency:g} s" + (f"\n  {note}" if note else "")
+    )
     if result.steady_state:
         lines.append(f"step time         {result.step_time:.6g} s per minibatch (steady state)")
-        lines.append(f"makespan          {result.makespan:.6g} s for all {schedule.minibatches} minibatches, "
-                     "fill and drain included")
+        lines.append(
+            f"makespan          {result.makespan:.6g} s for all {schedule.minibatches} minibatches, "
+            "fill and drain included"
+        )
     else:
         lines.append(f"step time         {result.step_time:.6g} s")
         if result.step_time != result.makespan:
@@ -160,7 +173,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     result = simulate(
-        schedule, fwd, bwd, activation_bytes=act, bandwidth=args.bandwidth, latency=args.latency, optimizer_s=args.optimizer
+        schedule,
+        fwd,
+        bwd,
+        activation_bytes=act,
+        bandwidth=args.bandwidth,
+        latency=args.latency,
+        optimizer_s=args.optimizer,
     )
     size = schedule.minibatches if schedule.name == "pipedream" else schedule.chunks
     if args.plot:
@@ -171,8 +190,11 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         out = result.summary() | {
             "analytic_bubble_fraction": analytic_bubble(args.schedule, args.stages, schedule.chunks),
-            "forward_s": fwd, "backward_s": bwd, "activation_bytes": act,
-            "bandwidth": None if math.isinf(args.bandwidth) else args.bandwidth, "latency": args.latency,
+            "forward_s": fwd,
+            "backward_s": bwd,
+            "activation_bytes": act,
+            "bandwidth": None if math.isinf(args.bandwidth) else args.bandwidth,
+            "latency": args.latency,
         }
         print(json.dumps(out, indent=2))
     else:

@@ -21,7 +21,11 @@ def check_balance(balance: Sequence[int], num_layers: int, num_stages: int) -> l
     """Validate a balance (layers per stage) and return it as a list."""
     check_stage_count(num_layers, num_stages)
     balance = list(balance)
-    if len(balance) != num_stages or any((not isinstance(b, int)) or b < 1 for b in balance) or sum(balance) != num_layers:
+    if (
+        len(balance) != num_stages
+        or any((not isinstance(b, int)) or b < 1 for b in balance)
+        or sum(balance) != num_layers
+    ):
         raise ValueError(
             f"balance={balance} must list {num_stages} positive layer counts (one per stage) that add up to "
             f"the model's {num_layers} layers."

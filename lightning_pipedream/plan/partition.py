@@ -81,13 +81,22 @@ class Plan:
         forward = [stage.forward_s for stage in self.stages]
         backward = [stage.compute_s - stage.forward_s + stage.allreduce_s for stage in self.stages]
         if self.schedule == "pipedream":
-            result = simulate(build_schedule("pipedream", len(self.stages), minibatches=minibatches), forward, backward,
-                              activation_bytes=[stage.output_bytes for stage in self.stages], bandwidth=bandwidth)
+            result = simulate(
+                build_schedule("pipedream", len(self.stages), minibatches=minibatches),
+                forward,
+                backward,
+                activation_bytes=[stage.output_bytes for stage in self.stages],
+                bandwidth=bandwidth,
+            )
             return result.step_time
         chunks = max(1, self.chunks)
-        result = simulate(build_schedule(self.schedule, len(self.stages), chunks),
-                          [f / chunks for f in forward], [b / chunks for b in backward],
-                          activation_bytes=[stage.output_bytes / chunks for stage in self.stages], bandwidth=bandwidth)
+        result = simulate(
+            build_schedule(self.schedule, len(self.stages), chunks),
+            [f / chunks for f in forward],
+            [b / chunks for b in backward],
+            activation_bytes=[stage.output_bytes / chunks for stage in self.stages],
+            bandwidth=bandwidth,
+        )
         return result.step_time
 
     @property
@@ -112,8 +121,10 @@ class Plan:
                 raise ValueError(f"Stage {index} of the plan is {entry!r}; give it a 'layers' list of layer names.")
             unknown = set(entry) - set(StagePlan.__dataclass_fields__)
             if unknown:
-                raise ValueError(f"Stage {index} of the plan has unknown fields {sorted(unknown)}; "
-                                 f"known fields are {sorted(StagePlan.__dataclass_fields__)}.")
+                raise ValueError(
+                    f"Stage {index} of the plan has unknown fields {sorted(unknown)}; "
+                    f"known fields are {sorted(StagePlan.__dataclass_fields__)}."
+                )
             stages.append(StagePlan(**entry))
         known = {f for f in cls.__dataclass_fields__ if f != "stages"}
         unknown = set(data) - known - {"stages"}
@@ -130,7 +141,9 @@ class Plan:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as err:
-            raise ValueError(f"The plan {path} is not valid JSON: line {err.lineno}, column {err.colno}: {err.msg}.") from None
+            raise ValueError(
+                f"The plan {path} is not valid JSON: line {err.lineno}, column {err.colno}: {err.msg}."
+            ) from None
         return cls.from_json(data)
 
     def describe(self, simulated: bool = False) -> str:
@@ -143,21 +156,39 @@ class Plan:
         for index, stage in enumerate(self.stages):
             names = stage.layers
             span = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]} ({len(names)})"
-            rows.append((str(index), span, str(stage.replicas), f"{stage.compute_s * 1e3:.2f}",
-                         f"{stage.allreduce_s * 1e3:.2f}", f"{stage.transfer_s * 1e3:.2f}"))
+            rows.append(
+                (
+                    str(index),
+                    span,
+                    str(stage.replicas),
+                    f"{stage.compute_s * 1e3:.2f}",
+                    f"{stage.allreduce_s * 1e3:.2f}",
+                    f"{stage.transfer_s * 1e3:.2f}",
+                )
+            )
         widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
-        lines = ["  ".join(cell.ljust(w) if c == 1 else cell.rjust(w) for c, (cell, w) in enumerate(zip(row, widths)))
-                 for row in rows]
+        lines = [
+            "  ".join(cell.ljust(w) if c == 1 else cell.rjust(w) for c, (cell, w) in enumerate(zip(row, widths)))
+            for row in rows
+        ]
         lines.insert(1, "  ".join("-" * w for w in widths))
         config = "-".join(str(stage.replicas) for stage in self.stages)
-        summary = [f"method {self.method}" + (f" (cost model {self.cost_model})" if self.cost_model else "")
-                   + f", {len(self.stages)} stages on {self.num_workers} workers, configuration {config}",
-                   f"predicted time per minibatch: {self.time_per_minibatch * 1e3:.3f} ms (analytic)"
-                   + (f", {self.simulated_time_per_minibatch() * 1e3:.3f} ms (schedule simulator)" if simulated else "")]
+        summary = [
+            f"method {self.method}"
+            + (f" (cost model {self.cost_model})" if self.cost_model else "")
+            + f", {len(self.stages)} stages on {self.num_workers} workers, configuration {config}",
+            f"predicted time per minibatch: {self.time_per_minibatch * 1e3:.3f} ms (analytic)"
+            + (f", {self.simulated_time_per_minibatch() * 1e3:.3f} ms (schedule simulator)" if simulated else ""),
+        ]
         if self.speedup_vs_one_worker is not None:
-            summary.append(f"predicted speedup: {self.speedup_vs_one_worker:.2f}x over one worker"
-                           + (f", {self.speedup_vs_data_parallel:.2f}x over data parallelism"
-                              if self.speedup_vs_data_parallel is not None else ""))
+            summary.append(
+                f"predicted speedup: {self.speedup_vs_one_worker:.2f}x over one worker"
+                + (
+                    f", {self.speedup_vs_data_parallel:.2f}x over data parallelism"
+                    if self.speedup_vs_data_parallel is not None
+                    else ""
+                )
+            )
         if self.schedule:
             summary.append(f"schedule {self.schedule}" + (f", {self.chunks} micro-batches" if self.chunks > 1 else ""))
         return "\n".join(lines + [""] + summary)
@@ -165,6 +196,7 @@ class Plan:
 
 # ---------------------------------------------------------------------------------------------------------
 # Ranges and costs shared by the partitioners
+
 
 class _Sums:
     """Range sums over the profile's layers: ``range(a)[i, j]`` sums a per-layer array over layers i..j."""
@@ -195,6 +227,7 @@ def _allreduce(params: np.ndarray | float, replicas: int, bandwidth: float) -> n
 # ---------------------------------------------------------------------------------------------------------
 # PipeDream's dynamic programme, one level of the topology at a time
 
+
 class _Level:
     """One level of the hierarchical DP. ``inner[i, j]`` is the time of layers i..j on one unit of this
     level (a worker at level 0, the best pipeline of the level below otherwise).
@@ -205,8 +238,18 @@ class _Level:
     Cost model "paper" follows the paper's text: max(compute, all-reduce)/m, and 2*bytes/B per cut.
     """
 
-    def __init__(self, sums: _Sums, inner: np.ndarray, workers: int, bandwidth: float, within: int,
-                 rows: int, model: str, straight: bool, memory_cap: float | None) -> None:
+    def __init__(
+        self,
+        sums: _Sums,
+        inner: np.ndarray,
+        workers: int,
+        bandwidth: float,
+        within: int,
+        rows: int,
+        model: str,
+        straight: bool,
+        memory_cap: float | None,
+    ) -> None:
         self.n, self.workers, self.bandwidth, self.model = sums.count, workers, bandwidth, model
         self.replica_choices = [1] if straight else list(range(1, workers + 1))
         self.memory_cap = memory_cap
@@ -242,14 +285,14 @@ class _Level:
             table = np.full((n, n), _INF)
             inner, params, stash = self.inner[1:, :], self.params[1:, :], self.stash[1:, :]  # row k -> layers k+1..
             sync = _allreduce(params, r, band)
-            receive = 2.0 * self.cut[:n - 1, None] / band
+            receive = 2.0 * self.cut[: n - 1, None] / band
             if self.model == "code":
                 send = 2.0 * np.where(np.arange(n) < n - 1, self.cut[:n], 0.0)[None, :] / band
                 cost = np.maximum((inner + sync) / r, np.maximum(receive, send) / r)
             else:
                 cost = np.maximum(np.maximum(inner, sync) / r, receive)
-            ok = self._memory_ok(stash, r, self.workers - used) & self.cuttable[:n - 1, None]
-            table[:n - 1] = np.where(ok, cost, _INF)
+            ok = self._memory_ok(stash, r, self.workers - used) & self.cuttable[: n - 1, None]
+            table[: n - 1] = np.where(ok, cost, _INF)
             self._last_cache[key] = table
         return self._last_cache[key]
 
@@ -312,8 +355,9 @@ def _minmax_product(left: np.ndarray, right: np.ndarray) -> np.ndarray:
     return out
 
 
-def _pipedream(profile: Profile, topology: Topology, *, memory_limit: float | None, straight: bool,
-               cost_model: str) -> tuple[float, list[tuple[int, int, int, float]]]:
+def _pipedream(
+    profile: Profile, topology: Topology, *, memory_limit: float | None, straight: bool, cost_model: str
+) -> tuple[float, list[tuple[int, int, int, float]]]:
     """Solve level by level (innermost first); return the time and the stages as
     (first layer, last layer, replicas, bandwidth of the link their input arrives on)."""
     sums = _Sums(profile)
@@ -348,22 +392,29 @@ def _pipedream(profile: Profile, topology: Topology, *, memory_limit: float | No
 
 def _infeasible_message(profile: Profile, topology: Topology, memory_limit: float | None, straight: bool) -> str:
     if memory_limit is not None:
-        return (f"No partition of the {len(profile.layers)} layers on {topology.num_workers} workers keeps every "
-                f"worker within memory_limit={memory_limit:.4g} bytes; raise the limit or add workers.")
+        return (
+            f"No partition of the {len(profile.layers)} layers on {topology.num_workers} workers keeps every "
+            f"worker within memory_limit={memory_limit:.4g} bytes; raise the limit or add workers."
+        )
     shape = " x ".join(str(w) for w, _ in reversed(topology.levels))
-    return (f"No straight partition fits the topology {shape}: each group of the inner levels needs at least as "
-            f"many layers as it has workers; allow replication or use fewer workers.")
+    return (
+        f"No straight partition fits the topology {shape}: each group of the inner levels needs at least as "
+        f"many layers as it has workers; allow replication or use fewer workers."
+    )
 
 
 def _too_many_workers(layers: int, workers: int, stages: int) -> str:
     most = f"{layers} layers" if stages == layers else f"{layers} layers that can form at most {stages} stages"
-    return (f"{workers} workers but the profile has only {most}: without replication every worker needs its own "
-            f"stage. Use at most {stages} workers, or allow replication (method='pipedream' without "
-            f"straight / --straight).")
+    return (
+        f"{workers} workers but the profile has only {most}: without replication every worker needs its own "
+        f"stage. Use at most {stages} workers, or allow replication (method='pipedream' without "
+        f"straight / --straight)."
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Straight partitioners: one stage per worker
+
 
 def _min_max_split(weights: np.ndarray, parts: int, cuttable: np.ndarray) -> list[int]:
     """Contiguous split of ``weights`` into ``parts`` non-empty groups minimising the largest group sum,
@@ -393,7 +444,7 @@ def _straight_time(sums: _Sums, topology: Topology, balance: list[int]) -> float
     time, start = 0.0, 0
     for s, count in enumerate(balance):
         end = start + count - 1
-        time = max(time, float(sums.compute[start:end + 1].sum()))
+        time = max(time, float(sums.compute[start : end + 1].sum()))
         if s + 1 < len(balance):
             time = max(time, 2.0 * float(sums.cut[end]) / topology.bandwidth_between(s, s + 1))
         start = end + 1
@@ -402,6 +453,7 @@ def _straight_time(sums: _Sums, topology: Topology, balance: list[int]) -> float
 
 # ---------------------------------------------------------------------------------------------------------
 # The entry point
+
 
 def data_parallel_time(profile: Profile, topology: Topology, cost_model: str = "code") -> float:
     """Time per minibatch of the whole model replicated on every worker (PipeDream's estimate)."""
@@ -415,8 +467,15 @@ def data_parallel_time(profile: Profile, topology: Topology, cost_model: str = "
     return time
 
 
-def partition(profile: Profile, topology: Topology, method: str = "pipedream", *, memory_limit: float | None = None,
-              straight: bool = False, cost_model: str = "code") -> Plan:
+def partition(
+    profile: Profile,
+    topology: Topology,
+    method: str = "pipedream",
+    *,
+    memory_limit: float | None = None,
+    straight: bool = False,
+    cost_model: str = "code",
+) -> Plan:
     """Split ``profile``'s layers into stages for ``topology``.
 
     ``uniform`` (equal layer counts), ``parameters`` (balanced parameter bytes) and ``time`` (balanced
@@ -450,8 +509,10 @@ def partition(profile: Profile, topology: Topology, method: str = "pipedream", *
         balance = _min_max_split(weights, workers, sums.cuttable)
         time = _straight_time(sums, topology, balance)
         starts = np.cumsum([0] + balance[:-1])
-        spans = [(int(a), int(a) + c - 1, 1, topology.bandwidth_between(max(s - 1, 0), s))
-                 for s, (a, c) in enumerate(zip(starts, balance))]
+        spans = [
+            (int(a), int(a) + c - 1, 1, topology.bandwidth_between(max(s - 1, 0), s))
+            for s, (a, c) in enumerate(zip(starts, balance))
+        ]
     stages = [_stage_plan(sums, names, topology, span, cost_model) for span in spans]
     dp_time = data_parallel_time(profile, topology, cost_model)
     return Plan(
@@ -469,12 +530,13 @@ def partition(profile: Profile, topology: Topology, method: str = "pipedream", *
     )
 
 
-def _stage_plan(sums: _Sums, names: list[str], topology: Topology, span: tuple[int, int, int, float],
-                cost_model: str) -> StagePlan:
+def _stage_plan(
+    sums: _Sums, names: list[str], topology: Topology, span: tuple[int, int, int, float], cost_model: str
+) -> StagePlan:
     first, last, replicas, input_bandwidth = span
-    compute = float(sums.compute[first:last + 1].sum())
-    forward = float(sums.forward[first:last + 1].sum())
-    params = float(sums.params[first:last + 1].sum())
+    compute = float(sums.compute[first : last + 1].sum())
+    forward = float(sums.forward[first : last + 1].sum())
+    params = float(sums.params[first : last + 1].sum())
     # Replicas spread over the smallest level group that holds them.
     group, sync_band = 1, topology.levels[0][1]
     for workers, bandwidth in topology.levels:
@@ -486,7 +548,7 @@ def _stage_plan(sums: _Sums, names: list[str], topology: Topology, span: tuple[i
         transfer = 2.0 * float(sums.cut[first - 1]) / input_bandwidth
         transfer /= replicas if cost_model == "code" else 1
     return StagePlan(
-        layers=names[first:last + 1],
+        layers=names[first : last + 1],
         replicas=replicas,
         compute_s=compute / replicas,
         forward_s=forward / replicas,

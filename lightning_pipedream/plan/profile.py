@@ -8,9 +8,9 @@ import math
 import re
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -57,19 +57,29 @@ class Profile:
             seen.add(layer.name)
             for key in ("forward_s", "backward_s", "activation_bytes", "parameter_bytes"):
                 value = getattr(layer, key)
-                if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0 or math.isinf(value):
-                    raise ValueError(f"Layer {index} ({layer.name}) of the profile{where} has {key}={value!r}; use a number >= 0.")
+                if (
+                    not isinstance(value, (int, float))
+                    or isinstance(value, bool)
+                    or not value >= 0
+                    or math.isinf(value)
+                ):
+                    raise ValueError(
+                        f"Layer {index} ({layer.name}) of the profile{where} has {key}={value!r}; use a number >= 0."
+                    )
         count = len(self.layers)
         for index in self.no_cut_after:
             if not (isinstance(index, int) and 0 <= index < count - 1):
-                raise ValueError(f"The profile{where} has no_cut_after={index!r}; use indices of layers 0..{count - 2}.")
+                raise ValueError(
+                    f"The profile{where} has no_cut_after={index!r}; use indices of layers 0..{count - 2}."
+                )
         if self.edges is not None:
             for a, b in self.edges:
                 if not (0 <= a < count and 0 <= b < count):
                     raise ValueError(f"The profile{where} has an edge {a} -> {b} outside its {count} layers.")
                 if a >= b:
                     raise ValueError(
-                        f"The profile{where} has an edge {a} -> {b} that goes backwards; list layers in a topological order."
+                        f"The profile{where} has an edge {a} -> {b} that goes backwards; "
+                        "list layers in a topological order."
                     )
 
     @property
@@ -148,13 +158,17 @@ class Profile:
         """Read a profile saved by :meth:`save`, or a PipeDream ``graph.txt`` (recognised by its first line)."""
         text = Path(path).read_text()
         if not text.strip():
-            raise ValueError(f"The profile {path} is empty; write one with Profile.save or `python -m lightning_pipedream plan`.")
+            raise ValueError(
+                f"The profile {path} is empty; write one with Profile.save or `python -m lightning_pipedream plan`."
+            )
         if not text.lstrip().startswith("{"):
             return parse_pipedream_graph(text, source=str(path))
         try:
             data = json.loads(text)
         except json.JSONDecodeError as err:
-            raise ValueError(f"The profile {path} is not valid JSON: line {err.lineno}, column {err.colno}: {err.msg}.") from None
+            raise ValueError(
+                f"The profile {path} is not valid JSON: line {err.lineno}, column {err.colno}: {err.msg}."
+            ) from None
         if isinstance(data, dict) and not data.get("source"):
             data["source"] = str(path)
         return cls.from_json(data)
@@ -162,6 +176,7 @@ class Profile:
 
 # ---------------------------------------------------------------------------------------------------------
 # The profiler
+
 
 def _fresh_leaves(tree: Any, requires_grad: bool = True) -> Any:
     """The same tree with each tensor detached; floating tensors require grad, as a later stage's input does
@@ -225,7 +240,9 @@ def _profile_layer(name: str, layer: nn.Module, inputs: Any, warmup: int, repeat
             if attempt >= warmup:
                 samples.append(time.perf_counter() - start)
         backward_s = statistics.median(samples)
-    profile = LayerProfile(name, forward_s, backward_s, int(activation_bytes), int(parameter_bytes), type(layer).__name__)
+    profile = LayerProfile(
+        name, forward_s, backward_s, int(activation_bytes), int(parameter_bytes), type(layer).__name__
+    )
     return profile, output
 
 
@@ -339,8 +356,9 @@ def parse_pipedream_graph(text: str, source: str = "graph.txt", *, attach_side_s
     return _order_graph(nodes, edges, source, attach_side_sources)
 
 
-def _order_graph(nodes: dict[str, LayerProfile], edges: list[tuple[str, str]], source: str,
-                 attach_side_sources: bool) -> Profile:
+def _order_graph(
+    nodes: dict[str, LayerProfile], edges: list[tuple[str, str]], source: str, attach_side_sources: bool
+) -> Profile:
     consumers: dict[str, list[str]] = {n: [] for n in nodes}
     indegree = {n: 0 for n in nodes}
     for a, b in set(edges):
@@ -376,8 +394,9 @@ def _order_graph(nodes: dict[str, LayerProfile], edges: list[tuple[str, str]], s
     )
 
 
-def _side_branches(nodes: dict[str, LayerProfile], consumers: dict[str, list[str]], inputs: list[str],
-                   index: dict[str, int]) -> set[int]:
+def _side_branches(
+    nodes: dict[str, LayerProfile], consumers: dict[str, list[str]], inputs: list[str], index: dict[str, int]
+) -> set[int]:
     """Positions from each node the first source does not reach up to (excluding) its first consumer."""
     fed = {m for n in nodes if n not in inputs for m in consumers[n]}  # fed by something other than an input
     sources = [n for n in nodes if n not in inputs and n not in fed]

@@ -27,7 +27,9 @@ class Topology:
             try:
                 workers, bandwidth = level
             except (TypeError, ValueError):
-                raise ValueError(f"Topology level {position} is {level!r}; give (workers, bandwidth in bytes/s).") from None
+                raise ValueError(
+                    f"Topology level {position} is {level!r}; give (workers, bandwidth in bytes/s)."
+                ) from None
             if isinstance(workers, float) and workers.is_integer():
                 workers = int(workers)
             if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
@@ -49,11 +51,15 @@ class Topology:
         try:
             counts = [int(w) for w in workers.split(",")]
         except ValueError:
-            raise ValueError(f"--workers must be whole numbers separated by commas, e.g. 4,4; got {workers!r}.") from None
+            raise ValueError(
+                f"--workers must be whole numbers separated by commas, e.g. 4,4; got {workers!r}."
+            ) from None
         try:
             speeds = [float(b) for b in bandwidth.split(",")]
         except ValueError:
-            raise ValueError(f"--bandwidth must be bytes/s separated by commas, e.g. 1e10,1.25e9; got {bandwidth!r}.") from None
+            raise ValueError(
+                f"--bandwidth must be bytes/s separated by commas, e.g. 1e10,1.25e9; got {bandwidth!r}."
+            ) from None
         if len(counts) != len(speeds):
             raise ValueError(
                 f"--workers lists {len(counts)} levels but --bandwidth lists {len(speeds)}; "
@@ -89,4 +95,3 @@ class Topology:
 
     def to_json(self) -> list[list[float]]:
         return [[w, b] for w, b in self.levels]
-

@@ -114,7 +114,8 @@ class Executor:
 
 
 def _next_receive_peers(actions: Sequence[Action]) -> list[bool]:
-    """For each action: whether it is a receive followed, later in ``actions``, by another receive from the same peer."""
+    """For each action: whether it is a receive followed, later in ``actions``, by another receive
+    from the same peer."""
     later: set[int | None] = set()
     out = [False] * len(actions)
     for i in range(len(actions) - 1, -1, -1):

@@ -34,7 +34,9 @@ def _child(fn: Callable, rank: int, world_size: int, store_path: str, timeout: f
         if sys.platform.startswith("linux"):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # keep gloo's pairs on loopback
         store = dist.FileStore(store_path, world_size)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
+        )
         result = fn(rank, world_size, *args)
         queue.put((rank, True, pickle.dumps(result)))
     except BaseException as err:  # report everything, then leave: peers see the closed sockets
@@ -77,9 +79,7 @@ def run_local(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
             try:
                 rank, ok, payload = queue.get(timeout=min(remaining, 1.0))
             except queue_module.Empty:  # nothing yet: check whether a rank died without reporting
-                if any(p.exitcode not in (None, 0) for p in procs) and all(
-                    p.exitcode is not None for p in procs
-                ):
+                if any(p.exitcode not in (None, 0) for p in procs) and all(p.exitcode is not None for p in procs):
                     break
                 continue
             if ok:

@@ -9,6 +9,7 @@ import torch
 # The tree walker lives in lightning_pipedream.tree (plan/ uses it too); re-exported for the runtime.
 from lightning_pipedream.tree import TensorTreeError, TreeSpec, flatten, unflatten
 
+
 def batch_size(tree: Any) -> int:
     """The size of dim 0 shared by the tensors of a batch."""
     leaves, _ = flatten(tree, "batch")

@@ -139,8 +139,10 @@ def render_grid(
         table.append(["wait"] + [c or "." for c in wait])
     header = ["slot"] + [f"rank {r}" for r in range(n)]
     widths = [max(len(row[i]) for row in table + [header]) for i in range(n + 1)]
-    lines = ["  ".join(c.rjust(widths[0]) if i == 0 else c.ljust(widths[i]) for i, c in enumerate(row)).rstrip()
-             for row in [header] + table]
+    lines = [
+        "  ".join(c.rjust(widths[0]) if i == 0 else c.ljust(widths[i]) for i, c in enumerate(row)).rstrip()
+        for row in [header] + table
+    ]
     if first > 0:
         lines.insert(1, "...")
     if last < slots - 1:
@@ -153,7 +155,8 @@ def render_grid(
 
 
 class _Failer:
-    """Builds error messages that name the rank, the action's index in its list and the action, with the grid around it."""
+    """Builds error messages that name the rank, the action's index in its list and the action,
+    with the grid around it."""
 
     def __init__(self, schedule: Schedule) -> None:
         self.schedule = schedule
@@ -235,8 +238,12 @@ def _check_layout(s: Schedule, fail: _Failer) -> None:
 # What has happened to one (stage, micro-batch) on its rank, as bit flags, and how to say it.
 _FLAG = {Op.RECV_ACT: 1, Op.FORWARD: 2, Op.SEND_ACT: 4, Op.RECV_GRAD: 8, Op.BACKWARD: 16, Op.SEND_GRAD: 32}
 _NAME = {
-    Op.RECV_ACT: "input", Op.FORWARD: "forward", Op.SEND_ACT: "output",
-    Op.RECV_GRAD: "output gradient", Op.BACKWARD: "backward", Op.SEND_GRAD: "input gradient",
+    Op.RECV_ACT: "input",
+    Op.FORWARD: "forward",
+    Op.SEND_ACT: "output",
+    Op.RECV_GRAD: "output gradient",
+    Op.BACKWARD: "backward",
+    Op.SEND_GRAD: "input gradient",
 }
 # op -> (flag that must be set before it, what is wrong otherwise); forward/backward checked apart.
 _NEEDS = {
@@ -259,7 +266,9 @@ def _check_rank_order(s: Schedule, rank: int, fail: _Failer) -> None:
         flags, bit = done.get((stage, mb), 0), _FLAG[op]
         if flags & bit:
             before = first_at[(op, stage, mb)]
-            raise fail(rank, i, f"duplicated {_NAME[op]} of micro-batch {mb} on stage {stage} (already at action {before}).")
+            raise fail(
+                rank, i, f"duplicated {_NAME[op]} of micro-batch {mb} on stage {stage} (already at action {before})."
+            )
         if op is Op.FORWARD:
             if stage > 0 and not flags & 1:
                 raise fail(rank, i, f"forward of micro-batch {mb} before its input was received (no RA{mb} before it).")
@@ -267,7 +276,11 @@ def _check_rank_order(s: Schedule, rank: int, fail: _Failer) -> None:
             if not flags & 2:
                 raise fail(rank, i, f"backward of micro-batch {mb} before its forward on stage {stage}.")
             if stage < last and not flags & 8:
-                raise fail(rank, i, f"backward of micro-batch {mb} before its output gradient was received (no RG{mb} before it).")
+                raise fail(
+                    rank,
+                    i,
+                    f"backward of micro-batch {mb} before its output gradient was received (no RG{mb} before it).",
+                )
         elif op in _NEEDS and not flags & _NEEDS[op][0]:
             raise fail(rank, i, _NEEDS[op][1].format(mb=mb))
         done[(stage, mb)] = flags | bit
@@ -298,11 +311,15 @@ def _check_updates(s: Schedule, rank: int, fail: _Failer) -> None:
                     raise fail(rank, i, f"optimizer step on stage {a.stage} without a backward before it; {why}.")
             elif a.op.is_compute and a.stage in pending:
                 mb = pending[a.stage]
-                raise fail(rank, i, f"stage {a.stage} computes before the optimizer step that must follow backward {mb}.")
+                raise fail(
+                    rank, i, f"stage {a.stage} computes before the optimizer step that must follow backward {mb}."
+                )
             if a.op is Op.BACKWARD:
                 pending[a.stage] = a.microbatch
         for stage, mb in pending.items():
-            raise fail(rank, len(actions), f"backward of micro-batch {mb} on stage {stage} has no optimizer step after it.")
+            raise fail(
+                rank, len(actions), f"backward of micro-batch {mb} on stage {stage} has no optimizer step after it."
+            )
         return
     # per_step: one update per stage and training step, after all of that step's backwards (the flush).
     backwards_left = Counter((a.stage, a.step) for a in actions if a.op is Op.BACKWARD)
@@ -313,11 +330,19 @@ def _check_updates(s: Schedule, rank: int, fail: _Failer) -> None:
             backwards_left[key] -= 1
         elif a.op is Op.OPTIMIZER_STEP:
             if key in stepped:
-                raise fail(rank, i, f"second optimizer step of stage {a.stage} in training step {a.step}; "
-                           "a flushed schedule steps once per training step.")
+                raise fail(
+                    rank,
+                    i,
+                    f"second optimizer step of stage {a.stage} in training step {a.step}; "
+                    "a flushed schedule steps once per training step.",
+                )
             if backwards_left[key]:
-                raise fail(rank, i, f"optimizer step of stage {a.stage} before {backwards_left[key]} of the "
-                           f"backwards of training step {a.step}; move it after them (the flush).")
+                raise fail(
+                    rank,
+                    i,
+                    f"optimizer step of stage {a.stage} before {backwards_left[key]} of the "
+                    f"backwards of training step {a.step}; move it after them (the flush).",
+                )
             stepped.add(key)
     for key in sorted({(a.stage, a.step) for a in actions} - stepped):
         raise fail(rank, len(actions), f"stage {key[0]} has no optimizer step in training step {key[1]}.")
@@ -360,7 +385,8 @@ def _check_links(s: Schedule, fail: _Failer) -> None:
         for (m_out, _, j), (m_in, rank, i) in zip(out, into):
             if m_out != m_in:
                 raise fail(
-                    rank, i,
+                    rank,
+                    i,
                     f"expects the {_describe(m_in)}, but the message arriving next from rank {link[0]} is "
                     f"the {_describe(m_out)} (rank {link[0]}'s action {j}): messages between two ranks arrive "
                     "in the order they were sent, so receive them in that order.",
@@ -383,7 +409,7 @@ def _check_progress(s: Schedule, fail: _Failer) -> None:
     while rank not in path and rank in stuck:
         path.append(rank)
         rank = s.actions[rank][stuck[rank]].peer
-    cycle = path[path.index(rank):] if rank in path else path[-1:]
+    cycle = path[path.index(rank) :] if rank in path else path[-1:]
     waits = "; ".join(
         f"rank {r} at action {i} ({s.actions[r][i]}) waits for the "
         f"{_describe(_message(s.actions[r][i]))} from rank {s.actions[r][i].peer}"
@@ -391,7 +417,8 @@ def _check_progress(s: Schedule, fail: _Failer) -> None:
     )
     first = min(cycle)
     raise fail(
-        first, stuck[first],
+        first,
+        stuck[first],
         f"deadlock: ranks {', '.join(map(str, sorted(cycle)))} wait for each other forever ({waits}). "
         "Reorder the actions so that each send comes before the receive it unblocks.",
     )

@@ -42,16 +42,24 @@ def to_chrome_trace(events: list[TimedAction]) -> dict:
         trace.append({"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": rank, "args": {"sort_index": rank}})
     for e in events:
         a = e.action
-        trace.append({
-            "name": _name(a),
-            "cat": "compute" if a.op in _BUSY else "communication",
-            "ph": "X",
-            "pid": 0,
-            "tid": e.rank,
-            "ts": e.start * 1e6,
-            "dur": (e.end - e.start) * 1e6,
-            "args": {"op": a.op.value, "stage": a.stage, "microbatch": a.microbatch, "peer": a.peer, "step": a.step},
-        })
+        trace.append(
+            {
+                "name": _name(a),
+                "cat": "compute" if a.op in _BUSY else "communication",
+                "ph": "X",
+                "pid": 0,
+                "tid": e.rank,
+                "ts": e.start * 1e6,
+                "dur": (e.end - e.start) * 1e6,
+                "args": {
+                    "op": a.op.value,
+                    "stage": a.stage,
+                    "microbatch": a.microbatch,
+                    "peer": a.peer,
+                    "step": a.step,
+                },
+            }
+        )
     return {"traceEvents": trace, "displayTimeUnit": "ms"}
 
 
@@ -67,7 +75,9 @@ def from_chrome_trace(obj: dict | list) -> list[TimedAction]:
             op = Op(args["op"])
         except ValueError as err:
             known = ", ".join(o.value for o in Op)
-            raise ValueError(f"Trace event {ev.get('name')!r} has unknown op {args['op']!r}; expected one of {known}.") from err
+            raise ValueError(
+                f"Trace event {ev.get('name')!r} has unknown op {args['op']!r}; expected one of {known}."
+            ) from err
         action = Action(op, int(args["stage"]), args.get("microbatch"), args.get("peer"), int(args.get("step", 0)))
         start = float(ev["ts"]) / 1e6
         events.append(TimedAction(int(ev["tid"]), action, start, start + float(ev.get("dur", 0.0)) / 1e6))
@@ -121,7 +131,9 @@ def plot_timeline(events: list[TimedAction], path: str | Path, title: str = "") 
         if op in _COLOURS:
             ax.barh(y, width, left=left, height=0.8, color=_COLOURS[op], edgecolor="black", linewidth=0.5)
             if op is not Op.OPTIMIZER_STEP and width > span / 80:
-                ax.text(left + width / 2, y, str(e.action.microbatch), ha="center", va="center", fontsize=7, color="white")
+                ax.text(
+                    left + width / 2, y, str(e.action.microbatch), ha="center", va="center", fontsize=7, color="white"
+                )
         elif width > 0:
             ax.barh(y, width, left=left, height=0.15, color="#AAAAAA")
     ax.set_yticks([row[r] for r in ranks], [f"rank {r}" for r in ranks])

@@ -29,5 +29,7 @@ def build_datamodule(name: str, task: str, **kwargs: Any) -> RecipeDataModule:
     data_task, cls = DATA[name]
     if data_task != task:
         choices = ", ".join(n for n, (t, _) in DATA.items() if t == task)
-        raise ValueError(f"data {name!r} is for task={data_task}, but task={task}; for task={task} choose one of: {choices}")
+        raise ValueError(
+            f"data {name!r} is for task={data_task}, but task={task}; for task={task} choose one of: {choices}"
+        )
     return cls(**kwargs)

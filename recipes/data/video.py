@@ -15,8 +15,13 @@ import torch
 from recipes.data.common import ListDataset, RecipeDataModule, find_file, require_dir
 from recipes.data.vocab import Vocab, pad_batch, teacher_forcing_pair
 
-COLOURS = {"red": (1.0, 0.1, 0.1), "green": (0.1, 0.9, 0.1), "blue": (0.1, 0.2, 1.0), "yellow": (1.0, 0.9, 0.1),
-           "white": (1.0, 1.0, 1.0)}
+COLOURS = {
+    "red": (1.0, 0.1, 0.1),
+    "green": (0.1, 0.9, 0.1),
+    "blue": (0.1, 0.2, 1.0),
+    "yellow": (1.0, 0.9, 0.1),
+    "white": (1.0, 1.0, 1.0),
+}
 SHAPES = ("square", "circle", "triangle", "cross")
 MOTIONS = {"left": (0, -1), "right": (0, 1), "up": (-1, 0), "down": (1, 0)}
 
@@ -33,8 +38,9 @@ def _shape_mask(shape: str, size: int) -> np.ndarray:
     return masks[shape]
 
 
-def make_clip(colour: str, shape: str, motion: str, rng: random.Random, frames: int = 8, size: int = 16,
-              shape_size: int = 5) -> np.ndarray:
+def make_clip(
+    colour: str, shape: str, motion: str, rng: random.Random, frames: int = 8, size: int = 16, shape_size: int = 5
+) -> np.ndarray:
     """A (frames, size, size, 3) clip of one shape crossing the frame in one direction over a noisy background."""
     dy, dx = MOTIONS[motion]
     travel = size - shape_size
@@ -47,7 +53,7 @@ def make_clip(colour: str, shape: str, motion: str, rng: random.Random, frames: 
         pos = round(t * step)
         y = fixed if dy == 0 else (pos if dy > 0 else travel - pos)
         x = fixed if dx == 0 else (pos if dx > 0 else travel - pos)
-        patch = clip[t, y:y + shape_size, x:x + shape_size]
+        patch = clip[t, y : y + shape_size, x : x + shape_size]
         patch[mask] = COLOURS[colour]
     return clip.astype(np.float32)
 
@@ -91,8 +97,15 @@ class ShapesDataModule(CaptionDataModule):
     """Clips of a coloured shape moving left/right/up/down, captioned 'a red circle moves left'.
     The frame features are the frames' standardised pixels (a stand-in for the CNN features S2VT reads)."""
 
-    def __init__(self, batch_size: int = 32, num_train: int = 4000, num_val: int = 200, frames: int = 8,
-                 size: int = 16, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        batch_size: int = 32,
+        num_train: int = 4000,
+        num_val: int = 200,
+        frames: int = 8,
+        size: int = 16,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(batch_size, **kwargs)
         self.num_train, self.num_val, self.frames, self.size = num_train, num_val, frames, size
 
@@ -111,7 +124,7 @@ class ShapesDataModule(CaptionDataModule):
         self.feature_size = clips[0][0].shape[1]
         self.vocab = Vocab.build(words for _, words in clips)
         self.train_set = self.encode(clips[: self.num_train])
-        self.val_set = self.encode(clips[self.num_train:])
+        self.val_set = self.encode(clips[self.num_train :])
 
 
 class MSVDDataModule(CaptionDataModule):
@@ -122,9 +135,17 @@ class MSVDDataModule(CaptionDataModule):
     when there are at least 1,300 clips, else the first 90% train. Every English caption is a sample.
     """
 
-    def __init__(self, path: str | None = None, batch_size: int = 32, captions_file: str = "MSR Video Description Corpus.csv",
-                 features_dir: str = "features", max_frames: int = 80, max_caption_len: int = 20,
-                 max_vocab: int = 10000, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        path: str | None = None,
+        batch_size: int = 32,
+        captions_file: str = "MSR Video Description Corpus.csv",
+        features_dir: str = "features",
+        max_frames: int = 80,
+        max_caption_len: int = 20,
+        max_vocab: int = 10000,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(batch_size, **kwargs)
         self.path, self.captions_file, self.features_dir = path, captions_file, features_dir
         self.max_frames, self.max_caption_len, self.max_vocab = max_frames, max_caption_len, max_vocab
@@ -146,19 +167,24 @@ class MSVDDataModule(CaptionDataModule):
         return captions
 
     def load(self) -> None:
-        root = require_dir(self.path, "an MSVD-style folder",
-                           f"with '{self.captions_file}' and {self.features_dir}/<VideoID>_<Start>_<End>.npy")
+        root = require_dir(
+            self.path,
+            "an MSVD-style folder",
+            f"with '{self.captions_file}' and {self.features_dir}/<VideoID>_<Start>_<End>.npy",
+        )
         captions = self._read_captions(root)
         clip_ids = list(captions)
         missing = [c for c in clip_ids if not (root / self.features_dir / f"{c}.npy").is_file()]
         if missing:
-            raise FileNotFoundError(f"{len(missing)} clip(s) have captions but no features, e.g. "
-                                    f"{root / self.features_dir / (missing[0] + '.npy')}")
+            raise FileNotFoundError(
+                f"{len(missing)} clip(s) have captions but no features, e.g. "
+                f"{root / self.features_dir / (missing[0] + '.npy')}"
+            )
         n_train = 1200 if len(clip_ids) >= 1300 else max(1, int(len(clip_ids) * 0.9))
         n_val = 100 if len(clip_ids) >= 1300 else len(clip_ids) - n_train
         if n_val < 1:
             raise ValueError(f"{root}: {len(clip_ids)} clip(s) is too few for a train and a validation split")
-        split = {"train": clip_ids[:n_train], "val": clip_ids[n_train:n_train + n_val]}
+        split = {"train": clip_ids[:n_train], "val": clip_ids[n_train : n_train + n_val]}
         self.vocab = Vocab.build((w for c in split["train"] for w in captions[c]), max_size=self.max_vocab)
         sets = {}
         for name, ids in split.items():

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -19,7 +19,9 @@ class Vocab:
         self.stoi = {tok: i for i, tok in enumerate(self.itos)}
 
     @classmethod
-    def build(cls, sentences: Iterable[Sequence[str]], max_size: int | None = None, specials: Sequence[str] = SPECIALS) -> "Vocab":
+    def build(
+        cls, sentences: Iterable[Sequence[str]], max_size: int | None = None, specials: Sequence[str] = SPECIALS
+    ) -> Vocab:
         counts = Counter(tok for sentence in sentences for tok in sentence)
         ranked = sorted((t for t in counts if t not in specials), key=lambda t: (-counts[t], t))
         if max_size is not None:

@@ -1,4 +1,4 @@
-"""Image classifiers as flat `nn.Sequential` layer lists: a small digits CNN, and VGG-16, ResNet-50, AlexNet from torchvision."""
+"""Image classifiers as flat `nn.Sequential` layer lists: a small digits CNN; VGG-16, ResNet-50, AlexNet."""
 
 from __future__ import annotations
 
@@ -6,14 +6,21 @@ import torch
 from torch import nn
 
 
-def digits_cnn(num_classes: int = 10, in_channels: int = 1, image_size: int = 8, width: int = 32,
-               dropout: float = 0.1) -> nn.Sequential:
+def digits_cnn(
+    num_classes: int = 10, in_channels: int = 1, image_size: int = 8, width: int = 32, dropout: float = 0.1
+) -> nn.Sequential:
     """A small CNN for 8x8 digits. No BatchNorm: micro-batching would change its statistics."""
     pooled = image_size // 2
     return nn.Sequential(
-        nn.Conv2d(in_channels, width, 3, padding=1), nn.ReLU(),
-        nn.Conv2d(width, 2 * width, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(2 * width * pooled * pooled, 4 * width), nn.ReLU(), nn.Dropout(dropout),
+        nn.Conv2d(in_channels, width, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(width, 2 * width, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(2 * width * pooled * pooled, 4 * width),
+        nn.ReLU(),
+        nn.Dropout(dropout),
         nn.Linear(4 * width, num_classes),
     )
 
@@ -30,7 +37,9 @@ def vgg16(num_classes: int = 1000, in_channels: int = 3, image_size: int = 224) 
     return _sequential([*features, net.avgpool, nn.Flatten(), *net.classifier])
 
 
-def alexnet(num_classes: int = 1000, in_channels: int = 3, image_size: int = 224, dropout: float = 0.5) -> nn.Sequential:
+def alexnet(
+    num_classes: int = 1000, in_channels: int = 3, image_size: int = 224, dropout: float = 0.5
+) -> nn.Sequential:
     """torchvision's AlexNet; below 64 px the 11x11/4 stem becomes 3x3/1 so small images keep their pixels."""
     from torchvision.models import alexnet as tv_alexnet
 

@@ -4,7 +4,8 @@ steps that call `self(x)` exactly once and reduce to a mean loss."""
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import lightning as L
 import torch
@@ -25,7 +26,7 @@ class RecipeTask(L.LightningModule):
         self.optim = dict(optim)
 
     @classmethod
-    def from_data(cls, layers: nn.Sequential, optim: Mapping[str, Any], datamodule: Any) -> "RecipeTask":
+    def from_data(cls, layers: nn.Sequential, optim: Mapping[str, Any], datamodule: Any) -> RecipeTask:
         """Build the task for `layers`; subclasses take what they need from the data (e.g. the vocabulary)."""
         return cls(layers, optim)
 

@@ -7,7 +7,8 @@ averaged over batches like every other logged metric.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,7 +28,7 @@ class Seq2SeqTask(RecipeTask):
         self.vocab = Vocab(itos)
 
     @classmethod
-    def from_data(cls, layers: nn.Sequential, optim: Mapping[str, Any], datamodule: Any) -> "Seq2SeqTask":
+    def from_data(cls, layers: nn.Sequential, optim: Mapping[str, Any], datamodule: Any) -> Seq2SeqTask:
         return cls(layers, optim, datamodule.vocab.itos)
 
     def _forward_loss(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

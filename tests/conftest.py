@@ -1,0 +1,49 @@
+"""Shared test set-up: the `multiprocess` marker, Hypothesis without a database in the checkout, CI strictness."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from hypothesis import settings
+
+# Hypothesis would write .hypothesis/ into the checkout; examples that failed are printed anyway.
+settings.register_profile("lightning_pipedream", database=None)
+settings.load_profile("lightning_pipedream")
+
+# Modules whose tests start several processes (forked ranks, or a Trainer/recipe in a subprocess).
+# Marked here, not in the files: `pytest -m "not multiprocess"` is the fast suite.
+MULTIPROCESS_MODULES = {
+    "test_benchmarks_smoke.py",
+    "test_docs_examples.py",
+    "test_engine.py",
+    "test_recipes_errors.py",
+    "test_recipes_runs.py",
+    "test_strategy.py",
+}
+
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+PIPEDREAM_PROFILES = SHARED / "pipedream-profiles"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "multiprocess: starts several processes (slow); CI runs them all")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.name in MULTIPROCESS_MODULES:
+            item.add_marker(pytest.mark.multiprocess)
+
+
+@pytest.fixture
+def pipedream_profiles() -> Path:
+    """The folder of PipeDream's published profiles: skip without it, but fail in CI (CI=true), where it must be."""
+    if not PIPEDREAM_PROFILES.is_dir():
+        message = f"PipeDream's profiles are not at {PIPEDREAM_PROFILES}"
+        if IN_CI:
+            pytest.fail(f"{message}; CI must have them (../shared/pipedream-profiles next to the checkout).")
+        pytest.skip(message)
+    return PIPEDREAM_PROFILES

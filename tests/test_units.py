@@ -1,0 +1,162 @@
+"""In-process unit tests of the pure parts the multi-process runs rely on: tensor trees, split/merge, weight versions."""
+
+from __future__ import annotations
+
+from collections import namedtuple
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_pipedream.runtime.microbatch import batch_size, merge, split
+from lightning_pipedream.runtime.weights import WeightVersions
+from lightning_pipedream.tree import TensorTreeError, flatten, map_tensors, tensors, unflatten
+
+Pair = namedtuple("Pair", "x y")
+
+
+# --------------------------------------------------------------------------------------------
+# Tensor trees
+
+
+def test_flatten_unflatten_round_trip_keeps_structure_and_constants():
+    a, b, c = torch.zeros(2), torch.ones(3), torch.arange(4)
+    tree = {"x": (a, [b, None]), "n": 3, "s": "text", "y": c}
+    leaves, spec = flatten(tree)
+    assert [t is u for t, u in zip(leaves, [a, b, c])] == [True, True, True]
+    rebuilt = unflatten(leaves, spec)
+    assert rebuilt["n"] == 3 and rebuilt["s"] == "text" and rebuilt["x"][1][1] is None
+    assert isinstance(rebuilt["x"], tuple) and isinstance(rebuilt["x"][1], list)
+
+
+def test_flatten_names_the_path_of_what_cannot_cross_a_stage():
+    with pytest.raises(TensorTreeError, match=r"output of stage 1 contains output of stage 1\['a'\]\[1\] of type set"):
+        flatten({"a": (torch.zeros(1), {1})}, "output of stage 1")
+
+
+def test_map_tensors_keeps_namedtuples_and_foreign_leaves():
+    marker = object()
+    tree = [Pair(torch.ones(2), marker), {"k": torch.zeros(1)}]
+    out = map_tensors(lambda t: t + 1, tree)
+    assert isinstance(out[0], Pair) and out[0].y is marker
+    assert torch.equal(out[0].x, torch.full((2,), 2.0)) and torch.equal(out[1]["k"], torch.ones(1))
+    assert [t.shape for t in tensors(tree)] == [torch.Size([2]), torch.Size([1])]
+
+
+# --------------------------------------------------------------------------------------------
+# split / merge
+
+
+def test_split_sizes_differ_by_at_most_one_and_merge_restores_the_batch():
+    batch = {"x": torch.arange(10.0).reshape(5, 2), "y": torch.arange(5), "scale": torch.tensor(2.0), "tag": "b"}
+    parts = split(batch, 3)
+    assert [batch_size(p) for p in parts] == [2, 2, 1]
+    assert all(p["tag"] == "b" and p["scale"].item() == 2.0 for p in parts)  # 0-dim and constants go to each part
+    merged = merge([{"x": p["x"], "y": p["y"]} for p in parts])
+    assert torch.equal(merged["x"], batch["x"]) and torch.equal(merged["y"], batch["y"])
+
+
+def test_merge_stacks_zero_dim_outputs():
+    assert torch.equal(merge([torch.tensor(1.0), torch.tensor(2.0)]), torch.tensor([1.0, 2.0]))
+
+
+@pytest.mark.parametrize(
+    ("batch", "chunks", "message"),
+    [
+        (torch.zeros(2, 3), 3, "A batch of 2 samples cannot be split into chunks=3 micro-batches; use a batch size"),
+        (torch.zeros(2), 0, "chunks must be >= 1, got 0"),
+        ((torch.zeros(2), torch.zeros(3)), 1, r"different sizes along dim 0 \(\[2, 3\]\)"),
+        (torch.tensor(1.0), 1, "no tensor with a batch dimension"),
+    ],
+)
+def test_split_errors_say_what_to_change(batch, chunks, message):
+    with pytest.raises(ValueError, match=message):
+        split(batch, chunks)
+
+
+# --------------------------------------------------------------------------------------------
+# WeightVersions
+
+
+def _linear() -> nn.Linear:
+    torch.manual_seed(0)
+    return nn.Linear(2, 1, bias=False)
+
+
+def _sgd_step(layer: nn.Linear, versions: WeightVersions, lr: float = 0.5) -> None:
+    versions.before_update()
+    with torch.no_grad():
+        layer.weight -= lr * layer.weight.grad  # in place: stashing must have moved the live storage away
+    layer.weight.grad = None
+    versions.after_update()
+
+
+def test_stashed_backward_uses_the_weights_of_its_forward():
+    layer = _linear()
+    w0 = layer.weight.detach().clone()
+    versions = WeightVersions(layer)
+    x = torch.ones(1, 2)
+    p0 = versions.forward_params(0)
+    out0 = torch.func.functional_call(layer, p0, (x,))
+    p1 = versions.forward_params(1)
+    out1 = torch.func.functional_call(layer, p1, (x,))
+    (out0 * out0).sum().backward()  # grad = 2 * out0 * x, at w0
+    versions.collect_grads(0)
+    assert torch.allclose(layer.weight.grad, 2 * (x @ w0.T) * x)
+    _sgd_step(layer, versions)
+    assert torch.equal(p1["weight"], w0), "the update wrote into the weights minibatch 1's forward saved"
+    assert versions.stored_versions() == 2  # live + the one minibatch 1 still needs
+    (out1 * out1).sum().backward()
+    versions.collect_grads(1)
+    assert torch.allclose(layer.weight.grad, 2 * (x @ w0.T) * x)  # at w0 again, not the updated weights
+    assert versions.stored_versions() == 1
+    versions.clear()
+
+
+def test_without_stashing_updates_go_into_the_live_storage():
+    layer = _linear()
+    versions = WeightVersions(layer, stashing=False)
+    p0 = versions.forward_params(0)
+    layer.weight.grad = torch.ones_like(layer.weight)
+    _sgd_step(layer, versions)
+    assert torch.equal(p0["weight"], layer.weight.detach())  # the forward's leaves see the new weights
+    assert versions.stored_versions() == 1
+
+
+def test_vertical_sync_serves_an_old_version_until_no_one_needs_it():
+    layer = _linear()
+    w0 = layer.weight.detach().clone()
+    versions = WeightVersions(layer, vertical_sync=True)
+    layer.weight.grad = torch.ones_like(layer.weight)
+    _sgd_step(layer, versions)  # version 0 is kept for vertical sync
+    old = versions.forward_params(5, version=0)
+    assert torch.equal(old["weight"], w0) and versions.num_updates == 1
+    newest = versions.forward_params(6, version=7)  # a version from the future means the live one
+    assert torch.equal(newest["weight"], layer.weight.detach())
+    versions.after_update(keep_from=1)  # minibatch 5 still holds version 0: kept
+    assert torch.equal(versions.forward_params(7, version=0)["weight"], w0)
+    for mb in (5, 6, 7):
+        versions.collect_grads(mb)
+    versions.after_update(keep_from=3)
+    with pytest.raises(RuntimeError, match="Weight version 0 is no longer stored"):
+        versions.forward_params(8, version=0)
+
+
+def test_weight_versions_refuse_misuse():
+    with pytest.raises(ValueError, match="vertical_sync=True needs weight_stashing=True"):
+        WeightVersions(_linear(), stashing=False, vertical_sync=True)
+    versions = WeightVersions(_linear())
+    versions.forward_params(0)
+    with pytest.raises(RuntimeError, match=r"Minibatches \[0\] are still in flight; drain the pipeline first"):
+        versions.clear()
+
+
+def test_collect_grads_accumulates_over_microbatches():
+    layer = _linear()
+    versions = WeightVersions(layer, stashing=False)
+    x = torch.ones(1, 2)
+    for mb in range(2):
+        params = versions.forward_params(mb)
+        torch.func.functional_call(layer, params, (x,)).sum().backward()
+        versions.collect_grads(mb)
+    assert torch.equal(layer.weight.grad, 2 * x)
