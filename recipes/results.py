@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +27,7 @@ RESULT_KEYS = (
     "metric",
     "throughput_samples_per_s",
     "time_to_target_s",
+    "error",  # null, or why the job failed (a sweep goes on past a failed job)
 )
 SUMMARY_COLUMNS = ("run", *RESULT_KEYS)
 
@@ -127,5 +129,17 @@ class MultirunSummary(HydraCallback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
-        if sweep_dir.is_dir():
-            print(f"summary of {sweep_dir}:\n" + summarize(sweep_dir), flush=True)
+        if not sweep_dir.is_dir():
+            return
+        print(f"summary of {sweep_dir}:\n" + summarize(sweep_dir), flush=True)
+        failed = failed_jobs(sweep_dir)
+        if failed:
+            lines = [f"  job {run}: {error}" for run, error in failed]
+            print(f"{len(failed)} job(s) failed:\n" + "\n".join(lines), file=sys.stderr, flush=True)
+            sys.exit(1)  # after every job ran: the sweep's exit status says some failed
+
+
+def failed_jobs(sweep_dir: Path) -> list[tuple[str, str]]:
+    """(job dir name, error) of every job of the sweep whose results.json records an error."""
+    rows = json.loads((sweep_dir / "summary.json").read_text())
+    return [(row["run"], row["error"]) for row in rows if row.get("error")]

@@ -67,8 +67,10 @@ def build(cfg: DictConfig, start: float) -> tuple[Any, Any, Any, Any]:
     module = TASKS[task].from_data(layers, OmegaConf.to_container(cfg.optim, resolve=True), datamodule)
 
     results = ResultsCallback(target=cfg.task.target, start=start)
+    # null in conf/trainer means "Lightning's default": leave those keys out
+    trainer_options = {k: v for k, v in OmegaConf.to_container(cfg.trainer, resolve=True).items() if v is not None}
     trainer = L.Trainer(
-        **OmegaConf.to_container(cfg.trainer, resolve=True),
+        **trainer_options,
         strategy=build_strategy(cfg.strategy),
         callbacks=[results, PlanPrinter([type(layer).__name__ for layer in layers])],
     )
@@ -82,23 +84,27 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, Any] | None:
     start = time.perf_counter()  # the job's clock: data, model, process start, profiling and training
     try:
         trainer, module, datamodule, results = build(cfg, start)
-    except USER_ERRORS as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
-        sys.exit(2)
-    _hand_this_job_to_child_processes(output_dir)
-    trainer.fit(module, datamodule=datamodule)
+        _hand_this_job_to_child_processes(output_dir)
+        trainer.fit(module, datamodule=datamodule)
+    except Exception as err:  # reported in results.json; the sweep summary names the job
+        if not _in_multirun():
+            if isinstance(err, USER_ERRORS):
+                print(f"error: {err}", file=sys.stderr, flush=True)
+                sys.exit(2)
+            raise
+        # In a sweep one bad job (e.g. pipedream with chunks=4) must not stop the others.
+        error = f"{type(err).__name__}: {err}"
+        print(f"error: job failed, the sweep goes on: {error}", file=sys.stderr, flush=True)
+        write_results(output_dir / "results.json", {**_job_keys(cfg), "error": error})
+        return None
     if not trainer.is_global_zero:
         return None
 
     plan = getattr(trainer.strategy, "plan", None)
     balance = getattr(trainer.strategy, "balance", None)
-    pipelined = cfg.strategy.name == "pipedream"
     summary = {
-        "task": cfg.task.name,
-        "model": cfg.model.name,
-        "schedule": cfg.strategy.schedule if pipelined else cfg.strategy.name,
+        **_job_keys(cfg),
         "stages": len(balance) if balance else 1,
-        "chunks": cfg.strategy.chunks if pipelined else 1,
         "metric_name": module.metric_name,
         "metric": results.metric,
         "throughput_samples_per_s": results.throughput,
@@ -118,6 +124,24 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, Any] | None:
         flush=True,
     )
     return summary
+
+
+def _job_keys(cfg: DictConfig) -> dict[str, Any]:
+    """What the job was asked to run: task, model, schedule, chunks (known even when it fails)."""
+    pipelined = cfg.strategy.name == "pipedream"
+    return {
+        "task": cfg.task.name,
+        "model": cfg.model.name,
+        "schedule": cfg.strategy.schedule if pipelined else cfg.strategy.name,
+        "chunks": cfg.strategy.chunks if pipelined else 1,
+    }
+
+
+def _in_multirun() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
 def _fmt(value: float | None) -> str:

@@ -78,7 +78,7 @@ def test_optimizer_layout_round_trips_state_between_stages_and_one_device():
         local = layout.to_local(opt, full, names)
         mine = [names[id(p)] for g in opt.param_groups for p in g["params"]]
         assert sorted(local["state"]) == list(range(len(mine)))
-        for i, name in enumerate(mine):
+        for i in range(len(mine)):
             assert torch.equal(local["state"][i]["momentum_buffer"], opt.state_dict()["state"][i]["momentum_buffer"])
         opt.load_state_dict(local)
 

@@ -23,10 +23,10 @@ TASKS = {
     "video_captioning": ("s2vt", "val_bleu", (0.0, 1.0)),
 }
 RESULT_KEYS = {"task", "model", "schedule", "stages", "chunks", "metric_name", "metric",
-               "throughput_samples_per_s", "time_to_target_s"}
+               "throughput_samples_per_s", "time_to_target_s", "error"}
 
 
-def train(args: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+def train(args: list[str], cwd: Path, timeout: float = 240, expect_ok: bool = True) -> subprocess.CompletedProcess:
     """Run recipes/train.py in a subprocess (Lightning re-runs sys.argv for rank 1, which must not be pytest).
     On timeout the whole process group goes, rank 1 included, so a hung run fails instead of lingering."""
     proc = subprocess.Popen([sys.executable, str(TRAIN), *args], cwd=cwd, stdout=subprocess.PIPE,
@@ -37,7 +37,7 @@ def train(args: list[str], cwd: Path, timeout: float = 240) -> subprocess.Comple
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
         pytest.fail(f"train.py {' '.join(args)} did not finish in {timeout} s:\n{stdout[-3000:]}\n{stderr[-3000:]}")
-    assert proc.returncode == 0, f"train.py {' '.join(args)} failed:\n{stdout[-3000:]}\n{stderr[-3000:]}"
+    assert (proc.returncode == 0) == expect_ok, f"train.py {' '.join(args)} failed:\n{stdout[-3000:]}\n{stderr[-3000:]}"
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
@@ -68,6 +68,7 @@ def check_results(results: dict, task: str, schedule: str, chunks: int) -> None:
     assert isinstance(results["metric"], float) and low <= results["metric"] <= high
     assert results["throughput_samples_per_s"] > 0
     assert results["time_to_target_s"] is None or results["time_to_target_s"] >= 0
+    assert results["error"] is None
 
 
 @pytest.mark.parametrize("task", list(TASKS))
@@ -117,3 +118,29 @@ def test_main_job_defaults_train_digits_to_90_percent(tmp_path: Path) -> None:
     assert "time per minibatch: predicted" in out and "measured" in out
     epochs = [line for line in out.splitlines() if line.startswith("epoch ")]
     assert len(epochs) == 10 and all("val_acc=" in line and "samples/s" in line for line in epochs)
+
+
+def test_trainer_keys_override_from_the_command_line(tmp_path: Path) -> None:
+    """`trainer.max_steps=2` works as in any Lightning + Hydra project (the key is in conf/trainer)."""
+    proc = train(["trainer.max_steps=2", "trainer.limit_val_batches=1", "trainer.val_check_interval=2",
+                  f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, timeout=180)
+    assert "`max_steps=2` reached" in proc.stdout + proc.stderr
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    check_results(results, "image", "pipedream", 1)
+
+
+def test_sweep_survives_a_bad_job_and_exits_non_zero(tmp_path: Path) -> None:
+    """pipedream with chunks=2 is refused; the 1f1b job still runs, the summary names the failure, exit status 1."""
+    proc = train(["-m", "experiment=smoke_image", "strategy.schedule=pipedream,1f1b", "strategy.chunks=2",
+                  f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=tmp_path, expect_ok=False)
+    assert proc.returncode == 1
+    runs = job_dirs(tmp_path / "sweep")
+    bad = json.loads((runs["experiment=smoke_image,strategy.schedule=pipedream,strategy.chunks=2"]
+                      / "results.json").read_text())
+    assert bad["error"].startswith("ValueError: schedule='pipedream' runs each batch as one PipeDream minibatch")
+    assert (bad["schedule"], bad["chunks"], bad["metric"]) == ("pipedream", 2, None)
+    good = runs["experiment=smoke_image,strategy.schedule=1f1b,strategy.chunks=2"]
+    check_results(json.loads((good / "results.json").read_text()), "image", "1f1b", 2)
+    assert "1 job(s) failed:\n  job 0: ValueError: schedule='pipedream'" in proc.stderr
+    summary = json.loads((tmp_path / "sweep" / "summary.json").read_text())
+    assert [row["error"] is None for row in summary] == [False, True]

@@ -363,3 +363,21 @@ def test_schedule_package_is_pure_python():
             assert not roots & {"torch", "lightning", "pytorch_lightning"}, f"{path.name} imports {roots}"
             if "matplotlib" in roots:
                 assert id(node) not in top_level, f"{path.name} imports matplotlib at module level"
+
+
+def test_build_schedule_keeps_chunks_and_minibatches_apart():
+    pd = build_schedule("pipedream", 3, minibatches=5)
+    assert (pd.chunks, pd.minibatches, pd.microbatch_count, pd.size()) == (1, 5, 5, "3 stages x 5 minibatches")
+    gp = build_schedule("gpipe", 3, 4)
+    assert (gp.chunks, gp.minibatches, gp.microbatch_count, gp.size()) == (4, 1, 4, "3 stages x 4 chunks")
+    with pytest.raises(ValueError, match=r"needs minibatches=N: the number of minibatches \(training steps\)"):
+        build_schedule("pipedream", 3)
+    with pytest.raises(ValueError, match="schedule='pipedream' runs each batch as one PipeDream minibatch; chunks=4"):
+        build_schedule("pipedream", 3, 4, minibatches=2)
+    with pytest.raises(ValueError, match="minibatches=2 applies to schedule='pipedream' only"):
+        build_schedule("1f1b", 3, 4, minibatches=2)
+    with pytest.raises(ValueError, match="minibatches must be an integer >= 1, got 0"):
+        build_schedule("pipedream", 3, minibatches=0)
+    for bad in (0, True, 2.0):
+        with pytest.raises(ValueError, match=r"chunks must be an integer >= 1, got .*: it is the number of micro-batches"):
+            build_schedule("gpipe", 3, bad)
