@@ -277,4 +277,11 @@ def _layers(graph: torch.fx.Graph) -> tuple[list[Layer], dict[Node, int]]:
         layer_of[node] = len(layers) - 1
     if not layers:
         raise GraphCaptureError("The captured forward computes nothing; there is nothing to split into stages.")
+    # A plain module name means where that module (with its children) begins. A container's own first run that
+    # comes after one of its children's is not that place: it is "name#1", as its later runs are "name#2", ...
+    for index, layer in enumerate(layers):
+        if layer.name == layer.module and any(
+            other.module.startswith(layer.module + ".") for other in layers[:index]
+        ):
+            layer.name = f"{layer.module}#1"
     return layers, layer_of

@@ -42,6 +42,7 @@ class StageProgram:
     constant_outputs: dict[int, Any] = field(default_factory=dict)  # last stage: outputs that are not computed
     constants: dict[str, Tensor] = field(default_factory=dict)
     layers: list[str] = field(default_factory=list)
+    input_vals: list[Any] = field(default_factory=list)  # the capture's fake inputs: shapes and strides
 
     @property
     def is_first(self) -> bool:
@@ -98,10 +99,12 @@ def resolve_split_points(captured: CapturedGraph, split_points: Sequence[str]) -
     for point in split_points:
         if not isinstance(point, str):
             raise SplitError(f"split_points must be module names (strings), got {point!r}.")
-        index = by_name.get(point)
-        if index is None:
-            index = next((i for i, layer in enumerate(layers)
-                          if layer.module == point or layer.module.startswith(point + ".")), None)
+        # A module name: where that module begins (its first layer or its first child's); "name#k" and
+        # "(forward)..." are layer names, as plans write them.
+        index = next((i for i, layer in enumerate(layers)
+                      if layer.module == point or layer.module.startswith(point + ".")), None)
+        if index is None or "#" in point:
+            index = by_name.get(point, index)
         if index is None:
             known = captured.module_names()
             shown = ", ".join(known[:30]) + (", ..." if len(known) > 30 else "")
@@ -199,6 +202,7 @@ def split_graph(captured: CapturedGraph, split_points: Sequence[str]) -> GraphSp
             out_spec=captured.out_spec if is_last else None,
             constant_outputs={i: v for i, v in enumerate(outputs) if not isinstance(v, Node)} if is_last else {},
             constants=constants, layers=captured.layer_names[first_layer:end_layer],
+            input_vals=[n.meta.get("val") for n in inputs],
         ))
     return GraphSplit(list(split_points), starts, programs, owners, captured)
 
@@ -324,6 +328,7 @@ class GraphStage(nn.Module):
             flat = pytree.tree_leaves((tuple(args), dict(kwargs)))
         else:
             flat = [inputs[name] for name in program.input_names]
+        flat = [_as_captured(value, val) for value, val in zip(flat, program.input_vals)]
         results = program.module(*state, *flat)
         count = len(program.mutations)
         # Write new buffer values (BatchNorm statistics) as eager BatchNorm does, in place; through .data, whose
@@ -335,6 +340,18 @@ class GraphStage(nn.Module):
         if program.is_last:
             return pytree.tree_unflatten(outputs, program.out_spec)
         return dict(zip(program.output_names, outputs))
+
+
+def _as_captured(value: Any, val: Any) -> Any:
+    """``value`` laid out in memory as in the capture: the graph's views assume those strides, and a tensor that
+    crossed processes arrives contiguous. (Expanded layouts, with stride 0, are left contiguous.)"""
+    if not isinstance(value, Tensor) or not isinstance(val, Tensor):
+        return value
+    stride = tuple(int(s) for s in val.stride())
+    if value.stride() == stride or value.shape != val.shape or 0 in stride or value.numel() <= 1:
+        return value
+    laid_out = torch.empty_strided(value.shape, stride, dtype=value.dtype, device=value.device)
+    return laid_out.copy_(value)  # differentiable: the gradient reaches ``value``
 
 
 def build_stages(module: nn.Module, split: GraphSplit, indices: Sequence[int] | None = None) -> list[GraphStage]:

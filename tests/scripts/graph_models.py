@@ -1,0 +1,114 @@
+"""The four model families of the graph tests: tiny, seeded, with a batch maker and a loss each."""
+
+from __future__ import annotations
+
+import torch
+import torchvision
+from torch import nn
+
+
+class TransformerLM(nn.Module):
+    """Encoder-decoder nn.Transformer LM: two token inputs, a causal mask, padding masks, one shared embedding."""
+
+    def __init__(self, vocab: int = 23, d: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.transformer = nn.Transformer(d, 2, 1, 1, dim_feedforward=32, dropout=0.0, batch_first=True)
+        self.out = nn.Linear(d, vocab)
+
+    def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        mask = nn.Transformer.generate_square_subsequent_mask(tgt.size(1))
+        padding = src == 0
+        # The encoder and decoder of the nn.Transformer called in turn (as nn.Transformer.forward does), so that
+        # the target's embedding runs after the encoder.
+        memory = self.transformer.encoder(self.embed(src), src_key_padding_mask=padding)
+        h = self.transformer.decoder(self.embed(tgt), memory, tgt_mask=mask, memory_key_padding_mask=padding)
+        return self.out(h)
+
+
+class Block(nn.Module):
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, 2, batch_first=True)
+        self.ln2 = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """Decoder-only LM: blocks in an nn.ModuleList, the output projection tied to the token embedding."""
+
+    def __init__(self, vocab: int = 29, d: int = 16, layers: int = 4, context: int = 16) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(context, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(layers))
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        length = idx.size(1)
+        x = self.tok(idx) + self.pos(torch.arange(length, device=idx.device))
+        mask = torch.triu(torch.ones(length, length, dtype=torch.bool, device=idx.device), 1)
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.head(self.ln(x))
+
+
+class LSTMLM(nn.Module):
+    """Two-layer LSTM LM with the decoder tied to the embedding (AWD-LSTM's shape, without its regularisers)."""
+
+    def __init__(self, vocab: int = 31, d: int = 16) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.rnn1 = nn.LSTM(d, d, batch_first=True)
+        self.rnn2 = nn.LSTM(d, d, batch_first=True)
+        self.dec = nn.Linear(d, vocab)
+        self.dec.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, _ = self.rnn1(self.emb(x))
+        h, _ = self.rnn2(h)
+        return self.dec(h)
+
+
+def make(family: str) -> tuple[nn.Module, tuple]:
+    """A seeded model of ``family`` and one example call's arguments."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    if family == "transformer":
+        return TransformerLM(), (torch.randint(1, 23, (2, 7), generator=g), torch.randint(0, 23, (2, 5), generator=g))
+    if family == "resnet":
+        return torchvision.models.resnet18(num_classes=10), (torch.randn(2, 3, 16, 16, generator=g),)
+    if family == "gpt":
+        return GPT(), (torch.randint(0, 29, (2, 8), generator=g),)
+    if family == "lstm":
+        return LSTMLM(), (torch.randint(0, 31, (2, 6), generator=g),)
+    raise ValueError(family)
+
+
+def batches(family: str, steps: int, size: int) -> list[tuple[tuple, torch.Tensor]]:
+    """``steps`` batches of ``size`` samples: (call arguments, targets)."""
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for _ in range(steps):
+        if family == "resnet":
+            out.append(((torch.randn(size, 3, 16, 16, generator=g),), torch.randint(0, 10, (size,), generator=g)))
+        else:
+            vocab, length = {"gpt": (29, 8), "lstm": (31, 6), "transformer": (23, 5)}[family]
+            tokens = torch.randint(1, vocab, (size, length + 1), generator=g)
+            args = (tokens[:, :-1],) if family != "transformer" else (tokens[:, 1:], tokens[:, :-1])
+            out.append((args, tokens[:, 1:]))
+    return out
+
+
+def loss_fn(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    if output.dim() == 3:
+        return nn.functional.cross_entropy(output.reshape(-1, output.size(-1)), targets.reshape(-1))
+    return nn.functional.cross_entropy(output, targets)
