@@ -1,9 +1,9 @@
-"""How a LightningModule meets the pipeline: its Sequential, its self.log calls, its optimizer layout."""
+"""How a LightningModule meets the pipeline: its Sequential, the stand-ins around it, its self.log calls."""
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
+
+from lightning_pipedream.step_summary import LoggedValue
 
 
 class InputCaptured(BaseException):
@@ -117,7 +119,8 @@ class LogRecorder:
         finally:
             del module.log
 
-    def aggregate(self) -> list[tuple[str, float, dict[str, Any]]]:
+    def aggregate(self) -> list[LoggedValue]:
+        """Each name's value over the step: micro-batch values weighted by their batch sizes."""
         out = []
         for name, records in self.records.items():
             total = sum(r.weight for r in records)
@@ -125,13 +128,14 @@ class LogRecorder:
             options = dict(records[-1].options)
             options["sync_dist"] = False  # every rank logs the same value: nothing to reduce
             options["batch_size"] = int(total)
-            out.append((name, value, options))
+            out.append(LoggedValue(name, value, options))
         return out
 
     @staticmethod
-    def replay(module: LightningModule, logs: list[tuple[str, float, dict[str, Any]]]) -> None:
-        for name, value, options in logs:
-            module.log(name, torch.tensor(value), **options)
+    def replay(module: LightningModule, logs: list[LoggedValue]) -> None:
+        """Log the step's values on this rank, as if its own step had logged them."""
+        for log in logs:
+            module.log(log.name, torch.tensor(log.value), **log.options)
 
 
 def _as_float(value: Any, name: str) -> float:
@@ -148,84 +152,9 @@ def _as_float(value: Any, name: str) -> float:
         return float(value.detach().float().cpu())
     if isinstance(value, (int, float)):
         return float(value)
-    raise TypeError(f"self.log({name!r}, ...) got {type(value).__name__}; under PipeDreamStrategy log scalars or Metrics.")
-
-
-@dataclass
-class OptimizerLayout:
-    """One optimizer's parameter groups over the whole model, by parameter name.
-
-    Checkpoints keep optimizer state in single-device form (indices over the whole model's
-    groups), so a checkpoint resumes with any number of stages, and a single-device one too.
-    """
-
-    groups: list[list[str]]
-
-    @classmethod
-    def of_module(cls, module: LightningModule, init: Callable[[LightningModule], Any]) -> list[OptimizerLayout]:
-        """Build the layouts by running ``configure_optimizers`` once on the whole model."""
-        optimizers = init(module)[0]
-        names = {id(p): n for n, p in module.named_parameters()}
-        return [cls([[names[id(p)] for p in g["params"]] for g in opt.param_groups]) for opt in optimizers]
-
-    @staticmethod
-    def _local_order(optimizer: torch.optim.Optimizer, local_names: dict[int, str]) -> list[str]:
-        return [local_names[id(p)] for g in optimizer.param_groups for p in g["params"]]
-
-    def named_state(self, optimizer: torch.optim.Optimizer, local_names: dict[int, str]) -> dict[str, Any]:
-        """This rank's optimizer state keyed by parameter name, and its groups' settings."""
-        state = optimizer.state_dict()
-        order = self._local_order(optimizer, local_names)
-        named = {order[int(i)]: _cpu(s) for i, s in state["state"].items()}
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]]
-        return {"state": named, "groups": groups}
-
-    def to_full(self, optimizer: torch.optim.Optimizer, parts: list[dict[str, Any]]) -> dict[str, Any]:
-        """Merge every rank's named state into one single-device optimizer state dict."""
-        merged: dict[str, Any] = {}
-        for part in parts:
-            merged.update(part["state"])
-        state, groups, j = {}, [], 0
-        for gi, names in enumerate(self.groups):
-            settings = next((p["groups"][gi] for p in parts if gi < len(p["groups"])), {})
-            indices = []
-            for name in names:
-                if name in merged:
-                    state[j] = merged[name]
-                indices.append(j)
-                j += 1
-            groups.append({**settings, "params": indices})
-        return {"state": state, "param_groups": groups}
-
-    def to_local(
-        self, optimizer: torch.optim.Optimizer, full: dict[str, Any], local_names: dict[int, str]
-    ) -> dict[str, Any]:
-        """Pick this rank's part of a single-device optimizer state dict."""
-        full_names = [n for names in self.groups for n in names]
-        count = sum(len(g["params"]) for g in full["param_groups"])
-        if count != len(full_names) or len(full["param_groups"]) != len(self.groups):
-            raise ValueError(
-                f"The checkpoint's optimizer has {len(full['param_groups'])} groups over {count} parameters, but "
-                f"configure_optimizers now builds {len(self.groups)} groups over {len(full_names)}; the checkpoint "
-                "is from a different model or optimizer setup."
-            )
-        by_name = {full_names[int(j)]: s for j, s in full["state"].items()}
-        order = self._local_order(optimizer, local_names)
-        groups, offset = [], 0
-        for gi, group in enumerate(optimizer.param_groups):
-            settings = {k: v for k, v in full["param_groups"][gi].items() if k != "params"}
-            groups.append({**settings, "params": list(range(offset, offset + len(group["params"])))})
-            offset += len(group["params"])
-        state = {i: by_name[n] for i, n in enumerate(order) if n in by_name}
-        return {"state": state, "param_groups": groups}
-
-
-def _cpu(value: Any) -> Any:
-    if isinstance(value, Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {k: _cpu(v) for k, v in value.items()}
-    return value
+    raise TypeError(
+        f"self.log({name!r}, ...) got {type(value).__name__}; under PipeDreamStrategy log scalars or Metrics."
+    )
 
 
 class Elsewhere(nn.Module):

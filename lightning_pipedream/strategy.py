@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Callable, Mapping
 from datetime import timedelta
@@ -10,34 +11,41 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor, nn
+from typing_extensions import override
 
+from lightning_pipedream.checkpointing import CheckpointGather, OptimizerLayout, load_own_share
 from lightning_pipedream.lightning_adapter import (
     Elsewhere,
     LogRecorder,
-    OptimizerLayout,
     Replay,
     capture_layers_input,
     find_layers,
     loss_of,
     swap_layers,
 )
+from lightning_pipedream.lightning_updates import PipelineDrain, PipelineUpdates
 from lightning_pipedream.plan.balance import check_balance, check_stage_count, even_balance, stage_slice
 from lightning_pipedream.runtime.engine import PipelineEngine
-from lightning_pipedream.runtime.failures import pipeline_failures
-from lightning_pipedream.runtime.microbatch import batch_size, flatten, merge, split
+from lightning_pipedream.runtime.microbatch import TensorTreeError, batch_size, flatten, merge, split
 from lightning_pipedream.runtime.transport import Transport
 from lightning_pipedream.schedule.builders import SCHEDULES, check_schedule_options, inference
+from lightning_pipedream.step_summary import StepSummary, SummaryChannel
+from lightning_pipedream.tree import map_tensors
+
+log = logging.getLogger(__name__)
 
 _DEFAULT_TIMEOUT = timedelta(minutes=30)
-_SUMMARY_SLOTS = 64
-_CPU = torch.device("cpu")  # numbers a training step's loss and logs may use before they travel pickled
+_CPU = torch.device("cpu")  # where a step's extra outputs go before they travel pickled
 
 
 class PipeDreamStrategy(DDPStrategy):
@@ -70,11 +78,11 @@ class PipeDreamStrategy(DDPStrategy):
         vertical_sync: bool = False,
         bandwidth: float = 1e9,
         trace: str | os.PathLike | None = None,
-        accelerator: Any = None,
+        accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
-        cluster_environment: Any = None,
-        checkpoint_io: Any = None,
-        precision_plugin: Any = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = _DEFAULT_TIMEOUT,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -104,18 +112,19 @@ class PipeDreamStrategy(DDPStrategy):
         self.weight_stashing = weight_stashing
         self.vertical_sync = vertical_sync
         self.bandwidth = bandwidth
-        self._trace_dir = trace
+        self.trace_dir = trace
         self.plan: Any = None  # the Plan used (from plan.json or the partitioner), if any
         self.balance: list[int] | None = None
         self._layers_name = ""
+        self._stage_module: nn.Sequential | None = None
+        self._module_set_up: LightningModule | None = None
         self._engine: PipelineEngine | None = None
-        self._transport: Transport | None = None
+        self._updates: PipelineUpdates | None = None
+        self._summary: SummaryChannel | None = None
+        self._checkpoint: CheckpointGather | None = None
         self._optimizer_layouts: list[OptimizerLayout] = []
-        self._grads_aside: list[tuple[nn.Parameter, Tensor | None]] = []
         self._local_names: dict[int, str] = {}
-        self._full_keys: list[str] = []
-        self._module_set_up: Any = None
-        self._summary_schema: Any = None
+        self._failure: BaseException | None = None
 
     # ----------------------------------------------------------------------------------- ranks
     @property
@@ -131,19 +140,24 @@ class PipeDreamStrategy(DDPStrategy):
         return self.stage_index == self.num_stages - 1
 
     @property
+    @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Every stage must see the same batches: the data-parallel degree is 1, not the world size.
         return {"num_replicas": 1, "rank": 0}
 
     # ----------------------------------------------------------------------------------- setup
+    @override
     def setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         module = self.lightning_module
         assert module is not None
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            _check_training_supported(module, self.precision_plugin)
         if self._engine is None or module is not self._module_set_up:
             self._layers_name, layers = find_layers(module, self._layers_arg)
-            self._full_keys = list(module.state_dict())
+            full_keys = list(module.state_dict())
             self.balance = self._decide_balance(trainer, module, layers)
             # The full model's optimizer layout maps checkpoints (single-device form) to this rank's stage.
             self._optimizer_layouts = OptimizerLayout.of_module(module, _init_optimizers_and_lr_schedulers)
@@ -152,34 +166,29 @@ class PipeDreamStrategy(DDPStrategy):
             self.precision_plugin.convert_module(self.model)
             self.model_to_device()
             self._build_engine()
+            self._summary = SummaryChannel(self.stage_index, self.num_stages, self.root_device)
+            self._checkpoint = CheckpointGather(self.stage_index, self.num_stages, full_keys)
         else:  # a later fit/validate/test/predict with the same model: keep its stages
             self.model_to_device()
-        if trainer.state.fn == TrainerFn.FITTING:
+        if fitting:
             self.setup_optimizers(trainer)
+            _check_optimizers(self.optimizers)
         self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
+        if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
-            self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
+            self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+            assert self._stage_module is not None
+            self._updates = PipelineUpdates(
+                list(self._stage_module.parameters()), lambda: self.optimizers, self._optimizer_step_now
+            )
+            if not any(isinstance(c, PipelineDrain) for c in trainer.callbacks):
+                # First, so that no other callback sees a model with minibatches in flight.
+                trainer.callbacks.insert(0, PipelineDrain(self.drain, self._pipeline_failed))
+        self._failure = None
 
     def _decide_balance(self, trainer: Trainer, module: LightningModule, layers: nn.Sequential) -> list[int]:
         if self._plan_path is not None:
-            from lightning_pipedream.plan.partition import Plan
-
-            self.plan = Plan.load(self._plan_path)
-            if len(self.plan.stages) != self.num_stages:
-                raise ValueError(
-                    f"The plan {self._plan_path} has {len(self.plan.stages)} stages but the Trainer runs "
-                    f"{self.num_stages} processes. Make a plan for {self.num_stages} workers, or set "
-                    f"devices/num_nodes to give {len(self.plan.stages)} processes."
-                )
-            names = list(layers._modules)
-            planned = [name for stage in self.plan.stages for name in stage.layers]
-            if planned != names:
-                raise ValueError(
-                    f"The plan {self._plan_path} lists layers {planned[:6]}... but the model's "
-                    f"{self._layers_name} has {names[:6]}...; profile this model to make its plan."
-                )
-            return check_balance(self.plan.balance, len(layers), self.num_stages)
+            return self._balance_from_plan_file(layers)
         if self._balance_arg is not None:
             return check_balance(self._balance_arg, len(layers), self.num_stages)
         check_stage_count(len(layers), self.num_stages)
@@ -187,18 +196,40 @@ class PipeDreamStrategy(DDPStrategy):
             return [len(layers)]
         if trainer.state.fn != TrainerFn.FITTING:
             return even_balance(len(layers), self.num_stages)
-        payload = [None]
+        payload: list[Any] = [None]
         if self.is_global_zero:
             payload = [self._profile_and_partition(trainer, module, layers)]
         dist.broadcast_object_list(payload, src=0)
-        plan_json, balance = payload[0]  # type: ignore[misc]
+        plan_json, balance = payload[0]
         if plan_json is not None:
             from lightning_pipedream.plan.partition import Plan
 
             self.plan = Plan.from_json(plan_json)
         return check_balance(balance, len(layers), self.num_stages)
 
-    def _profile_and_partition(self, trainer: Trainer, module: LightningModule, layers: nn.Sequential) -> Any:
+    def _balance_from_plan_file(self, layers: nn.Sequential) -> list[int]:
+        from lightning_pipedream.plan.partition import Plan
+
+        assert self._plan_path is not None
+        self.plan = Plan.load(self._plan_path)
+        if len(self.plan.stages) != self.num_stages:
+            raise ValueError(
+                f"The plan {self._plan_path} has {len(self.plan.stages)} stages but the Trainer runs "
+                f"{self.num_stages} processes. Make a plan for {self.num_stages} workers, or set "
+                f"devices/num_nodes to give {len(self.plan.stages)} processes."
+            )
+        names = list(layers._modules)
+        planned = [name for stage in self.plan.stages for name in stage.layers]
+        if planned != names:
+            raise ValueError(
+                f"The plan {self._plan_path} lists layers {planned[:6]}... but the model's "
+                f"{self._layers_name} has {names[:6]}...; profile this model to make its plan."
+            )
+        return check_balance(self.plan.balance, len(layers), self.num_stages)
+
+    def _profile_and_partition(
+        self, trainer: Trainer, module: LightningModule, layers: nn.Sequential
+    ) -> tuple[dict | None, list[int]]:
         """Rank 0: profile the layers on one training batch, partition with PipeDream's optimizer."""
         from lightning_pipedream.plan.partition import partition
         from lightning_pipedream.plan.profile import profile_module
@@ -215,7 +246,8 @@ class PipeDreamStrategy(DDPStrategy):
             # The optimizer may leave workers idle when that is faster; a pipeline here uses them all.
             plan = partition(profile, Topology.flat(self.num_stages, self.bandwidth), "time")
         plan.schedule, plan.chunks = self.schedule, self.chunks
-        rank_zero_info(f"PipeDreamStrategy plan ({self.num_stages} stages, schedule={self.schedule}):\n{plan.describe()}")
+        log.info("PipeDreamStrategy plan (%d stages, schedule=%s):\n%s", self.num_stages, self.schedule,
+                 plan.describe())
         return plan.to_json(), plan.balance
 
     def _keep_own_stage(self, module: LightningModule, layers: nn.Sequential) -> None:
@@ -231,36 +263,52 @@ class PipeDreamStrategy(DDPStrategy):
         self._local_names = {id(p): prefix + n for n, p in own.named_parameters()}
 
     def _build_engine(self) -> None:
+        assert self._stage_module is not None
         group = dist.new_group(backend=self._process_group_backend) if self.num_stages > 1 else None
-        self._transport = Transport(group=group, device=self.root_device)
         self._engine = PipelineEngine(
             self._stage_module,
             self.stage_index,
             self.num_stages,
-            self._transport,
+            Transport(group=group, device=self.root_device),
             schedule=self.schedule,
             chunks=self.chunks,
             weight_stashing=self.weight_stashing,
             vertical_sync=self.vertical_sync,
-            trace=self._trace_dir is not None,
+            record=self.trace_dir is not None,
         )
 
+    @override
     def configure_ddp(self) -> None:  # no DistributedDataParallel wrapper: stages don't share weights
         pass
 
     # ---------------------------------------------------------------------------- training step
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        assert self._engine is not None
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        """Admit the batch into the pipeline and run this rank's actions of the step.
+
+        The pipeline's forwards, backwards and updates all happen here; Lightning's own backward and
+        optimizer step that follow only run their hooks (see :class:`PipelineUpdates`).
+        """
+        engine, updates = self._engine, self._updates
+        assert engine is not None and updates is not None
         module = self.lightning_module
+        trainer = module.trainer
         batch, batch_idx = _batch_args(args, kwargs)
         if batch_idx == 0:
             self._check_same_batch(batch)
+        epoch_loop = trainer.fit_loop.epoch_loop
+        closes_group = not epoch_loop._should_accumulate()  # Lightning steps the optimizer after this batch
+        end_of_data = epoch_loop._num_ready_batches_reached()
+        last_step = closes_group and 0 < trainer.max_steps <= trainer.global_step + 1
+
         parts = split(batch, self.chunks) if self.chunks > 1 else [batch]
         sizes = [batch_size(p) for p in parts]
         total = sum(sizes)
-        recorder = LogRecorder()
-        outputs: dict[int, Any] = {}
+        scale = 1.0 / trainer.accumulate_grad_batches  # as Lightning divides the loss of each accumulated batch
         flushed = self.schedule != "pipedream"
+        recorder = LogRecorder()
+        step_outputs: list[Any] = []
+        batch_loss = [0.0]
 
         def part(mb: int) -> Any:
             return parts[mb if flushed else 0]
@@ -269,41 +317,41 @@ class PipeDreamStrategy(DDPStrategy):
             return capture_layers_input(module, self._layers_name, "training_step", part(mb), batch_idx)
 
         def loss(mb: int, output: Any) -> Tensor:
-            i = mb if flushed else 0
-            with swap_layers(module, self._layers_name, Replay(output)), recorder.capture(module, sizes[i]):
+            size = sizes[mb if flushed else 0]
+            with swap_layers(module, self._layers_name, Replay(output)), recorder.capture(module, size):
                 step_output = module.training_step(part(mb), batch_idx)
             value = loss_of(step_output)
-            outputs[mb] = step_output
-            return value * (sizes[i] / total) if len(parts) > 1 else value
+            step_outputs.append(step_output)
+            share = size / total
+            batch_loss[0] += float(value.detach()) * share
+            return value * (share * scale) if share * scale != 1.0 else value
 
-        params = [p for p in self._stage_module.parameters() if p.requires_grad]
-        earlier = [p.grad for p in params]  # accumulated by earlier batches; Lightning decides their fate
-        for p in params:
-            p.grad = None
-        with self.precision_plugin.train_step_context():
-            result = self._engine.train_step(inputs, loss, update=_nothing)
-        # Lightning zeroes gradients between training_step and backward: keep the pipeline's aside.
-        self._grads_aside = [(p, p.grad) for p in params]
-        for p, g in zip(params, earlier):
-            p.grad = g
+        updates.admit(engine.next_minibatch, batch_idx, closes_group)
+        with self.precision_plugin.train_step_context(), updates.pipeline_grads():
+            engine.train_step(inputs, loss, updates.apply)
+            if not flushed and (end_of_data or last_step):
+                # Every stage finishes its minibatches before the epoch's end hooks, validation and checkpoints.
+                engine.drain(updates.apply)
 
-        payload = None
+        summary = None
         if self.is_last_stage:
-            last_output = outputs[max(outputs)]
-            extra = {k: _to_device(v, _CPU) for k, v in last_output.items() if k != "loss"} if isinstance(last_output, Mapping) else {}
-            payload = (float(sum(result.losses.values())), extra, recorder.aggregate())
-        loss_value, extra, logs = self._step_summary_from_last_stage(payload)
-        LogRecorder.replay(module, logs)
-        loss_tensor = torch.tensor(loss_value, device=self.root_device, requires_grad=True)
-        return {"loss": loss_tensor, **extra} if extra else loss_tensor
+            last = step_outputs[-1]
+            extra = {}
+            if isinstance(last, Mapping):
+                extra = {k: map_tensors(_to_cpu, v) for k, v in last.items() if k != "loss"}
+            summary = StepSummary(batch_loss[0], extra, recorder.aggregate())
+        assert self._summary is not None
+        summary = self._summary.exchange(summary)
+        LogRecorder.replay(module, summary.logs)
+        loss_tensor = torch.tensor(summary.loss, device=self.root_device, requires_grad=True)
+        return {"loss": loss_tensor, **summary.extra} if summary.extra else loss_tensor
 
     def _check_same_batch(self, batch: Any) -> None:
         """At each epoch's first batch, make sure every stage got the same one (a cheap fingerprint)."""
         if self.num_stages == 1:
             return
         leaves, _ = flatten(batch, "batch")
-        mine = torch.tensor([float(t.double().sum()) if t.is_floating_point() or not t.is_complex() else 0.0
-                             for t in leaves[:4]] + [float(batch_size(batch))], dtype=torch.float64)
+        mine = torch.tensor([_fingerprint(t) for t in leaves[:4]] + [float(batch_size(batch))], dtype=torch.float64)
         everyone = [torch.zeros_like(mine) for _ in range(self.num_stages)]
         dist.all_gather(everyone, mine.to(self.root_device) if self.root_device.type != "cpu" else mine)
         if any(not torch.equal(everyone[0].cpu(), other.cpu()) for other in everyone[1:]):
@@ -313,56 +361,35 @@ class PipeDreamStrategy(DDPStrategy):
                 "sampler, or with use_distributed_sampler=False seed every rank's shuffling identically."
             )
 
-    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        """The pipeline already back-propagated in ``training_step``: put its gradients in place."""
+    @override
+    def backward(
+        self, closure_loss: Tensor, optimizer: torch.optim.Optimizer | None, *args: Any, **kwargs: Any
+    ) -> Tensor:
+        """The pipeline back-propagated inside ``training_step``: only Lightning's backward hooks run here."""
         module = self.lightning_module
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        scale = 1.0 / max(1, self.lightning_module.trainer.accumulate_grad_batches)
-        for p, g in self._grads_aside:
-            if g is None:
-                continue
-            g = g * scale if scale != 1.0 else g
-            p.grad = g if p.grad is None else p.grad + g
-        self._grads_aside = []
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
 
-    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self.schedule == "pipedream" and self._at_end_of_training_data():
-            self.drain()
-        return output
+    @override
+    def optimizer_step(
+        self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any
+    ) -> Any:
+        """Lightning's optimizer step: runs the closure (the training step, where the pipeline makes its own
+        updates, each through :meth:`_optimizer_step_now`) and nothing else."""
+        return closure()
 
-    def _at_end_of_training_data(self) -> bool:
-        trainer = self.lightning_module.trainer
-        loop = trainer.fit_loop.epoch_loop
-        last_batch = loop.batch_progress.is_last_batch or loop.batch_progress.current.ready >= trainer.num_training_batches
-        last_step = trainer.max_steps > 0 and trainer.global_step + 1 >= trainer.max_steps
-        return bool(last_batch or last_step)
+    def _optimizer_step_now(self, optimizer: torch.optim.Optimizer) -> None:
+        """One of the pipeline's updates, through the precision plugin: Lightning's hooks, clipping, the step."""
+        self.precision_plugin.optimizer_step(optimizer, model=self.lightning_module, closure=_gradients_ready)
 
-    def drain(self) -> None:
-        """Finish every minibatch in flight (``pipedream``): afterwards all stages hold final weights."""
-        if self._engine is None or self._engine.schedule != "pipedream":
-            return
-        # Every rank must take part; ranks agree because they run the same steps.
-        self._engine.drain(self._update_now)
-
-    def _update_now(self) -> None:
-        """An optimizer step outside Lightning's loop (the drain's updates)."""
-        trainer = self.lightning_module.trainer
-        for optimizer in self.optimizers:
-            if trainer.gradient_clip_val:
-                self._clip_grad_by_global_norm(optimizer, trainer.gradient_clip_val)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-    def _clip_grad_by_global_norm(self, optimizer: Any, clip_val: float) -> None:
+    def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
         """Clip by the norm over the whole model: every stage's gradients, summed across ranks.
 
-        Under ``pipedream`` the stages hold gradients of different minibatches at any moment (and
-        the drain updates stages a different number of times), so there each stage clips by its own
+        Under ``pipedream`` the stages hold gradients of different minibatches at any moment (and a
+        drain updates stages a different number of times), so there each stage clips by its own
         norm, as PipeDream's runtime did.
         """
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
@@ -371,26 +398,52 @@ class PipeDreamStrategy(DDPStrategy):
             square += g.detach().float().pow(2).sum()
         if self.num_stages > 1 and self.schedule != "pipedream":
             dist.all_reduce(square)
-        norm = square.sqrt()
-        factor = torch.clamp(clip_val / (norm + 1e-6), max=1.0)
+        factor = torch.clamp(clip_val / (square.sqrt() + 1e-6), max=1.0)
         for g in grads:
             g.mul_(factor.to(g.dtype))
 
+    # ----------------------------------------------------------------------------------- drain
+    def drain(self) -> None:
+        """Finish every minibatch in flight (``pipedream``): afterwards all stages hold final weights.
+
+        Every rank must call it at the same point (they do: they run the same steps and hooks).
+        """
+        engine, updates = self._engine, self._updates
+        if engine is None or updates is None or self.schedule != "pipedream" or self._failure is not None:
+            return
+        with updates.pipeline_grads():
+            engine.drain(updates.apply)
+
+    def _pipeline_failed(self, exception: BaseException) -> None:
+        """A step raised (on this rank or a peer): the stages stopped at different places; drain nothing more."""
+        self._failure = exception
+        if self._updates is not None:
+            self._updates.forget()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        self._pipeline_failed(exception)
+        super().on_exception(exception)
+
     # ------------------------------------------------------------------------------ evaluation
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         with self.precision_plugin.val_step_context():
             return self._evaluate("validation_step", args, kwargs, send_output=False)
 
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         with self.precision_plugin.test_step_context():
             return self._evaluate("test_step", args, kwargs, send_output=False)
 
+    @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.predict_step_context():
             return self._evaluate("predict_step", args, kwargs, send_output=True)
 
     def _evaluate(self, hook: str, args: tuple, kwargs: dict, send_output: bool) -> Any:
-        assert self._engine is not None
+        engine, channel = self._engine, self._summary
+        assert engine is not None and channel is not None
         module = self.lightning_module
         batch, batch_idx = _batch_args(args, kwargs)
         extra_args = args[2:]
@@ -407,103 +460,52 @@ class PipeDreamStrategy(DDPStrategy):
                 return step(parts[mb], batch_idx, *extra_args, **kwargs)
 
         actions = inference(self.num_stages, len(parts)).actions[self.stage_index]
-        outputs = self._engine.executor.run(
-            actions, inputs=inputs, loss=output_of, optimizer_step=lambda a: None, train=False
-        )
-        # No wait_all() here: under pipedream a training gradient may still be on its way to a stage
-        # that only receives it in the next training step; waiting for it now would deadlock.
+        outputs = engine.executor.run(actions, inputs=inputs, loss=output_of, optimizer_step=_no_update, train=False)
         payload = None
         if self.is_last_stage:
             merged = None
             if send_output:
                 values = [outputs[mb] for mb in sorted(outputs)]
-                merged = values[0] if len(values) == 1 else _merge_outputs(values)
-                merged = _to_device(merged, _CPU)
+                merged = map_tensors(_to_cpu, values[0] if len(values) == 1 else _merge_outputs(values))
             payload = (merged, recorder.aggregate())
-        merged, logs = self._from_last_stage(payload)
+        merged, logs = channel.broadcast_object(payload)
         LogRecorder.replay(module, logs)
         if send_output:
-            return _to_device(merged, self.root_device)
+            return map_tensors(lambda t: t.to(self.root_device), merged)
         return None
 
-    def _step_summary_from_last_stage(self, payload: Any) -> Any:
-        """Broadcast (loss, extra outputs, logs) from the last stage, in one small tensor when it can.
-
-        The names and options of what is logged rarely change between steps: while they don't,
-        only the numbers travel (one broadcast of a fixed-size tensor instead of pickled objects).
-        """
-        if self.num_stages == 1:
-            return payload
-        numbers = torch.zeros(_SUMMARY_SLOTS, dtype=torch.float64)
-        if payload is not None:
-            loss_value, extra, logs = payload
-            schema = (extra, [(name, options) for name, _, options in logs])
-            values = [loss_value] + [value for _, value, _ in logs]
-            fits = not extra and len(values) <= _SUMMARY_SLOTS - 2 and schema == self._summary_schema
-            numbers[0], numbers[1] = (1.0 if fits else 0.0), len(values)
-            if fits:
-                numbers[2 : 2 + len(values)] = torch.tensor(values, dtype=torch.float64)
-        device_numbers = numbers.to(self.root_device)
-        with pipeline_failures(self.stage_index):
-            dist.broadcast(device_numbers, src=self.num_stages - 1)
-        numbers = device_numbers.cpu()
-        if numbers[0] == 0.0:  # something new: send it whole, and remember its shape
-            payload = self._from_last_stage(payload)
-            _, extra, logs = payload
-            self._summary_schema = (extra, [(name, options) for name, _, options in logs])
-            return payload
-        extra, shape = self._summary_schema
-        values = numbers[2 : 2 + int(numbers[1])].tolist()
-        return values[0], {}, [(name, value, options) for (name, options), value in zip(shape, values[1:])]
-
-    def _from_last_stage(self, payload: Any) -> Any:
-        """Broadcast a small Python object from the last stage to every rank (loss, logs, outputs)."""
-        if self.num_stages == 1:
-            return payload
-        box = [payload]
-        with pipeline_failures(self.stage_index):
-            dist.broadcast_object_list(box, src=self.num_stages - 1)
-        return box[0]
-
     # ----------------------------------------------------------------------------- checkpoints
+    @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The whole model's state dict, keyed by the module's own names, gathered on rank 0."""
+        self._refuse_after_failure()
         self.drain()
-        module = self.lightning_module
-        local = {k: v.detach().cpu() for k, v in module.state_dict().items()}
-        if self.num_stages == 1:
-            return local
-        gathered: list[Any] = [None] * self.num_stages if self.is_global_zero else []  # type: ignore[list-item]
-        dist.gather_object(local, gathered if self.is_global_zero else None, dst=0)
-        if not self.is_global_zero:
-            return {}
-        full: dict[str, Any] = {}
-        for part in gathered:
-            full.update(part)
-        # Keep the model's own key order, so the file looks like a single-device checkpoint.
-        return {k: full[k] for k in self._full_keys if k in full}
+        assert self._checkpoint is not None
+        return self._checkpoint.state_dict(self.lightning_module)
 
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+    @override
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Tensor]:
         """The optimizer's state in single-device form (indices over the whole model), on rank 0."""
+        self._refuse_after_failure()
+        assert self._checkpoint is not None
         index = self.optimizers.index(optimizer) if optimizer in self.optimizers else 0
         raw = getattr(optimizer, "_optimizer", optimizer)
-        layout = self._optimizer_layouts[index]
-        local = layout.named_state(raw, self._local_names)
-        if self.num_stages == 1:
-            return layout.to_full(raw, [local])
-        gathered: list[Any] = [None] * self.num_stages if self.is_global_zero else []  # type: ignore[list-item]
-        dist.gather_object(local, gathered if self.is_global_zero else None, dst=0)
-        return layout.to_full(raw, gathered) if self.is_global_zero else {}
+        return self._checkpoint.optimizer_state(raw, self._optimizer_layouts[index], self._local_names)
 
+    def _refuse_after_failure(self) -> None:
+        if self._failure is not None:
+            raise RuntimeError(
+                f"PipeDreamStrategy does not save a checkpoint after a pipeline step failed or was interrupted "
+                f"({type(self._failure).__name__}: {self._failure}): its stages stopped in different places, "
+                "holding weights of different minibatches, and some may be gone. Resume from the last checkpoint "
+                "saved before the failure; it was left as it was."
+            )
+
+    @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        module = self.lightning_module
-        state = checkpoint["state_dict"]
-        own = module.state_dict()
-        missing = [k for k in own if k not in state]
-        if strict and missing:
-            raise KeyError(f"The checkpoint lacks {missing[:5]} of this model's keys; is it from another model?")
-        module.load_state_dict({k: v for k, v in state.items() if k in own}, strict=False)
+        load_own_share(self.lightning_module, checkpoint["state_dict"], strict)
 
+    @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         states = checkpoint["optimizer_states"]
         for i, optimizer in enumerate(self.optimizers):
@@ -511,24 +513,26 @@ class PipeDreamStrategy(DDPStrategy):
             raw.load_state_dict(self._optimizer_layouts[i].to_local(raw, states[i], self._local_names))
 
     # ------------------------------------------------------------------------------------- end
+    @override
     def on_train_end(self) -> None:
         self.drain()
         self._write_trace()
         super().on_train_end()
 
     def _write_trace(self) -> None:
-        if self._trace_dir is None or self._engine is None:
+        if self.trace_dir is None or self._engine is None:
             return
         from lightning_pipedream.schedule.timeline import to_chrome_trace
 
-        os.makedirs(self._trace_dir, exist_ok=True)
+        os.makedirs(self.trace_dir, exist_ok=True)
         events = self._engine.executor.events(self.stage_index)
-        path = os.path.join(self._trace_dir, f"trace_rank{self.stage_index}.json")
+        path = os.path.join(self.trace_dir, f"trace_rank{self.stage_index}.json")
         with open(path, "w") as f:
             json.dump(to_chrome_trace(events), f)
 
     @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         strategy_registry.register(
             "pipedream", cls, description="Pipeline parallelism, PipeDream's asynchronous 1F1B", schedule="pipedream"
         )
@@ -538,6 +542,52 @@ class PipeDreamStrategy(DDPStrategy):
         strategy_registry.register(
             "pipedream_gpipe", cls, description="Pipeline parallelism, GPipe", schedule="gpipe", chunks=4
         )
+
+
+_StrategyRegistry = type(StrategyRegistry)
+
+
+def _check_training_supported(module: LightningModule, precision: Precision) -> None:
+    """Refuse, before anything runs, what the pipeline cannot train correctly."""
+    if not module.automatic_optimization:
+        raise ValueError(
+            f"{type(module).__name__} uses manual optimization (automatic_optimization=False), which "
+            "PipeDreamStrategy does not support: the pipeline runs each stage's optimizer steps itself, at the "
+            "points its schedule gives. Use automatic optimization (return the loss from training_step)."
+        )
+    if getattr(precision, "scaler", None) is not None:
+        raise ValueError(
+            "PipeDreamStrategy does not support precision='16-mixed' with a gradient scaler: every stage would have "
+            "to scale its backward and all stages agree to skip a step together. Use precision='bf16-mixed' "
+            "(no scaler needed) or '32-true'."
+        )
+
+
+def _check_optimizers(optimizers: list[torch.optim.Optimizer]) -> None:
+    for optimizer in optimizers:
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise ValueError(
+                "PipeDreamStrategy does not support LBFGS (or any optimizer that re-evaluates the loss inside "
+                "step()): a pipeline stage cannot recompute the loss on its own. Use an optimizer that steps once "
+                "from the gradients, such as SGD or Adam."
+            )
+
+
+def _gradients_ready() -> None:
+    """The closure of the pipeline's optimizer steps: the gradients are already in ``.grad``."""
+    return None
+
+
+def _no_update(action: Any) -> None:
+    raise RuntimeError("An evaluation schedule contained an optimizer step.")
+
+
+def _to_cpu(t: Tensor) -> Tensor:
+    return t.detach().to(_CPU)
+
+
+def _fingerprint(t: Tensor) -> float:
+    return float((torch.view_as_real(t) if t.is_complex() else t).double().sum())
 
 
 def _first_training_batch(trainer: Trainer) -> Any:
@@ -560,25 +610,18 @@ def _batch_args(args: tuple, kwargs: dict) -> tuple[Any, int]:
 
 
 def _merge_outputs(values: list[Any]) -> Any:
+    """One batch's output from its micro-batches' outputs; the list itself when they don't concatenate."""
     try:
         return merge(values)
-    except Exception:
+    except (TensorTreeError, RuntimeError):  # not tensors, or shapes that differ beyond dim 0
         return values
 
 
-def _to_device(value: Any, device: torch.device) -> Any:
-    if isinstance(value, Tensor):
-        return value.detach().to(device)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_device(v, device) for v in value)
-    if isinstance(value, dict):
-        return {k: _to_device(v, device) for k, v in value.items()}
-    return value
-
-
-def _nothing() -> None:
-    pass
-
+_package_log = logging.getLogger("lightning_pipedream")
+if not _package_log.handlers and not logging.getLogger().handlers:
+    # As Lightning does for its own logger: the plan reaches the console unless the user configured logging.
+    _package_log.addHandler(logging.StreamHandler())
+    _package_log.setLevel(logging.INFO)
 
 PipeDreamStrategy.register_strategies(StrategyRegistry)
 

@@ -18,9 +18,12 @@ MULTIPROCESS_MODULES = {
     "test_benchmarks_smoke.py",
     "test_docs_examples.py",
     "test_engine.py",
+    "test_graph_pipeline.py",
+    "test_graph_split.py",
     "test_recipes_errors.py",
     "test_recipes_runs.py",
     "test_strategy.py",
+    "test_strategy_exactness.py",
 }
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")

@@ -53,11 +53,8 @@ class PipelineEngine:
         weight_stashing: bool = True,
         vertical_sync: bool = False,
         record: bool = False,
-        trace: bool | None = None,
     ) -> None:
         check_schedule_options(schedule, chunks, vertical_sync)
-        if trace is not None:  # TODO(issue 14): the strategy still passes trace=; remove once it passes record=
-            record = trace
         self.schedule = schedule
         self.num_stages = num_stages
         self.chunks = chunks

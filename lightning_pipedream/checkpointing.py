@@ -1,0 +1,140 @@
+"""Consolidated checkpoints of a pipeline: every stage's weights and optimizer state in single-device form."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import LightningModule
+from torch import Tensor
+
+from lightning_pipedream.runtime.failures import pipeline_failures
+from lightning_pipedream.tree import map_tensors
+
+
+def _to_cpu(t: Tensor) -> Tensor:
+    return t.detach().cpu()
+
+
+@dataclass
+class OptimizerLayout:
+    """One optimizer's parameter groups over the whole model, by parameter name.
+
+    Checkpoints keep optimizer state in single-device form (indices over the whole model's
+    groups), so a checkpoint resumes with any number of stages, and a single-device one too.
+    """
+
+    groups: list[list[str]]
+
+    @classmethod
+    def of_module(cls, module: LightningModule, init: Callable[[LightningModule], Any]) -> list[OptimizerLayout]:
+        """Build the layouts by running ``configure_optimizers`` once on the whole model."""
+        optimizers = init(module)[0]
+        names = {id(p): n for n, p in module.named_parameters()}
+        return [cls([[names[id(p)] for p in g["params"]] for g in opt.param_groups]) for opt in optimizers]
+
+    @staticmethod
+    def _local_order(optimizer: torch.optim.Optimizer, local_names: dict[int, str]) -> list[str]:
+        return [local_names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+
+    def named_state(self, optimizer: torch.optim.Optimizer, local_names: dict[int, str]) -> dict[str, Any]:
+        """This rank's optimizer state keyed by parameter name, and its groups' settings."""
+        state = optimizer.state_dict()
+        order = self._local_order(optimizer, local_names)
+        named = {order[int(i)]: map_tensors(_to_cpu, s) for i, s in state["state"].items()}
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]]
+        return {"state": named, "groups": groups}
+
+    def to_full(self, optimizer: torch.optim.Optimizer, parts: list[dict[str, Any]]) -> dict[str, Any]:
+        """Merge every rank's named state into one single-device optimizer state dict."""
+        merged: dict[str, Any] = {}
+        for part in parts:
+            merged.update(part["state"])
+        state, groups, j = {}, [], 0
+        for gi, names in enumerate(self.groups):
+            settings = next((p["groups"][gi] for p in parts if gi < len(p["groups"])), {})
+            indices = []
+            for name in names:
+                if name in merged:
+                    state[j] = merged[name]
+                indices.append(j)
+                j += 1
+            groups.append({**settings, "params": indices})
+        return {"state": state, "param_groups": groups}
+
+    def to_local(
+        self, optimizer: torch.optim.Optimizer, full: dict[str, Any], local_names: dict[int, str]
+    ) -> dict[str, Any]:
+        """Pick this rank's part of a single-device optimizer state dict."""
+        full_names = [n for names in self.groups for n in names]
+        count = sum(len(g["params"]) for g in full["param_groups"])
+        if count != len(full_names) or len(full["param_groups"]) != len(self.groups):
+            raise ValueError(
+                f"The checkpoint's optimizer has {len(full['param_groups'])} groups over {count} parameters, but "
+                f"configure_optimizers now builds {len(self.groups)} groups over {len(full_names)}; the checkpoint "
+                "is from a different model or optimizer setup."
+            )
+        by_name = {full_names[int(j)]: s for j, s in full["state"].items()}
+        order = self._local_order(optimizer, local_names)
+        groups, offset = [], 0
+        for gi, group in enumerate(optimizer.param_groups):
+            settings = {k: v for k, v in full["param_groups"][gi].items() if k != "params"}
+            groups.append({**settings, "params": list(range(offset, offset + len(group["params"])))})
+            offset += len(group["params"])
+        state = {i: by_name[n] for i, n in enumerate(order) if n in by_name}
+        return {"state": state, "param_groups": groups}
+
+
+class CheckpointGather:
+    """Gathers one rank's share of the model (and of its optimizer state) into a single-device checkpoint on rank 0.
+
+    Every rank holds the parameters and buffers of its own stage under the module's own names, so
+    the full state dict is the union of the shares, put back in the module's own key order.
+    """
+
+    def __init__(self, stage_index: int, num_stages: int, full_keys: list[str]) -> None:
+        self.stage_index = stage_index
+        self.num_stages = num_stages
+        self.full_keys = full_keys
+
+    def _gather(self, share: Any) -> list[Any] | None:
+        """Every rank's ``share`` on rank 0 (None elsewhere)."""
+        if self.num_stages == 1:
+            return [share]
+        on_zero = self.stage_index == 0
+        gathered: list[Any] = [None] * self.num_stages if on_zero else []
+        with pipeline_failures(self.stage_index):
+            dist.gather_object(share, gathered if on_zero else None, dst=0)
+        return gathered if on_zero else None
+
+    def state_dict(self, module: torch.nn.Module) -> dict[str, Any]:
+        """The whole model's state dict on rank 0, keyed and ordered like the module's own; ``{}`` elsewhere."""
+        shares = self._gather(map_tensors(_to_cpu, module.state_dict()))
+        if shares is None:
+            return {}
+        full: dict[str, Any] = {}
+        for share in shares:
+            full.update(share)
+        return {k: full[k] for k in self.full_keys if k in full}
+
+    def optimizer_state(
+        self, optimizer: torch.optim.Optimizer, layout: OptimizerLayout, local_names: dict[int, str]
+    ) -> dict[str, Any]:
+        """The optimizer's state in single-device form (indices over the whole model) on rank 0; ``{}`` elsewhere."""
+        shares = self._gather(layout.named_state(optimizer, local_names))
+        return layout.to_full(optimizer, shares) if shares is not None else {}
+
+
+def load_own_share(module: torch.nn.Module, state: Mapping[str, Any], strict: bool) -> None:
+    """Load this rank's part of a consolidated (or single-device) state dict into ``module``."""
+    own = module.state_dict()
+    missing = [k for k in own if k not in state]
+    if strict and missing:
+        raise KeyError(
+            f"The checkpoint lacks {missing[:5]} of this model's keys; is it from another model? "
+            "Load it with strict=False to keep those parameters as they are."
+        )
+    module.load_state_dict({k: v for k, v in state.items() if k in own}, strict=False)

@@ -1,0 +1,136 @@
+"""PipeDream's update rule in one process, written from the paper's description: what the strategy is compared with.
+
+Stage ``s`` of ``S`` computes minibatch ``t``'s gradient at the weights it had when ``t`` entered the
+pipeline (after its updates for minibatches ``< t - (S-1-s)``, weight stashing), and applies it to its
+newest weights ``S-1-s`` steps later, with the hyperparameters minibatch ``t`` was admitted with. A
+drain applies every pending gradient. With ``vertical_sync`` every stage uses the version stage 0 used.
+Accumulation sums ``1/k`` of each gradient and steps at the minibatches that close a group.
+
+Nothing here imports lightning_pipedream: it is an independent implementation of the rule.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+
+
+@dataclass
+class Minibatch:
+    index: int  # global number over the whole run (for its hyperparameters)
+    inputs: Tensor
+    targets: Tensor
+    closes_group: bool = True
+
+
+class PipeDreamRule:
+    """Stages of an ``nn.Sequential`` (each with its own optimizer), trained segment by segment; a segment ends in a drain."""
+
+    def __init__(
+        self,
+        layers: nn.Sequential,
+        balance: Sequence[int],
+        make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+        loss_fn: Callable[[Tensor, Tensor], Tensor],
+        hyperparameters: Callable[[int], dict[str, Any]],
+        *,
+        accumulate: int = 1,
+        clip_norm: float | None = None,
+        clip_value: float | None = None,
+        vertical_sync: bool = False,
+    ) -> None:
+        names = list(layers._modules)
+        self.stages: list[nn.Sequential] = []
+        start = 0
+        for count in balance:
+            self.stages.append(nn.Sequential(*[layers._modules[n] for n in names[start : start + count]]))
+            start += count
+        self.optimizers = [make_optimizer(list(stage.parameters())) for stage in self.stages]
+        self.loss_fn = loss_fn
+        self.hyperparameters = hyperparameters
+        self.accumulate = accumulate
+        self.clip_norm, self.clip_value = clip_norm, clip_value
+        self.vertical_sync = vertical_sync
+        self.losses: list[float] = []
+
+    def _weights(self, s: int) -> dict[str, Tensor]:
+        return {n: p.detach().clone() for n, p in self.stages[s].named_parameters()}
+
+    def _gradients(self, weights: list[dict[str, Tensor]], mb: Minibatch) -> list[dict[str, Tensor | None]]:
+        """Every stage's gradient of ``mb`` when stage s runs with ``weights[s]``."""
+        leaves = []
+        h = mb.inputs
+        for s, stage in enumerate(self.stages):
+            own = dict(stage.named_parameters())
+            w = {n: t.clone().requires_grad_(own[n].requires_grad) for n, t in weights[s].items()}
+            leaves.append(w)
+            h = functional_call(stage, w, (h,))
+        loss = self.loss_fn(h, mb.targets)
+        self.losses.append(float(loss))
+        (loss / self.accumulate).backward()
+        return [{n: t.grad for n, t in w.items()} for w in leaves]
+
+    def segment(self, minibatches: list[Minibatch]) -> None:
+        """Run minibatches through the asynchronous pipeline, then drain it."""
+        S = len(self.stages)
+        delay = [S - 1 - s for s in range(S)]
+        pending: list[deque] = [deque() for _ in range(S)]
+        history = [[self._weights(s)] for s in range(S)]  # weights after j updates in this segment
+        accumulated: list[dict[str, Tensor]] = [{} for _ in range(S)]
+
+        def apply(s: int) -> None:
+            mb, grads = pending[s].popleft()
+            for n, g in grads.items():
+                if g is not None:
+                    accumulated[s][n] = accumulated[s][n] + g if n in accumulated[s] else g
+            if not mb.closes_group:
+                return
+            params = dict(self.stages[s].named_parameters())
+            for n, p in params.items():
+                p.grad = accumulated[s].get(n)
+            grads_now = [p.grad for p in params.values() if p.grad is not None]
+            if self.clip_value is not None:
+                torch.nn.utils.clip_grad_value_(list(params.values()), self.clip_value)
+            if self.clip_norm is not None and grads_now:
+                norm = torch.sqrt(sum(g.float().pow(2).sum() for g in grads_now))
+                factor = torch.clamp(self.clip_norm / (norm + 1e-6), max=1.0)
+                for g in grads_now:
+                    g.mul_(factor)
+            optimizer = self.optimizers[s]
+            for group in optimizer.param_groups:
+                group.update(self.hyperparameters(mb.index))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            accumulated[s] = {}
+            history[s].append(self._weights(s))
+
+        for n, mb in enumerate(minibatches):
+            if self.vertical_sync:
+                version = max(0, n - delay[0])
+                weights = [history[s][min(version, len(history[s]) - 1)] for s in range(S)]
+            else:
+                weights = [self._weights(s) for s in range(S)]
+            grads = self._gradients(weights, mb)
+            for s in range(S):
+                pending[s].append((mb, grads[s]))
+            for s in range(S):
+                if n - delay[s] >= 0:
+                    apply(s)
+        for s in range(S):
+            while pending[s]:
+                apply(s)
+
+    def state_dict(self, prefix: str, layer_names: list[str]) -> dict[str, Tensor]:
+        """The weights under the LightningModule's names (``prefix`` + the Sequential's layer names)."""
+        out = {}
+        flat = [m for stage in self.stages for m in stage]
+        for name, module in zip(layer_names, flat):
+            for k, v in module.state_dict().items():
+                out[f"{prefix}{name}.{k}"] = v.detach().clone()
+        return out

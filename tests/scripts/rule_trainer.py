@@ -1,0 +1,186 @@
+"""An MLP trained by a real Trainer (any strategy) for the exactness tests: `python rule_trainer.py OUT_DIR JSON_OPTIONS`.
+
+The same model, data and hyperparameter tables are imported by the tests, which build the
+single-process reference (tests/scripts/pipedream_reference.py) from them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+import lightning as L
+import torch
+from torch import nn
+
+from lightning_pipedream import PipeDreamStrategy
+
+INPUTS, WIDTH, OUTPUTS = 4, 8, 2
+
+
+class RuleMLP(L.LightningModule):
+    """7 layers (Linear/Tanh), MSE; SGD, SGD with momentum or Adam; optional per-step scheduler."""
+
+    def __init__(self, optimizer: str = "sgd", lr: float = 0.2, scheduler: str | None = None) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.layers = nn.Sequential(
+            nn.Linear(INPUTS, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.Tanh(),
+            nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, OUTPUTS),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self(x), y))
+
+    def configure_optimizers(self) -> Any:
+        optimizer = make_optimizer(self.hparams.optimizer, self.hparams.lr, list(self.parameters()))
+        if self.hparams.scheduler is None:
+            return optimizer
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": make_scheduler(self.hparams.scheduler, optimizer),
+                                                         "interval": "step"}}
+
+
+def make_optimizer(kind: str, lr: float, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    if kind == "momentum":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    if kind == "adam":
+        return torch.optim.Adam(params, lr=lr)
+    raise ValueError(kind)
+
+
+def make_scheduler(kind: str, optimizer: torch.optim.Optimizer) -> Any:
+    if kind == "step":
+        return torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    if kind == "lambda":
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1.0 + step))
+    raise ValueError(kind)
+
+
+def batches(count: int, size: int = 8, seed: int = 5) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        x = torch.randn(size, INPUTS, generator=g)
+        out.append((x, torch.stack([x[:, 0] * x[:, 1], x[:, 2].sin()], dim=1)))
+    return out
+
+
+class ResumableBatches:
+    """A fixed list of batches that Lightning can resume in the middle (it has state_dict/load_state_dict)."""
+
+    def __init__(self, items: list[Any]) -> None:
+        self.items = items
+        self.position = 0  # batches of the current pass handed out so far
+        self._resume_at = 0  # where the next pass starts: 0, or the position a checkpoint recorded
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __iter__(self):
+        start, self._resume_at = self._resume_at, 0
+        for i in range(start, len(self.items)):
+            self.position = i + 1
+            yield self.items[i]
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._resume_at = state["position"] % len(self.items)
+
+
+class StopAt(L.Callback):
+    """Asks the Trainer to stop after a given number of batches (a callback's should_stop, mid-epoch)."""
+
+    def __init__(self, batches: int) -> None:
+        self.batches, self.seen = batches, 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.seen += 1
+        if self.seen == self.batches:
+            trainer.should_stop = True
+
+
+class InterruptAt(L.Callback):
+    """Raises KeyboardInterrupt (or an error) on one rank at a given batch: a user pressing Ctrl+C, a crash."""
+
+    def __init__(self, batch: int, rank: int, error: str) -> None:
+        self.batch, self.rank, self.error = batch, rank, error
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == self.batch and trainer.global_rank == self.rank:
+            raise KeyboardInterrupt() if self.error == "interrupt" else RuntimeError("crash in a callback")
+
+
+class Unfreeze(L.Callback):
+    """Freezes the first layer at the start and unfreezes it at a given epoch (requires_grad toggling)."""
+
+    def __init__(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        for p in pl_module.layers[0].parameters():
+            p.requires_grad_(trainer.current_epoch >= self.epoch)
+
+
+def main() -> None:
+    out, options = sys.argv[1], json.loads(sys.argv[2])
+    L.seed_everything(0, verbose=False)
+    model = RuleMLP(**options.pop("model", {}))
+    strategy = options.pop("strategy", None)
+    callbacks: list[L.Callback] = []
+    if "stop_at" in options:
+        callbacks.append(StopAt(options.pop("stop_at")))
+    if "interrupt" in options:
+        callbacks.append(InterruptAt(**options.pop("interrupt")))
+    if "unfreeze_at_epoch" in options:
+        callbacks.append(Unfreeze(options.pop("unfreeze_at_epoch")))
+    if options.pop("on_exception_checkpoint", False):
+        callbacks.append(L.pytorch.callbacks.OnExceptionCheckpoint(dirpath=out))
+    checkpoint = None
+    if "checkpoint" in options:  # ModelCheckpoint keyword arguments
+        checkpoint = L.pytorch.callbacks.ModelCheckpoint(dirpath=out, **options.pop("checkpoint"))
+        callbacks.append(checkpoint)
+    trainer_args = dict(
+        accelerator="cpu", devices=options.pop("devices", 1), max_epochs=2, logger=False,
+        enable_checkpointing=checkpoint is not None, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks,
+    )
+    if strategy is not None:
+        trainer_args["strategy"] = PipeDreamStrategy(**strategy)
+    trainer_args.update(options.pop("trainer", {}))
+    trainer = L.Trainer(**trainer_args)
+    train = ResumableBatches(batches(options.pop("batches", 6)))
+    val = ResumableBatches(batches(2, seed=9))
+    trainer.fit(model, train, val, ckpt_path=options.pop("resume", None))
+    trainer.save_checkpoint(os.path.join(out, "final.ckpt"))
+    if trainer.is_global_zero:
+        result = {
+            "global_step": trainer.global_step,
+            "epoch": trainer.current_epoch,
+            "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+            "checkpoints": {os.path.basename(k): float(v) for k, v in checkpoint.best_k_models.items()}
+            if checkpoint is not None else {},
+        }
+        with open(os.path.join(out, "result.json"), "w") as f:
+            json.dump(result, f)
+    if options:
+        raise SystemExit(f"unused options: {options}")
+
+
+if __name__ == "__main__":
+    main()

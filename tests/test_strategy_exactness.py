@@ -1,0 +1,248 @@
+"""Trainer(strategy=PipeDreamStrategy(schedule="pipedream")) follows PipeDream's rule exactly, Lightning features on.
+
+Each test trains tests/scripts/rule_trainer.py in a subprocess on 2 or 3 processes and compares every
+parameter of the consolidated checkpoint with an independent single-process implementation of the
+rule (tests/scripts/pipedream_reference.py), to 1e-5.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
+from pipedream_reference import Minibatch, PipeDreamRule
+from rule_trainer import ResumableBatches, RuleMLP, batches, make_optimizer, make_scheduler
+
+from lightning_pipedream import PipeDreamStrategy
+
+SCRIPT = Path(__file__).parent / "scripts" / "rule_trainer.py"
+
+
+def run(out: Path, options: dict, timeout: float = 180, expect_ok: bool = True) -> subprocess.CompletedProcess:
+    """Train in a subprocess (Lightning's launcher re-runs sys.argv); a hung run is killed with its ranks."""
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), str(out), json.dumps(options)], cwd=out, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"rule_trainer.py did not finish in {timeout} s:\n{stderr[-4000:]}")
+    if expect_ok:
+        assert proc.returncode == 0, f"rule_trainer.py failed ({proc.returncode}):\n{stderr[-4000:]}"
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def reference(
+    *, balance: list[int], model: dict | None = None, epochs: list[list[int]], accumulate: int = 1,
+    drain_after: tuple[int, ...] = (), clip_norm: float | None = None, clip_value: float | None = None,
+    vertical_sync: bool = False, frozen_first_layer_epochs: tuple[int, ...] = (), num_batches: int = 6,
+) -> dict[str, torch.Tensor]:
+    """The rule's weights after training on ``epochs`` (each a list of batch indices), draining at each
+    epoch's end and after the given numbers of batches into an epoch."""
+    model = model or {}
+    L.seed_everything(0, verbose=False)
+    module = RuleMLP(**model)
+    kind, lr = model.get("optimizer", "sgd"), model.get("lr", 0.2)
+    data = batches(num_batches)
+    closes = [[(i + 1) % accumulate == 0 or i == len(epoch) - 1 for i in range(len(epoch))] for epoch in epochs]
+    rates = _learning_rates(kind, lr, model.get("scheduler"), [c for epoch in closes for c in epoch])
+    rule = PipeDreamRule(
+        module.layers, balance, lambda params: make_optimizer(kind, lr, params), torch.nn.functional.mse_loss,
+        lambda t: {"lr": rates[t]}, accumulate=accumulate, clip_norm=clip_norm, clip_value=clip_value,
+        vertical_sync=vertical_sync,
+    )
+    t = 0
+    for e, epoch in enumerate(epochs):
+        for p in module.layers[0].parameters():
+            p.requires_grad_(e not in frozen_first_layer_epochs)
+        segment: list[Minibatch] = []
+        for i, b in enumerate(epoch):
+            segment.append(Minibatch(t, *data[b], closes_group=closes[e][i]))
+            t += 1
+            if i + 1 in drain_after or i == len(epoch) - 1:
+                rule.segment(segment)
+                segment = []
+    return rule.state_dict("layers.", [str(i) for i in range(len(module.layers))])
+
+
+def _learning_rates(kind: str, lr: float, scheduler: str | None, closes: list[bool]) -> list[float]:
+    """The rate each minibatch is admitted with: the scheduler steps after each minibatch that closes a group."""
+    optimizer = make_optimizer(kind, lr, [torch.nn.Parameter(torch.zeros(1))])
+    sched = make_scheduler(scheduler, optimizer) if scheduler else None
+    rates = []
+    for close in closes:
+        rates.append(optimizer.param_groups[0]["lr"])
+        if close and sched is not None:
+            optimizer.step()
+            sched.step()
+    return rates
+
+
+def assert_weights(out: Path, want: dict[str, torch.Tensor], name: str = "final.ckpt") -> None:
+    got = torch.load(out / name, weights_only=False, map_location="cpu")["state_dict"]
+    assert list(got) == list(want)
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+
+
+def result(out: Path) -> dict[str, Any]:
+    return json.loads((out / "result.json").read_text())
+
+
+TWO_EPOCHS = [list(range(6)), list(range(6))]
+
+
+@pytest.mark.parametrize("stages,model,extra", [
+    (2, {"optimizer": "sgd", "scheduler": "step"}, {}),
+    (3, {"optimizer": "adam", "lr": 0.01, "scheduler": "lambda"}, {}),
+    (3, {"optimizer": "momentum", "lr": 0.05, "scheduler": "step"}, {"vertical_sync": True}),
+], ids=["2-sgd-steplr", "3-adam-lambdalr", "3-momentum-vertical-sync"])
+def test_two_epochs_follow_the_rule(tmp_path, stages, model, extra):
+    balance = [4, 3] if stages == 2 else [3, 2, 2]
+    run(tmp_path, {"devices": stages, "model": model, "strategy": {"schedule": "pipedream", "balance": balance, **extra}})
+    assert_weights(tmp_path, reference(balance=balance, model=model, epochs=TWO_EPOCHS, **extra))
+    assert result(tmp_path)["global_step"] == 12
+
+
+@pytest.mark.parametrize("stages,clip", [(2, None), (2, "value"), (3, "norm")])
+def test_accumulation_and_clipping_follow_the_rule(tmp_path, stages, clip):
+    # 5 batches with accumulate_grad_batches=2: groups {0,1}, {2,3}, {4} (Lightning steps at the epoch's end).
+    balance = [4, 3] if stages == 2 else [3, 2, 2]
+    model = {"optimizer": "momentum", "lr": 0.1, "scheduler": "step"}
+    trainer: dict[str, Any] = {"accumulate_grad_batches": 2}
+    clip_args: dict[str, float] = {}
+    if clip is not None:
+        value = 0.01 if clip == "value" else 0.05
+        trainer.update(gradient_clip_val=value, gradient_clip_algorithm=clip)
+        clip_args = {f"clip_{clip}": value}
+    options = {"devices": stages, "model": model, "batches": 5, "trainer": trainer,
+               "strategy": {"schedule": "pipedream", "balance": balance}}
+    if clip is None:
+        options["unfreeze_at_epoch"] = 1  # and the first layer frozen in the first epoch
+    run(tmp_path, options)
+    frozen = (0,) if clip is None else ()
+    epochs = [list(range(5)), list(range(5))]
+    assert_weights(tmp_path, reference(balance=balance, model=model, epochs=epochs, accumulate=2, num_batches=5,
+                                       frozen_first_layer_epochs=frozen, **clip_args))
+    assert result(tmp_path)["global_step"] == 6
+
+
+def test_max_steps_in_the_middle_of_an_epoch(tmp_path):
+    balance = [3, 2, 2]
+    run(tmp_path, {"devices": 3, "trainer": {"max_steps": 8}, "strategy": {"schedule": "pipedream",
+                                                                         "balance": balance}})
+    assert_weights(tmp_path, reference(balance=balance, epochs=[list(range(6)), [0, 1]]))
+    assert result(tmp_path)["global_step"] == 8
+
+
+def test_fewer_batches_than_stages(tmp_path):
+    balance = [3, 2, 2]
+    run(tmp_path, {"devices": 3, "batches": 2, "strategy": {"schedule": "pipedream", "balance": balance}})
+    assert_weights(tmp_path, reference(balance=balance, epochs=[[0, 1], [0, 1]], num_batches=2))
+
+
+def test_a_callback_stopping_in_the_middle_of_an_epoch(tmp_path):
+    balance = [4, 3]
+    run(tmp_path, {"devices": 2, "stop_at": 3, "strategy": {"schedule": "pipedream", "balance": balance}})
+    assert_weights(tmp_path, reference(balance=balance, epochs=[[0, 1, 2]]))
+    assert result(tmp_path)["global_step"] == 3
+
+
+def test_checkpoint_in_the_middle_of_an_epoch_then_resume(tmp_path):
+    # A checkpoint drains the pipeline: the run equals the rule with drains after batches 2 and 4 of each epoch,
+    # and resuming from the step-2 checkpoint continues exactly where it left.
+    balance = [4, 3]
+    model = {"optimizer": "momentum", "lr": 0.05, "scheduler": "step"}
+    common = {"devices": 2, "model": model, "strategy": {"schedule": "pipedream", "balance": balance},
+              "checkpoint": {"every_n_train_steps": 2, "save_top_k": -1, "filename": "{step}"}}
+    run(tmp_path / "whole", common)
+    want = reference(balance=balance, model=model, epochs=TWO_EPOCHS, drain_after=(2, 4))
+    assert_weights(tmp_path / "whole", want)
+    run(tmp_path / "resumed", {**common, "resume": str(tmp_path / "whole" / "step=2.ckpt")})
+    assert_weights(tmp_path / "resumed", want)
+
+
+def test_mid_epoch_validation_sees_the_checkpointed_model(tmp_path):
+    balance = [4, 3]
+    run(tmp_path, {"devices": 2, "strategy": {"schedule": "pipedream", "balance": balance},
+                   "trainer": {"val_check_interval": 2, "limit_val_batches": 2},
+                   "checkpoint": {"monitor": "val_loss", "save_top_k": -1, "filename": "{step}"}})
+    assert_weights(tmp_path, reference(balance=balance, epochs=TWO_EPOCHS, drain_after=(2, 4)))
+    logged = result(tmp_path)["checkpoints"]
+    assert sorted(logged) == [f"step={s}.ckpt" for s in (10, 12, 2, 4, 6, 8)]
+    val = batches(2, seed=9)
+    for name, value in logged.items():
+        model = RuleMLP.load_from_checkpoint(tmp_path / name, map_location="cpu")
+        with torch.no_grad():
+            losses = [torch.nn.functional.mse_loss(model(x), y) for x, y in val]
+        assert float(sum(losses) / len(losses)) == pytest.approx(value, rel=1e-5), name
+
+
+@pytest.mark.parametrize("error", ["interrupt", "crash"])
+def test_interrupted_mid_epoch_exits_and_keeps_the_last_good_checkpoint(tmp_path, error):
+    start = time.monotonic()
+    proc = run(tmp_path, {"devices": 2, "strategy": {"schedule": "pipedream", "balance": [4, 3]},
+                          "interrupt": {"batch": 3, "rank": 1, "error": error}, "on_exception_checkpoint": True,
+                          "checkpoint": {"every_n_train_steps": 2, "save_top_k": -1, "filename": "{step}"}},
+               timeout=120, expect_ok=False)
+    assert proc.returncode != 0 and time.monotonic() - start < 60
+    assert "PipeDreamStrategy does not save a checkpoint after a pipeline step failed or was interrupted" in proc.stderr
+    assert not (tmp_path / "on_exception.ckpt").exists()
+    # The checkpoint of step 2 is whole: it equals the rule drained after 2 batches.
+    want = reference(balance=[4, 3], epochs=[[0, 1]])
+    assert_weights(tmp_path, want, "step=2.ckpt")
+
+
+# ------------------------------------------------------------------ refused, with what to do instead
+class Manual(RuleMLP):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+
+class WithLBFGS(RuleMLP):
+    def configure_optimizers(self):
+        return torch.optim.LBFGS(self.parameters())
+
+
+class AddsParamGroup(L.Callback):
+    """What BackboneFinetuning does when it unfreezes: a new parameter group in the middle of training."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == 2:
+            trainer.optimizers[0].add_param_group({"params": [torch.nn.Parameter(torch.zeros(1))]})
+
+
+def _fit_one_device(model: L.LightningModule, **trainer_args: Any) -> None:
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=PipeDreamStrategy(schedule="pipedream"), max_epochs=1,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, **trainer_args)
+    trainer.fit(model, ResumableBatches(batches(4)))
+
+
+def test_what_is_refused_says_what_to_use_instead():
+    with pytest.raises(ValueError, match=r"uses manual optimization \(automatic_optimization=False\), which "
+                                         r"PipeDreamStrategy does not support.*Use automatic optimization"):
+        _fit_one_device(Manual())
+    with pytest.raises(ValueError, match="does not support LBFGS .* Use an optimizer that steps once"):
+        _fit_one_device(WithLBFGS())
+    scaler = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    with pytest.raises(ValueError, match="does not support precision='16-mixed' with a gradient scaler.*"
+                                         "Use precision='bf16-mixed'"):
+        _fit_one_device(RuleMLP(), plugins=[scaler])
+    with pytest.raises(RuntimeError, match="The optimizer's parameter groups changed during training .*"
+                                           "BackboneFinetuning.*unfreeze by setting requires_grad=True"):
+        _fit_one_device(RuleMLP(), callbacks=[AddsParamGroup()])
