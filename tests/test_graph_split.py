@@ -1,9 +1,13 @@
-"""Graph capture and split, in one process: the stages composed equal the model, for four model families."""
+"""Graph capture and split, in one process: the stages composed equal the model, for four model families.
+
+Every check runs in a forked child (:func:`in_child`), capture included: once torch.export has run in a process,
+a backward there (any test's) makes autograd refuse to work in processes forked from it later (torch's fork
+check), which would break the multi-process tests that run after these in the same session.
+"""
 
 from __future__ import annotations
 
 import copy
-import functools
 
 import pytest
 import torch
@@ -19,14 +23,23 @@ from lightning_pipedream.graph import (
     split_graph,
 )
 from lightning_pipedream.graph.profile import choose_split_points, profile_graph
+from lightning_pipedream.runtime.launch import run_local
 
 FAMILIES = ["transformer", "resnet", "gpt", "lstm"]
 
 
-@functools.cache
 def captured(family: str):
     model, args = make(family)
     return model, args, capture(model, args)
+
+
+def _call(rank, world, fn, args):
+    return fn(*args)
+
+
+def in_child(fn, *args):
+    """Run ``fn(*args)`` in a forked process (its assertions fail the test with their traceback)."""
+    return run_local(_call, 1, fn, args, timeout=120)[0]
 
 
 def even_points(cap, stages: int) -> list[str]:
@@ -52,9 +65,17 @@ def summed_grads(stages) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("num_stages", [2, 3])
-def test_stages_compose_to_the_model(family, num_stages):
+def test_stages_compose_to_the_model(family):
+    in_child(check_composition, family)
+
+
+def check_composition(family):
     model, args, cap = captured(family)
+    for num_stages in (2, 3):
+        check_stages(model, args, cap, num_stages)
+
+
+def check_stages(model, args, cap, num_stages):
     reference = copy.deepcopy(model)
     split = split_graph(cap, even_points(cap, num_stages))
     stages = build_stages(copy.deepcopy(model), split)
@@ -76,6 +97,10 @@ def test_stages_compose_to_the_model(family, num_stages):
 
 
 def test_tied_parameters_and_skip_values_cross_stages():
+    in_child(check_tied_parameters_and_skip_values_cross_stages)
+
+
+def check_tied_parameters_and_skip_values_cross_stages():
     model, args, cap = captured("gpt")
     split = split_graph(cap, ["blocks.1", "blocks.3"])
     # The tied embedding/projection is held by the first stage (lookup) and the last (projection).
@@ -91,6 +116,10 @@ def test_tied_parameters_and_skip_values_cross_stages():
 
 
 def test_shared_embedding_integer_inputs_and_masks_cross_stages():
+    in_child(check_shared_embedding)
+
+
+def check_shared_embedding():
     model, args, cap = captured("transformer")
     # Stage 1 begins at the second call of the shared embedding: the target tokens (int64) and the padding mask
     # (bool) cross, and the embedding is a tie group of stages 0 and 1.
@@ -109,6 +138,10 @@ def test_shared_embedding_integer_inputs_and_masks_cross_stages():
 
 
 def test_resnet_skip_connection_crosses_with_its_block():
+    in_child(check_resnet_skip_connection_crosses_with_its_block)
+
+
+def check_resnet_skip_connection_crosses_with_its_block():
     model, args, cap = captured("resnet")
     # Cut inside a residual block: the block's input (the identity path) crosses beside the main path.
     split = split_graph(cap, ["layer2.0.conv2"])
@@ -117,6 +150,10 @@ def test_resnet_skip_connection_crosses_with_its_block():
 
 
 def test_split_points_are_module_names_in_run_order():
+    in_child(check_split_points_are_module_names_in_run_order)
+
+
+def check_split_points_are_module_names_in_run_order():
     model, args, cap = captured("gpt")
     split = split_graph(cap, ["blocks.2"])
     assert split.programs[1].layers[0] == "blocks.2.ln1"
@@ -131,6 +168,10 @@ def test_split_points_are_module_names_in_run_order():
 
 
 def test_a_stage_refuses_an_input_it_was_not_captured_for():
+    in_child(check_a_stage_refuses_an_input_it_was_not_captured_for)
+
+
+def check_a_stage_refuses_an_input_it_was_not_captured_for():
     model, args, cap = captured("lstm")
     stages = build_stages(copy.deepcopy(model), split_graph(cap, ["rnn2"]))
     with pytest.raises(KeyError, match="Stage 0 has no captured graph for this input in training mode"):
@@ -162,6 +203,10 @@ class Branchy(nn.Module):
 
 
 def test_untraceable_model_error_names_the_line_and_the_way_out():
+    in_child(check_untraceable_model_error_names_the_line_and_the_way_out)
+
+
+def check_untraceable_model_error_names_the_line_and_the_way_out():
     with pytest.raises(GraphCaptureError) as info:
         capture(Branchy(), (torch.randn(2, 4),))
     text = str(info.value)
@@ -172,6 +217,10 @@ def test_untraceable_model_error_names_the_line_and_the_way_out():
 
 
 def test_profile_is_a_dag_the_partitioner_splits():
+    in_child(check_profile)
+
+
+def check_profile():
     model, args, cap = captured("gpt")
     before = {k: v.clone() for k, v in model.state_dict().items()}
     profile = profile_graph(cap, model, args, warmup=0, repeats=1)

@@ -1,0 +1,72 @@
+"""Split graphs trained by the standalone engine on 2 processes equal one process; tied copies stay identical."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from graph_models import batches, loss_fn, make
+
+from lightning_pipedream.graph import build_stages, capture, consolidate_state_dict, split_graph
+from lightning_pipedream.runtime.launch import run_local
+from lightning_pipedream.runtime.pipeline import Pipeline
+from lightning_pipedream.runtime.ties import TiedParameters
+
+STEPS, BATCH = 3, 4
+SPLIT_POINTS = {"gpt": ["blocks.2"], "resnet": ["layer2.0.conv2"]}  # resnet: cut inside a residual block
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def prepared(family: str, chunks: int):
+    """The model, and its split captured on one micro-batch (every micro-batch of the test has that shape).
+
+    Each rank captures for itself, as the strategy's ranks will: torch.export in the pytest process, followed by
+    any backward there, would make autograd refuse to run in processes forked from it later."""
+    model, _ = make(family)
+    example = batches(family, 1, BATCH // chunks)[0][0]
+    return model, split_graph(capture(model, example), SPLIT_POINTS[family])
+
+
+def train_stage(rank, world, family, schedule, chunks):
+    model, split = prepared(family, chunks)  # seeded: every rank builds the same model
+    stage = build_stages(model, split, [rank])[0]
+    ties = TiedParameters(stage, split.ties, rank)
+    pipe = Pipeline([stage if r == rank else None for r in range(world)], loss_fn=loss_fn, optimizer=sgd,
+                    schedule=schedule, chunks=chunks, before_update=ties.allreduce_grads)
+    losses = [pipe.step((args, {}), targets) for args, targets in batches(family, STEPS, BATCH)]
+    pipe.drain()
+    return pipe.state_dict(), losses, ties.max_difference()
+
+
+def reference(rank, world, family: str) -> tuple[dict, list[float]]:
+    model = copy.deepcopy(make(family)[0])
+    opt = sgd(model.parameters())
+    losses = []
+    for args, targets in batches(family, STEPS, BATCH):
+        loss = loss_fn(model(*args), targets)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return model.state_dict(), losses
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("family,chunks", [("gpt", 2), ("resnet", 1)])  # BatchNorm: one micro-batch per batch
+def test_training_equals_one_process(family, chunks, schedule):
+    results = run_local(train_stage, 2, family, schedule, chunks, timeout=90)
+    # In a forked process too: autograd in this one would break the forks of the next tests.
+    want_state, want_losses = run_local(reference, 1, family, timeout=60)[0]
+    # consolidate_state_dict refuses tied copies that are not bit-identical.
+    state = consolidate_state_dict([part for part, _, _ in results], list(want_state))
+    assert list(state) == list(want_state)
+    for key, value in want_state.items():
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-5, msg=key)
+    assert results[-1][1] == pytest.approx(want_losses, rel=1e-5)
+    assert [difference for _, _, difference in results] == [0.0, 0.0]
+    if family == "gpt":
+        assert torch.equal(results[0][0]["tok.weight"], results[1][0]["head.weight"])
