@@ -30,7 +30,7 @@ class Pipeline:
 
     def __init__(
         self,
-        layers: nn.Sequential,
+        layers: nn.Sequential | Sequence[nn.Module],
         *,
         loss_fn: Callable[[Any, Any], Tensor],
         optimizer: OptimizerFactory,
@@ -42,19 +42,30 @@ class Pipeline:
         group: dist.ProcessGroup | None = None,
         device: torch.device | str = "cpu",
         record: bool = False,
+        before_update: Callable[[], None] | None = None,
     ) -> None:
-        if not isinstance(layers, nn.Sequential):
+        # Prebuilt stages (e.g. lightning_pipedream.graph's GraphStage): a list with one module per rank.
+        prebuilt = isinstance(layers, (list, tuple))
+        if not isinstance(layers, nn.Sequential) and not prebuilt:
             raise TypeError(f"Pipeline needs an nn.Sequential of layers, got {type(layers).__name__}.")
         check_schedule_options(schedule, chunks, vertical_sync)
         self.rank = dist.get_rank(group)
         self.num_stages = dist.get_world_size(group)
-        self.balance = (
-            check_balance(balance, len(layers), self.num_stages)
-            if balance is not None
-            else even_balance(len(layers), self.num_stages)
-        )
+        if prebuilt:
+            if len(layers) != self.num_stages or balance is not None:
+                raise ValueError(f"Pipeline got {len(layers)} prebuilt stage modules for {self.num_stages} processes "
+                                 "(and balance must be None with them); give one module per process.")
+            self.balance = [1] * self.num_stages
+        else:
+            self.balance = (
+                check_balance(balance, len(layers), self.num_stages)
+                if balance is not None
+                else even_balance(len(layers), self.num_stages)
+            )
         self.device = torch.device(device)
-        self.module = stage_slice(layers, self.balance, self.rank).to(self.device)
+        stage = layers[self.rank] if prebuilt else stage_slice(layers, self.balance, self.rank)
+        self.module = stage.to(self.device)
+        self.before_update = before_update  # e.g. TiedParameters.allreduce_grads
         self.schedule = schedule
         self.chunks = chunks
         self.loss_fn = loss_fn
@@ -83,6 +94,8 @@ class Pipeline:
         return self.rank == self.num_stages - 1
 
     def _update(self, minibatch: int) -> None:
+        if self.before_update is not None:
+            self.before_update()
         if self.optimizer is None:
             return
         self.optimizer.step()
