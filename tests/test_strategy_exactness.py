@@ -154,11 +154,36 @@ def test_fewer_batches_than_stages(tmp_path):
     assert_weights(tmp_path, reference(balance=balance, epochs=[[0, 1], [0, 1]], num_batches=2))
 
 
-def test_a_callback_stopping_in_the_middle_of_an_epoch(tmp_path):
+@pytest.mark.parametrize("stopper", ["callback", "early_stopping"])
+def test_stopping_in_the_middle_of_an_epoch(tmp_path, stopper):
     balance = [4, 3]
-    run(tmp_path, {"devices": 2, "stop_at": 3, "strategy": {"schedule": "pipedream", "balance": balance}})
-    assert_weights(tmp_path, reference(balance=balance, epochs=[[0, 1, 2]]))
-    assert result(tmp_path)["global_step"] == 3
+    options: dict[str, Any] = {"devices": 2, "strategy": {"schedule": "pipedream", "balance": balance}}
+    if stopper == "callback":  # should_stop set by a callback after 3 batches
+        options["stop_at"] = 3
+        want, steps = reference(balance=balance, epochs=[[0, 1, 2]]), 3
+    else:  # EarlyStopping on val_loss in "max" mode: the second validation (after batch 4) does not improve
+        options["early_stopping"] = {"monitor": "val_loss", "mode": "max", "patience": 0}
+        options["trainer"] = {"val_check_interval": 2, "limit_val_batches": 2}
+        want, steps = reference(balance=balance, epochs=[[0, 1, 2, 3]], drain_after=(2,)), 4
+    run(tmp_path, options)
+    assert_weights(tmp_path, want)
+    assert result(tmp_path)["global_step"] == steps
+
+
+def test_bf16_with_clipping_and_mid_epoch_validation_follows_the_rule(tmp_path):
+    # bf16 autocast on CPU: the same rule, to bf16's precision (the reference runs in float32).
+    balance = [4, 3]
+    run(tmp_path, {"devices": 2, "strategy": {"schedule": "pipedream", "balance": balance},
+                   "trainer": {"precision": "bf16-mixed", "val_check_interval": 2, "limit_val_batches": 1,
+                               "gradient_clip_val": 0.05}})
+    want = reference(balance=balance, epochs=TWO_EPOCHS, drain_after=(2, 4), clip_norm=0.05)
+    got = torch.load(tmp_path / "final.ckpt", weights_only=False, map_location="cpu")["state_dict"]
+    L.seed_everything(0, verbose=False)
+    initial = RuleMLP().state_dict()
+    for key in want:
+        moved = (want[key] - initial[key]).abs().max()
+        error = (got[key] - want[key]).abs().max()
+        assert error < 0.05 * moved + 2e-3, f"{key}: off by {error:.2e} after moving {moved:.2e}"
 
 
 def test_checkpoint_in_the_middle_of_an_epoch_then_resume(tmp_path):

@@ -72,7 +72,7 @@ class PipeDreamRule:
             leaves.append(w)
             h = functional_call(stage, w, (h,))
         loss = self.loss_fn(h, mb.targets)
-        self.losses.append(float(loss))
+        self.losses.append(float(loss.detach()))
         (loss / self.accumulate).backward()
         return [{n: t.grad for n, t in w.items()} for w in leaves]
 

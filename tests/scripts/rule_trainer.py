@@ -149,6 +149,8 @@ def main() -> None:
         callbacks.append(InterruptAt(**options.pop("interrupt")))
     if "unfreeze_at_epoch" in options:
         callbacks.append(Unfreeze(options.pop("unfreeze_at_epoch")))
+    if "early_stopping" in options:  # EarlyStopping keyword arguments
+        callbacks.append(L.pytorch.callbacks.EarlyStopping(**options.pop("early_stopping")))
     if options.pop("on_exception_checkpoint", False):
         callbacks.append(L.pytorch.callbacks.OnExceptionCheckpoint(dirpath=out))
     checkpoint = None

@@ -137,8 +137,11 @@ def main() -> None:
     generator = torch.Generator().manual_seed(int(os.environ.get("LOCAL_RANK", 0))) if shuffle else None
     train = DataLoader(data(), batch_size=options.pop("batch_size", 12), shuffle=shuffle, generator=generator)
     val = DataLoader(data(24), batch_size=12)
-    trainer.fit(model, train, val, ckpt_path=options.pop("resume", None))
-    trainer.save_checkpoint(os.path.join(out, "final.ckpt"))
+    if options.pop("evaluate_only", False):  # validate and predict a model that was never fitted here
+        trainer.validate(model, val)
+    else:
+        trainer.fit(model, train, val, ckpt_path=options.pop("resume", None))
+        trainer.save_checkpoint(os.path.join(out, "final.ckpt"))
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     if options.pop("test", False):
         trainer.test(model, DataLoader(data(24), batch_size=12))
