@@ -163,6 +163,16 @@ def test_validate_and_predict_without_fitting_equal_one_device(tmp_path):
     assert got["val_acc"] == pytest.approx(want["val_acc"], rel=1e-6)
 
 
+def test_lightning_default_sampler_shuffles_alike_on_every_stage(tmp_path):
+    # Lightning's own sampler (use_distributed_sampler=True, shuffled, reshuffled each epoch): every stage
+    # sees the same batches, which are those of a sampler with one replica (the data-parallel degree).
+    options = {"max_steps": 7, "batch_size": 12}
+    run_tiny(tmp_path / "single", {**options, "sampler_of_one_replica": True})
+    run_tiny(tmp_path / "pipe", {**options, "devices": 2, "shuffle": True, "trainer": {"use_distributed_sampler": True},
+                                 "strategy": {"schedule": "1f1b", "chunks": 2}})
+    assert_same_weights(tmp_path / "pipe" / "final.ckpt", tmp_path / "single" / "final.ckpt")
+
+
 def test_stages_that_see_different_batches_are_stopped(tmp_path):
     # An unseeded shuffle per rank: stage 0's inputs would not belong to the last stage's labels.
     proc = run_tiny(tmp_path, {"devices": 2, "shuffle_per_rank": True, "strategy": {"schedule": "1f1b"},

@@ -135,7 +135,13 @@ def main() -> None:
     trainer = L.Trainer(**trainer_args)
     shuffle = options.pop("shuffle_per_rank", False)  # a deliberately wrong setup: each rank its own order
     generator = torch.Generator().manual_seed(int(os.environ.get("LOCAL_RANK", 0))) if shuffle else None
-    train = DataLoader(data(), batch_size=options.pop("batch_size", 12), shuffle=shuffle, generator=generator)
+    batch_size = options.pop("batch_size", 12)
+    train = DataLoader(data(), batch_size=batch_size, shuffle=shuffle, generator=generator)
+    if options.pop("shuffle", False):  # Lightning's default: it puts a seeded DistributedSampler in
+        train = DataLoader(data(), batch_size=batch_size, shuffle=True)
+    if options.pop("sampler_of_one_replica", False):  # what that sampler is when there is one data-parallel rank
+        sampler = torch.utils.data.DistributedSampler(data(), num_replicas=1, rank=0, shuffle=True, seed=0)
+        train = DataLoader(data(), batch_size=batch_size, sampler=sampler)
     val = DataLoader(data(24), batch_size=12)
     if options.pop("evaluate_only", False):  # validate and predict a model that was never fitted here
         trainer.validate(model, val)
