@@ -49,6 +49,7 @@ def reference(
     *, balance: list[int], model: dict | None = None, epochs: list[list[int]], accumulate: int = 1,
     drain_after: tuple[int, ...] = (), clip_norm: float | None = None, clip_value: float | None = None,
     vertical_sync: bool = False, frozen_first_layer_epochs: tuple[int, ...] = (), num_batches: int = 6,
+    stashing: bool = True,
 ) -> dict[str, torch.Tensor]:
     """The rule's weights after training on ``epochs`` (each a list of batch indices), draining at each
     epoch's end and after the given numbers of batches into an epoch."""
@@ -62,7 +63,7 @@ def reference(
     rule = PipeDreamRule(
         module.layers, balance, lambda params: make_optimizer(kind, lr, params), torch.nn.functional.mse_loss,
         lambda t: {"lr": rates[t]}, accumulate=accumulate, clip_norm=clip_norm, clip_value=clip_value,
-        vertical_sync=vertical_sync,
+        vertical_sync=vertical_sync, stashing=stashing,
     )
     t = 0
     for e, epoch in enumerate(epochs):
@@ -115,6 +116,16 @@ def test_two_epochs_follow_the_rule(tmp_path, stages, model, extra):
     run(tmp_path, {"devices": stages, "model": model, "strategy": {"schedule": "pipedream", "balance": balance, **extra}})
     assert_weights(tmp_path, reference(balance=balance, model=model, epochs=TWO_EPOCHS, **extra))
     assert result(tmp_path)["global_step"] == 12
+
+
+def test_without_weight_stashing_the_backward_uses_the_newest_weights(tmp_path):
+    # The paper's ablation: each stage's backward runs at its live weights on the activations its forward kept.
+    balance = [4, 3]
+    run(tmp_path, {"devices": 2, "strategy": {"schedule": "pipedream", "balance": balance, "weight_stashing": False}})
+    want = reference(balance=balance, epochs=TWO_EPOCHS, stashing=False)
+    assert_weights(tmp_path, want)
+    stashed = reference(balance=balance, epochs=TWO_EPOCHS)
+    assert max((want[k] - stashed[k]).abs().max().item() for k in want) > 1e-4  # the two rules differ here
 
 
 @pytest.mark.parametrize("stages,clip", [(2, None), (2, "value"), (3, "norm")])

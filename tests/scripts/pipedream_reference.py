@@ -6,6 +6,12 @@ newest weights ``S-1-s`` steps later, with the hyperparameters minibatch ``t`` w
 drain applies every pending gradient. With ``vertical_sync`` every stage uses the version stage 0 used.
 Accumulation sums ``1/k`` of each gradient and steps at the minibatches that close a group.
 
+``stashing=False`` is the paper's ablation (no weight stashing): a stage's forward runs at the weights
+it has then and keeps its activations, but its backward runs later, at the weights it has when the
+backward runs (after its updates for every earlier minibatch): a Linear's input-gradient ``g @ W``
+uses that newest ``W``, its weight-gradient ``g^T x`` the input saved by the forward, and Tanh's
+backward the output saved by the forward. That backward is written out by hand for Linear and Tanh.
+
 Nothing here imports lightning_pipedream: it is an independent implementation of the rule.
 """
 
@@ -44,7 +50,10 @@ class PipeDreamRule:
         clip_norm: float | None = None,
         clip_value: float | None = None,
         vertical_sync: bool = False,
+        stashing: bool = True,
     ) -> None:
+        if vertical_sync and not stashing:
+            raise ValueError("vertical sync chooses among stashed versions: it needs stashing")
         names = list(layers._modules)
         self.stages: list[nn.Sequential] = []
         start = 0
@@ -57,6 +66,7 @@ class PipeDreamRule:
         self.accumulate = accumulate
         self.clip_norm, self.clip_value = clip_norm, clip_value
         self.vertical_sync = vertical_sync
+        self.stashing = stashing
         self.losses: list[float] = []
 
     def _weights(self, s: int) -> dict[str, Tensor]:
@@ -83,9 +93,13 @@ class PipeDreamRule:
         pending: list[deque] = [deque() for _ in range(S)]
         history = [[self._weights(s)] for s in range(S)]  # weights after j updates in this segment
         accumulated: list[dict[str, Tensor]] = [{} for _ in range(S)]
+        # Without stashing: the gradient each stage's backward receives, by (stage, minibatch index).
+        output_grads: dict[tuple[int, int], Tensor] = {}
 
         def apply(s: int) -> None:
             mb, grads = pending[s].popleft()
+            if not self.stashing:  # ``grads`` holds the forward's activations: the backward runs now
+                grads = self._late_backward(s, grads, output_grads.pop((s, mb.index)), output_grads, mb.index)
             for n, g in grads.items():
                 if g is not None:
                     accumulated[s][n] = accumulated[s][n] + g if n in accumulated[s] else g
@@ -116,15 +130,63 @@ class PipeDreamRule:
                 weights = [history[s][min(version, len(history[s]) - 1)] for s in range(S)]
             else:
                 weights = [self._weights(s) for s in range(S)]
-            grads = self._gradients(weights, mb)
+            if self.stashing:
+                per_stage = self._gradients(weights, mb)
+            else:
+                per_stage, loss_grad = self._activations(mb)
+                output_grads[(S - 1, mb.index)] = loss_grad
             for s in range(S):
-                pending[s].append((mb, grads[s]))
+                pending[s].append((mb, per_stage[s]))
             for s in range(S):
                 if n - delay[s] >= 0:
                     apply(s)
-        for s in range(S):
+        # The drain: a stage's backward needs the next stage's, so the last stage goes first.
+        for s in reversed(range(S)):
             while pending[s]:
                 apply(s)
+
+    def _activations(self, mb: Minibatch) -> tuple[list[list[Tensor]], Tensor]:
+        """Without stashing: the forward at the live weights; per stage, what each layer's backward keeps
+        (a Linear's input, a Tanh's output); and the gradient of the (1/k-scaled) loss by the output."""
+        saved: list[list[Tensor]] = []
+        h = mb.inputs
+        with torch.no_grad():
+            for stage in self.stages:
+                kept = []
+                for layer in stage:
+                    if isinstance(layer, nn.Linear):
+                        kept.append(h)
+                        h = h @ layer.weight.T + (layer.bias if layer.bias is not None else 0)
+                    elif isinstance(layer, nn.Tanh):
+                        h = torch.tanh(h)
+                        kept.append(h)
+                    else:
+                        raise TypeError(f"the no-stashing reference knows Linear and Tanh, not {type(layer).__name__}")
+                saved.append(kept)
+        out = h.clone().requires_grad_()
+        loss = self.loss_fn(out, mb.targets)
+        self.losses.append(float(loss.detach()))
+        (grad,) = torch.autograd.grad(loss / self.accumulate, out)
+        return saved, grad
+
+    def _late_backward(
+        self, s: int, kept: list[Tensor], g: Tensor, output_grads: dict[tuple[int, int], Tensor], index: int
+    ) -> dict[str, Tensor | None]:
+        """Stage ``s``'s backward now, at its live weights, from the activations its forward kept."""
+        grads: dict[str, Tensor | None] = {}
+        names = list(self.stages[s]._modules)
+        with torch.no_grad():
+            for name, layer, saved in reversed(list(zip(names, self.stages[s], kept))):
+                if isinstance(layer, nn.Tanh):
+                    g = g * (1 - saved * saved)
+                    continue
+                grads[f"{name}.weight"] = g.T @ saved if layer.weight.requires_grad else None
+                if layer.bias is not None:
+                    grads[f"{name}.bias"] = g.sum(0) if layer.bias.requires_grad else None
+                g = g @ layer.weight  # the newest weights
+        if s > 0:
+            output_grads[(s - 1, index)] = g
+        return grads
 
     def state_dict(self, prefix: str, layer_names: list[str]) -> dict[str, Tensor]:
         """The weights under the LightningModule's names (``prefix`` + the Sequential's layer names)."""
