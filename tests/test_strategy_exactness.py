@@ -282,3 +282,28 @@ def test_what_is_refused_says_what_to_use_instead():
     with pytest.raises(RuntimeError, match="The optimizer's parameter groups changed during training .*"
                                            "BackboneFinetuning.*unfreeze by setting requires_grad=True"):
         _fit_one_device(RuleMLP(), callbacks=[AddsParamGroup()])
+
+
+class TwoOptimizers(RuleMLP):
+    """One optimizer per half of the model (what a GAN or a per-part learning rate would do)."""
+
+    def configure_optimizers(self):
+        return [torch.optim.SGD(self.layers[:4].parameters(), lr=0.1),
+                torch.optim.SGD(self.layers[4:].parameters(), lr=0.1)]
+
+
+class TwoOptimizersManual(TwoOptimizers):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+
+def test_several_optimizers_are_refused():
+    # Under automatic optimization Lightning itself refuses several optimizers and points to manual optimization,
+    # which PipeDreamStrategy refuses in turn (one optimizer with several parameter groups is what works).
+    with pytest.raises(RuntimeError, match=r"^Training with multiple optimizers is only supported with manual "
+                                           r"optimization\. Set `self.automatic_optimization = False`"):
+        _fit_one_device(TwoOptimizers())
+    with pytest.raises(ValueError, match=r"uses manual optimization \(automatic_optimization=False\), which "
+                                         r"PipeDreamStrategy does not support"):
+        _fit_one_device(TwoOptimizersManual())
