@@ -6,6 +6,7 @@ import time
 
 import pytest
 import torch
+from pipedream_reference import Minibatch, PipeDreamRule
 from torch import nn
 from torch.func import functional_call
 
@@ -103,8 +104,14 @@ def test_pipedream_follows_weight_stashing_rule(stages):
     want = pipedream_reference(n, stages)
     state, _ = gather(run_local(train_pipeline, stages, "pipedream", 1, n, 10, {}, timeout=90))
     assert_close_state(state, want)
-    # Without stashing the backward sees newer weights: the result must differ from the rule.
+    # Without stashing the backward runs at the newest weights on the forward's activations: the rule's ablation
+    # (tests/scripts/pipedream_reference.py), which differs from the stashing rule.
     state, _ = gather(run_local(train_pipeline, stages, "pipedream", 1, n, 10, {"weight_stashing": False}, timeout=90))
+    model = mlp()
+    balance = [len(model) // stages + (1 if s < len(model) % stages else 0) for s in range(stages)]
+    rule = PipeDreamRule(model, balance, sgd, nn.functional.mse_loss, lambda t: {}, stashing=False)
+    rule.segment([Minibatch(t, x, y) for t, (x, y) in enumerate(batches(n))])
+    assert_close_state(state, model.state_dict())
     differences = [(state[k] - want[k]).abs().max().item() for k in want]
     assert max(differences) > 1e-4
 
@@ -169,8 +176,13 @@ def sequence_loss(logits, targets):
     return nn.functional.cross_entropy(logits.reshape(-1, 20), targets.reshape(-1))
 
 
-def train_sequence(rank, world, schedule, chunks):
-    pipe = Pipeline(sequence_model(), loss_fn=sequence_loss, optimizer=sgd, schedule=schedule, chunks=chunks)
+def sequence_sgd(lr: float):
+    return lambda params: torch.optim.SGD(params, lr=lr, momentum=MOMENTUM)
+
+
+def train_sequence(rank, world, schedule, chunks, lr=LR):
+    pipe = Pipeline(sequence_model(), loss_fn=sequence_loss, optimizer=sequence_sgd(lr), schedule=schedule,
+                    chunks=chunks)
     losses = [pipe.step(x, y) for x, y in sequence_batches()]
     pipe.drain()
     return pipe.state_dict(), losses
@@ -187,8 +199,21 @@ def test_sequence_lengths_change_every_step():
     state, losses = gather(run_local(train_sequence, 2, "1f1b", 2, timeout=90))
     assert len(losses) == 5 and all(loss > 0 for loss in losses)
     assert_close_state(state, reference.state_dict())
-    state, losses = gather(run_local(train_sequence, 2, "pipedream", 1, timeout=90))
-    assert len(losses) == 5
+    # pipedream: PipeDream's rule (weight stashing) in one process, losses and weights; at lr 1.0 stage 0's
+    # staleness moves the weights ~1e-4..1e-3 away from synchronous training (at lr 0.1 only ~1e-6).
+    model = sequence_model()
+    rule = PipeDreamRule(model, [2, 2], sequence_sgd(1.0), sequence_loss, lambda t: {})
+    rule.segment([Minibatch(t, x, y) for t, (x, y) in enumerate(sequence_batches())])
+    state, losses = gather(run_local(train_sequence, 2, "pipedream", 1, 1.0, timeout=90))
+    assert losses == pytest.approx(rule.losses, rel=1e-5)
+    assert_close_state(state, model.state_dict())
+    synchronous = sequence_model()
+    opt = sequence_sgd(1.0)(synchronous.parameters())
+    for x, y in sequence_batches():
+        opt.zero_grad()
+        sequence_loss(synchronous(x), y).backward()
+        opt.step()
+    assert max((state[k] - v).abs().max().item() for k, v in synchronous.state_dict().items()) > 1e-4
 
 
 class Boom(nn.Linear):
