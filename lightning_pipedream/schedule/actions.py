@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -16,6 +18,9 @@ class Op(str, Enum):
     RECV_ACT = "RA"  # receive a forward input from the previous stage (blocking)
     SEND_GRAD = "SG"  # send an input-gradient to the previous stage (asynchronous)
     RECV_GRAD = "RG"  # receive an output-gradient from the next stage (blocking)
+    # Sum the gradients over the replicas of a replicated stage (blocking, collective): every
+    # replica's n-th ALLREDUCE_GRAD of a stage meets the other replicas' n-th.
+    ALLREDUCE_GRAD = "AR"
 
     @property
     def is_send(self) -> bool:
@@ -28,6 +33,10 @@ class Op(str, Enum):
     @property
     def is_compute(self) -> bool:
         return self in (Op.FORWARD, Op.BACKWARD)
+
+    @property
+    def is_collective(self) -> bool:
+        return self is Op.ALLREDUCE_GRAD
 
 
 @dataclass(frozen=True)
@@ -67,6 +76,12 @@ class Schedule:
 
     ``num_ranks`` is kept apart from ``num_stages``: the validator and the simulator already handle
     several stages per rank (stage s on rank s % num_ranks), which interleaved schedules need.
+
+    ``replicas`` (one count per stage, e.g. ``(2, 1)``) makes a replicated schedule laid out by
+    :class:`Layout`: stage s runs on ``replicas[s]`` ranks, micro-batch m on replica
+    ``m % replicas[s]`` (PipeDream's 1F1B-RR). Each training step admits ``chunks`` micro-batches
+    per replica of the input stage (one data shard each), so micro-batch numbers run over
+    ``0 .. chunks * minibatches * replicas[0] - 1``. ``None``: one rank per stage.
     """
 
     name: str
@@ -75,10 +90,29 @@ class Schedule:
     chunks: int
     actions: tuple[tuple[Action, ...], ...]  # actions[rank] in execution order
     minibatches: int = 1
+    replicas: tuple[int, ...] | None = None
+
+    @property
+    def layout(self) -> Layout | None:
+        """Where a replicated schedule's stages live (None: one rank per stage, or stages round-robin)."""
+        return None if self.replicas is None else Layout(self.replicas)
 
     def rank_of(self, stage: int) -> int:
         """Stages are laid out round-robin over ranks (stage s lives on rank s % num_ranks)."""
+        if self.replicas is not None:
+            raise ValueError("A replicated stage lives on several ranks; use Schedule.owner(stage, microbatch).")
         return stage % self.num_ranks
+
+    def owner(self, stage: int, microbatch: int) -> int:
+        """The rank that runs ``microbatch`` on ``stage``."""
+        return self.rank_of(stage) if self.replicas is None else Layout(self.replicas).owner(stage, microbatch)
+
+    def stages_of(self, rank: int) -> range:
+        """The stages that live on ``rank``."""
+        if self.replicas is not None:
+            stage = Layout(self.replicas).stage_of(rank)
+            return range(stage, stage + 1)
+        return range(rank, self.num_stages, self.num_ranks)
 
     def steps(self) -> int:
         """How many training steps the schedule spans (1 for flushed schedules)."""
@@ -86,10 +120,130 @@ class Schedule:
 
     @property
     def microbatch_count(self) -> int:
-        """How many micro-batch numbers the actions use: ``chunks * minibatches``."""
-        return self.chunks * self.minibatches
+        """How many micro-batch numbers the actions use: ``chunks * minibatches`` (times the input stage's replicas)."""
+        shards = 1 if self.replicas is None else self.replicas[0]
+        return self.chunks * self.minibatches * shards
 
     def size(self) -> str:
         """``"4 stages x 8 chunks"``, or ``"... x 8 minibatches"`` for a schedule that runs several."""
         count = f"{self.minibatches} minibatches" if self.minibatches > 1 else f"{self.chunks} chunks"
-        return f"{self.num_stages} stages x {count}"
+        where = "" if self.replicas is None else f" (replicas {','.join(map(str, self.replicas))})"
+        return f"{self.num_stages} stages{where} x {count}"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Stages with replicas placed on ranks, stage-major: stage 0's replicas first, then stage 1's...
+
+    ``Layout((2, 1))``: stage 0 on ranks 0 and 1, stage 1 on rank 2. For d data-parallel copies of
+    a p-stage pipeline (``Layout.data_parallel(p, d)``) rank ``s * d + k`` holds stage s of
+    pipeline k. Stage-major keeps a stage's replicas on neighbouring ranks (one server when ranks
+    fill servers in order), so the gradient all-reduce, whose size is the stage's parameters,
+    stays on the fastest links and only activations cross servers (Megatron-LM orders its
+    pipeline dimension outermost for the same reason; PipeDream's plans number ranks this way).
+    """
+
+    replicas: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        counts = tuple(self.replicas)
+        if not counts or any(not isinstance(r, int) or isinstance(r, bool) or r < 1 for r in counts):
+            raise ValueError(
+                f"replicas must list one whole number >= 1 per stage (e.g. (2, 1)), got {self.replicas!r}."
+            )
+        object.__setattr__(self, "replicas", counts)
+
+    @classmethod
+    def data_parallel(cls, num_stages: int, copies: int) -> Layout:
+        """``copies`` data-parallel pipelines of ``num_stages`` stages: every stage has ``copies`` replicas."""
+        return cls((copies,) * num_stages)
+
+    @classmethod
+    def of(cls, replicas: Sequence[int] | None, num_stages: int) -> Layout:
+        """The layout for ``replicas`` (checked against ``num_stages``); None means one rank per stage."""
+        layout = cls(tuple(replicas) if replicas is not None else (1,) * num_stages)
+        if layout.num_stages != num_stages:
+            raise ValueError(
+                f"replicas {list(layout.replicas)} lists {layout.num_stages} stages but there are {num_stages}; "
+                "give one replica count per stage."
+            )
+        return layout
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.replicas)
+
+    @property
+    def num_ranks(self) -> int:
+        return sum(self.replicas)
+
+    @property
+    def input_replicas(self) -> int:
+        """Replicas of stage 0: the data shards each training step reads (the data-parallel degree)."""
+        return self.replicas[0]
+
+    @property
+    def is_replicated(self) -> bool:
+        return any(r > 1 for r in self.replicas)
+
+    @property
+    def is_uniform(self) -> bool:
+        """Every stage has the same replica count: d data-parallel copies of the pipeline."""
+        return len(set(self.replicas)) == 1
+
+    def ranks_of(self, stage: int) -> range:
+        """The ranks that hold ``stage``, replica 0 first."""
+        if not 0 <= stage < self.num_stages:
+            raise ValueError(f"stage {stage} is out of range 0..{self.num_stages - 1}.")
+        first = sum(self.replicas[:stage])
+        return range(first, first + self.replicas[stage])
+
+    def stage_of(self, rank: int) -> int:
+        """The stage ``rank`` holds."""
+        if not 0 <= rank < self.num_ranks:
+            raise ValueError(f"rank {rank} is out of range 0..{self.num_ranks - 1} for replicas {list(self.replicas)}.")
+        end = 0
+        for stage, count in enumerate(self.replicas):
+            end += count
+            if rank < end:
+                return stage
+        raise AssertionError("unreachable")
+
+    def replica_of(self, rank: int) -> int:
+        """Which replica of its stage ``rank`` is (0-based)."""
+        return rank - self.ranks_of(self.stage_of(rank)).start
+
+    def owner(self, stage: int, microbatch: int) -> int:
+        """The rank that runs ``microbatch`` on ``stage``: replicas take micro-batches round robin."""
+        ranks = self.ranks_of(stage)
+        return ranks[microbatch % len(ranks)]
+
+    def shard_of(self, microbatch: int) -> int:
+        """The data shard (input replica) a micro-batch comes from: ``microbatch % replicas[0]``."""
+        return microbatch % self.input_replicas
+
+    def in_flight(self, stage: int) -> int:
+        """Minibatches PipeDream keeps in flight on each replica of ``stage``.
+
+        PipeDream's rule: ceil(ranks of this and later stages / replicas of this stage), which is
+        NOAM = ceil(#workers / #replicas of the input stage) on the input stage and ``p - s`` in a
+        straight pipeline (its runtime warms up with one forward fewer).
+        """
+        following = sum(self.replicas[stage:])
+        return math.ceil(following / self.replicas[stage])
+
+    def shards_of(self, rank: int) -> tuple[int, ...]:
+        """The data shards whose samples ``rank`` reads: its inputs (first stage) or targets (last stage).
+
+        A middle stage reads none. A rank that reads exactly one shard can use a sampler of
+        ``input_replicas`` replicas at that shard's index; one that reads several (the single last
+        stage of a 2-1 plan) needs them all.
+        """
+        stage = self.stage_of(rank)
+        if 0 < stage < self.num_stages - 1:
+            return ()
+        r, d = self.replicas[stage], self.input_replicas
+        k = self.replica_of(rank)
+        # Micro-batches m with m % r == k come from shards m % d: every j with j = k (mod gcd(r, d)).
+        g = math.gcd(r, d)
+        return tuple(j for j in range(d) if j % g == k % g)

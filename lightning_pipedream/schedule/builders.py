@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
-from lightning_pipedream.schedule.actions import Action, Op, Schedule
+from lightning_pipedream.schedule.actions import Action, Layout, Op, Schedule
 
 # A compute order for one stage: ("F" | "B", microbatch) pairs, and "O" for an optimizer step.
 ComputeOrder = list[tuple[str, int] | str]
@@ -68,8 +68,12 @@ def _flushed(name: str, num_stages: int, chunks: int, order_of: Callable[[int], 
     return Schedule(name, num_stages, num_stages, chunks, actions)
 
 
-def gpipe(num_stages: int, chunks: int) -> Schedule:
+def gpipe(num_stages: int, chunks: int, replicas: Sequence[int] | None = None) -> Schedule:
     """GPipe: all forwards, then all backwards, then one optimizer step (flush)."""
+    layout = _replicated(num_stages, replicas)
+    if layout is not None:
+        check_chunks(chunks)
+        return _flushed_replicated("gpipe", layout, chunks, lambda rank, own: _gpipe_order(own))
 
     def order(stage: int) -> ComputeOrder:
         return [("F", m) for m in range(chunks)] + [("B", m) for m in range(chunks)] + ["O"]
@@ -77,8 +81,17 @@ def gpipe(num_stages: int, chunks: int) -> Schedule:
     return _flushed("gpipe", num_stages, chunks, order)
 
 
-def one_f_one_b(num_stages: int, chunks: int) -> Schedule:
+def one_f_one_b(num_stages: int, chunks: int, replicas: Sequence[int] | None = None) -> Schedule:
     """1F1B with flush (PipeDream-Flush, DAPPLE): warm-up, one-forward-one-backward, cool-down."""
+    layout = _replicated(num_stages, replicas)
+    if layout is not None:
+        check_chunks(chunks)
+
+        def replicated_order(rank: int, own: list[int]) -> ComputeOrder:
+            # Warm-up as PipeDream's: one forward fewer than the stage keeps in flight.
+            return _one_f_one_b_order(own, layout.in_flight(layout.stage_of(rank)) - 1)
+
+        return _flushed_replicated("1f1b", layout, chunks, replicated_order)
 
     def order(stage: int) -> ComputeOrder:
         warmup = min(num_stages - stage - 1, chunks)
@@ -123,10 +136,23 @@ def pipedream_drain(num_stages: int, stage: int, minibatches: int) -> list[Actio
     return _with_communication(stage, num_stages, order, minibatches)
 
 
-def pipedream(num_stages: int, minibatches: int) -> Schedule:
-    """PipeDream's asynchronous 1F1B over ``minibatches`` steps followed by a drain, as one schedule."""
+def pipedream(num_stages: int, minibatches: int, replicas: Sequence[int] | None = None) -> Schedule:
+    """PipeDream's asynchronous 1F1B over ``minibatches`` steps followed by a drain, as one schedule.
+
+    With ``replicas`` it is PipeDream's 1F1B-RR (see :func:`replicated_pipedream_step`).
+    """
     _check_stages(num_stages)
     _check_minibatches(minibatches)
+    layout = _replicated(num_stages, replicas)
+    if layout is not None:
+        actions = tuple(
+            tuple(
+                [a for t in range(minibatches) for a in replicated_pipedream_step(layout, r, t)]
+                + replicated_pipedream_drain(layout, r, minibatches)
+            )
+            for r in range(layout.num_ranks)
+        )
+        return Schedule("pipedream", layout.num_ranks, num_stages, 1, actions, minibatches, layout.replicas)
     actions = tuple(
         tuple(
             [a for t in range(minibatches) for a in pipedream_step(num_stages, s, t)]
@@ -137,12 +163,134 @@ def pipedream(num_stages: int, minibatches: int) -> Schedule:
     return Schedule("pipedream", num_stages, num_stages, 1, actions, minibatches=minibatches)
 
 
+# --------------------------------------------------------------------------------------------
+# Replicated stages (PipeDream's 1F1B-RR) and data-parallel pipelines.
+
+
+def _replicated(num_stages: int, replicas: Sequence[int] | None) -> Layout | None:
+    """The layout when some stage has several replicas; None keeps the one-rank-per-stage builders and their output."""
+    _check_stages(num_stages)
+    if replicas is None:
+        return None
+    layout = Layout.of(replicas, num_stages)
+    return layout if layout.is_replicated else None
+
+
+def _own_microbatches(layout: Layout, rank: int, microbatches: Iterable[int]) -> list[int]:
+    stage = layout.stage_of(rank)
+    return [m for m in microbatches if layout.owner(stage, m) == rank]
+
+
+def _with_replicas(layout: Layout, rank: int, order: Iterable, step: int = 0) -> list[Action]:
+    """A replica's compute order as actions: each message goes to (and comes from) the replica that
+    owns the micro-batch on the neighbouring stage; ``"R"`` is a gradient all-reduce among the
+    stage's replicas."""
+    stage = layout.stage_of(rank)
+    first, last = stage == 0, stage == layout.num_stages - 1
+    actions: list[Action] = []
+    for item in order:
+        if item == "O":
+            actions.append(Action(Op.OPTIMIZER_STEP, stage, step=step))
+            continue
+        if item == "R":
+            actions.append(Action(Op.ALLREDUCE_GRAD, stage, step=step))
+            continue
+        kind, mb = item
+        if kind == "F":
+            if not first:
+                actions.append(Action(Op.RECV_ACT, stage, mb, layout.owner(stage - 1, mb), step))
+            actions.append(Action(Op.FORWARD, stage, mb, step=step))
+            if not last:
+                actions.append(Action(Op.SEND_ACT, stage, mb, layout.owner(stage + 1, mb), step))
+        else:
+            if not last:
+                actions.append(Action(Op.RECV_GRAD, stage, mb, layout.owner(stage + 1, mb), step))
+            actions.append(Action(Op.BACKWARD, stage, mb, step=step))
+            if not first:
+                actions.append(Action(Op.SEND_GRAD, stage, mb, layout.owner(stage - 1, mb), step))
+    return actions
+
+
+def _gpipe_order(own: list[int]) -> ComputeOrder:
+    return [("F", m) for m in own] + [("B", m) for m in own]
+
+
+def _one_f_one_b_order(own: list[int], warmup: int) -> ComputeOrder:
+    warmup = min(warmup, len(own))
+    out: ComputeOrder = [("F", m) for m in own[:warmup]]
+    for i in range(len(own) - warmup):
+        out += [("F", own[warmup + i]), ("B", own[i])]
+    return out + [("B", m) for m in own[len(own) - warmup :]]
+
+
+def _flushed_replicated(
+    name: str, layout: Layout, chunks: int, order_of: Callable[[int, list[int]], ComputeOrder]
+) -> Schedule:
+    """A flushed step over ``chunks`` micro-batches per data shard: each replica runs the micro-batches
+    it owns, then all-reduces its gradients with its stage's other replicas, then steps."""
+    total = chunks * layout.input_replicas
+    actions = []
+    for rank in range(layout.num_ranks):
+        order = order_of(rank, _own_microbatches(layout, rank, range(total)))
+        reduce = ["R"] if layout.replicas[layout.stage_of(rank)] > 1 else []
+        actions.append(tuple(_with_replicas(layout, rank, order + reduce + ["O"])))
+    return Schedule(name, layout.num_ranks, layout.num_stages, chunks, tuple(actions), replicas=layout.replicas)
+
+
+def _admitted(layout: Layout, step: int) -> range:
+    """The minibatches step ``step`` admits: one per replica of the input stage."""
+    d = layout.input_replicas
+    return range(step * d, (step + 1) * d)
+
+
+def replicated_pipedream_step(layout: Layout, rank: int, step: int) -> list[Action]:
+    """One rank's actions in training step ``step`` of PipeDream's 1F1B-RR.
+
+    Step t admits minibatches ``t*d .. t*d + d - 1`` (d = replicas of the input stage), minibatch
+    m going to replica ``m % r`` of a stage with r replicas. Each replica runs 1F1B over the
+    minibatches it owns, keeping :meth:`Layout.in_flight` of them in flight: after the forward of
+    its k-th minibatch comes the backward of its (k - in_flight + 1)-th. A replicated stage
+    all-reduces each backward's gradients with the other replicas' backwards of the same round (the
+    n-th of each), then updates, so its replicas keep identical weights.
+    """
+    stage = layout.stage_of(rank)
+    r, keep = layout.replicas[stage], layout.in_flight(stage)
+    order: ComputeOrder = []
+    for m in _own_microbatches(layout, rank, _admitted(layout, step)):
+        order.append(("F", m))
+        k = m // r  # this replica's k-th minibatch (it owns m = k*r + replica)
+        if k - keep + 1 >= 0:
+            order += [("B", (k - keep + 1) * r + (m % r))] + (["R"] if r > 1 else []) + ["O"]
+    return _with_replicas(layout, rank, order, step)
+
+
+def replicated_pipedream_drain(layout: Layout, rank: int, minibatches: int) -> list[Action]:
+    """One rank's actions that empty a 1F1B-RR pipeline after ``minibatches`` steps.
+
+    A replica that owns fewer of the admitted minibatches than another replica of its stage joins
+    the last all-reduce round without a backward (contributing no gradient) and updates with the
+    others, so that the replicas stay identical.
+    """
+    if minibatches < 0:
+        raise ValueError(f"minibatches must be >= 0, got {minibatches}.")
+    stage = layout.stage_of(rank)
+    r, keep = layout.replicas[stage], layout.in_flight(stage)
+    own = _own_microbatches(layout, rank, range(minibatches * layout.input_replicas))
+    order: ComputeOrder = []
+    for m in own[max(0, len(own) - keep + 1) :]:
+        order += [("B", m)] + (["R"] if r > 1 else []) + ["O"]
+    rounds = -(-minibatches * layout.input_replicas // r)  # backwards of the stage's busiest replica
+    if r > 1 and len(own) < rounds:
+        order += ["R", "O"]
+    return _with_replicas(layout, rank, order, minibatches)
+
+
 def inference(num_stages: int, chunks: int) -> Schedule:
     """Forward passes only, micro-batch by micro-batch (validation, test, predict)."""
     return _flushed("inference", num_stages, chunks, lambda stage: [("F", m) for m in range(chunks)])
 
 
-_BUILDERS: dict[str, Callable[[int, int], Schedule]] = {
+_BUILDERS: dict[str, Callable[..., Schedule]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
     "pipedream": pipedream,
@@ -169,11 +317,20 @@ def check_schedule_options(schedule: str, chunks: int, vertical_sync: bool = Fal
         raise ValueError("vertical_sync=True only applies to schedule='pipedream'.")
 
 
-def build_schedule(name: str, num_stages: int, chunks: int = 1, *, minibatches: int | None = None) -> Schedule:
+def build_schedule(
+    name: str,
+    num_stages: int,
+    chunks: int = 1,
+    *,
+    minibatches: int | None = None,
+    replicas: Sequence[int] | None = None,
+) -> Schedule:
     """Build a schedule by name.
 
     ``gpipe`` and ``1f1b`` cover one training step of ``chunks`` micro-batches. ``pipedream`` runs
     whole batches (``chunks`` must be 1) and covers ``minibatches`` training steps and the drain.
+    ``replicas`` (one count per stage, e.g. ``[2, 1]``) replicates stages (see :class:`Layout`):
+    ``chunks`` then counts micro-batches per replica of the input stage (per data shard).
     """
     check_schedule_options(name, chunks)
     if name == "pipedream":
@@ -182,10 +339,10 @@ def build_schedule(name: str, num_stages: int, chunks: int = 1, *, minibatches: 
                 "build_schedule('pipedream', ...) needs minibatches=N: the number of minibatches "
                 "(training steps) to run before the drain."
             )
-        return pipedream(num_stages, minibatches)
+        return pipedream(num_stages, minibatches, replicas)
     if minibatches is not None:
         raise ValueError(
             f"minibatches={minibatches} applies to schedule='pipedream' only; {name!r} covers one "
             "training step of `chunks` micro-batches."
         )
-    return _BUILDERS[name](num_stages, chunks)
+    return _BUILDERS[name](num_stages, chunks, replicas)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from typing import Any
 
 from lightning_pipedream.schedule.actions import Action, Op, Schedule
 
@@ -38,47 +39,99 @@ class Placement:
     slot: list[list[int]]
     slots: int
     stuck: list[int | None]
+    collectives: Any = None  # who reached each all-reduce (for the deadlock message)
 
 
 def place(schedule: Schedule) -> Placement:
-    """Run every rank in lock step: a rank advances unless its next action is a receive with nothing to receive."""
+    """Run every rank in lock step: a rank advances unless its next action is a receive with nothing to
+    receive, or a gradient all-reduce that not all of its stage's replicas have reached."""
     ranks = schedule.actions
     pos = [0] * len(ranks)
     slot = [[-1] * len(actions) for actions in ranks]
     sent: Counter = Counter()  # (src, dst) -> messages visible to the receiver
     taken: Counter = Counter()  # (src, dst) -> messages already received
+    collective = _Collectives(schedule)
     tick = 0
     while True:
         progressed = False
         new_messages = []
-        for rank, actions in enumerate(ranks):
-            i, end, computed, row = pos[rank], len(actions), False, slot[rank]
-            while i < end:
-                action = actions[i]
-                op = action.op
-                if op is Op.FORWARD or op is Op.BACKWARD:
-                    if computed:
-                        break
-                    computed = True
-                elif op in _RECV:
-                    link = (action.peer, rank)
-                    if sent[link] <= taken[link]:
-                        break
-                    taken[link] += 1
-                elif op in _SEND:
-                    new_messages.append((rank, action.peer))
-                row[i] = tick
-                i += 1
-            if i != pos[rank]:
-                pos[rank] = i
-                progressed = True
+        computed = [False] * len(ranks)
+        passes = True
+        while passes:  # again while an all-reduce completed: its members pass it in this slot too
+            passes = False
+            for rank, actions in enumerate(ranks):
+                i, end, row = pos[rank], len(actions), slot[rank]
+                while i < end:
+                    action = actions[i]
+                    op = action.op
+                    if op is Op.FORWARD or op is Op.BACKWARD:
+                        if computed[rank]:
+                            break
+                        computed[rank] = True
+                    elif op in _RECV:
+                        link = (action.peer, rank)
+                        if sent[link] <= taken[link]:
+                            break
+                        taken[link] += 1
+                    elif op in _SEND:
+                        new_messages.append((rank, action.peer))
+                    elif op is Op.ALLREDUCE_GRAD:
+                        done, released = collective.arrive(rank, i)
+                        passes = passes or released
+                        if not done:
+                            break
+                    row[i] = tick
+                    i += 1
+                if i != pos[rank]:
+                    pos[rank] = i
+                    progressed = True
         for link in new_messages:  # visible from the next slot on: data takes time to travel
             sent[link] += 1
         if not progressed:
             break
         tick += 1
     stuck = [p if p < len(actions) else None for p, actions in zip(pos, ranks)]
-    return Placement(slot, tick, stuck)
+    placement = Placement(slot, tick, stuck)
+    placement.collectives = collective
+    return placement
+
+
+class _Collectives:
+    """Which ranks reached each gradient all-reduce: a replica's n-th ALLREDUCE_GRAD of a stage meets
+    the n-th of every other replica of that stage."""
+
+    def __init__(self, schedule: Schedule) -> None:
+        layout = schedule.layout
+        self.members = {s: len(layout.ranks_of(s)) for s in range(schedule.num_stages)} if layout else {}
+        self.round: dict[tuple[int, int], int] = {}  # (rank, action index) -> round number
+        counts: Counter = Counter()
+        for rank, actions in enumerate(schedule.actions):
+            for i, a in enumerate(actions):
+                if a.op is Op.ALLREDUCE_GRAD:
+                    self.round[(rank, i)] = counts[(rank, a.stage)]
+                    counts[(rank, a.stage)] += 1
+        self.arrived: dict[tuple[int, int], set[int]] = {}  # (stage, round) -> ranks there
+        self._actions = schedule.actions
+
+    def arrive(self, rank: int, index: int) -> tuple[bool, bool]:
+        """Record that ``rank`` reached its all-reduce at ``index``. Returns (every member is there,
+        this arrival completed the round for members already waiting)."""
+        stage = self._stage_of(rank, index)
+        here = self.arrived.setdefault((stage, self.round[(rank, index)]), set())
+        new = rank not in here
+        here.add(rank)
+        done = len(here) >= self.members.get(stage, 1)
+        return done, done and new and len(here) > 1
+
+    def missing(self, schedule: Schedule, rank: int, index: int) -> list[int]:
+        """The members that never reach the all-reduce ``rank`` waits on at ``index``."""
+        stage = self._stage_of(rank, index)
+        here = self.arrived.get((stage, self.round[(rank, index)]), set())
+        layout = schedule.layout
+        return [r for r in (layout.ranks_of(stage) if layout else [rank]) if r not in here]
+
+    def _stage_of(self, rank: int, index: int) -> int:
+        return self._actions[rank][index].stage
 
 
 # --------------------------------------------------------------------------------------------
@@ -87,7 +140,8 @@ def place(schedule: Schedule) -> Placement:
 
 def _label(action: Action, stage_suffix: bool) -> str:
     text = str(action)
-    return f"{text}s{action.stage}" if stage_suffix and action.op is not Op.OPTIMIZER_STEP else text
+    shown = stage_suffix and action.op not in (Op.OPTIMIZER_STEP, Op.ALLREDUCE_GRAD)
+    return f"{text}s{action.stage}" if shown else text
 
 
 def render_grid(
@@ -100,18 +154,20 @@ def render_grid(
     """The schedule as a text grid: one column per rank, one row per time slot, ``.`` where a rank idles.
 
     Cells show compute actions (``F3``: forward of micro-batch 3, ``B3``: backward) and ``O`` for an
-    optimizer step (``B3+O`` when it follows a backward in the same slot); with several stages per
-    rank the stage is appended (``F3s5``). ``mark=(rank, index)`` brackets that action's cell
-    (``>F3<``); a rank that waits forever gets a last ``wait`` row with the receive it waits on.
+    optimizer step (``B3+O`` when it follows a backward in the same slot), ``AR`` for a gradient
+    all-reduce among a replicated stage's replicas; with several stages per rank the stage is
+    appended (``F3s5``); replicated schedules name each rank's stage in the header.
+    ``mark=(rank, index)`` brackets that action's cell (``>F3<``); a rank that waits forever gets a
+    last ``wait`` row with the receive it waits on.
     ``rows=(first, last)`` prints only those slots.
     """
     placement = placement or place(schedule)
-    suffix = schedule.num_stages != schedule.num_ranks
+    suffix = schedule.num_stages != schedule.num_ranks and schedule.replicas is None
     n, slots = schedule.num_ranks, placement.slots
     cells = [["" for _ in range(n)] for _ in range(slots)]
     for rank, actions in enumerate(schedule.actions):
         for action, tick in zip(actions, placement.slot[rank]):
-            if tick < 0 or not (action.op.is_compute or action.op is Op.OPTIMIZER_STEP):
+            if tick < 0 or not (action.op.is_compute or action.op in (Op.OPTIMIZER_STEP, Op.ALLREDUCE_GRAD)):
                 continue
             text = _label(action, suffix)
             cells[tick][rank] = f"{cells[tick][rank]}+{text}" if cells[tick][rank] else text
@@ -137,7 +193,8 @@ def render_grid(
     table = [[str(t)] + [c or "." for c in cells[t]] for t in range(first, last + 1)]
     if any(wait):
         table.append(["wait"] + [c or "." for c in wait])
-    header = ["slot"] + [f"rank {r}" for r in range(n)]
+    layout = schedule.layout
+    header = ["slot"] + [f"rank {r}" + (f" s{layout.stage_of(r)}" if layout else "") for r in range(n)]
     widths = [max(len(row[i]) for row in table + [header]) for i in range(n + 1)]
     lines = [
         "  ".join(c.rjust(widths[0]) if i == 0 else c.ljust(widths[i]) for i, c in enumerate(row)).rstrip()
@@ -191,6 +248,11 @@ def validate(schedule: Schedule) -> None:
     two ranks are received in the order they are sent (point-to-point links are FIFO); optimizer
     steps are where the schedule's policy puts them; and the blocking simulation finishes, so no
     rank waits forever.
+
+    Replicated schedules (``schedule.replicas``) also need: each micro-batch runs on the replica
+    that owns it (round robin) and talks to the owners on the neighbouring stages; every update of
+    a replicated stage follows a gradient all-reduce, and all replicas of a stage run the same
+    number of all-reduces (each has all its members).
     """
     fail = _Failer(schedule)
     _check_layout(schedule, fail)
@@ -198,6 +260,7 @@ def validate(schedule: Schedule) -> None:
         _check_rank_order(schedule, rank, fail)
         _check_updates(schedule, rank, fail)
     _check_links(schedule, fail)
+    _check_collectives(schedule, fail)
     _check_progress(schedule, fail)
 
 
@@ -214,15 +277,37 @@ def _check_layout(s: Schedule, fail: _Failer) -> None:
             f"num_ranks={s.num_ranks}; give one action list per rank."
         )
     last = s.num_stages - 1
+    layout = s.layout
+    if layout is not None and (layout.num_stages != s.num_stages or layout.num_ranks != s.num_ranks):
+        raise ScheduleError(
+            f"{s.name} schedule declares {s.num_stages} stages on {s.num_ranks} ranks but replicas "
+            f"{list(layout.replicas)} place {layout.num_stages} stages on {layout.num_ranks} ranks."
+        )
     for rank, actions in enumerate(s.actions):
         for i, a in enumerate(actions):
-            if not 0 <= a.stage <= last or s.rank_of(a.stage) != rank:
-                where = f"stages are 0..{last}, stage s lives on rank s % {s.num_ranks}"
+            if not 0 <= a.stage <= last or a.stage not in s.stages_of(rank):
+                where = (
+                    f"stages are 0..{last}, stage s lives on rank s % {s.num_ranks}"
+                    if layout is None
+                    else f"replicas {list(layout.replicas)} put stage {layout.stage_of(rank)} there"
+                )
                 raise fail(rank, i, f"stage {a.stage} does not live on rank {rank} ({where}).")
             if a.op is Op.OPTIMIZER_STEP:
                 continue
+            if a.op is Op.ALLREDUCE_GRAD:
+                if layout is None or layout.replicas[a.stage] < 2:
+                    raise fail(rank, i, f"gradient all-reduce on stage {a.stage}, which has one replica; remove it.")
+                continue
             if not isinstance(a.microbatch, int) or not 0 <= a.microbatch < s.microbatch_count:
                 raise fail(rank, i, f"micro-batch {a.microbatch!r} is out of range 0..{s.microbatch_count - 1}.")
+            if layout is not None and s.owner(a.stage, a.microbatch) != rank:
+                owner = s.owner(a.stage, a.microbatch)
+                raise fail(
+                    rank,
+                    i,
+                    f"micro-batch {a.microbatch} of stage {a.stage} belongs to rank {owner} (replicas take "
+                    f"micro-batches round robin: replica m % {layout.replicas[a.stage]}).",
+                )
             if a.op.is_compute:
                 continue
             to_next = a.op in (Op.SEND_ACT, Op.RECV_GRAD)  # talks to the next stage, else the previous
@@ -230,8 +315,8 @@ def _check_layout(s: Schedule, fail: _Failer) -> None:
             if not 0 <= other <= last:
                 side = "next" if to_next else "previous"
                 raise fail(rank, i, f"stage {a.stage} has no {side} stage to talk to.")
-            if a.peer != s.rank_of(other):
-                right = s.rank_of(other)
+            right = s.owner(other, a.microbatch)
+            if a.peer != right:
                 raise fail(rank, i, f"peer should be rank {right} (where stage {other} lives), not {a.peer}.")
 
 
@@ -261,7 +346,7 @@ def _check_rank_order(s: Schedule, rank: int, fail: _Failer) -> None:
     first_at: dict[tuple[Op, int, int], int] = {}
     for i, a in enumerate(actions):
         op, stage, mb = a.op, a.stage, a.microbatch
-        if op is Op.OPTIMIZER_STEP:
+        if op is Op.OPTIMIZER_STEP or op is Op.ALLREDUCE_GRAD:
             continue
         flags, bit = done.get((stage, mb), 0), _FLAG[op]
         if flags & bit:
@@ -286,8 +371,10 @@ def _check_rank_order(s: Schedule, rank: int, fail: _Failer) -> None:
         done[(stage, mb)] = flags | bit
         first_at[(op, stage, mb)] = i
     required = (Op.FORWARD,) if OPTIMIZER_POLICY.get(s.name) == "none" else (Op.FORWARD, Op.BACKWARD)
-    for stage in range(rank, s.num_stages, s.num_ranks):
+    for stage in s.stages_of(rank):
         for mb in range(s.microbatch_count):
+            if s.owner(stage, mb) != rank:
+                continue
             for op in required:
                 if not done.get((stage, mb), 0) & _FLAG[op]:
                     raise fail(rank, len(actions), f"never runs the {_NAME[op]} of micro-batch {mb} on stage {stage}.")
@@ -302,32 +389,56 @@ def _check_updates(s: Schedule, rank: int, fail: _Failer) -> None:
             if a.op in (Op.BACKWARD, Op.RECV_GRAD, Op.SEND_GRAD, Op.OPTIMIZER_STEP):
                 raise fail(rank, i, f"{s.name} runs forwards only; remove this {a.op.name.lower()}.")
         return
+    layout = s.layout
+    replicated = {st for st in s.stages_of(rank) if layout is not None and layout.replicas[st] > 1}
     if policy == "per_backward":
-        pending: dict[int, int] = {}  # stage -> micro-batch whose backward still needs its update
+        # Per stage: after a backward, a replicated stage all-reduces, then updates, before computing
+        # again. A replica that ran out of minibatches joins the last round with an all-reduce and an
+        # update and no backward (it contributes no gradient).
+        state: dict[int, str] = {}  # stage -> "backward" | "reduced" (then the update is due)
+        last_mb: dict[int, int | None] = {}
         for i, a in enumerate(actions):
-            if a.op is Op.OPTIMIZER_STEP:
-                if pending.pop(a.stage, None) is None:
+            now = state.get(a.stage)
+            if a.op is Op.ALLREDUCE_GRAD:
+                if now == "reduced":
+                    raise fail(rank, i, f"second all-reduce on stage {a.stage} before its optimizer step.")
+                state[a.stage] = "reduced"
+            elif a.op is Op.OPTIMIZER_STEP:
+                if now is None:
                     why = f"{s.name} updates once after every backward"
                     raise fail(rank, i, f"optimizer step on stage {a.stage} without a backward before it; {why}.")
-            elif a.op.is_compute and a.stage in pending:
-                mb = pending[a.stage]
+                if now == "backward" and a.stage in replicated:
+                    raise fail(
+                        rank, i, f"optimizer step on replicated stage {a.stage} before the all-reduce of its gradients."
+                    )
+                del state[a.stage]
+            elif a.op.is_compute and now is not None:
+                mb = last_mb.get(a.stage)
                 raise fail(
                     rank, i, f"stage {a.stage} computes before the optimizer step that must follow backward {mb}."
                 )
             if a.op is Op.BACKWARD:
-                pending[a.stage] = a.microbatch
-        for stage, mb in pending.items():
+                state[a.stage], last_mb[a.stage] = "backward", a.microbatch
+        for stage in state:
+            mb = last_mb.get(stage)
             raise fail(
                 rank, len(actions), f"backward of micro-batch {mb} on stage {stage} has no optimizer step after it."
             )
         return
-    # per_step: one update per stage and training step, after all of that step's backwards (the flush).
+    # per_step: one update per stage and training step, after all of that step's backwards (the flush);
+    # on a replicated stage an all-reduce comes between the last backward and the update.
     backwards_left = Counter((a.stage, a.step) for a in actions if a.op is Op.BACKWARD)
     stepped: set[tuple[int, int]] = set()
+    reduced: set[tuple[int, int]] = set()
     for i, a in enumerate(actions):
         key = (a.stage, a.step)
         if a.op is Op.BACKWARD:
             backwards_left[key] -= 1
+        elif a.op is Op.ALLREDUCE_GRAD:
+            if backwards_left[key] or key in reduced:
+                what = f"before {backwards_left[key]} of the backwards of" if backwards_left[key] else "twice in"
+                raise fail(rank, i, f"gradient all-reduce of stage {a.stage} {what} training step {a.step}.")
+            reduced.add(key)
         elif a.op is Op.OPTIMIZER_STEP:
             if key in stepped:
                 raise fail(
@@ -343,9 +454,36 @@ def _check_updates(s: Schedule, rank: int, fail: _Failer) -> None:
                     f"optimizer step of stage {a.stage} before {backwards_left[key]} of the "
                     f"backwards of training step {a.step}; move it after them (the flush).",
                 )
+            if a.stage in replicated and key not in reduced:
+                raise fail(
+                    rank,
+                    i,
+                    f"optimizer step of replicated stage {a.stage} without a gradient all-reduce before it "
+                    f"in training step {a.step}; its replicas would drift apart.",
+                )
             stepped.add(key)
     for key in sorted({(a.stage, a.step) for a in actions} - stepped):
         raise fail(rank, len(actions), f"stage {key[0]} has no optimizer step in training step {key[1]}.")
+
+
+def _check_collectives(s: Schedule, fail: _Failer) -> None:
+    """Every replica of a stage runs the same number of all-reduces: each round has all its members."""
+    layout = s.layout
+    if layout is None:
+        return
+    for stage in range(s.num_stages):
+        ranks = layout.ranks_of(stage)
+        counts = {r: sum(a.op is Op.ALLREDUCE_GRAD for a in s.actions[r]) for r in ranks}
+        most = max(counts.values())
+        for r, n in counts.items():
+            if n != most:
+                busiest = max(counts, key=counts.__getitem__)
+                raise fail(
+                    r,
+                    len(s.actions[r]),
+                    f"runs {n} gradient all-reduces of stage {stage} but rank {busiest} runs {most}; the "
+                    f"all-reduce number {n} would wait forever for this rank. Every replica must join every round.",
+                )
 
 
 def _message(a: Action) -> tuple:
@@ -404,17 +542,28 @@ def _check_progress(s: Schedule, fail: _Failer) -> None:
     stuck = {r: i for r, i in enumerate(placement.stuck) if i is not None}
     if not stuck:
         return
+    collectives = placement.collectives
+
+    def waits_on(r: int) -> int:
+        a = s.actions[r][stuck[r]]
+        if a.op is Op.ALLREDUCE_GRAD:
+            return collectives.missing(s, r, stuck[r])[0]
+        return a.peer
+
+    def waiting(r: int, i: int) -> str:
+        a = s.actions[r][i]
+        if a.op is Op.ALLREDUCE_GRAD:
+            missing = ", ".join(map(str, collectives.missing(s, r, i)))
+            return f"rank {r} at action {i} ({a}) waits for rank(s) {missing} to join the all-reduce of stage {a.stage}"
+        return f"rank {r} at action {i} ({a}) waits for the {_describe(_message(a))} from rank {a.peer}"
+
     # Follow "waits for" from the first stuck rank until a rank repeats: that is the cycle to break.
     path, rank = [], min(stuck)
     while rank not in path and rank in stuck:
         path.append(rank)
-        rank = s.actions[rank][stuck[rank]].peer
+        rank = waits_on(rank)
     cycle = path[path.index(rank) :] if rank in path else path[-1:]
-    waits = "; ".join(
-        f"rank {r} at action {i} ({s.actions[r][i]}) waits for the "
-        f"{_describe(_message(s.actions[r][i]))} from rank {s.actions[r][i].peer}"
-        for r, i in sorted(stuck.items())
-    )
+    waits = "; ".join(waiting(r, i) for r, i in sorted(stuck.items()))
     first = min(cycle)
     raise fail(
         first,
