@@ -22,6 +22,7 @@ MULTIPROCESS_MODULES = {
     "test_graph_split.py",
     "test_recipes_errors.py",
     "test_recipes_runs.py",
+    "test_replicated_engine.py",
     "test_strategy.py",
     "test_strategy_exactness.py",
 }

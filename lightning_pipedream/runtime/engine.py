@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,17 +13,22 @@ from lightning_pipedream.runtime.failures import pipeline_failures
 from lightning_pipedream.runtime.stage import Stage
 from lightning_pipedream.runtime.transport import Transport
 from lightning_pipedream.runtime.weights import WeightVersions
-from lightning_pipedream.schedule.actions import Action, Op
+from lightning_pipedream.schedule.actions import Action, Layout, Op
 from lightning_pipedream.schedule.builders import (
     build_schedule,
     check_schedule_options,
     pipedream_drain,
     pipedream_step,
+    replicated_pipedream_drain,
+    replicated_pipedream_step,
 )
 
 # Applies the gradients now in the parameters' .grad; receives the minibatch they belong to (for
 # ``pipedream`` the minibatch whose backward just ran, for flushed schedules the step's minibatch).
 UpdateFn = Callable[[int], None]
+# The gradient all-reduce among a replicated stage's replicas; ``average`` asks for the mean over
+# the replicas that contributed (pipedream) rather than the sum (flushed schedules).
+AllReduceFn = Callable[..., object]
 
 
 @dataclass
@@ -39,6 +44,15 @@ class PipelineEngine:
     ``gpipe`` and ``1f1b`` run a whole flushed schedule per step. ``pipedream`` admits one
     minibatch per step and keeps the pipeline full across steps until :meth:`drain`; its stage
     keeps weight versions (stashing, and vertical sync if asked) in a :class:`WeightVersions`.
+
+    Replicated stages: ``replicas`` (one count per stage, see :class:`Layout`) and ``rank`` (this
+    process's position in the layout) run the replicated schedules (1F1B-RR); ``allreduce`` (e.g.
+    ``GradientReducer.reduce``) is called at every ALLREDUCE_GRAD with ``average=False`` for
+    flushed schedules (the sum: scale each micro-batch's loss to its share of the step's union of
+    shards) and ``average=True`` for ``pipedream`` (the mean of the round's minibatches). Micro-batch
+    and minibatch numbers then count over all shards: number m comes from shard ``m % replicas[0]``;
+    a flushed step has ``chunks * replicas[0]`` of them, a pipedream step admits ``replicas[0]``
+    (step t: ``t * replicas[0] + shard``).
     """
 
     def __init__(
@@ -53,8 +67,25 @@ class PipelineEngine:
         weight_stashing: bool = True,
         vertical_sync: bool = False,
         record: bool = False,
+        replicas: Sequence[int] | None = None,
+        rank: int | None = None,
+        allreduce: AllReduceFn | None = None,
     ) -> None:
         check_schedule_options(schedule, chunks, vertical_sync)
+        layout = Layout.of(replicas, num_stages) if replicas is not None else None
+        self.layout = layout if layout is not None and layout.is_replicated else None
+        if self.layout is not None:
+            if rank is None or self.layout.stage_of(rank) != stage_index:
+                raise ValueError(
+                    f"rank={rank!r} does not hold stage {stage_index} under replicas {list(self.layout.replicas)}; "
+                    "give the process's rank in the layout (stage s's replicas are ranks sum(replicas[:s]) ...)."
+                )
+            if allreduce is None:
+                raise ValueError("Replicated stages need allreduce= (e.g. ReplicaGroups(...).reducer(params).reduce).")
+            if vertical_sync:
+                raise ValueError("vertical_sync=True is not supported with replicated stages yet; use replicas=None.")
+        self.rank = stage_index if rank is None else rank
+        self.allreduce = allreduce
         self.schedule = schedule
         self.num_stages = num_stages
         self.chunks = chunks
@@ -66,7 +97,10 @@ class PipelineEngine:
         self.stage = Stage(module, stage_index, num_stages, self.weights)
         self.executor = Executor(self.stage, transport, record=record)
         self.transport = transport
-        self._flushed = None if schedule == "pipedream" else build_schedule(schedule, num_stages, chunks)
+        replicated = None if self.layout is None else self.layout.replicas
+        self._flushed = (
+            None if schedule == "pipedream" else build_schedule(schedule, num_stages, chunks, replicas=replicated)
+        )
         self._admitted = 0  # pipedream: minibatches admitted since the last drain
         self._steps = 0  # flushed schedules: training steps run so far
         self._base_version = 0  # pipedream: updates every stage had made at the last drain
@@ -78,13 +112,17 @@ class PipelineEngine:
 
     @property
     def next_minibatch(self) -> int:
-        """The number the next :meth:`train_step` gives its minibatch (what ``update`` will receive for it)."""
-        return self._admitted if self._flushed is None else self._steps
+        """The number the next :meth:`train_step` gives its minibatch (what ``update`` will receive for it);
+        with replicated stages under pipedream, that of the step's first shard."""
+        shards = 1 if self.layout is None else self.layout.input_replicas
+        return self._admitted * shards if self._flushed is None else self._steps
 
     def step_actions(self) -> list[Action]:
         """This rank's actions for the next training step."""
         if self._flushed is not None:
-            return list(self._flushed.actions[self.stage.index])
+            return list(self._flushed.actions[self.rank if self.layout is not None else self.stage.index])
+        if self.layout is not None:
+            return replicated_pipedream_step(self.layout, self.rank, self._admitted)
         return pipedream_step(self.num_stages, self.stage.index, self._admitted)
 
     def train_step(self, inputs: InputFn, loss: LossFn, update: UpdateFn) -> StepResult:
@@ -102,7 +140,10 @@ class PipelineEngine:
         """Finish every minibatch in flight (pipedream), so that all weights are final."""
         if self._flushed is not None or self._admitted == 0:
             return StepResult()
-        actions = pipedream_drain(self.num_stages, self.stage.index, self._admitted)
+        if self.layout is not None:
+            actions = replicated_pipedream_drain(self.layout, self.rank, self._admitted)
+        else:
+            actions = pipedream_drain(self.num_stages, self.stage.index, self._admitted)
         result = self._run(actions, _no_inputs, _no_loss, update, self._admitted)
         self.transport.wait_all()
         self._admitted = 0
@@ -132,6 +173,10 @@ class PipelineEngine:
                 # The next forward here admits minibatch step+1; vertical sync needs versions from its one on.
                 weights.after_update(keep_from=self.version_for(action.step + 1))
 
+        def allreduce(action: Action) -> None:
+            assert self.allreduce is not None
+            self.allreduce(average=self._flushed is None)
+
         vertical = weights is not None and weights.vertical_sync
         with pipeline_failures(self.stage.index):
             result.losses = self.executor.run(
@@ -140,12 +185,14 @@ class PipelineEngine:
                 loss=loss,
                 optimizer_step=optimizer_step,
                 version=self.version_for if vertical else None,
+                allreduce=allreduce if self.allreduce is not None else None,
             )
         return result
 
 
 def _minibatch_of_each_update(actions: list[Action]) -> list[int]:
-    """For each OPTIMIZER_STEP in ``actions``: the micro-batch of the last BACKWARD before it."""
+    """For each OPTIMIZER_STEP in ``actions``: the micro-batch of the last BACKWARD before it (a replica
+    that only joins a final all-reduce round gets its own last backward's, -1 if none in ``actions``)."""
     out, last = [], -1
     for action in actions:
         if action.op is Op.BACKWARD:

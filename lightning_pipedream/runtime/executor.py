@@ -49,8 +49,12 @@ class Executor:
         optimizer_step: StepFn,
         version: VersionFn | None = None,
         train: bool = True,
+        allreduce: StepFn | None = None,
     ) -> dict[int, Any]:
         """Run ``actions``; returns the losses (detached) of the micro-batches whose forward ended here.
+
+        ``allreduce`` runs at ALLREDUCE_GRAD (replicated stages): the gradient all-reduce among the
+        stage's replicas.
 
         With ``train=False`` forwards run without autograd and keep nothing, and the values
         ``loss`` returns on the last stage (any step output) are returned as they are.
@@ -102,6 +106,13 @@ class Executor:
                 self.transport.send(self._input_grads.pop(mb), action.peer, "input gradients")
             elif op is Op.OPTIMIZER_STEP:
                 optimizer_step(action)
+            elif op is Op.ALLREDUCE_GRAD:
+                if allreduce is None:
+                    raise RuntimeError(
+                        f"The schedule all-reduces stage {action.stage}'s gradients but the executor got no "
+                        "allreduce function; build the engine with the replicas' ReplicaGroups."
+                    )
+                allreduce(action)
             if self.record:
                 self.records.append((action, start, time.perf_counter()))
         return losses

@@ -12,7 +12,9 @@ from torch import Tensor, nn
 from lightning_pipedream.plan.balance import check_balance, even_balance, stage_slice
 from lightning_pipedream.runtime.engine import PipelineEngine, StepResult
 from lightning_pipedream.runtime.microbatch import batch_size, split
+from lightning_pipedream.runtime.replicas import ReplicaGroups
 from lightning_pipedream.runtime.transport import Transport
+from lightning_pipedream.schedule.actions import Layout
 from lightning_pipedream.schedule.builders import check_schedule_options
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -26,6 +28,15 @@ class Pipeline:
     stage reads ``targets`` and computes ``loss_fn(output, targets)`` (mean-reduced: the step's
     loss is the mean over the whole batch, as without micro-batches). ``schedule='pipedream'``
     keeps the pipeline full between steps: call :meth:`drain` before reading final weights.
+
+    ``replicas`` (one count per stage, e.g. ``[2, 1]`` on 3 processes, ``[2, 2]`` for two
+    data-parallel copies of a 2-stage pipeline) replicates stages: ranks are laid out stage-major
+    (:class:`Layout`), every rank gets the step's whole batch, which is split into ``replicas[0]``
+    equal shards (one per input replica, as a distributed sampler would) and each shard into
+    ``chunks`` micro-batches; a stage's replicas all-reduce their gradients (:class:`ReplicaGroups`).
+    Flushed schedules then equal one process training on the whole batch; ``pipedream`` runs
+    1F1B-RR, each shard being one minibatch, a replicated stage updating with the mean gradient
+    of each round of its replicas' minibatches.
     """
 
     def __init__(
@@ -43,6 +54,7 @@ class Pipeline:
         device: torch.device | str = "cpu",
         record: bool = False,
         before_update: Callable[[], None] | None = None,
+        replicas: Sequence[int] | None = None,
     ) -> None:
         # Prebuilt stages (e.g. lightning_pipedream.graph's GraphStage): a list with one module per rank.
         prebuilt = isinstance(layers, (list, tuple))
@@ -51,6 +63,12 @@ class Pipeline:
         check_schedule_options(schedule, chunks, vertical_sync)
         self.rank = dist.get_rank(group)
         self.num_stages = dist.get_world_size(group)
+        self.layout = None
+        if replicas is not None:
+            self.layout = Layout(tuple(replicas))
+            self.groups = ReplicaGroups(self.layout, group=group, device_type=torch.device(device).type)
+            self.num_stages = self.layout.num_stages
+        self.stage_index = self.rank if self.layout is None else self.layout.stage_of(self.rank)
         if prebuilt:
             if len(layers) != self.num_stages or balance is not None:
                 raise ValueError(f"Pipeline got {len(layers)} prebuilt stage modules for {self.num_stages} processes "
@@ -63,7 +81,7 @@ class Pipeline:
                 else even_balance(len(layers), self.num_stages)
             )
         self.device = torch.device(device)
-        stage = layers[self.rank] if prebuilt else stage_slice(layers, self.balance, self.rank)
+        stage = layers[self.stage_index] if prebuilt else stage_slice(layers, self.balance, self.stage_index)
         self.module = stage.to(self.device)
         self.before_update = before_update  # e.g. TiedParameters.allreduce_grads
         self.schedule = schedule
@@ -73,9 +91,10 @@ class Pipeline:
         # A stage of parameter-free layers (an activation, a reshape) has nothing to optimize.
         self.optimizer = optimizer(params) if params else None
         self.transport = Transport(group=group, device=self.device)
+        self.reducer = None if self.layout is None else self.groups.reducer(params)
         self.engine = PipelineEngine(
             self.module,
-            self.rank,
+            self.stage_index,
             self.num_stages,
             self.transport,
             schedule=schedule,
@@ -83,15 +102,18 @@ class Pipeline:
             weight_stashing=weight_stashing,
             vertical_sync=vertical_sync,
             record=record,
+            replicas=None if self.layout is None else self.layout.replicas,
+            rank=self.rank,
+            allreduce=None if self.reducer is None else self.reducer.reduce,
         )
 
     @property
     def is_first(self) -> bool:
-        return self.rank == 0
+        return self.stage_index == 0
 
     @property
     def is_last(self) -> bool:
-        return self.rank == self.num_stages - 1
+        return self.stage_index == self.num_stages - 1
 
     def _update(self, minibatch: int) -> None:
         if self.before_update is not None:
@@ -108,6 +130,8 @@ class Pipeline:
         finishes on the last stage within the step; its backward on earlier stages, and their
         updates, happen over the next steps.
         """
+        if self.layout is not None:
+            return self._replicated_step(inputs, targets)
         chunks = self.chunks
         in_parts = split(inputs, chunks) if self.is_first else None
         tgt_parts = split(targets, chunks) if self.is_last else None
@@ -124,6 +148,37 @@ class Pipeline:
 
         result = self.engine.train_step(lambda mb: in_parts[micro(mb)], loss, self._update)  # type: ignore[index]
         return float(sum(result.losses.values())) if self.is_last else None
+
+    def _replicated_step(self, inputs: Any, targets: Any) -> float | None:
+        """A step of replicated stages: micro-batch m is chunk ``m // d`` of shard ``m % d`` (d: input replicas)."""
+        assert self.layout is not None
+        d, pipedream = self.layout.input_replicas, self.schedule == "pipedream"
+        chunks = 1 if pipedream else self.chunks
+
+        def pieces(tree: Any) -> list[Any]:
+            return [part for shard in split(tree, d) for part in split(shard, chunks)]  # shard-major
+
+        in_parts = pieces(inputs) if self.is_first else None
+        tgt_parts = pieces(targets) if self.is_last else None
+        total = batch_size(targets) if self.is_last else 1
+
+        def piece(mb: int) -> int:
+            index = mb % (d * chunks) if not pipedream else mb % d
+            return (index % d) * chunks + index // d
+
+        def loss(mb: int, output: Any) -> Tensor:
+            assert tgt_parts is not None
+            target = tgt_parts[piece(mb)]
+            value = self.loss_fn(output, target)
+            # Flushed: the replicas' gradients are summed, so each micro-batch counts by its share of
+            # the whole batch. Pipedream: each shard is a minibatch; its replicas average per round.
+            return value if pipedream else value * (batch_size(target) / total)
+
+        result = self.engine.train_step(lambda mb: in_parts[piece(mb)], loss, self._update)  # type: ignore[index]
+        if not self.is_last:
+            return None
+        losses = result.losses.values()
+        return float(sum(losses) / len(losses)) if pipedream and losses else float(sum(losses))
 
     def drain(self) -> StepResult:
         """Finish the minibatches still in flight (``pipedream``); a no-op for flushed schedules."""
