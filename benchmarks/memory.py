@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python benchmarks/memory.py --json benchmarks/results/memory.json
+    python -m benchmarks.memory --json benchmarks/results/memory.json
 
 Each schedule runs in a fresh Python process (which forks its 2 ranks), so one configuration's
 allocations do not inflate another's peak. Per rank it reports:
@@ -35,11 +35,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from schedules import OURS, Config, build_model, make_batch, sgd  # noqa: E402
+from benchmarks.workload import OURS, Config, build_model, make_batch, sgd
+from lightning_pipedream.runtime.launch import run_local
+from lightning_pipedream.runtime.pipeline import Pipeline
 
-from lightning_pipedream.runtime.launch import run_local  # noqa: E402
-from lightning_pipedream.runtime.pipeline import Pipeline  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent  # the ranks' processes import benchmarks.workload from here
 
 
 def _status_kb(key: str) -> int:
@@ -212,7 +212,8 @@ def main(argv: list[str] | None = None) -> dict:
     for schedule in OURS:
         cmd = [
             sys.executable,
-            __file__,
+            "-m",
+            "benchmarks.memory",
             "--one",
             schedule,
             "--steps",
@@ -226,7 +227,7 @@ def main(argv: list[str] | None = None) -> dict:
             "--chunks",
             str(args.chunks),
         ]
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=REPO)
         if proc.returncode != 0:
             raise RuntimeError(f"{schedule} failed:\n{proc.stderr}")
         results[schedule] = json.loads(proc.stdout.strip().splitlines()[-1])

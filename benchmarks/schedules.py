@@ -2,9 +2,9 @@
 
 Run from the repository root::
 
-    python benchmarks/schedules.py --json benchmarks/results/schedules.json          # 6-10 minutes
-    python benchmarks/schedules.py --quick --json /tmp/quick.json                     # < 2 minutes
-    python benchmarks/schedules.py --malloc keep --json benchmarks/results/schedules_malloc_keep.json
+    python -m benchmarks.schedules --json benchmarks/results/schedules.json          # 6-10 minutes
+    python -m benchmarks.schedules --quick --json /tmp/quick.json                     # < 2 minutes
+    python -m benchmarks.schedules --malloc keep --json benchmarks/results/schedules_malloc_keep.json
 
 The model is 8 x (Linear(1024, 1024) + ReLU) with MSE loss and plain SGD; a step is a batch of
 512 samples in 8 micro-batches of 64. Every multi-process contender runs 2 processes (one stage
@@ -44,398 +44,36 @@ import argparse
 import json
 import os
 import platform
-import resource
 import statistics
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch import nn
 
-from lightning_pipedream.plan.balance import even_balance, stage_slice
+from benchmarks.workload import (
+    BUSY_CORES,
+    LR,
+    OURS,
+    TORCH,
+    Config,
+    LoadMeter,
+    idle_load,
+    keep_freed_memory,
+    link_worker,
+    ours_worker,
+    profile,
+    single_worker,
+    torch_worker,
+    wait_for_quiet,
+)
 from lightning_pipedream.runtime.launch import run_local
-from lightning_pipedream.runtime.pipeline import Pipeline
-from lightning_pipedream.runtime.transport import Transport
 from lightning_pipedream.schedule.actions import Op
 from lightning_pipedream.schedule.builders import build_schedule
 from lightning_pipedream.schedule.simulate import simulate
 from lightning_pipedream.schedule.timeline import TimedAction, bubble_fraction, makespan, to_chrome_trace
-
-OURS = ("gpipe", "1f1b", "pipedream")
-TORCH = ("gpipe", "1f1b")
-LR = 1e-3
-
-
-@dataclass(frozen=True)
-class Config:
-    layers: int = 8
-    width: int = 1024
-    batch: int = 512
-    chunks: int = 8
-    stages: int = 2
-
-    @property
-    def micro(self) -> int:
-        return self.batch // self.chunks
-
-
-# ---------------------------------------------------------------------------------------------
-# The workload
-
-
-def build_model(cfg: Config) -> nn.Sequential:
-    torch.manual_seed(0)
-    mods: list[nn.Module] = []
-    for _ in range(cfg.layers):
-        mods += [nn.Linear(cfg.width, cfg.width), nn.ReLU()]
-    return nn.Sequential(*mods)
-
-
-def make_batch(cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(cfg.batch, cfg.width, generator=g), torch.randn(cfg.batch, cfg.width, generator=g)
-
-
-def sgd(params):
-    return torch.optim.SGD(params, lr=LR)
-
-
-def stage_module(cfg: Config, rank: int) -> nn.Sequential:
-    model = build_model(cfg)
-    return stage_slice(model, even_balance(len(model), cfg.stages), rank)
-
-
-# ---------------------------------------------------------------------------------------------
-# Workers: each runs in a process started by run_local (1 thread unless it says otherwise) and
-# returns the wall-clock interval (perf_counter, one clock for all processes on Linux) of the
-# timed steps.
-
-
-def _timed(step, warmup: int, steps: int, finish=None, barrier: bool = True, after_warmup=None) -> dict:
-    for _ in range(warmup):
-        step()
-    if after_warmup is not None:
-        after_warmup()
-    if barrier:
-        dist.barrier()
-    f0, c0, t0 = _faults(), _cpu_self(), time.perf_counter()
-    loss = None
-    for _ in range(steps):
-        loss = step()
-    if finish is not None:
-        finish()
-    t1 = time.perf_counter()
-    return {"t0": t0, "t1": t1, "cpu_s": _cpu_self() - c0, "faults": _faults() - f0, "loss": loss}
-
-
-def _faults() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-
-
-def _cpu_self() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)  # every thread of the process (gloo's too)
-    return r.ru_utime + r.ru_stime
-
-
-def ours_worker(
-    rank: int, world: int, cfg: Config, schedule: str, trace: bool, warmup: int, steps: int, keep_trace_steps: int = 0
-) -> dict:
-    x, y = make_batch(cfg)
-    chunks = 1 if schedule == "pipedream" else cfg.chunks
-    pipe = Pipeline(
-        build_model(cfg), loss_fn=nn.functional.mse_loss, optimizer=sgd, schedule=schedule, chunks=chunks, record=trace
-    )
-    if schedule == "pipedream":
-        xs, ys = x.split(cfg.micro), y.split(cfg.micro)
-
-        def step():  # 512 samples = 8 PipeDream minibatches of 64
-            loss = None
-            for xm, ym in zip(xs, ys):
-                loss = pipe.step(xm, ym)
-            return loss
-
-        finish = pipe.drain
-    else:
-
-        def step():
-            return pipe.step(x, y)
-
-        finish = None
-    executor = pipe.engine.executor
-    out = _timed(step, warmup, steps, finish, after_warmup=executor.records.clear)
-    if trace:
-        out["busy_s"] = sum(
-            e - s for a, s, e in executor.records if a.op in (Op.FORWARD, Op.BACKWARD, Op.OPTIMIZER_STEP)
-        )
-        # mean seconds of this rank's forwards, backwards and optimizer steps, as the simulator takes them
-        out["op_mean_s"] = {
-            op.value: statistics.mean([e - s for a, s, e in executor.records if a.op is op] or [0.0])
-            for op in (Op.FORWARD, Op.BACKWARD, Op.OPTIMIZER_STEP)
-        }
-        out["actions"] = len(executor.records)
-        if keep_trace_steps:
-            out["events"] = [(a, s, e) for a, s, e in executor.records]
-    return out
-
-
-def torch_worker(rank: int, world: int, cfg: Config, schedule: str, warmup: int, steps: int) -> dict:
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-
-    x, y = make_batch(cfg)
-    module = stage_module(cfg, rank)
-    stage = PipelineStage(module, rank, world, torch.device("cpu"))
-    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
-    # loss_fn is mean-reduced; scale_grads (default True) divides by the micro-batch count, so
-    # the gradient is that of the mean over the batch, as in our Pipeline and in one process.
-    sched = cls(stage, n_microbatches=cfg.chunks, loss_fn=nn.functional.mse_loss)
-    opt = sgd(module.parameters())
-    first, last = rank == 0, rank == world - 1
-
-    def step():
-        losses: list = []
-        if first:
-            sched.step(x, return_outputs=False)
-        elif last:
-            sched.step(target=y, losses=losses, return_outputs=False)
-        else:
-            sched.step(return_outputs=False)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return float(sum(l.detach() for l in losses) / len(losses)) if losses else None
-
-    return _timed(step, warmup, steps)
-
-
-def single_worker(
-    rank: int, world: int, cfg: Config, threads: int, warmup: int, steps: int, update_per_minibatch: bool = False
-) -> dict:
-    torch.set_num_threads(threads)
-    x, y = make_batch(cfg)
-    model = build_model(cfg)
-    opt = sgd(model.parameters())
-    if update_per_minibatch:  # PipeDream's work without its pipeline: an SGD step after every 64 samples
-        xs, ys = x.split(cfg.micro), y.split(cfg.micro)
-
-        def step():
-            total = 0.0
-            for xm, ym in zip(xs, ys):
-                loss = nn.functional.mse_loss(model(xm), ym)
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                total += loss.item()
-            return total / len(xs)
-    elif threads == 1:  # the pipeline's work, micro-batch after micro-batch, on one core
-        xs, ys = x.split(cfg.micro), y.split(cfg.micro)
-
-        def step():
-            total = 0.0
-            for xm, ym in zip(xs, ys):
-                loss = nn.functional.mse_loss(model(xm), ym) * (xm.shape[0] / cfg.batch)
-                loss.backward()
-                total += loss.item()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return total
-    else:  # the whole batch with intra-op parallelism
-
-        def step():
-            loss = nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss.item()
-
-    return _timed(step, warmup, steps, barrier=False)
-
-
-# ---------------------------------------------------------------------------------------------
-# What the simulator needs, measured: per-stage costs in isolation (1 thread) and the link.
-
-
-def _median_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
-def profile_worker(rank: int, world: int, cfg: Config, repeats: int) -> dict:
-    """Forward/backward seconds of one micro-batch and the SGD step, per stage, on 1 thread.
-
-    With one process (``world == 1``) it times every stage in turn, alone on the machine ("in
-    isolation"); with ``world == cfg.stages`` each process times its own stage while the others
-    time theirs, so the cores share caches and memory bandwidth as in a pipeline ("concurrent").
-    """
-    x, y = make_batch(cfg)
-    xm, ym = x[: cfg.micro], y[: cfg.micro]
-    out: dict[str, list[float]] = {"forward_s": [], "backward_s": [], "optimizer_s": []}
-    for s in range(cfg.stages) if world == 1 else [rank]:
-        module = stage_module(cfg, s)
-        opt = sgd(module.parameters())
-        last = s == cfg.stages - 1
-        inp = xm.clone().requires_grad_(s > 0)
-        holder: dict[str, Any] = {}
-
-        def fwd():
-            o = module(inp)
-            holder["out"] = nn.functional.mse_loss(o, ym) * (1 / cfg.chunks) if last else o
-
-        def bwd():
-            o = holder.pop("out")
-            if last:
-                o.backward()
-            else:
-                o.backward(torch.ones_like(o))
-
-        for _ in range(3):
-            fwd()
-            bwd()
-        if world > 1:
-            dist.barrier()
-        fwd_times, bwd_times = [], []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            fwd()
-            t1 = time.perf_counter()
-            bwd()
-            t2 = time.perf_counter()
-            fwd_times.append(t1 - t)
-            bwd_times.append(t2 - t1)
-        out["forward_s"].append(statistics.median(fwd_times))
-        out["backward_s"].append(statistics.median(bwd_times))
-
-        def step():
-            opt.step()
-            opt.zero_grad(set_to_none=False)
-
-        out["optimizer_s"].append(_median_time(step, repeats))
-    return out
-
-
-def profile(cfg: Config, repeats: int, concurrent: bool, timeout: float) -> dict:
-    if not concurrent:
-        return run_local(profile_worker, 1, cfg, repeats, timeout=timeout)[0]
-    parts = run_local(profile_worker, cfg.stages, cfg, repeats, timeout=timeout)
-    return {k: [part[k][0] for part in parts] for k in parts[0]}
-
-
-def _lower(a: dict, b: dict) -> dict:
-    """Per stage, the lower of two profiles' costs (the one less disturbed by other processes)."""
-    return {k: [min(x, y) for x, y in zip(a[k], b[k])] for k in a}
-
-
-def link_worker(rank: int, world: int, cfg: Config, repeats: int) -> dict | None:
-    """One-way time of our transport's messages between two ranks (ping-pong / 2), small and activation-sized."""
-    transport = Transport()
-    peer = 1 - rank
-    result = {}
-    for name, shape in (("small", (1,)), ("activation", (cfg.micro, cfg.width))):
-        t = torch.randn(shape)
-        times = []
-        for i in range(repeats + 3):
-            dist.barrier()
-            start = time.perf_counter()
-            if rank == 0:
-                transport.send(t, peer)
-                transport.recv(peer)
-            else:
-                got = transport.recv(peer)
-                transport.send(got, peer)
-            transport.wait_all()
-            if i >= 3:
-                times.append((time.perf_counter() - start) / 2)
-        result[name] = statistics.median(times)
-    act_bytes = cfg.micro * cfg.width * 4
-    result["latency_s"] = result["small"]
-    result["bandwidth_Bps"] = act_bytes / max(result["activation"] - result["small"], 1e-9)
-    result["activation_bytes"] = act_bytes
-    return result if rank == 0 else None
-
-
-# ---------------------------------------------------------------------------------------------
-# Load
-
-
-def _cpu_busy_jiffies() -> int:
-    with open("/proc/stat") as f:
-        fields = [int(v) for v in f.readline().split()[1:]]
-    # user nice system idle iowait irq softirq steal guest guest_nice: busy = all - idle - iowait
-    return sum(fields[:8]) - fields[3] - fields[4]
-
-
-def _children_cpu_s() -> float:
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
-
-
-class LoadMeter:
-    """CPU used by other processes during a span: total busy CPU (/proc/stat) minus our children's."""
-
-    def __enter__(self):
-        self.hz = os.sysconf("SC_CLK_TCK")
-        self.t = time.perf_counter()
-        self.busy = _cpu_busy_jiffies()
-        self.ours = _children_cpu_s() + sum(os.times()[:2])
-        self.loadavg = os.getloadavg()[0]
-        return self
-
-    def __exit__(self, *exc):
-        wall = time.perf_counter() - self.t
-        busy = (_cpu_busy_jiffies() - self.busy) / self.hz
-        ours = _children_cpu_s() + sum(os.times()[:2]) - self.ours
-        self.wall = wall
-        self.ours_cores = ours / wall
-        self.foreign_cores = max(0.0, (busy - ours) / wall)
-        return False
-
-
-def keep_freed_memory() -> bool:
-    """Tell glibc's malloc to keep freed memory for reuse rather than give it back to the OS.
-
-    By default glibc returns large freed blocks (``munmap``, heap trimming), so the next
-    allocation of a tensor that size faults its pages in again; on this VM a page fault costs
-    about a microsecond, so a 4 MiB gradient or weight copy costs ~1 ms more each time. The
-    PyTorch CPU tuning guide's advice (jemalloc, tcmalloc) aims at the same. Applies to this
-    process and the processes it forks afterwards; returns False where it cannot (not glibc).
-    """
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    # 32 MiB is the largest mmap threshold glibc accepts; fixing it also stops its dynamic adjustment.
-    return bool(libc.mallopt(m_mmap_threshold, 32 << 20)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
-
-
-BUSY_CORES = 0.25  # other processes using more than this many cores: the machine is busy
-
-
-def wait_for_quiet(max_wait: float, sample: float = 0.5) -> float:
-    """Sleep until other processes use less than BUSY_CORES cores (sampled over ``sample`` s), at most
-    ``max_wait`` s."""
-    start = time.perf_counter()
-    while time.perf_counter() - start < max_wait:
-        with LoadMeter() as m:
-            time.sleep(sample)
-        if m.foreign_cores < BUSY_CORES:
-            break
-    return time.perf_counter() - start
-
-
-def idle_load(seconds: float = 2.0) -> dict:
-    with LoadMeter() as m:
-        time.sleep(seconds)
-    return {"loadavg_1m": m.loadavg, "foreign_cores": round(m.foreign_cores, 3), "cpus": os.cpu_count()}
-
 
 # ---------------------------------------------------------------------------------------------
 # The run
@@ -487,6 +125,11 @@ def run_contender(name: str, cfg: Config, warmup: int, steps: int, timeout: floa
             TimedAction(rank, a, s - t0, e - t0) for rank, r in enumerate(results) for a, s, e in r["events"]
         ]
     return run
+
+
+def _lower(a: dict, b: dict) -> dict:
+    """Per stage, the lower of two profiles' costs (the one less disturbed by other processes)."""
+    return {k: [min(x, y) for x, y in zip(a[k], b[k])] for k in a}
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -609,6 +252,47 @@ def one_step_events(events: list[TimedAction], schedule: str, cfg: Config, step:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    parser, args = _parse_args(argv)
+    rounds = args.rounds or (2 if args.quick else 6)
+    steps = args.steps or (3 if args.quick else 10)
+    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
+    if args.max_wait is None:
+        args.max_wait = 5.0 if args.quick else 20.0
+    if args.wait_budget is None:
+        args.wait_budget = 20.0 if args.quick else 150.0
+    cfg = Config(layers=args.layers, width=args.width, batch=args.batch, chunks=args.chunks)
+    if args.malloc == "keep" and not keep_freed_memory():
+        parser.error("--malloc keep needs glibc")
+    names = contenders(include_trace=not args.no_trace_contenders)
+    if args.only:
+        wanted = set(args.only.split(",")) | {"one_thread"}
+        unknown = wanted - set(contenders())
+        if unknown:
+            parser.error(f"unknown contenders {sorted(unknown)}; choose from {contenders()}")
+        names = [n for n in names if n in wanted]
+    started = time.time()
+
+    load0 = _report_machine_load(args.quick)
+    repeats = 10 if args.quick else 30
+    waited = wait_for_quiet(args.max_wait)
+    prof_before = profile(cfg, repeats, concurrent=False, timeout=args.timeout)
+    link_before = run_local(link_worker, cfg.stages, cfg, repeats, timeout=args.timeout)[0]
+    runs, kept_events, waited = _run_rounds(names, cfg, rounds, warmup, steps, args, waited)
+    sim, waited = _simulate(cfg, runs, repeats, args, waited, prof_before, link_before)
+    results = _summarize(names, runs, cfg)
+    _compare(results, runs, names, cfg, sim)
+    trace_overhead, bubbles = _trace_results(runs, results, kept_events, sim, cfg, steps, args.trace_dir)
+    doc = _document(cfg, args, rounds, steps, warmup, load0, runs, results, sim, bubbles, trace_overhead)
+    doc["seconds"] = time.time() - started
+    doc["seconds_waiting_for_quiet"] = waited
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(doc, indent=1))
+    _print_summary(doc)
+    return doc
+
+
+def _parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results/schedules.json"))
     parser.add_argument("--quick", action="store_true", help="short run (< 2 minutes): 2 rounds of 3 steps")
@@ -640,27 +324,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--wait-budget", type=float, default=None, help="seconds of such waiting in all (default 150; quick 20)"
     )
-    args = parser.parse_args(argv)
-    rounds = args.rounds or (2 if args.quick else 6)
-    steps = args.steps or (3 if args.quick else 10)
-    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
-    if args.max_wait is None:
-        args.max_wait = 5.0 if args.quick else 20.0
-    if args.wait_budget is None:
-        args.wait_budget = 20.0 if args.quick else 150.0
-    cfg = Config(layers=args.layers, width=args.width, batch=args.batch, chunks=args.chunks)
-    if args.malloc == "keep" and not keep_freed_memory():
-        parser.error("--malloc keep needs glibc")
-    names = contenders(include_trace=not args.no_trace_contenders)
-    if args.only:
-        wanted = set(args.only.split(",")) | {"one_thread"}
-        unknown = wanted - set(contenders())
-        if unknown:
-            parser.error(f"unknown contenders {sorted(unknown)}; choose from {contenders()}")
-        names = [n for n in names if n in wanted]
-    started = time.time()
+    return parser, parser.parse_args(argv)
 
-    load0 = idle_load(1.0 if args.quick else 2.0)
+
+def _report_machine_load(quick: bool) -> dict:
+    """The load before the runs, printed, with a warning where the machine is busy."""
+    load0 = idle_load(1.0 if quick else 2.0)
     print(
         f"machine: {os.cpu_count()} CPUs, load average {load0['loadavg_1m']:.2f}, "
         f"other processes using {load0['foreign_cores']:.2f} cores",
@@ -674,12 +343,13 @@ def main(argv: list[str] | None = None) -> dict:
             f"load average {load0['loadavg_1m']:.2f}): the figures will be noisy and slower than on a quiet machine.",
             stacklevel=1,
         )
+    return load0
 
-    repeats = 10 if args.quick else 30
-    waited = wait_for_quiet(args.max_wait)
-    prof_before = profile(cfg, repeats, concurrent=False, timeout=args.timeout)
-    link_before = run_local(link_worker, cfg.stages, cfg, repeats, timeout=args.timeout)[0]
 
+def _run_rounds(
+    names: list[str], cfg: Config, rounds: int, warmup: int, steps: int, args: argparse.Namespace, waited: float
+) -> tuple[dict[str, list[dict]], dict[str, list[TimedAction]], float]:
+    """Every contender once a round, the order rotating; the last round keeps the traced runs' events."""
     runs: dict[str, list[dict]] = {n: [] for n in names}
     kept_events: dict[str, list[TimedAction]] = {}
     for rnd in range(rounds):
@@ -701,9 +371,14 @@ def main(argv: list[str] | None = None) -> dict:
                 f"(others using {meter.foreign_cores:.2f} cores)",
                 flush=True,
             )
+    return runs, kept_events, waited
 
-    # What the simulator needs, measured before and after the rounds (the lower of the two is the
-    # less disturbed), then its predictions.
+
+def _simulate(
+    cfg: Config, runs: dict, repeats: int, args: argparse.Namespace, waited: float, prof_before: dict, link_before: dict
+) -> tuple[dict[str, Any], float]:
+    """What the simulator needs, measured before and after the rounds (the lower of the two is the
+    less disturbed), then its predictions."""
     waited += wait_for_quiet(min(args.max_wait, max(0.0, args.wait_budget - waited)))
     prof_after = profile(cfg, repeats, concurrent=False, timeout=args.timeout)
     prof_concurrent = profile(cfg, repeats, concurrent=True, timeout=args.timeout)
@@ -717,7 +392,21 @@ def main(argv: list[str] | None = None) -> dict:
         costs = trace_costs(runs.get(f"ours_{s}_trace", []))
         if costs is not None:
             replay[s] = {**predict(cfg, costs, link)[s], "costs": costs}
+    sim = {
+        "prof": prof,
+        "prof_before": prof_before,
+        "prof_after": prof_after,
+        "prof_concurrent": prof_concurrent,
+        "link": link,
+        "pred": pred,
+        "pred_concurrent": pred_concurrent,
+        "replay": replay,
+    }
+    return sim, waited
 
+
+def _summarize(names: list[str], runs: dict[str, list[dict]], cfg: Config) -> dict[str, Any]:
+    """Per contender, the medians over its runs."""
     results: dict[str, Any] = {}
     for name in names:
         sps = [r["steps_per_s"] for r in runs[name]]
@@ -735,6 +424,12 @@ def main(argv: list[str] | None = None) -> dict:
             "page_faults_per_step_median": statistics.median(r["page_faults_per_step"] for r in runs[name]),
             "loss": runs[name][-1]["loss"],
         }
+    return results
+
+
+def _compare(results: dict[str, Any], runs: dict[str, list[dict]], names: list[str], cfg: Config, sim: dict) -> None:
+    """Add the ratios to torch's and to one thread's, and to the simulator's step time, to ``results``."""
+    pred, pred_concurrent, replay = sim["pred"], sim["pred_concurrent"], sim["replay"]
     one = results["one_thread"]["steps_per_s"]
     for name in names:
         if not name.startswith("ours_"):
@@ -780,6 +475,18 @@ def main(argv: list[str] | None = None) -> dict:
                 results[f"torch_{s}"]["speedup_vs_one_thread"] / cfg.stages
             )
 
+
+def _trace_results(
+    runs: dict[str, list[dict]],
+    results: dict[str, Any],
+    kept_events: dict[str, list[TimedAction]],
+    sim: dict,
+    cfg: Config,
+    steps: int,
+    trace_dir_arg: str,
+) -> tuple[dict, dict]:
+    """The cost of tracing, the bubbles (analytic, simulated, measured) and the traces of one typical step."""
+    pred, replay = sim["pred"], sim["replay"]
     trace_overhead = {}
     bubbles = {}
     for s in OURS:
@@ -804,8 +511,8 @@ def main(argv: list[str] | None = None) -> dict:
             events = kept_events[f"ours_{s}_trace"]
             if s in TORCH:
                 bubbles[s]["measured_in_step_median"] = measured_bubble(events, s, cfg)["median"]
-            if args.trace_dir:
-                trace_dir = Path(args.trace_dir)
+            if trace_dir_arg:
+                trace_dir = Path(trace_dir_arg)
                 trace_dir.mkdir(parents=True, exist_ok=True)
                 # the step whose span is the median of the run's: a typical one, not a disturbed one
                 spans = [makespan(one_step_events(events, s, cfg, step=k)) for k in range(steps)]
@@ -820,7 +527,23 @@ def main(argv: list[str] | None = None) -> dict:
             trace_overhead[s]["record_cost_fraction_of_step"] = (
                 per_step * trace_overhead["record_cost_s_per_action"] * results[f"ours_{s}"]["steps_per_s"]
             )
+    return trace_overhead, bubbles
 
+
+def _document(
+    cfg: Config,
+    args: argparse.Namespace,
+    rounds: int,
+    steps: int,
+    warmup: int,
+    load0: dict,
+    runs: dict[str, list[dict]],
+    results: dict[str, Any],
+    sim: dict,
+    bubbles: dict,
+    trace_overhead: dict,
+) -> dict:
+    """The JSON document, in the order of its keys (main adds ``seconds`` and ``seconds_waiting_for_quiet`` last)."""
     doc = {
         "config": {
             **asdict(cfg),
@@ -846,22 +569,20 @@ def main(argv: list[str] | None = None) -> dict:
             "foreign_cores_during_runs_max": max(r["foreign_cores"] for rs in runs.values() for r in rs),
         },
         "contenders": results,
-        "profile": prof,
-        "profile_runs": {"isolated_before": prof_before, "isolated_after": prof_after, "concurrent": prof_concurrent},
-        "link": link,
-        "simulated": pred,
-        "simulated_concurrent_costs": pred_concurrent,
-        "simulated_trace_costs": replay,
+        "profile": sim["prof"],
+        "profile_runs": {
+            "isolated_before": sim["prof_before"],
+            "isolated_after": sim["prof_after"],
+            "concurrent": sim["prof_concurrent"],
+        },
+        "link": sim["link"],
+        "simulated": sim["pred"],
+        "simulated_concurrent_costs": sim["pred_concurrent"],
+        "simulated_trace_costs": sim["replay"],
         "bubble": bubbles,
         "trace_overhead": trace_overhead,
         "runs": runs,
-        "seconds": time.time() - started,
-        "seconds_waiting_for_quiet": waited,
     }
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(doc, indent=1))
-    _print_summary(doc)
     return doc
 
 

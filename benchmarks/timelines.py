@@ -1,6 +1,6 @@
 """PNG timelines of real runs (from their Chrome traces) beside the simulator's, for gpipe, 1f1b and pipedream.
 
-Run from the repository root, after ``benchmarks/schedules.py`` (which writes one traced step of
+Run from the repository root, after ``python -m benchmarks.schedules`` (which writes one traced step of
 each schedule to ``benchmarks/results/traces/real_<schedule>.json`` and the measured costs to its
 JSON)::
 
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         print(f"wrote {sim_path}")
         if not trace.exists():
-            print(f"no {trace}; run benchmarks/schedules.py first", file=sys.stderr)
+            print(f"no {trace}; run python -m benchmarks.schedules first", file=sys.stderr)
             continue
         events = load_trace(trace)
         path = plot_timeline(

@@ -2,25 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 TINY = ["--layers", "2", "--width", "32", "--batch", "16", "--chunks", "4"]
 
 
 def _load(name: str):
-    if str(BENCHMARKS) not in sys.path:
-        sys.path.insert(0, str(BENCHMARKS))  # memory.py and timelines.py import schedules.py as a sibling
-    spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module(f"benchmarks.{name}")  # the repository root is on pytest's pythonpath
 
 
 @pytest.mark.timeout(60)
