@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "recipes" / "train.py"
@@ -93,13 +94,29 @@ def test_multirun_writes_summary_of_its_runs(smoke_sweep) -> None:
     assert len(table) == 2 + len(TASKS)
 
 
-def test_sweep_over_schedules_and_chunks(tmp_path: Path) -> None:
-    proc = train(["-m", "experiment=smoke_image", "strategy.schedule=1f1b,gpipe", "strategy.chunks=2",
+def test_sweep_over_schedules_and_chunks_equals_one_process(tmp_path: Path) -> None:
+    """gpipe and 1f1b on 2 processes with 2 micro-batches train exactly as one process does: the same batches
+    (the loader's own seeded shuffle: use_distributed_sampler=false), no dropout; every weight of the checkpoint
+    after 2 Adam steps (each moves every weight by ~lr=2e-3) to 1e-5, and the same validation accuracy."""
+    same = ["experiment=smoke_image", "model.dropout=0.0", "trainer.use_distributed_sampler=false",
+            "trainer.enable_checkpointing=true", "trainer.default_root_dir=${hydra:runtime.output_dir}"]
+    proc = train(["-m", *same, "strategy.schedule=1f1b,gpipe", "strategy.chunks=2",
                   f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=tmp_path)
+    train([*same, "strategy=auto", "trainer.devices=1", f"hydra.run.dir={tmp_path / 'one'}"], cwd=tmp_path)
+    one = json.loads((tmp_path / "one" / "results.json").read_text())
+    assert (one["schedule"], one["stages"]) == ("auto", 1)
+    checkpoint = Path("checkpoints") / "epoch=0-step=2.ckpt"
+    want = torch.load(tmp_path / "one" / checkpoint, weights_only=False, map_location="cpu")["state_dict"]
     runs = job_dirs(tmp_path / "sweep")
     for schedule in ("1f1b", "gpipe"):
-        run_dir = runs[f"experiment=smoke_image,strategy.schedule={schedule},strategy.chunks=2"]
-        check_results(json.loads((run_dir / "results.json").read_text()), "image", schedule, 2)
+        (run_dir,) = [d for key, d in runs.items() if f"strategy.schedule={schedule}," in key]
+        results = json.loads((run_dir / "results.json").read_text())
+        check_results(results, "image", schedule, 2)
+        assert results["metric"] == pytest.approx(one["metric"], abs=1e-6)
+        got = torch.load(run_dir / checkpoint, weights_only=False, map_location="cpu")["state_dict"]
+        assert list(got) == list(want)
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=lambda m: f"{schedule} {key}: {m}")
     summary = json.loads((tmp_path / "sweep" / "summary.json").read_text())
     assert [(row["schedule"], row["chunks"]) for row in summary] == [("1f1b", 2), ("gpipe", 2)]
     assert "summary of" in proc.stdout
