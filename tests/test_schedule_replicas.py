@@ -9,9 +9,11 @@ from dataclasses import replace
 
 import pytest
 
+from lightning_pipedream.cli import main
 from lightning_pipedream.schedule.actions import Action, Layout, Op, Schedule
 from lightning_pipedream.schedule.builders import SCHEDULES, build_schedule
 from lightning_pipedream.schedule.check import ScheduleError, place, render_grid, validate
+from lightning_pipedream.schedule.simulate import simulate
 
 
 def _build(name: str, replicas, count: int) -> Schedule:
@@ -153,3 +155,28 @@ def test_grid_names_stages_and_all_reduces():
     assert grid.splitlines()[0].split() == ["slot", "rank", "0", "s0", "rank", "1", "s0", "rank", "2", "s1"]
     # Rank 0 waits in its all-reduce until rank 1's backward is done: both leave it in slot 5.
     assert grid.splitlines()[-1].split() == ["5", "AR+O", "B1+AR+O", "."]
+
+
+def test_simulator_times_the_all_reduce():
+    plain = simulate(build_schedule("1f1b", 2, 4), 1.0, 2.0)
+    # Two data-parallel copies: the same pipeline per copy, then a ring all-reduce of stage 0's
+    # 100 bytes over 2 replicas at 100 B/s: 2 * (2 - 1) / 2 * 100 / 100 = 1 s.
+    dp = simulate(build_schedule("1f1b", 2, 4, replicas=[2, 2]), 1.0, 2.0, parameter_bytes=[100, 0], bandwidth=100.0)
+    assert plain.makespan == 15.0 and dp.makespan == 16.0
+    ars = [e for e in dp.events if e.action.op is Op.ALLREDUCE_GRAD]
+    assert len(ars) == 4 and {e.end for e in ars if e.action.stage == 0} == {16.0}
+    # PipeDream 2-1 with stage 0 twice as slow: two minibatches per step in the time one takes straight.
+    rr = simulate(build_schedule("pipedream", 2, minibatches=8, replicas=[2, 1]), [2.0, 1.0], [4.0, 2.0])
+    straight = simulate(build_schedule("pipedream", 2, minibatches=8), [2.0, 1.0], [4.0, 2.0])
+    assert rr.steady_state and rr.step_time == straight.step_time == 6.0
+
+
+def test_cli_show_and_simulate_draw_replicas(capsys):
+    assert main(["show", "--schedule", "pipedream", "--replicas", "2,1", "--minibatches", "3"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("pipedream schedule, 2 stages (replicas 2,1 on 3 ranks) x 3 minibatches per input replica")
+    assert "rank 0 s0  rank 1 s0  rank 2 s1" in out and "B5+AR+O" in out and "valid:" in out
+    assert main(["simulate", "--replicas", "2,2", "--chunks", "4", "--parameter-bytes", "100,0", "--bandwidth", "100"]) == 0
+    assert "step time         16 s" in capsys.readouterr().out
+    assert main(["show", "--stages", "3", "--replicas", "2,1"]) == 2
+    assert "lists 2 stages but --stages is 3" in capsys.readouterr().err

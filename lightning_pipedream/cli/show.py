@@ -29,11 +29,28 @@ def at_least_one(what: str):
     return parse
 
 
+def replica_counts(text: str) -> tuple[int, ...]:
+    """An argparse type: comma-separated whole numbers >= 1, one per stage."""
+    try:
+        counts = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        counts = ()
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"must be whole numbers >= 1 separated by commas, one per stage, got {text!r}")
+    return counts
+
+
 def add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
     """--schedule, --stages, --chunks and --minibatches, shared by `show` and `simulate`."""
     parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="which schedule (default: 1f1b)")
     parser.add_argument(
-        "--stages", type=at_least_one("the number of pipeline stages"), default=4, help="pipeline stages (default: 4)"
+        "--stages", type=at_least_one("the number of pipeline stages"), help="pipeline stages (default: 4)"
+    )
+    parser.add_argument(
+        "--replicas",
+        type=replica_counts,
+        help="replicas per stage, e.g. 2,1 (3 ranks: stage 0 on ranks 0-1, stage 1 on rank 2) or 2,2 (two "
+        "data-parallel copies of a 2-stage pipeline); replicas take micro-batches round robin (1F1B-RR)",
     )
     parser.add_argument(
         "--chunks",
@@ -48,27 +65,43 @@ def add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def schedule_of(args: argparse.Namespace) -> Schedule:
-    """The schedule that --schedule, --stages, --chunks and --minibatches ask for; UsageError if they disagree."""
+    """The schedule that --schedule, --stages, --replicas, --chunks and --minibatches ask for; UsageError if they
+    disagree. Sets ``args.stages`` when only --replicas gives it."""
+    replicas = getattr(args, "replicas", None)
+    if replicas is not None:
+        if args.stages not in (None, len(replicas)):
+            raise UsageError(
+                f"--replicas {','.join(map(str, replicas))} lists {len(replicas)} stages but --stages is "
+                f"{args.stages}; give one replica count per stage (or drop --stages)."
+            )
+        args.stages = len(replicas)
+    elif args.stages is None:
+        args.stages = 4
     if args.schedule == "pipedream":
         if args.chunks not in (None, 1):
             raise UsageError(
                 f"--chunks {args.chunks}: pipedream runs each batch whole (chunks=1); to run more minibatches "
                 f"before the drain use --minibatches {args.chunks}."
             )
-        return build_schedule("pipedream", args.stages, minibatches=args.minibatches or 8)
+        return build_schedule("pipedream", args.stages, minibatches=args.minibatches or 8, replicas=replicas)
     if args.minibatches is not None:
         raise UsageError(
             f"--minibatches applies to --schedule pipedream only; {args.schedule} runs one batch of --chunks "
             "micro-batches per step."
         )
-    return build_schedule(args.schedule, args.stages, args.chunks or 8)
+    return build_schedule(args.schedule, args.stages, args.chunks or 8, replicas=replicas)
 
 
 def size_text(schedule: Schedule) -> str:
     """``"4 stages x 8 micro-batches"`` or ``"4 stages x 8 minibatches"`` for the report's first line."""
+    stages = f"{schedule.num_stages} stages"
+    if schedule.replicas is not None:
+        stages += f" (replicas {','.join(map(str, schedule.replicas))} on {schedule.num_ranks} ranks)"
     if schedule.name == "pipedream":
-        return f"{schedule.num_stages} stages x {schedule.minibatches} minibatches"
-    return f"{schedule.num_stages} stages x {schedule.chunks} micro-batches"
+        per = " per input replica" if schedule.replicas is not None and schedule.replicas[0] > 1 else ""
+        return f"{stages} x {schedule.minibatches} minibatches{per}"
+    per = " per input replica" if schedule.replicas is not None and schedule.replicas[0] > 1 else ""
+    return f"{stages} x {schedule.chunks} micro-batches{per}"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -89,6 +122,11 @@ def run(args: argparse.Namespace) -> int:
         "F3 = forward of micro-batch 3, B3 = its backward, O = optimizer step, . = idle; "
         "one slot = one forward or backward"
     )
+    if schedule.replicas is not None:
+        print(
+            "AR = gradient all-reduce among a stage's replicas (waits for all of them); micro-batch m runs on "
+            "replica m % r of a stage with r replicas"
+        )
     print()
     print(render_grid(schedule))
     if args.actions:
@@ -102,4 +140,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: the schedule is not valid: {err}", file=sys.stderr)
         return 1
     print("valid: every receive has its send, forwards precede backwards, no rank waits forever")
+    if schedule.replicas is not None:
+        print("       every all-reduce has all its stage's replicas and comes before a replicated stage's update")
     return 0

@@ -44,6 +44,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     costs.add_argument("--activation-bytes", type=_numbers, help="bytes each stage sends forward (default: 0)")
     costs.add_argument("--optimizer", type=float, default=0.0, help="seconds per optimizer step (default: 0)")
     costs.add_argument(
+        "--parameter-bytes",
+        type=_numbers,
+        help="with --replicas: each stage's parameter bytes, all-reduced among its replicas (default: 0)",
+    )
+    costs.add_argument(
         "--profile", type=Path, help="per-layer profile JSON (plan/profile.py) instead of --forward/--backward"
     )
     costs.add_argument(
@@ -52,6 +57,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     links = parser.add_argument_group("links")
     links.add_argument("--bandwidth", type=_positive, default=math.inf, help="bytes per second (default: inf)")
     links.add_argument("--latency", type=float, default=0.0, help="seconds per message (default: 0)")
+    links.add_argument(
+        "--allreduce-bandwidth",
+        type=_positive,
+        help="bytes per second of the replicas' gradient all-reduce (default: --bandwidth)",
+    )
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print the prediction as JSON")
     out.add_argument("--plot", type=Path, help="write a PNG timeline here")
@@ -144,7 +154,7 @@ def _report(
             lines.append(f"makespan          {result.makespan:.6g} s (too few minibatches for a steady state)")
     bubble = f"bubble fraction   {result.bubble_fraction:.4f}"
     analytic = analytic_bubble(args.schedule, args.stages, schedule.chunks)
-    if analytic is not None:
+    if analytic is not None and schedule.replicas is None:
         bubble += f"   (analytic (p-1)/(m+p-1) = {analytic:.4f}, for equal stages and free links)"
     lines.append(bubble)
     lines.append(f"peak activations  {' '.join(map(str, result.peak_activations))}   (micro-batches stored, per rank)")
@@ -169,6 +179,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         schedule = schedule_of(args)
         fwd, bwd, act, note = _costs(args, schedule)
+        params = _per_stage("--parameter-bytes", args.parameter_bytes, args.stages, [0.0] * args.stages)
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -180,6 +191,8 @@ def run(args: argparse.Namespace) -> int:
         bandwidth=args.bandwidth,
         latency=args.latency,
         optimizer_s=args.optimizer,
+        parameter_bytes=params,
+        allreduce_bandwidth=args.allreduce_bandwidth,
     )
     size = schedule.minibatches if schedule.name == "pipedream" else schedule.chunks
     if args.plot:
@@ -189,7 +202,11 @@ def run(args: argparse.Namespace) -> int:
         args.trace.write_text(json.dumps(to_chrome_trace(result.events)))
     if args.json:
         out = result.summary() | {
-            "analytic_bubble_fraction": analytic_bubble(args.schedule, args.stages, schedule.chunks),
+            "analytic_bubble_fraction": None
+            if schedule.replicas is not None
+            else analytic_bubble(args.schedule, args.stages, schedule.chunks),
+            "replicas": None if schedule.replicas is None else list(schedule.replicas),
+            "parameter_bytes": params,
             "forward_s": fwd,
             "backward_s": bwd,
             "activation_bytes": act,

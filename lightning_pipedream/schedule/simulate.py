@@ -62,6 +62,8 @@ def simulate(
     bandwidth: float = math.inf,
     latency: float = 0.0,
     optimizer_s: float = 0.0,
+    parameter_bytes: Sequence[float] | float = 0,
+    allreduce_bandwidth: float | None = None,
 ) -> SimResult:
     """Run ``schedule`` on a clock: every rank does its actions in order, receives wait for their data.
 
@@ -69,11 +71,20 @@ def simulate(
     ``activation_bytes[s]`` is the size of stage s's output (its gradient has the same size).
     A send takes no time on the sender; its message occupies the link (bytes / ``bandwidth``,
     one message after another per direction) and arrives ``latency`` seconds after leaving.
+
+    A gradient all-reduce (replicated stages) starts when the last of the stage's replicas reaches
+    it and takes a ring all-reduce's time, ``2 (r - 1) / r * parameter_bytes[s] / allreduce_bandwidth
+    + latency`` for r replicas (``allreduce_bandwidth`` defaults to ``bandwidth``); every replica
+    leaves it at the same time.
     """
     validate(schedule)  # a schedule that deadlocks has no timing
     p = schedule.num_stages
     fwd, bwd = per_stage("forward_s", forward_s, p), per_stage("backward_s", backward_s, p)
     size = per_stage("activation_bytes", activation_bytes, p)
+    params = per_stage("parameter_bytes", parameter_bytes, p)
+    reduce_bw = bandwidth if allreduce_bandwidth is None else allreduce_bandwidth
+    if not reduce_bw > 0:
+        raise ValueError(f"allreduce_bandwidth must be > 0 bytes per second, got {allreduce_bandwidth}.")
     if not bandwidth > 0:
         raise ValueError(f"bandwidth must be > 0 bytes per second (inf for free links), got {bandwidth}.")
     if latency < 0 or optimizer_s < 0:
@@ -85,6 +96,9 @@ def simulate(
     pos = [0] * len(ranks)
     arrivals: dict[tuple[int, int], deque[float]] = {}  # (src, dst) -> arrival times, FIFO
     link_free: dict[tuple[int, int], float] = {}
+    layout = schedule.layout
+    rounds: dict[tuple[int, int], int] = {}  # (rank, stage) -> all-reduces done
+    reached: dict[tuple[int, int], dict[int, float]] = {}  # (stage, round) -> rank -> arrival time
     events: list[TimedAction] = []
     progressed = True
     while progressed:  # advance each rank until it waits on a message not yet sent; repeat
@@ -99,6 +113,18 @@ def simulate(
                     if not queue:
                         break
                     start, t = t, max(t, queue.popleft())
+                    events.append(TimedAction(rank, a, start, t))
+                elif op is Op.ALLREDUCE_GRAD:
+                    assert layout is not None  # the validator allows all-reduces on replicated stages only
+                    key = (a.stage, rounds.get((rank, a.stage), 0))
+                    here = reached.setdefault(key, {})
+                    here.setdefault(rank, t)
+                    r = len(layout.ranks_of(a.stage))
+                    if len(here) < r:
+                        break
+                    cost = 2 * (r - 1) / r * params[a.stage] / reduce_bw + latency
+                    start, t = here[rank], max(here.values()) + cost
+                    rounds[(rank, a.stage)] = key[1] + 1
                     events.append(TimedAction(rank, a, start, t))
                 elif op.is_send:
                     link = (rank, a.peer)
