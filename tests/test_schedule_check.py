@@ -381,3 +381,60 @@ def test_build_schedule_keeps_chunks_and_minibatches_apart():
     for bad in (0, True, 2.0):
         with pytest.raises(ValueError, match=r"chunks must be an integer >= 1, got .*: it is the number of micro-batches"):
             build_schedule("gpipe", 3, bad)
+
+
+# --------------------------------------------------------------------------------------------
+# The builders' arguments and labels (what the mutation run found unguarded)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "pipedream"])
+def test_a_schedule_carries_its_name(name):
+    schedule = build_schedule(name, 2, minibatches=2) if name == "pipedream" else build_schedule(name, 2, 2)
+    assert schedule.name == name
+
+
+def test_pipedream_communication_carries_the_training_step():
+    from lightning_pipedream.schedule.builders import pipedream_step
+
+    comm = (Op.RECV_ACT, Op.SEND_ACT, Op.RECV_GRAD, Op.SEND_GRAD)
+    for stage in range(3):
+        actions = [a for a in pipedream_step(3, stage, 5) if a.op in comm]
+        assert actions and all(a.step == 5 for a in actions), stage
+    assert {a.op for s in range(3) for a in pipedream_step(3, s, 5) if a.op in comm} == set(comm)
+
+
+def test_pipedream_drain_after_no_steps_is_empty():
+    from lightning_pipedream.schedule.builders import pipedream_drain
+
+    assert pipedream_drain(2, 0, 0) == []
+    with pytest.raises(ValueError, match="minibatches must be >= 0, got -1"):
+        pipedream_drain(2, 0, -1)
+
+
+@pytest.mark.parametrize("num_stages", [0, -1, 2.0])
+def test_builders_refuse_a_bad_stage_count(num_stages):
+    with pytest.raises(ValueError, match="num_stages must be an integer >= 1"):
+        build_schedule("gpipe", num_stages, 2)
+
+
+def test_schedule_options_errors_say_what_to_change():
+    from lightning_pipedream.schedule.builders import check_schedule_name, check_schedule_options
+
+    with pytest.raises(ValueError, match="Unknown schedule 'zb'. Choose one of: gpipe, 1f1b, pipedream"):
+        check_schedule_name("zb")
+    with pytest.raises(ValueError, match=r"vertical_sync=True only applies to schedule='pipedream'\."):
+        check_schedule_options("1f1b", 2, vertical_sync=True)
+    check_schedule_options("pipedream", 1, vertical_sync=True)
+    with pytest.raises(ValueError, match=r"Use chunks=1, or schedule='1f1b'/'gpipe'"):
+        check_schedule_options("pipedream", 4)
+
+
+def test_builder_argument_errors_are_worded_in_full():
+    from lightning_pipedream.schedule.builders import check_chunks
+
+    with pytest.raises(ValueError, match=r"split into \(1 means no split\)\.$"):
+        check_chunks(0)
+    with pytest.raises(ValueError, match=r"PipeDream minibatches \(training steps\) run before the drain\.$"):
+        build_schedule("pipedream", 2, minibatches=0)
+    with pytest.raises(ValueError, match=r"'gpipe' covers one training step of `chunks` micro-batches\.$"):
+        build_schedule("gpipe", 2, 2, minibatches=3)

@@ -160,3 +160,47 @@ def test_collect_grads_accumulates_over_microbatches():
         torch.func.functional_call(layer, params, (x,)).sum().backward()
         versions.collect_grads(mb)
     assert torch.equal(layer.weight.grad, 2 * x)
+
+
+def test_live_storage_is_updated_in_place_once_its_last_user_is_done():
+    layer = _linear()
+    versions = WeightVersions(layer)
+    ptr = layer.weight.data_ptr()
+    out = torch.func.functional_call(layer, versions.forward_params(0), (torch.ones(1, 2),))
+    out.sum().backward()
+    versions.collect_grads(0)  # minibatch 0 no longer needs the live storage
+    _sgd_step(layer, versions)
+    assert layer.weight.data_ptr() == ptr, "no minibatch was in flight: the update needs no copy"
+    assert versions.num_updates == 1 and versions.stored_versions() == 1
+    layer.weight.grad = torch.ones_like(layer.weight)
+    _sgd_step(layer, versions)
+    assert versions.num_updates == 2
+
+
+def test_collect_grads_skips_frozen_parameters_and_keeps_the_rest():
+    torch.manual_seed(0)
+    layer = nn.Linear(2, 1)
+    layer.weight.requires_grad_(False)  # the first parameter gets no gradient
+    versions = WeightVersions(layer)
+    out = torch.func.functional_call(layer, versions.forward_params(0), (torch.ones(1, 2),))
+    out.sum().backward()
+    versions.collect_grads(0)
+    assert layer.weight.grad is None
+    assert torch.equal(layer.bias.grad, torch.ones(1))
+
+
+def test_vertical_sync_serves_the_live_version_by_number_and_keeps_keep_from():
+    layer = _linear()
+    versions = WeightVersions(layer, vertical_sync=True)
+    live = versions.forward_params(0, version=0)  # the live version asked for by its number
+    assert torch.equal(live["weight"], layer.weight.detach())
+    torch.func.functional_call(layer, live, (torch.ones(1, 2),)).sum().backward()
+    versions.collect_grads(0)
+    w0 = layer.weight.detach().clone()
+    _sgd_step(layer, versions)
+    versions.after_update(keep_from=0)  # version 0 may still be asked for: kept
+    assert torch.equal(versions.forward_params(1, version=0)["weight"], w0)
+
+
+def test_a_module_without_parameters_has_no_stored_versions():
+    assert WeightVersions(nn.ReLU()).stored_versions() == 0
