@@ -110,9 +110,10 @@ class CheckpointGather:
             dist.gather_object(share, gathered if on_zero else None, dst=0)
         return gathered if on_zero else None
 
-    def state_dict(self, module: torch.nn.Module) -> dict[str, Any]:
-        """The whole model's state dict on rank 0, keyed and ordered like the module's own; ``{}`` elsewhere."""
-        shares = self._gather(map_tensors(_to_cpu, module.state_dict()))
+    def state_dict(self, share: dict[str, Tensor]) -> dict[str, Any]:
+        """The whole model's state dict on rank 0 from every rank's ``share``, keyed and ordered like the module's
+        own; ``{}`` elsewhere."""
+        shares = self._gather(map_tensors(_to_cpu, share))
         if shares is None:
             return {}
         full: dict[str, Any] = {}

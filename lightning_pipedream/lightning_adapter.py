@@ -212,6 +212,57 @@ def capture_layers_input(module: LightningModule, name: str, hook: str, *args: A
     )
 
 
+class SequentialCall:
+    """The pipelined call is the module's ``nn.Sequential`` attribute ``name``; its one argument is the input."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def input_of(self, module: LightningModule, hook: str, *args: Any, **kwargs: Any) -> Any:
+        return capture_layers_input(module, self.name, hook, *args, **kwargs)
+
+    @contextmanager
+    def replaying(self, module: LightningModule, output: Any) -> Iterator[None]:
+        with swap_layers(module, self.name, Replay(output)):
+            yield
+
+
+class ForwardCall:
+    """The pipelined call is the LightningModule's own ``forward`` (``self(...)`` in a step); its input is
+    ``(args, kwargs)`` of that call, with any tensors, masks and keyword arguments."""
+
+    def input_of(self, module: LightningModule, hook: str, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+        """Run the user's step until it calls ``self(...)``, and return that call's ``(args, kwargs)``."""
+
+        def stop(*call_args: Any, **call_kwargs: Any) -> Any:
+            raise InputCaptured((call_args, call_kwargs))
+
+        step = getattr(module, hook)
+        try:
+            with _forward_replaced(module, stop), LogRecorder().capture(module, 1):
+                step(*args, **kwargs)
+        except InputCaptured as captured:
+            return captured.value
+        raise RuntimeError(
+            f"{type(module).__name__}.{hook} returned without calling self(...). Under PipeDreamStrategy every "
+            "step must call the model's forward exactly once, through self(...), with the inputs to pipeline."
+        )
+
+    @contextmanager
+    def replaying(self, module: LightningModule, output: Any) -> Iterator[None]:
+        with _forward_replaced(module, lambda *args, **kwargs: output):
+            yield
+
+
+@contextmanager
+def _forward_replaced(module: nn.Module, forward: Any) -> Iterator[None]:
+    module.forward = forward  # an instance attribute shadows the class's forward, which nn.Module.__call__ runs
+    try:
+        yield
+    finally:
+        del module.forward
+
+
 def loss_of(step_output: Any) -> Tensor:
     value = step_output.get("loss") if isinstance(step_output, Mapping) else step_output
     if not isinstance(value, Tensor) or value.dim() != 0:

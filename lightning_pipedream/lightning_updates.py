@@ -57,8 +57,10 @@ class PipelineUpdates:
         params: list[nn.Parameter],
         optimizers: Callable[[], list[torch.optim.Optimizer]],
         step: Callable[[torch.optim.Optimizer], None],
+        before_step: Callable[[], None] | None = None,
     ) -> None:
         self.params = params
+        self._before_step = before_step  # e.g. summing tied copies' gradients over the stages that hold them
         self._optimizers = optimizers
         self._step = step
         self._pending: list[Tensor | None] = [None] * len(params)  # gradients accumulated, kept aside
@@ -103,6 +105,8 @@ class PipelineUpdates:
         admission = self._admitted.pop(minibatch)
         if not admission.closes_group:
             return  # gradient accumulation: the group's last minibatch applies them all
+        if self._before_step is not None:
+            self._before_step()
         for optimizer, settings in zip(self._optimizers(), admission.hyperparameters):
             now = hyperparameters_of([optimizer])[0]
             _set_hyperparameters(optimizer, settings)

@@ -1,4 +1,4 @@
-"""PipeDreamStrategy: the Lightning strategy that trains a LightningModule's nn.Sequential as a pipeline."""
+"""PipeDreamStrategy: the Lightning strategy that trains a LightningModule as a pipeline, one stage per process."""
 
 from __future__ import annotations
 
@@ -26,16 +26,16 @@ from typing_extensions import override
 from lightning_pipedream.checkpointing import CheckpointGather, OptimizerLayout, load_own_share
 from lightning_pipedream.lightning_adapter import (
     Elsewhere,
+    ForwardCall,
     LogRecorder,
-    Replay,
-    capture_layers_input,
+    SequentialCall,
     find_layers,
     loss_of,
-    swap_layers,
 )
 from lightning_pipedream.lightning_updates import PipelineDrain, PipelineUpdates
 from lightning_pipedream.plan.balance import check_balance, check_stage_count, even_balance, stage_slice
 from lightning_pipedream.runtime.engine import PipelineEngine
+from lightning_pipedream.runtime.graph_stage import CapturedStage
 from lightning_pipedream.runtime.microbatch import TensorTreeError, batch_size, flatten, merge, split
 from lightning_pipedream.runtime.transport import Transport
 from lightning_pipedream.schedule.builders import SCHEDULES, check_schedule_options, inference
@@ -49,7 +49,11 @@ _CPU = torch.device("cpu")  # where a step's extra outputs go before they travel
 
 
 class PipeDreamStrategy(DDPStrategy):
-    """Train a LightningModule as a pipeline: one stage of its ``nn.Sequential`` per process.
+    """Train a LightningModule as a pipeline, one stage per process.
+
+    A module whose layers are one ``nn.Sequential`` is split between those layers; any other module
+    is split from its forward call (``self(...)`` in a step) captured as a graph with torch.export,
+    at the ``split_points`` given or where PipeDream's partitioner puts them after profiling.
 
     Args:
         schedule: ``"pipedream"`` (asynchronous 1F1B with weight stashing, each batch one
@@ -59,6 +63,8 @@ class PipeDreamStrategy(DDPStrategy):
             training batch and partitioned with PipeDream's optimizer.
         plan: path of a ``plan.json`` (``python -m lightning_pipedream plan --json``); skips profiling.
         layers: the name of the module's ``nn.Sequential`` attribute, when it has several.
+        split_points: module names where stages 1, 2, ... begin (e.g. ``["model.blocks.2"]``): split
+            the captured graph there without profiling. Implies the graph path.
         weight_stashing: ``pipedream`` only; ``False`` is the paper's ablation.
         vertical_sync: ``pipedream`` only; every stage uses the weight version stage 0 used.
         bandwidth: bytes/s between stages, for the partitioner's cost model.
@@ -74,6 +80,7 @@ class PipeDreamStrategy(DDPStrategy):
         balance: list[int] | None = None,
         plan: str | os.PathLike | None = None,
         layers: str | None = None,
+        split_points: list[str] | None = None,
         weight_stashing: bool = True,
         vertical_sync: bool = False,
         bandwidth: float = 1e9,
@@ -109,6 +116,12 @@ class PipeDreamStrategy(DDPStrategy):
         self._balance_arg = list(balance) if balance is not None else None
         self._plan_path = plan
         self._layers_arg = layers
+        self._split_points = list(split_points) if split_points is not None else None
+        if split_points is not None and layers is not None:
+            raise ValueError(
+                "PipeDreamStrategy takes layers= (split an nn.Sequential between its layers) or split_points= (split "
+                "the traced forward graph at module names), not both."
+            )
         self.weight_stashing = weight_stashing
         self.vertical_sync = vertical_sync
         self.bandwidth = bandwidth
@@ -116,7 +129,10 @@ class PipeDreamStrategy(DDPStrategy):
         self.plan: Any = None  # the Plan used (from plan.json or the partitioner), if any
         self.balance: list[int] | None = None
         self._layers_name = ""
-        self._stage_module: nn.Sequential | None = None
+        self._call: SequentialCall | ForwardCall = ForwardCall()
+        self._graph: CapturedStage | None = None  # the graph path's stage, captures and tied copies
+        self._graph_inputs_seen: set[tuple] = set()
+        self._stage_module: nn.Module | None = None
         self._module_set_up: LightningModule | None = None
         self._engine: PipelineEngine | None = None
         self._updates: PipelineUpdates | None = None
@@ -156,15 +172,22 @@ class PipeDreamStrategy(DDPStrategy):
         if fitting:
             _check_training_supported(module, self.precision_plugin)
         if self._engine is None or module is not self._module_set_up:
-            self._layers_name, layers = find_layers(module, self._layers_arg)
             full_keys = list(module.state_dict())
-            self.balance = self._decide_balance(trainer, module, layers)
             # The full model's optimizer layout maps checkpoints (single-device form) to this rank's stage.
             self._optimizer_layouts = OptimizerLayout.of_module(module, _init_optimizers_and_lr_schedulers)
-            self._keep_own_stage(module, layers)
+            layers = self._sequential_layers(module)
+            if layers is not None:
+                self._call = SequentialCall(self._layers_name)
+                self.balance = self._decide_balance(trainer, module, layers)
+                self._keep_own_stage(module, layers)
+            else:
+                self._call = ForwardCall()
+                self._split_captured_graph(trainer, module)
             self._module_set_up = module
             self.precision_plugin.convert_module(self.model)
             self.model_to_device()
+            assert self._stage_module is not None
+            self._stage_module.to(self.root_device)  # a graph stage is not a child of the module
             self._build_engine()
             self._summary = SummaryChannel(self.stage_index, self.num_stages, self.root_device)
             self._checkpoint = CheckpointGather(self.stage_index, self.num_stages, full_keys)
@@ -173,18 +196,93 @@ class PipeDreamStrategy(DDPStrategy):
         if fitting:
             self.setup_optimizers(trainer)
             _check_optimizers(self.optimizers)
+            if self._graph is not None:  # every rank holds the whole module; its optimizer takes its stage's share
+                _keep_parameters(self.optimizers, {id(p) for p in self._stage_module.parameters()})
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
             self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
             assert self._stage_module is not None
             self._updates = PipelineUpdates(
-                list(self._stage_module.parameters()), lambda: self.optimizers, self._optimizer_step_now
+                list(self._stage_module.parameters()), lambda: self.optimizers, self._optimizer_step_now,
+                before_step=self._graph.before_update if self._graph is not None else None,
             )
             if not any(isinstance(c, PipelineDrain) for c in trainer.callbacks):
                 # First, so that no other callback sees a model with minibatches in flight.
                 trainer.callbacks.insert(0, PipelineDrain(self.drain, self._pipeline_failed))
         self._failure = None
+
+    def _sequential_layers(self, module: LightningModule) -> nn.Sequential | None:
+        """The module's Sequential to split between layers, or None to split its traced forward graph."""
+        if self._split_points is not None:
+            return None
+        if self._layers_arg is not None:  # asked for by name: its errors are the user's to see
+            self._layers_name, layers = find_layers(module, self._layers_arg)
+            return layers
+        try:
+            self._layers_name, layers = find_layers(module, None)
+        except ValueError as not_sequential:
+            if self.is_global_zero:
+                log.info("PipeDreamStrategy: %s is not one nn.Sequential (%s); it splits the graph of its forward "
+                         "call instead.", type(module).__name__, str(not_sequential).split(";")[0])
+            return None
+        return layers
+
+    def _split_captured_graph(self, trainer: Trainer, module: LightningModule) -> None:
+        """The graph path: capture the forward call on a first batch, choose split points, keep this rank's stage."""
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        batch = _first_training_batch(trainer) if fitting else _first_batch_of(trainer, trainer.state.fn)
+        if batch is None:
+            raise ValueError(
+                f"PipeDreamStrategy splits {type(module).__name__} from its traced forward call, which needs a batch "
+                "before the first step, but the dataloader gave none. Give a dataloader with at least one batch, or "
+                "put the layers in one nn.Sequential."
+            )
+        batch = self.batch_to_device(batch)
+        part = split(batch, self.chunks)[0] if self.chunks > 1 else batch
+        hook = _STEP_OF[trainer.state.fn]
+        args, kwargs = self._call.input_of(module, hook, part, 0)
+        points, captured = self._split_points, None
+        if points is None:
+            payload: list[Any] = [None]
+            if self.is_global_zero:
+                from lightning_pipedream.graph import capture
+                from lightning_pipedream.graph.profile import choose_split_points
+
+                captured = capture(module, args, kwargs)
+                points, plan = choose_split_points(captured, module, args, kwargs, self.num_stages,
+                                                   bandwidth=self.bandwidth)
+                self.plan = plan
+                log.info("PipeDreamStrategy split points (%d stages, schedule=%s): %s", self.num_stages,
+                         self.schedule, points)
+                payload = [points]
+            if self.num_stages > 1:
+                dist.broadcast_object_list(payload, src=0)
+            points = payload[0]
+        self._graph = CapturedStage(module, self.stage_index, self.num_stages, points, args, kwargs, captured)
+        self._graph_inputs_seen = {(module.training, _shapes(part))}
+        if self._graph.ties and self.schedule == "pipedream":
+            raise ValueError(
+                f"Parameters {sorted(self._graph.ties)} are used on several stages (tied weights); under "
+                "schedule='pipedream' the stages apply their copies' gradients at different steps, so the copies "
+                "would drift apart. Use schedule='1f1b' or 'gpipe', or split_points that keep each tied parameter's "
+                "users in one stage."
+            )
+        self._stage_module = self._graph.stage
+        self._local_names = {id(p): n for n, p in self._stage_module.named_parameters()}
+
+    def _ensure_captured(self, module: LightningModule, hook: str, parts: list[Any], *step_args: Any,
+                         **step_kwargs: Any) -> None:
+        """The graph path: capture the forward call for micro-batch shapes (or a mode) not seen yet, on every rank."""
+        if self._graph is None:
+            return
+        self._stage_module.train(module.training)  # type: ignore[union-attr]
+        for part in parts:
+            key = (module.training, _shapes(part))
+            if key not in self._graph_inputs_seen:
+                args, kwargs = self._call.input_of(module, hook, part, *step_args, **step_kwargs)
+                self._graph.ensure(module, args, kwargs)
+                self._graph_inputs_seen.add(key)
 
     def _decide_balance(self, trainer: Trainer, module: LightningModule, layers: nn.Sequential) -> list[int]:
         if self._plan_path is not None:
@@ -239,7 +337,7 @@ class PipeDreamStrategy(DDPStrategy):
         if batch is None:
             return None, even_balance(len(layers), self.num_stages)
         batch = self.batch_to_device(batch)
-        sample = capture_layers_input(module, self._layers_name, "training_step", batch, 0)
+        sample = self._call.input_of(module, "training_step", batch, 0)
         profile = profile_module(layers, sample)
         plan = partition(profile, Topology.flat(self.num_stages, self.bandwidth), "pipedream", straight=True)
         if len(plan.stages) != self.num_stages:
@@ -314,11 +412,11 @@ class PipeDreamStrategy(DDPStrategy):
             return parts[mb if flushed else 0]
 
         def inputs(mb: int) -> Any:
-            return capture_layers_input(module, self._layers_name, "training_step", part(mb), batch_idx)
+            return self._call.input_of(module, "training_step", part(mb), batch_idx)
 
         def loss(mb: int, output: Any) -> Tensor:
             size = sizes[mb if flushed else 0]
-            with swap_layers(module, self._layers_name, Replay(output)), recorder.capture(module, size):
+            with self._call.replaying(module, output), recorder.capture(module, size):
                 step_output = module.training_step(part(mb), batch_idx)
             value = loss_of(step_output)
             step_outputs.append(step_output)
@@ -326,6 +424,7 @@ class PipeDreamStrategy(DDPStrategy):
             batch_loss[0] += float(value.detach()) * share
             return value * (share * scale) if share * scale != 1.0 else value
 
+        self._ensure_captured(module, "training_step", parts, batch_idx)
         updates.admit(engine.next_minibatch, batch_idx, closes_group)
         with self.precision_plugin.train_step_context(), updates.pipeline_grads():
             engine.train_step(inputs, loss, updates.apply)
@@ -392,15 +491,20 @@ class PipeDreamStrategy(DDPStrategy):
         drain updates stages a different number of times), so there each stage clips by its own
         norm, as PipeDream's runtime did.
         """
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        # A tied parameter counts once in the whole model's norm: on the first stage that holds a copy.
+        skip = self._graph.tie_copies_held_elsewhere_first() if self._graph is not None else set()
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"]
+                 if p.grad is not None and id(p) not in skip]
         square = torch.zeros(1, device=self.root_device, dtype=torch.float32)
         for g in grads:
             square += g.detach().float().pow(2).sum()
         if self.num_stages > 1 and self.schedule != "pipedream":
             dist.all_reduce(square)
         factor = torch.clamp(clip_val / (square.sqrt() + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(factor.to(g.dtype))
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(factor.to(p.grad.dtype))
 
     # ----------------------------------------------------------------------------------- drain
     def drain(self) -> None:
@@ -453,12 +557,13 @@ class PipeDreamStrategy(DDPStrategy):
         recorder = LogRecorder()
 
         def inputs(mb: int) -> Any:
-            return capture_layers_input(module, self._layers_name, hook, parts[mb], batch_idx, *extra_args, **kwargs)
+            return self._call.input_of(module, hook, parts[mb], batch_idx, *extra_args, **kwargs)
 
         def output_of(mb: int, output: Any) -> Any:
-            with swap_layers(module, self._layers_name, Replay(output)), recorder.capture(module, sizes[mb]):
+            with self._call.replaying(module, output), recorder.capture(module, sizes[mb]):
                 return step(parts[mb], batch_idx, *extra_args, **kwargs)
 
+        self._ensure_captured(module, hook, parts, batch_idx, *extra_args, **kwargs)
         actions = inference(self.num_stages, len(parts)).actions[self.stage_index]
         outputs = engine.executor.run(actions, inputs=inputs, loss=output_of, optimizer_step=_no_update, train=False)
         payload = None
@@ -481,7 +586,17 @@ class PipeDreamStrategy(DDPStrategy):
         self._refuse_after_failure()
         self.drain()
         assert self._checkpoint is not None
-        return self._checkpoint.state_dict(self.lightning_module)
+        return self._checkpoint.state_dict(self._checkpoint_share())
+
+    def _checkpoint_share(self) -> dict[str, Tensor]:
+        """This rank's part of the model's state dict, under the module's own names."""
+        module = self.lightning_module
+        if self._graph is None:
+            return module.state_dict()
+        share = self._graph.stage.state_dict()
+        if self.is_global_zero:  # state the graph never reads (metrics, unused layers) is the same on every rank
+            share.update({k: v for k, v in module.state_dict().items() if k not in self._graph.graph_state_names})
+        return share
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Tensor]:
@@ -571,6 +686,43 @@ def _check_optimizers(optimizers: list[torch.optim.Optimizer]) -> None:
                 "step()): a pipeline stage cannot recompute the loss on its own. Use an optimizer that steps once "
                 "from the gradients, such as SGD or Adam."
             )
+
+
+_STEP_OF = {
+    TrainerFn.FITTING: "training_step",
+    TrainerFn.VALIDATING: "validation_step",
+    TrainerFn.TESTING: "test_step",
+    TrainerFn.PREDICTING: "predict_step",
+}
+
+
+def _first_batch_of(trainer: Trainer, fn: TrainerFn) -> Any:
+    """The first batch of the evaluation loop that ``fn`` runs (the graph path captures on it)."""
+    loop = {TrainerFn.VALIDATING: trainer.validate_loop, TrainerFn.TESTING: trainer.test_loop,
+            TrainerFn.PREDICTING: trainer.predict_loop}[fn]
+    source = getattr(loop, "_data_source", None)
+    if source is None or not source.is_defined():
+        return None
+    loader = source.dataloader()
+    if isinstance(loader, (list, tuple)):
+        loader = loader[0]
+    try:
+        return next(iter(loader))
+    except (StopIteration, TypeError):
+        return None
+
+
+def _shapes(tree: Any) -> tuple:
+    """What decides whether a batch needs a capture of its own: its structure, shapes and dtypes."""
+    leaves, spec = flatten(tree, "batch")
+    return (repr(spec), tuple((tuple(t.shape), str(t.dtype)) for t in leaves))
+
+
+def _keep_parameters(optimizers: list[torch.optim.Optimizer], keep: set[int]) -> None:
+    """Drop from the optimizers' groups the parameters another stage trains."""
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            group["params"] = [p for p in group["params"] if id(p) in keep]
 
 
 def _gradients_ready() -> None:

@@ -25,6 +25,7 @@ MULTIPROCESS_MODULES = {
     "test_replicated_engine.py",
     "test_strategy.py",
     "test_strategy_exactness.py",
+    "test_strategy_graph.py",
 }
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")

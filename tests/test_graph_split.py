@@ -212,8 +212,8 @@ def check_untraceable_model_error_names_the_line_and_the_way_out():
     text = str(info.value)
     assert text.startswith("Could not trace Branchy.forward into a graph at ")
     assert "test_graph_split.py:" in text and "in forward: if x.sum() > 0:" in text
-    assert ("Either name the modules where stages begin, used without tracing the whole model, e.g. "
-            'PipeDreamStrategy(split_points=["layers.4"]), or put the layers in one nn.Sequential attribute.') in text
+    assert ("Move the branch out of forward (into training_step, say), or put the layers in one nn.Sequential "
+            "attribute: PipeDreamStrategy splits that between layers without tracing.") in text
 
 
 def test_profile_is_a_dag_the_partitioner_splits():

@@ -156,8 +156,8 @@ def _capture_message(module: nn.Module, err: BaseException, where: str | None) -
     return (
         f"Could not trace {type(module).__name__}.forward into a graph{at} ({type(err).__name__}: {first}). "
         "Data-dependent Python control flow (an `if` on a tensor's value, .item(), .tolist()) and some ops cannot "
-        "be traced. Either name the modules where stages begin, used without tracing the whole model, e.g. "
-        'PipeDreamStrategy(split_points=["layers.4"]), or put the layers in one nn.Sequential attribute.'
+        "be traced. Move the branch out of forward (into training_step, say), or put the layers in one "
+        "nn.Sequential attribute: PipeDreamStrategy splits that between layers without tracing."
     )
 
 

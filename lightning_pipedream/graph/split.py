@@ -304,11 +304,13 @@ class GraphStage(nn.Module):
         if split.num_stages != self.num_stages:
             raise SplitError(f"This stage belongs to a {self.num_stages}-stage split; the new capture was split "
                              f"into {split.num_stages} stages. Use the same split_points.")
-        owned = sorted(name for name, stages in split.owners.items() if self.index in stages)
-        if owned != self.owned:
-            raise SplitError(f"The new capture puts other parameters or buffers on stage {self.index} "
-                             f"({sorted(set(owned) ^ set(self.owned))[:5]}); capture it with the same split_points.")
         program = split.programs[self.index]
+        # The stage can run the new program if it holds everything the program reads. (Ownership of state a
+        # capture does not read may differ: BatchNorm's counters are read in training and not in evaluation.)
+        missing = sorted({name for kind, name in program.state if kind != "constant"} - set(self.owned))
+        if missing:
+            raise SplitError(f"The new capture needs parameters or buffers on stage {self.index} that it does not "
+                             f"hold ({missing[:5]}); capture it with the same split_points.")
         self._programs[(program.training, program.signature)] = program
 
     def forward(self, inputs: Any) -> Any:

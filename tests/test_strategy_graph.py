@@ -1,0 +1,91 @@
+"""Trainer(strategy=PipeDreamStrategy) on models that are not one nn.Sequential: split from the traced forward graph.
+
+Each family of tests/scripts/graph_models.py, wrapped in a LightningModule (tests/scripts/graph_trainer.py),
+trains in a subprocess on 2 or 3 processes; the consolidated checkpoint must equal one-device training
+(every parameter and buffer, 1e-5) and carry exactly the module's own state_dict keys.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from graph_trainer import FamilyModule
+
+from lightning_pipedream import PipeDreamStrategy
+
+SCRIPT = Path(__file__).parent / "scripts" / "graph_trainer.py"
+
+
+def run(out: Path, options: dict, expect_ok: bool = True, timeout: float = 240) -> subprocess.CompletedProcess:
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), str(out), json.dumps(options)], cwd=out, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"graph_trainer.py did not finish in {timeout} s:\n{stderr[-4000:]}")
+    if expect_ok:
+        assert proc.returncode == 0, f"graph_trainer.py failed ({proc.returncode}):\n{stderr[-4000:]}"
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def weights(path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(path, weights_only=False, map_location="cpu")["state_dict"]
+
+
+CASES = {
+    # family: (processes, strategy, model options)
+    "gpt": (3, {"schedule": "gpipe", "chunks": 2, "split_points": ["model.blocks.1", "model.blocks.3"]}, {}),
+    "resnet": (2, {"schedule": "1f1b", "chunks": 1}, {"lr": 0.01}),  # split points from profiling; BatchNorm
+    "transformer": (2, {"schedule": "gpipe", "chunks": 1}, {}),  # two inputs, masks, one shared embedding
+}
+
+
+@pytest.mark.parametrize("family", sorted(CASES))
+def test_training_equals_one_device(tmp_path, family):
+    processes, strategy, model = CASES[family]
+    run(tmp_path / "single", {"family": family, "model": model, "limit_val_batches": 1})
+    run(tmp_path / "pipe", {"family": family, "model": model, "limit_val_batches": 1, "devices": processes,
+                            "strategy": strategy})
+    got, want = weights(tmp_path / "pipe" / "final.ckpt"), weights(tmp_path / "single" / "final.ckpt")
+    assert list(got) == list(want)  # the module's own keys, in its order: tied names and BatchNorm buffers too
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-5, msg=lambda m: f"{key}: {m}")
+    metrics = [json.loads((tmp_path / d / "metrics.json").read_text()) for d in ("pipe", "single")]
+    assert metrics[0]["val_loss"] == pytest.approx(metrics[1]["val_loss"], rel=1e-5)  # an eval-mode capture
+    if family == "gpt":  # the output projection tied to the embedding: one tensor under both names
+        assert torch.equal(got["model.head.weight"], got["model.tok.weight"])
+    # The checkpoint loads without the strategy.
+    FamilyModule.load_from_checkpoint(tmp_path / "pipe" / "final.ckpt", map_location="cpu")
+
+
+def test_pipedream_refuses_weights_tied_across_stages(tmp_path):
+    proc = run(tmp_path, {"family": "lstm", "devices": 2, "strategy": {"schedule": "pipedream",
+                                                                    "split_points": ["model.rnn2"]}},
+               expect_ok=False)
+    assert proc.returncode != 0
+    assert ("Parameters ['model.emb.weight'] are used on several stages (tied weights); under schedule='pipedream' "
+            "the stages apply their copies' gradients at different steps") in proc.stderr
+
+
+def test_an_untraceable_model_gets_the_way_out(tmp_path):
+    proc = run(tmp_path, {"family": "lstm", "untraceable": True, "strategy": {"schedule": "1f1b"}}, expect_ok=False)
+    assert proc.returncode != 0
+    assert "GraphCaptureError" in proc.stderr and "graph_trainer.py" in proc.stderr  # names the user's line
+    assert "Move the branch out of forward (into training_step, say), or put the layers in one nn.Sequential" in (
+        proc.stderr)
+
+
+def test_layers_and_split_points_are_exclusive():
+    with pytest.raises(ValueError, match="takes layers= .* or split_points= .*, not both"):
+        PipeDreamStrategy(layers="layers", split_points=["layers.2"])
