@@ -137,8 +137,9 @@ class Unfreeze(L.Callback):
             p.requires_grad_(trainer.current_epoch >= self.epoch)
 
 
-def main() -> None:
-    out, options = sys.argv[1], json.loads(sys.argv[2])
+def train(out: str, options: dict[str, Any]) -> None:
+    """One training run, written to ``out``: final.ckpt, and result.json on rank 0."""
+    os.makedirs(out, exist_ok=True)
     L.seed_everything(0, verbose=False)
     model = RuleMLP(**options.pop("model", {}))
     strategy = options.pop("strategy", None)
@@ -182,6 +183,18 @@ def main() -> None:
             json.dump(result, f)
     if options:
         raise SystemExit(f"unused options: {options}")
+
+
+def main() -> None:
+    """`rule_trainer.py OUT_DIR JSON_OPTIONS`, or `rule_trainer.py --runs RUNS.json` with a list of [OUT_DIR, OPTIONS]
+    run one after the other in the same processes (they start once: Lightning's launcher runs only for the first)."""
+    if sys.argv[1] == "--runs":
+        with open(sys.argv[2]) as f:
+            runs = json.load(f)
+    else:
+        runs = [[sys.argv[1], json.loads(sys.argv[2])]]
+    for out, options in runs:
+        train(out, options)
 
 
 if __name__ == "__main__":
