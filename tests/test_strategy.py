@@ -57,120 +57,129 @@ def rank_info(out: Path, rank: int) -> dict:
     return json.loads((out / f"rank{rank}.json").read_text())
 
 
+# Every successful training the tests below compare, by name. They run in a few launches of tiny.py (one per
+# process count, runs one after the other in the same processes), because starting the processes costs more
+# than these trainings. "{runs}" stands for the folder that holds every run's folder.
+RESUME = {"batch_size": 60, "max_steps": 4, "checkpoint_every_epoch": True}  # 4 epochs of one batch
+CLIP = {"max_steps": 2, "batch_size": 6, "trainer": {"gradient_clip_val": 0.05, "accumulate_grad_batches": 2}}
+UNEVEN = {"max_steps": 3, "batch_size": 12, "trainer": {"accumulate_grad_batches": 2}}
+EVALUATE = {"evaluate_only": True, "predict": True, "limit_val_batches": 2}
+SAMPLER = {"max_steps": 7, "batch_size": 12}
+RUNS: dict[str, dict] = {
+    "reference": {},  # single-device training, 3 steps: what the pipelines must reproduce
+    "one_device_pipedream": {"devices": 1, "strategy": {"schedule": "pipedream"}},
+    "resume_single": RESUME,
+    "clip_single": CLIP,
+    "uneven_single": UNEVEN,
+    "evaluate_single": EVALUATE,
+    "sampler_single": {**SAMPLER, "sampler_of_one_replica": True},
+    "gpipe": {"devices": 2, "strategy": {"schedule": "gpipe", "chunks": 4, "balance": [3, 2]}},
+    "1f1b": {"devices": 2, "strategy": {"schedule": "1f1b", "chunks": 4, "balance": [3, 2]}},
+    # Trainer(strategy="pipedream") by name; the partition comes from profiling.
+    "pipedream_by_name": {"devices": 2, "strategy": "pipedream", "monitor": "val_acc", "predict": True, "test": True,
+                          "limit_val_batches": 2, "trainer": {"max_epochs": 4, "max_steps": -1}},
+    "resume_pipe": {**RESUME, "devices": 2, "strategy": {"schedule": "1f1b", "chunks": 4}},
+    "resumed_from_pipe_on_2": {**RESUME, "devices": 2, "resume": "{runs}/resume_pipe/epoch=1-step=2.ckpt",
+                               "strategy": {"schedule": "1f1b", "chunks": 4}},
+    "resumed_from_single_on_2": {**RESUME, "devices": 2, "resume": "{runs}/resume_single/epoch=1-step=2.ckpt",
+                                 "strategy": {"schedule": "1f1b", "chunks": 4}},
+    "clip_pipe": {**CLIP, "devices": 2, "strategy": {"schedule": "gpipe", "chunks": 3, "plan": "{runs}/plan.json"}},
+    "evaluate_pipe": {**EVALUATE, "devices": 2, "strategy": {"schedule": "1f1b", "chunks": 3}},
+    "sampler_pipe": {**SAMPLER, "devices": 2, "shuffle": True, "trainer": {"use_distributed_sampler": True},
+                     "strategy": {"schedule": "1f1b", "chunks": 2}},
+    "resumed_from_pipe_on_3": {**RESUME, "devices": 3, "resume": "{runs}/resume_pipe/epoch=1-step=2.ckpt",
+                               "strategy": {"schedule": "1f1b", "chunks": 4}},
+    # 5 chunks of a batch of 12 are uneven (3, 3, 2, 2, 2); each rank writes its trace.
+    "uneven_pipe": {**UNEVEN, "devices": 3, "strategy": {"schedule": "gpipe", "chunks": 5, "balance": [2, 2, 1],
+                                                          "trace": "traces"}},
+}
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    """Single-device training, 3 steps: what the pipelines must reproduce."""
-    out = tmp_path_factory.mktemp("reference")
-    run_tiny(out, {})
-    return out
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """Train every run of RUNS; returns each one's folder."""
+    from lightning_pipedream.plan.partition import Plan, StagePlan
+
+    base = tmp_path_factory.mktemp("runs")
+    Plan([StagePlan(["0", "1"]), StagePlan(["2", "3", "4"])], schedule="gpipe", chunks=3).save(base / "plan.json")
+    for devices in (1, 2, 3):  # in this order: a resumed run reads the checkpoint of a run before it
+        group = [[str(base / name), json.loads(json.dumps(options).replace("{runs}", str(base)))]
+                 for name, options in RUNS.items() if options.get("devices", 1) == devices]
+        (base / f"runs{devices}.json").write_text(json.dumps(group))
+        env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+        proc = subprocess.run([sys.executable, str(SCRIPT), "--runs", str(base / f"runs{devices}.json")],
+                              capture_output=True, text=True, timeout=400, env=env, cwd=base)
+        assert proc.returncode == 0, f"tiny.py --runs ({devices} processes) failed:\n{proc.stderr[-4000:]}"
+    return {name: base / name for name in RUNS}
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_flushed_schedules_match_single_device(tmp_path, reference, schedule):
-    run_tiny(tmp_path, {"devices": 2, "strategy": {"schedule": schedule, "chunks": 4, "balance": [3, 2]}})
-    assert_same_weights(tmp_path / "final.ckpt", reference / "final.ckpt")
-    assert rank_info(tmp_path, 0)["losses"] == pytest.approx(rank_info(reference, 0)["losses"], rel=1e-5)
+def test_flushed_schedules_match_single_device(runs, schedule):
+    reference, pipe = runs["reference"], runs[schedule]
+    assert_same_weights(pipe / "final.ckpt", reference / "final.ckpt")
+    assert rank_info(pipe, 0)["losses"] == pytest.approx(rank_info(reference, 0)["losses"], rel=1e-5)
     # Each rank holds only its stage: parameters, optimizer parameters and optimizer state.
     full = rank_info(reference, 0)["parameters"]
-    shares = [rank_info(tmp_path, r) for r in (0, 1)]
+    shares = [rank_info(pipe, r) for r in (0, 1)]
     assert [s["parameters"] for s in shares] == [8 * 16 + 16 + 16 * 16 + 16, 16 * 4 + 4]  # balance [3, 2]
     assert sum(s["parameters"] for s in shares) == full
     for s in shares:
         assert s["optimizer_parameters"] == s["parameters"] == s["optimizer_state_tensors"]
 
 
-def test_pipedream_with_logging_monitoring_checkpoint_and_predict(tmp_path):
-    # Trainer(strategy="pipedream") by name; the partition comes from profiling.
-    run_tiny(tmp_path, {
-        "devices": 2, "strategy": "pipedream", "monitor": "val_acc", "predict": True, "test": True,
-        "limit_val_batches": 2, "trainer": {"max_epochs": 4, "max_steps": -1},
-    })
-    metrics = json.loads((tmp_path / "metrics.json").read_text())
+def test_pipedream_with_logging_monitoring_checkpoint_and_predict(runs):
+    out = runs["pipedream_by_name"]
+    metrics = json.loads((out / "metrics.json").read_text())
     # Logged on the last stage, seen by rank 0's callbacks: EarlyStopping stopped after 2 epochs.
     assert {"train_loss", "val_acc", "val_loss", "test_loss"} <= set(metrics)
     assert metrics["epoch"] == 2 and metrics["global_step"] == 10
-    best = sorted(tmp_path.glob("epoch=*.ckpt"))
+    best = sorted(out.glob("epoch=*.ckpt"))
     assert len(best) == 1
     # The consolidated checkpoint loads without the strategy and predicts what the pipeline predicted.
-    model = TinyClassifier.load_from_checkpoint(tmp_path / "final.ckpt", map_location="cpu")
+    model = TinyClassifier.load_from_checkpoint(out / "final.ckpt", map_location="cpu")
     x = torch.stack([data(24)[i][0] for i in range(24)])
     assert model(x).argmax(-1).tolist() == metrics["predictions"]
-    assert rank_info(tmp_path, 0)["parameters"] + rank_info(tmp_path, 1)["parameters"] == 484
+    assert rank_info(out, 0)["parameters"] + rank_info(out, 1)["parameters"] == 484
 
 
-@pytest.fixture(scope="module")
-def resume_runs(tmp_path_factory):
-    """4 steps (4 epochs of one batch) on one device and on 2 stages, both checkpointing every epoch.
-
-    One batch per epoch keeps the data the same whatever Lightning does to resume a data loader, so
-    the comparison isolates the checkpoint: weights, momentum and LR-scheduler state.
-    """
-    base = tmp_path_factory.mktemp("resume")
-    common = {"batch_size": 60, "max_steps": 4, "checkpoint_every_epoch": True}
-    run_tiny(base / "single", common)
-    run_tiny(base / "pipe", {**common, "devices": 2, "strategy": {"schedule": "1f1b", "chunks": 4}})
-    return base, common
+@pytest.mark.parametrize("resumed", ["resumed_from_pipe_on_2", "resumed_from_pipe_on_3", "resumed_from_single_on_2"])
+def test_resume_equals_uninterrupted(runs, resumed):
+    # One batch per epoch keeps the data the same whatever Lightning does to resume a data loader, so the
+    # comparison isolates the checkpoint: weights, momentum and LR-scheduler state.
+    single = runs["resume_single"]
+    assert_same_weights(runs["resume_pipe"] / "final.ckpt", single / "final.ckpt")
+    assert_same_weights(runs[resumed] / "final.ckpt", single / "final.ckpt")
+    assert rank_info(runs[resumed], 0)["losses"] == pytest.approx(rank_info(single, 0)["losses"][2:], rel=1e-5)
 
 
-@pytest.mark.parametrize("source,devices", [("pipe", 2), ("pipe", 3), ("single", 2)])
-def test_resume_equals_uninterrupted(tmp_path, resume_runs, source, devices):
-    base, common = resume_runs
-    single = base / "single"
-    assert_same_weights(base / "pipe" / "final.ckpt", single / "final.ckpt")
-    checkpoint = base / source / "epoch=1-step=2.ckpt"
-    run_tiny(tmp_path, {**common, "devices": devices, "resume": str(checkpoint),
-                        "strategy": {"schedule": "1f1b", "chunks": 4}})
-    assert_same_weights(tmp_path / "final.ckpt", single / "final.ckpt")
-    assert rank_info(tmp_path, 0)["losses"] == pytest.approx(rank_info(single, 0)["losses"][2:], rel=1e-5)
+def test_clipping_accumulation_and_plan_file_match_single_device(runs):
+    assert_same_weights(runs["clip_pipe"] / "final.ckpt", runs["clip_single"] / "final.ckpt")
+    assert rank_info(runs["clip_pipe"], 0)["parameters"] == 8 * 16 + 16  # stage 0 holds layers 0 and 1
 
 
-def test_clipping_accumulation_and_plan_file_match_single_device(tmp_path):
-    from lightning_pipedream.plan.partition import Plan, StagePlan
-
-    plan = tmp_path / "plan.json"
-    Plan([StagePlan(["0", "1"]), StagePlan(["2", "3", "4"])], schedule="gpipe", chunks=3).save(plan)
-    options = {"max_steps": 2, "batch_size": 6, "trainer": {"gradient_clip_val": 0.05, "accumulate_grad_batches": 2}}
-    run_tiny(tmp_path / "single", options)
-    run_tiny(tmp_path / "pipe", {**options, "devices": 2, "strategy": {"schedule": "gpipe", "chunks": 3,
-                                                                      "plan": str(plan)}})
-    assert_same_weights(tmp_path / "pipe" / "final.ckpt", tmp_path / "single" / "final.ckpt")
-    assert rank_info(tmp_path / "pipe", 0)["parameters"] == 8 * 16 + 16  # stage 0 holds layers 0 and 1
-
-
-def test_gpipe_on_three_stages_with_uneven_chunks_and_plain_accumulation(tmp_path):
-    # No clipping: the 1/k scaling of accumulate_grad_batches alone decides the result. 5 chunks of a
-    # batch of 12 are uneven (3, 3, 2, 2, 2); each rank writes its trace.
-    options = {"max_steps": 3, "batch_size": 12, "trainer": {"accumulate_grad_batches": 2}}
-    run_tiny(tmp_path / "single", options)
-    run_tiny(tmp_path / "pipe", {**options, "devices": 3, "strategy": {"schedule": "gpipe", "chunks": 5,
-                                                                      "balance": [2, 2, 1], "trace": "traces"}})
-    assert_same_weights(tmp_path / "pipe" / "final.ckpt", tmp_path / "single" / "final.ckpt")
+def test_gpipe_on_three_stages_with_uneven_chunks_and_plain_accumulation(runs):
+    # No clipping: the 1/k scaling of accumulate_grad_batches alone decides the result.
+    pipe = runs["uneven_pipe"]
+    assert_same_weights(pipe / "final.ckpt", runs["uneven_single"] / "final.ckpt")
     for rank in range(3):
-        trace = json.loads((tmp_path / "pipe" / "traces" / f"trace_rank{rank}.json").read_text())
+        trace = json.loads((pipe / "traces" / f"trace_rank{rank}.json").read_text())
         ops = [e.action.op for e in from_chrome_trace(trace)]
         # One epoch of 5 batches (3 steps: groups of 2, 2 and the epoch's last 1), 5 chunks each.
         assert ops.count(Op.FORWARD) == ops.count(Op.BACKWARD) == 5 * 5
         assert ops.count(Op.OPTIMIZER_STEP) == 5
 
 
-def test_validate_and_predict_without_fitting_equal_one_device(tmp_path):
-    options = {"evaluate_only": True, "predict": True, "limit_val_batches": 2}
-    run_tiny(tmp_path / "single", options)
-    run_tiny(tmp_path / "pipe", {**options, "devices": 2, "strategy": {"schedule": "1f1b", "chunks": 3}})
-    got, want = (json.loads((tmp_path / d / "metrics.json").read_text()) for d in ("pipe", "single"))
+def test_validate_and_predict_without_fitting_equal_one_device(runs):
+    got, want = (json.loads((runs[name] / "metrics.json").read_text()) for name in ("evaluate_pipe", "evaluate_single"))
     assert got["predictions"] == want["predictions"]
     assert got["val_loss"] == pytest.approx(want["val_loss"], rel=1e-6)
     assert got["val_acc"] == pytest.approx(want["val_acc"], rel=1e-6)
 
 
-def test_lightning_default_sampler_shuffles_alike_on_every_stage(tmp_path):
+def test_lightning_default_sampler_shuffles_alike_on_every_stage(runs):
     # Lightning's own sampler (use_distributed_sampler=True, shuffled, reshuffled each epoch): every stage
     # sees the same batches, which are those of a sampler with one replica (the data-parallel degree).
-    options = {"max_steps": 7, "batch_size": 12}
-    run_tiny(tmp_path / "single", {**options, "sampler_of_one_replica": True})
-    run_tiny(tmp_path / "pipe", {**options, "devices": 2, "shuffle": True, "trainer": {"use_distributed_sampler": True},
-                                 "strategy": {"schedule": "1f1b", "chunks": 2}})
-    assert_same_weights(tmp_path / "pipe" / "final.ckpt", tmp_path / "single" / "final.ckpt")
+    assert_same_weights(runs["sampler_pipe"] / "final.ckpt", runs["sampler_single"] / "final.ckpt")
 
 
 def test_stages_that_see_different_batches_are_stopped(tmp_path):
@@ -180,10 +189,9 @@ def test_stages_that_see_different_batches_are_stopped(tmp_path):
     assert "The pipeline stages received different training batches" in proc.stderr
 
 
-def test_one_device_is_a_single_stage_run(tmp_path, reference):
+def test_one_device_is_a_single_stage_run(runs):
     # One stage has nothing in flight: PipeDream's rule reduces to plain training.
-    run_tiny(tmp_path, {"devices": 1, "strategy": {"schedule": "pipedream"}})
-    assert_same_weights(tmp_path / "final.ckpt", reference / "final.ckpt")
+    assert_same_weights(runs["one_device_pipedream"] / "final.ckpt", runs["reference"] / "final.ckpt")
 
 
 def free_port() -> int:
@@ -192,7 +200,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_nodes_under_torchrun(tmp_path, reference):
+def test_two_nodes_under_torchrun(tmp_path, runs):
     port = free_port()
     options = json.dumps({"strategy": {"schedule": "1f1b", "chunks": 2}, "trainer": {"num_nodes": 2}})
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
@@ -212,7 +220,7 @@ def test_two_nodes_under_torchrun(tmp_path, reference):
             p.kill()
     for p, (_, err) in zip(procs, outputs):
         assert p.returncode == 0, err[-4000:]
-    assert_same_weights(tmp_path / "final.ckpt", reference / "final.ckpt")
+    assert_same_weights(tmp_path / "final.ckpt", runs["reference"] / "final.ckpt")
 
 
 def test_more_stages_than_layers_fails_on_every_rank(tmp_path):

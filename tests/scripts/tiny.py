@@ -103,8 +103,10 @@ class LossRecorder(L.Callback):
             json.dump(share, f)
 
 
-def main() -> None:
-    out, options = sys.argv[1], json.loads(sys.argv[2])
+def train(out: str, options: dict) -> None:
+    """One training run in ``out`` (its working directory too): final.ckpt, rank{r}.json, metrics.json on rank 0."""
+    os.makedirs(out, exist_ok=True)
+    os.chdir(out)
     L.seed_everything(0, verbose=False)
     model = TinyClassifier(**options.pop("model", {}))
     if options.pop("fail_in_last_layer", False):
@@ -162,6 +164,18 @@ def main() -> None:
             json.dump(metrics, f)
     if options:
         raise SystemExit(f"unused options: {options}")
+
+
+def main() -> None:
+    """`tiny.py OUT_DIR JSON_OPTIONS`, or `tiny.py --runs RUNS.json` with a list of [OUT_DIR, OPTIONS] run one
+    after the other in the same processes (they start once: Lightning's launcher runs only for the first)."""
+    if sys.argv[1] == "--runs":
+        with open(sys.argv[2]) as f:
+            runs = json.load(f)
+    else:
+        runs = [[sys.argv[1], json.loads(sys.argv[2])]]
+    for out, options in runs:
+        train(out, options)
 
 
 if __name__ == "__main__":
