@@ -23,10 +23,11 @@ from lightning_pipedream import PipeDreamStrategy
 SCRIPT = Path(__file__).parent / "scripts" / "graph_trainer.py"
 
 
-def run(out: Path, options: dict, expect_ok: bool = True, timeout: float = 240) -> subprocess.CompletedProcess:
+def run(out: Path, options: dict, expect_ok: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), str(out), json.dumps(options)], cwd=out, env=env,
+    args = ["--runs", options["--runs"]] if "--runs" in options else [str(out), json.dumps(options)]
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), *args], cwd=out, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
@@ -51,22 +52,35 @@ CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """Every family on one device and as a pipeline; the runs of one process count share one launch."""
+    base = tmp_path_factory.mktemp("graph")
+    runs: dict[int, list] = {1: [], 2: [], 3: []}
+    for family, (processes, strategy, model) in CASES.items():
+        common = {"family": family, "model": model, "limit_val_batches": 1}
+        runs[1].append([str(base / family / "single"), common])
+        runs[processes].append([str(base / family / "pipe"), {**common, "devices": processes, "strategy": strategy}])
+    for processes, group in runs.items():
+        if group:
+            (base / f"runs{processes}.json").write_text(json.dumps(group))
+            run(base, {"--runs": str(base / f"runs{processes}.json")})
+    return base
+
+
 @pytest.mark.parametrize("family", sorted(CASES))
-def test_training_equals_one_device(tmp_path, family):
-    processes, strategy, model = CASES[family]
-    run(tmp_path / "single", {"family": family, "model": model, "limit_val_batches": 1})
-    run(tmp_path / "pipe", {"family": family, "model": model, "limit_val_batches": 1, "devices": processes,
-                            "strategy": strategy})
-    got, want = weights(tmp_path / "pipe" / "final.ckpt"), weights(tmp_path / "single" / "final.ckpt")
+def test_training_equals_one_device(trained, family):
+    single, pipe = trained / family / "single", trained / family / "pipe"
+    got, want = weights(pipe / "final.ckpt"), weights(single / "final.ckpt")
     assert list(got) == list(want)  # the module's own keys, in its order: tied names and BatchNorm buffers too
     for key in want:
         torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-5, msg=lambda m: f"{key}: {m}")
-    metrics = [json.loads((tmp_path / d / "metrics.json").read_text()) for d in ("pipe", "single")]
+    metrics = [json.loads((d / "metrics.json").read_text()) for d in (pipe, single)]
     assert metrics[0]["val_loss"] == pytest.approx(metrics[1]["val_loss"], rel=1e-5)  # an eval-mode capture
     if family == "gpt":  # the output projection tied to the embedding: one tensor under both names
         assert torch.equal(got["model.head.weight"], got["model.tok.weight"])
     # The checkpoint loads without the strategy.
-    FamilyModule.load_from_checkpoint(tmp_path / "pipe" / "final.ckpt", map_location="cpu")
+    FamilyModule.load_from_checkpoint(pipe / "final.ckpt", map_location="cpu")
 
 
 def test_pipedream_refuses_weights_tied_across_stages(tmp_path):

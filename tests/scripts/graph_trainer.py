@@ -63,8 +63,9 @@ class Batches:
         return iter(self.items)
 
 
-def main() -> None:
-    out, options = sys.argv[1], json.loads(sys.argv[2])
+def train(out: str, options: dict[str, Any]) -> None:
+    """One training run written to ``out``: final.ckpt, and metrics.json on rank 0."""
+    os.makedirs(out, exist_ok=True)
     family = options.pop("family")
     torch.set_num_threads(1)  # the same kernels' reduction order in every run, whatever the process count
     module_class = DataDependent if options.pop("untraceable", False) else FamilyModule
@@ -87,6 +88,18 @@ def main() -> None:
             json.dump(metrics, f)
     if options:
         raise SystemExit(f"unused options: {options}")
+
+
+def main() -> None:
+    """`graph_trainer.py OUT_DIR JSON_OPTIONS`, or `graph_trainer.py --runs RUNS.json` with a list of
+    [OUT_DIR, OPTIONS] run one after the other in the same processes (they start once)."""
+    if sys.argv[1] == "--runs":
+        with open(sys.argv[2]) as f:
+            runs = json.load(f)
+    else:
+        runs = [[sys.argv[1], json.loads(sys.argv[2])]]
+    for out, options in runs:
+        train(out, options)
 
 
 if __name__ == "__main__":
