@@ -95,18 +95,18 @@ class CheckpointGather:
     the full state dict is the union of the shares, put back in the module's own key order.
     """
 
-    def __init__(self, stage_index: int, num_stages: int, full_keys: list[str]) -> None:
-        self.stage_index = stage_index
-        self.num_stages = num_stages
+    def __init__(self, rank: int, world_size: int, full_keys: list[str]) -> None:
+        self.rank = rank
+        self.world_size = world_size
         self.full_keys = full_keys
 
     def _gather(self, share: Any) -> list[Any] | None:
-        """Every rank's ``share`` on rank 0 (None elsewhere)."""
-        if self.num_stages == 1:
+        """Every rank's ``share`` on rank 0 (None elsewhere). Replicas of a stage send the same share."""
+        if self.world_size == 1:
             return [share]
-        on_zero = self.stage_index == 0
-        gathered: list[Any] = [None] * self.num_stages if on_zero else []
-        with pipeline_failures(self.stage_index):
+        on_zero = self.rank == 0
+        gathered: list[Any] = [None] * self.world_size if on_zero else []
+        with pipeline_failures(self.rank):
             dist.gather_object(share, gathered if on_zero else None, dst=0)
         return gathered if on_zero else None
 

@@ -46,21 +46,34 @@ class SummaryChannel:
 
     SLOTS = 64  # numbers per fast message: [fits?, count, loss, logged values...]
 
-    def __init__(self, stage_index: int, num_stages: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        stage_index: int,
+        num_stages: int,
+        device: torch.device,
+        pipeline_group: dist.ProcessGroup | None = None,
+        replica_group: dist.ProcessGroup | None = None,
+        num_pipelines: int = 1,
+    ) -> None:
         self.stage_index = stage_index
         self.num_stages = num_stages
         self.device = device
+        self.pipeline_group = pipeline_group  # this rank's pipeline (ranks are its stages); None: the world
+        self.replica_group = replica_group  # this rank's stage in every pipeline (data parallelism); None: none
+        self.num_pipelines = num_pipelines
         self._layout: tuple | None = None
 
     @property
     def source(self) -> int:
+        """The last stage, as a rank of the pipeline's group."""
         return self.num_stages - 1
 
     def exchange(self, summary: StepSummary | None) -> StepSummary:
-        """Call on every rank; ``summary`` is given on the last stage (None elsewhere). Returns it everywhere."""
+        """Call on every rank; ``summary`` is given on the last stage (None elsewhere). Returns it everywhere,
+        its numbers averaged over the data-parallel pipelines (as DDP's ``sync_dist=True`` would)."""
         if self.num_stages == 1:
             assert summary is not None
-            return summary
+            return self._averaged(summary)
         message = torch.zeros(self.SLOTS, dtype=torch.float64)
         if summary is not None:
             values = summary.numbers()
@@ -70,23 +83,48 @@ class SummaryChannel:
                 message[2 : 2 + len(values)] = torch.tensor(values, dtype=torch.float64)
         on_device = message.to(self.device)
         with pipeline_failures(self.stage_index):
-            dist.broadcast(on_device, src=self.source)
+            dist.broadcast(on_device, group=self.pipeline_group, group_src=self.source)
         message = on_device.cpu()
         if message[0] == 0.0:  # something new: it travels whole, and every rank remembers its layout
             summary = self.broadcast_object(summary)
             self._layout = summary.layout()
-            return summary
+            return self._averaged(summary)
         assert self._layout is not None
         extra, names = self._layout
         values = message[2 : 2 + int(message[1])].tolist()
         logs = [LoggedValue(name, value, options) for (name, options), value in zip(names, values[1:])]
-        return StepSummary(values[0], dict(extra), logs)
+        return self._averaged(StepSummary(values[0], dict(extra), logs))
+
+    def _averaged(self, summary: StepSummary) -> StepSummary:
+        if self.num_pipelines == 1:
+            return summary
+        numbers = torch.tensor(summary.numbers(), dtype=torch.float64, device=self.device)
+        with pipeline_failures(self.stage_index):
+            dist.all_reduce(numbers, group=self.replica_group)
+        values = (numbers / self.num_pipelines).cpu().tolist()
+        logs = [LoggedValue(log.name, value, log.options) for log, value in zip(summary.logs, values[1:])]
+        return StepSummary(values[0], summary.extra, logs)
+
+    def averaged_logs(self, logs: list[LoggedValue]) -> list[LoggedValue]:
+        """Evaluation logs over the pipelines' shards: each name's value weighted by its batch size."""
+        if self.num_pipelines == 1 or not logs:
+            return logs
+        weights = [float(log.options.get("batch_size", 1)) for log in logs]
+        numbers = torch.tensor([v for log, w in zip(logs, weights) for v in (log.value * w, w)],
+                               dtype=torch.float64, device=self.device)
+        with pipeline_failures(self.stage_index):
+            dist.all_reduce(numbers, group=self.replica_group)
+        sums = numbers.cpu().tolist()
+        return [
+            LoggedValue(log.name, sums[2 * i] / sums[2 * i + 1], {**log.options, "batch_size": int(sums[2 * i + 1])})
+            for i, log in enumerate(logs)
+        ]
 
     def broadcast_object(self, value: Any) -> Any:
-        """A small picklable value from the last stage to every rank (outputs of evaluation steps)."""
+        """A small picklable value from the pipeline's last stage to its other ranks (outputs of evaluation steps)."""
         if self.num_stages == 1:
             return value
         box = [value]
         with pipeline_failures(self.stage_index):
-            dist.broadcast_object_list(box, src=self.source, device=self.device)
+            dist.broadcast_object_list(box, group=self.pipeline_group, group_src=self.source, device=self.device)
         return box[0]

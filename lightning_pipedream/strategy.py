@@ -37,7 +37,9 @@ from lightning_pipedream.plan.balance import check_balance, check_stage_count, e
 from lightning_pipedream.runtime.engine import PipelineEngine
 from lightning_pipedream.runtime.graph_stage import CapturedStage
 from lightning_pipedream.runtime.microbatch import TensorTreeError, batch_size, flatten, merge, split
+from lightning_pipedream.runtime.replicas import GradientReducer, ReplicaGroups
 from lightning_pipedream.runtime.transport import Transport
+from lightning_pipedream.schedule.actions import Layout
 from lightning_pipedream.schedule.builders import SCHEDULES, check_schedule_options, inference
 from lightning_pipedream.step_summary import StepSummary, SummaryChannel
 from lightning_pipedream.tree import map_tensors
@@ -68,6 +70,8 @@ class PipeDreamStrategy(DDPStrategy):
         weight_stashing: ``pipedream`` only; ``False`` is the paper's ablation.
         vertical_sync: ``pipedream`` only; every stage uses the weight version stage 0 used.
         bandwidth: bytes/s between stages, for the partitioner's cost model.
+        stages: pipeline stages; on ``stages * d`` processes the strategy runs ``d`` data-parallel
+            pipelines (each stage's replicas all-reduce their gradients). Default: one stage per process.
         trace: a directory; each rank writes a Chrome/Perfetto trace of its actions there at the end.
     """
 
@@ -85,6 +89,7 @@ class PipeDreamStrategy(DDPStrategy):
         vertical_sync: bool = False,
         bandwidth: float = 1e9,
         trace: str | os.PathLike | None = None,
+        stages: int | None = None,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -126,6 +131,12 @@ class PipeDreamStrategy(DDPStrategy):
         self.vertical_sync = vertical_sync
         self.bandwidth = bandwidth
         self.trace_dir = trace
+        if stages is not None and (not isinstance(stages, int) or stages < 1):
+            raise ValueError(f"stages must be an integer >= 1 (the pipeline's length), got {stages!r}.")
+        self._stages_arg = stages
+        self._pipeline_group: dist.ProcessGroup | None = None  # this rank's pipeline: its ranks are the stages
+        self._replica_group: dist.ProcessGroup | None = None  # this rank's stage in every pipeline
+        self._reducer: GradientReducer | None = None
         self.plan: Any = None  # the Plan used (from plan.json or the partitioner), if any
         self.balance: list[int] | None = None
         self._layers_name = ""
@@ -145,11 +156,23 @@ class PipeDreamStrategy(DDPStrategy):
     # ----------------------------------------------------------------------------------- ranks
     @property
     def num_stages(self) -> int:
-        return self.world_size
+        """Stages of one pipeline (``stages=``, or one per process)."""
+        return self._stages_arg if self._stages_arg is not None else self.world_size
+
+    @property
+    def num_pipelines(self) -> int:
+        """Data-parallel copies of the pipeline: processes / stages."""
+        return max(1, self.world_size // self.num_stages)
 
     @property
     def stage_index(self) -> int:
-        return self.global_rank
+        # Stage-major ranks (see ReplicaGroups): stage s of pipeline k is rank s * pipelines + k, so a
+        # stage's replicas are neighbours (on one node when they fit) and all-reduce over fast links.
+        return self.global_rank // self.num_pipelines
+
+    @property
+    def pipeline_index(self) -> int:
+        return self.global_rank % self.num_pipelines
 
     @property
     def is_last_stage(self) -> bool:
@@ -158,8 +181,9 @@ class PipeDreamStrategy(DDPStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Every stage must see the same batches: the data-parallel degree is 1, not the world size.
-        return {"num_replicas": 1, "rank": 0}
+        # Every stage of a pipeline must see the same batches: the data-parallel degree is the number of
+        # pipelines, not the world size; pipeline k reads shard k.
+        return {"num_replicas": self.num_pipelines, "rank": self.pipeline_index}
 
     # ----------------------------------------------------------------------------------- setup
     @override
@@ -172,6 +196,7 @@ class PipeDreamStrategy(DDPStrategy):
         if fitting:
             _check_training_supported(module, self.precision_plugin)
         if self._engine is None or module is not self._module_set_up:
+            self._make_groups()
             full_keys = list(module.state_dict())
             # The full model's optimizer layout maps checkpoints (single-device form) to this rank's stage.
             self._optimizer_layouts = OptimizerLayout.of_module(module, _init_optimizers_and_lr_schedulers)
@@ -189,8 +214,11 @@ class PipeDreamStrategy(DDPStrategy):
             assert self._stage_module is not None
             self._stage_module.to(self.root_device)  # a graph stage is not a child of the module
             self._build_engine()
-            self._summary = SummaryChannel(self.stage_index, self.num_stages, self.root_device)
-            self._checkpoint = CheckpointGather(self.stage_index, self.num_stages, full_keys)
+            self._summary = SummaryChannel(self.stage_index, self.num_stages, self.root_device, self._pipeline_group,
+                                           self._replica_group, self.num_pipelines)
+            self._checkpoint = CheckpointGather(self.global_rank, self.world_size, full_keys)
+            if self.num_pipelines > 1:
+                self._reducer = GradientReducer(self._stage_module.parameters(), self._replica_group)
         else:  # a later fit/validate/test/predict with the same model: keep its stages
             self.model_to_device()
         if fitting:
@@ -205,12 +233,42 @@ class PipeDreamStrategy(DDPStrategy):
             assert self._stage_module is not None
             self._updates = PipelineUpdates(
                 list(self._stage_module.parameters()), lambda: self.optimizers, self._optimizer_step_now,
-                before_step=self._graph.before_update if self._graph is not None else None,
+                before_step=self._before_update,
             )
             if not any(isinstance(c, PipelineDrain) for c in trainer.callbacks):
                 # First, so that no other callback sees a model with minibatches in flight.
                 trainer.callbacks.insert(0, PipelineDrain(self.drain, self._pipeline_failed))
         self._failure = None
+
+    def _make_groups(self) -> None:
+        """The process groups: each pipeline's (its point-to-point traffic) and each stage's replicas'."""
+        p, world = self.num_stages, self.world_size
+        if world % p != 0:
+            raise ValueError(
+                f"PipeDreamStrategy(stages={p}) runs on {world} processes: the processes must be a multiple of the "
+                f"stages (d data-parallel pipelines of {p} stages). Use devices x num_nodes = {p} x d, or stages "
+                f"dividing {world}."
+            )
+        d = self.num_pipelines
+        if d == 1:
+            self._pipeline_group = dist.new_group(backend=self._process_group_backend) if p > 1 else None
+            return
+        groups = ReplicaGroups(Layout.data_parallel(p, d), device_type=self.root_device.type)
+        self._replica_group = groups.data_group
+        if groups.mesh is not None:
+            self._pipeline_group = groups.mesh.get_group("pipe")
+        else:  # new_group is collective: every rank makes every pipeline's group, in the same order
+            for k in range(d):
+                group = dist.new_group([s * d + k for s in range(p)])
+                if k == self.pipeline_index:
+                    self._pipeline_group = group
+
+    def _before_update(self) -> None:
+        """Right before each of the pipeline's updates: sum tied copies, then the stage's replicas' gradients."""
+        if self._graph is not None:
+            self._graph.before_update()
+        if self._reducer is not None:
+            self._reducer.reduce(average=False)  # each pipeline's loss counts 1/pipelines: the sum is the mean
 
     def _sequential_layers(self, module: LightningModule) -> nn.Sequential | None:
         """The module's Sequential to split between layers, or None to split its traced forward graph."""
@@ -261,6 +319,12 @@ class PipeDreamStrategy(DDPStrategy):
             points = payload[0]
         self._graph = CapturedStage(module, self.stage_index, self.num_stages, points, args, kwargs, captured)
         self._graph_inputs_seen = {(module.training, _shapes(part))}
+        if self._graph.ties and self.num_pipelines > 1:
+            raise ValueError(
+                f"Parameters {sorted(self._graph.ties)} are used on several stages (tied weights), which "
+                "PipeDreamStrategy does not combine with data-parallel pipelines yet. Run one pipeline (stages = "
+                "processes), or split points that keep each tied parameter's users in one stage."
+            )
         if self._graph.ties and self.schedule == "pipedream":
             raise ValueError(
                 f"Parameters {sorted(self._graph.ties)} are used on several stages (tied weights); under "
@@ -310,6 +374,12 @@ class PipeDreamStrategy(DDPStrategy):
 
         assert self._plan_path is not None
         self.plan = Plan.load(self._plan_path)
+        if any(stage.replicas != 1 for stage in self.plan.stages):
+            raise ValueError(
+                f"The plan {self._plan_path} replicates stages ({[st.replicas for st in self.plan.stages]} replicas); "
+                "PipeDreamStrategy runs uniform data parallelism (stages=p on p x d processes) but not yet plans "
+                "whose stages have different replica counts. Plan with straight=True, or use stages=."
+            )
         if len(self.plan.stages) != self.num_stages:
             raise ValueError(
                 f"The plan {self._plan_path} has {len(self.plan.stages)} stages but the Trainer runs "
@@ -352,6 +422,7 @@ class PipeDreamStrategy(DDPStrategy):
         """Replace the other stages' layers by placeholders so this rank holds only its own."""
         assert self.balance is not None
         own = stage_slice(layers, self.balance, self.stage_index)
+        _check_stage_trains(own, self.stage_index, self.balance)
         stage_of = [s for s, count in enumerate(self.balance) for _ in range(count)]
         for i, name in enumerate(list(layers._modules)):
             if name not in own._modules:
@@ -362,12 +433,11 @@ class PipeDreamStrategy(DDPStrategy):
 
     def _build_engine(self) -> None:
         assert self._stage_module is not None
-        group = dist.new_group(backend=self._process_group_backend) if self.num_stages > 1 else None
         self._engine = PipelineEngine(
             self._stage_module,
             self.stage_index,
             self.num_stages,
-            Transport(group=group, device=self.root_device),
+            Transport(group=self._pipeline_group, device=self.root_device),
             schedule=self.schedule,
             chunks=self.chunks,
             weight_stashing=self.weight_stashing,
@@ -402,7 +472,9 @@ class PipeDreamStrategy(DDPStrategy):
         parts = split(batch, self.chunks) if self.chunks > 1 else [batch]
         sizes = [batch_size(p) for p in parts]
         total = sum(sizes)
-        scale = 1.0 / trainer.accumulate_grad_batches  # as Lightning divides the loss of each accumulated batch
+        # As Lightning divides the loss of each accumulated batch; and each pipeline's loss counts 1/pipelines in the
+        # replicas' summed gradient.
+        scale = 1.0 / (trainer.accumulate_grad_batches * self.num_pipelines)
         flushed = self.schedule != "pipedream"
         recorder = LogRecorder()
         step_outputs: list[Any] = []
@@ -452,7 +524,8 @@ class PipeDreamStrategy(DDPStrategy):
         leaves, _ = flatten(batch, "batch")
         mine = torch.tensor([_fingerprint(t) for t in leaves[:4]] + [float(batch_size(batch))], dtype=torch.float64)
         everyone = [torch.zeros_like(mine) for _ in range(self.num_stages)]
-        dist.all_gather(everyone, mine.to(self.root_device) if self.root_device.type != "cpu" else mine)
+        dist.all_gather(everyone, mine.to(self.root_device) if self.root_device.type != "cpu" else mine,
+                        group=self._pipeline_group)
         if any(not torch.equal(everyone[0].cpu(), other.cpu()) for other in everyone[1:]):
             raise RuntimeError(
                 "The pipeline stages received different training batches: every rank must iterate the same data "
@@ -499,7 +572,7 @@ class PipeDreamStrategy(DDPStrategy):
         for g in grads:
             square += g.detach().float().pow(2).sum()
         if self.num_stages > 1 and self.schedule != "pipedream":
-            dist.all_reduce(square)
+            dist.all_reduce(square, group=self._pipeline_group)  # replicas hold the same gradients: one pipeline
         factor = torch.clamp(clip_val / (square.sqrt() + 1e-6), max=1.0)
         for group in optimizer.param_groups:
             for p in group["params"]:
@@ -574,7 +647,7 @@ class PipeDreamStrategy(DDPStrategy):
                 merged = map_tensors(_to_cpu, values[0] if len(values) == 1 else _merge_outputs(values))
             payload = (merged, recorder.aggregate())
         merged, logs = channel.broadcast_object(payload)
-        LogRecorder.replay(module, logs)
+        LogRecorder.replay(module, channel.averaged_logs(logs))
         if send_output:
             return map_tensors(lambda t: t.to(self.root_device), merged)
         return None
@@ -640,8 +713,8 @@ class PipeDreamStrategy(DDPStrategy):
         from lightning_pipedream.schedule.timeline import to_chrome_trace
 
         os.makedirs(self.trace_dir, exist_ok=True)
-        events = self._engine.executor.events(self.stage_index)
-        path = os.path.join(self.trace_dir, f"trace_rank{self.stage_index}.json")
+        events = self._engine.executor.events(self.global_rank)
+        path = os.path.join(self.trace_dir, f"trace_rank{self.global_rank}.json")
         with open(path, "w") as f:
             json.dump(to_chrome_trace(events), f)
 
@@ -675,6 +748,16 @@ def _check_training_supported(module: LightningModule, precision: Precision) -> 
             "PipeDreamStrategy does not support precision='16-mixed' with a gradient scaler: every stage would have "
             "to scale its backward and all stages agree to skip a step together. Use precision='bf16-mixed' "
             "(no scaler needed) or '32-true'."
+        )
+
+
+def _check_stage_trains(stage: nn.Module, index: int, balance: list[int]) -> None:
+    """A stage without parameters would give its optimizer an empty parameter list, which torch refuses."""
+    if not any(p.requires_grad for p in stage.parameters()):
+        raise ValueError(
+            f"Stage {index} of balance={balance} holds layers {list(stage._modules)}, which have no trainable "
+            "parameters, and torch's optimizers refuse an empty parameter list. Choose a balance (or fewer stages) "
+            "that gives every stage a layer with parameters."
         )
 
 

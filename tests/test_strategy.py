@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import OrderedDict
 from pathlib import Path
 
 import lightning as L
@@ -89,6 +90,24 @@ RUNS: dict[str, dict] = {
                      "strategy": {"schedule": "1f1b", "chunks": 2}},
     "resumed_from_pipe_on_3": {**RESUME, "devices": 3, "resume": "{runs}/resume_pipe/epoch=1-step=2.ckpt",
                                "strategy": {"schedule": "1f1b", "chunks": 4}},
+    # Two data-parallel pipelines of 2 stages on 4 processes, Lightning's sampler giving each pipeline its shard;
+    # the reference trains on the union of the shards (the same shuffled order, batches of 2 x 6).
+    "dp_gpipe": {"devices": 4, "batch_size": 6, "max_steps": 7, "limit_val_batches": 2,
+                 "trainer": {"use_distributed_sampler": True}, "strategy": {"schedule": "gpipe", "chunks": 2,
+                                                                          "stages": 2, "balance": [3, 2]}},
+    "dp_1f1b": {"devices": 4, "batch_size": 6, "max_steps": 7, "trainer": {"use_distributed_sampler": True},
+                "strategy": {"schedule": "1f1b", "chunks": 3, "stages": 2, "balance": [3, 2]}},
+    "dp_single": {"batch_size": 12, "max_steps": 7, "limit_val_batches": 2, "sampler_of_one_replica": True},
+    # A 2 x 2 checkpoint resumed on 2 x 1 and 3 x 1 (one batch per epoch, as for the resume tests above).
+    "dp_resume_pipe": {**RESUME, "batch_size": 30, "devices": 4, "trainer": {"use_distributed_sampler": True},
+                       "strategy": {"schedule": "gpipe", "chunks": 2, "stages": 2}},
+    "dp_resume_single": {**RESUME, "sampler_of_one_replica": True},
+    "dp_resumed_on_2": {**RESUME, "devices": 2, "sampler_of_one_replica": True,
+                        "resume": "{runs}/dp_resume_pipe/epoch=1-step=2.ckpt", "strategy": {"schedule": "gpipe",
+                                                                                        "chunks": 2}},
+    "dp_resumed_on_3": {**RESUME, "devices": 3, "sampler_of_one_replica": True,
+                        "resume": "{runs}/dp_resume_pipe/epoch=1-step=2.ckpt", "strategy": {"schedule": "1f1b",
+                                                                                        "chunks": 2}},
     # 5 chunks of a batch of 12 are uneven (3, 3, 2, 2, 2); each rank writes its trace.
     "uneven_pipe": {**UNEVEN, "devices": 3, "strategy": {"schedule": "gpipe", "chunks": 5, "balance": [2, 2, 1],
                                                           "trace": "traces"}},
@@ -102,7 +121,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 
     base = tmp_path_factory.mktemp("runs")
     Plan([StagePlan(["0", "1"]), StagePlan(["2", "3", "4"])], schedule="gpipe", chunks=3).save(base / "plan.json")
-    for devices in (1, 2, 3):  # in this order: a resumed run reads the checkpoint of a run before it
+    for devices in (1, 4, 2, 3):  # in this order: a resumed run reads the checkpoint of a run before it
         group = [[str(base / name), json.loads(json.dumps(options).replace("{runs}", str(base)))]
                  for name, options in RUNS.items() if options.get("devices", 1) == devices]
         (base / f"runs{devices}.json").write_text(json.dumps(group))
@@ -182,6 +201,30 @@ def test_lightning_default_sampler_shuffles_alike_on_every_stage(runs):
     assert_same_weights(runs["sampler_pipe"] / "final.ckpt", runs["sampler_single"] / "final.ckpt")
 
 
+@pytest.mark.parametrize("name", ["dp_gpipe", "dp_1f1b"])
+def test_data_parallel_pipelines_equal_one_device_on_the_union_of_their_shards(runs, name):
+    assert_same_weights(runs[name] / "final.ckpt", runs["dp_single"] / "final.ckpt")
+    # The logged loss is the mean over the pipelines, which is the union's loss.
+    assert rank_info(runs[name], 0)["losses"] == pytest.approx(rank_info(runs["dp_single"], 0)["losses"], rel=1e-5)
+    # Stage-major ranks: stage s of pipeline k is rank 2s + k; a stage's gradients are all-reduced over exactly
+    # its replicas, and each pipeline's point-to-point traffic stays in its own group.
+    groups = [rank_info(runs[name], r)["groups"] for r in range(4)]
+    assert [g["replica"] for g in groups] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [g["pipeline"] for g in groups] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+
+
+def test_data_parallel_validation_averages_the_shards(runs):
+    got, want = (json.loads((runs[n] / "metrics.json").read_text()) for n in ("dp_gpipe", "dp_single"))
+    assert got["val_loss"] == pytest.approx(want["val_loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("resumed", ["dp_resumed_on_2", "dp_resumed_on_3"])
+def test_a_data_parallel_checkpoint_resumes_on_other_shapes(runs, resumed):
+    # The 2 x 2 checkpoint after 2 epochs, resumed by one pipeline of 2 and of 3 stages on the union batches.
+    assert_same_weights(runs["dp_resume_pipe"] / "final.ckpt", runs["dp_resume_single"] / "final.ckpt")
+    assert_same_weights(runs[resumed] / "final.ckpt", runs["dp_resume_single"] / "final.ckpt")
+
+
 def test_stages_that_see_different_batches_are_stopped(tmp_path):
     # An unseeded shuffle per rank: stage 0's inputs would not belong to the last stage's labels.
     proc = run_tiny(tmp_path, {"devices": 2, "shuffle_per_rank": True, "strategy": {"schedule": "1f1b"},
@@ -238,6 +281,14 @@ def test_a_failing_stage_stops_every_rank_with_its_error(tmp_path):
     assert "[rank1]: ValueError: boom on the third forward" in proc.stderr
     assert ("[rank0]: lightning_pipedream.runtime.transport.PeerFailedError: Pipeline stage 1 failed with "
             "ValueError: boom on the third forward (this rank, stage 0, stopped because of it)") in proc.stderr
+
+
+def test_a_stage_without_parameters_is_refused():
+    from lightning_pipedream.strategy import _check_stage_trains
+
+    with pytest.raises(ValueError, match=r"Stage 1 of balance=\[2, 1, 2\] holds layers \['2'\], which have no trainable "
+                                         r"parameters.*Choose a balance \(or fewer stages\)"):
+        _check_stage_trains(nn.Sequential(OrderedDict([("2", nn.Tanh())])), 1, [2, 1, 2])
 
 
 def test_bad_strategy_arguments():

@@ -98,9 +98,15 @@ class LossRecorder(L.Callback):
                 v.numel() for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0
             ),
             "losses": self.losses,
+            # The process groups of data-parallel pipelines: which ranks each rank all-reduces and pipelines with.
+            "groups": {name: _members(getattr(trainer.strategy, f"_{name}_group", None)) for name in ("replica", "pipeline")},
         }
         with open(os.path.join(self.out, f"rank{trainer.global_rank}.json"), "w") as f:
             json.dump(share, f)
+
+
+def _members(group) -> list[int] | None:
+    return None if group is None else sorted(torch.distributed.get_process_group_ranks(group))
 
 
 def train(out: str, options: dict) -> None:
