@@ -32,7 +32,8 @@ def run(out: Path, options: dict, timeout: float = 180, expect_ok: bool = True) 
     """Train in a subprocess (Lightning's launcher re-runs sys.argv); a hung run is killed with its ranks."""
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), str(out), json.dumps(options)], cwd=out, env=env,
+    args = ["--runs", options["--runs"]] if "--runs" in options else [str(out), json.dumps(options)]
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), *args], cwd=out, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
@@ -104,91 +105,117 @@ def result(out: Path) -> dict[str, Any]:
 
 
 TWO_EPOCHS = [list(range(6)), list(range(6))]
+TWO, THREE = [4, 3], [3, 2, 2]  # balances of 2 and 3 stages
+SCHEDULED = {"optimizer": "momentum", "lr": 0.1, "scheduler": "step"}
+RESUMED = {"optimizer": "momentum", "lr": 0.05, "scheduler": "step"}
+MID_EPOCH_CHECKPOINTS = {"every_n_train_steps": 2, "save_top_k": -1, "filename": "{step}"}
 
 
-@pytest.mark.parametrize("stages,model,extra", [
-    (2, {"optimizer": "sgd", "scheduler": "step"}, {}),
-    (3, {"optimizer": "adam", "lr": 0.01, "scheduler": "lambda"}, {}),
-    (3, {"optimizer": "momentum", "lr": 0.05, "scheduler": "step"}, {"vertical_sync": True}),
-], ids=["2-sgd-steplr", "3-adam-lambdalr", "3-momentum-vertical-sync"])
-def test_two_epochs_follow_the_rule(tmp_path, stages, model, extra):
-    balance = [4, 3] if stages == 2 else [3, 2, 2]
-    run(tmp_path, {"devices": stages, "model": model, "strategy": {"schedule": "pipedream", "balance": balance, **extra}})
-    assert_weights(tmp_path, reference(balance=balance, model=model, epochs=TWO_EPOCHS, **extra))
-    assert result(tmp_path)["global_step"] == 12
+def pipedream(balance: list[int], **options: Any) -> dict[str, Any]:
+    return {"devices": len(balance), "strategy": {"schedule": "pipedream", "balance": balance, **options}}
 
 
-def test_without_weight_stashing_the_backward_uses_the_newest_weights(tmp_path):
+def accumulated(balance: list[int], clip: str | None) -> dict[str, Any]:
+    # 5 batches with accumulate_grad_batches=2: groups {0,1}, {2,3}, {4} (Lightning steps at the epoch's end).
+    trainer: dict[str, Any] = {"accumulate_grad_batches": 2}
+    if clip is not None:
+        trainer.update(gradient_clip_val=CLIP_VALUES[clip], gradient_clip_algorithm=clip)
+    options = {**pipedream(balance), "model": SCHEDULED, "batches": 5, "trainer": trainer}
+    if clip is None:
+        options["unfreeze_at_epoch"] = 1  # and the first layer frozen in the first epoch
+    return options
+
+
+CLIP_VALUES = {"value": 0.01, "norm": 0.05}
+# Every successful training the tests compare, by name. The runs of one process count share one launch of
+# rule_trainer.py (--runs): starting the processes costs more than these trainings. "{runs}": their folder.
+RUNS: dict[str, dict[str, Any]] = {
+    "2-sgd-steplr": {**pipedream(TWO), "model": {"optimizer": "sgd", "scheduler": "step"}},
+    "3-adam-lambdalr": {**pipedream(THREE), "model": {"optimizer": "adam", "lr": 0.01, "scheduler": "lambda"}},
+    "3-momentum-vertical-sync": {**pipedream(THREE, vertical_sync=True),
+                                 "model": {"optimizer": "momentum", "lr": 0.05, "scheduler": "step"}},
+    "no-stashing": pipedream(TWO, weight_stashing=False),
+    "accumulate-2": accumulated(TWO, None),
+    "accumulate-value-2": accumulated(TWO, "value"),
+    "accumulate-norm-3": accumulated(THREE, "norm"),
+    "max-steps-3": {**pipedream(THREE), "trainer": {"max_steps": 8}},
+    "few-batches-3": {**pipedream(THREE), "batches": 2},
+    "stop-callback": {**pipedream(TWO), "stop_at": 3},  # should_stop set by a callback after 3 batches
+    # EarlyStopping on val_loss in "max" mode: the second validation (after batch 4) does not improve
+    "stop-early-stopping": {**pipedream(TWO), "early_stopping": {"monitor": "val_loss", "mode": "max", "patience": 0},
+                            "trainer": {"val_check_interval": 2, "limit_val_batches": 2}},
+    "bf16": {**pipedream(TWO), "trainer": {"precision": "bf16-mixed", "val_check_interval": 2, "limit_val_batches": 1,
+                                           "gradient_clip_val": 0.05}},
+    "checkpoints-whole": {**pipedream(TWO), "model": RESUMED, "checkpoint": MID_EPOCH_CHECKPOINTS},
+    "checkpoints-resumed": {**pipedream(TWO), "model": RESUMED, "checkpoint": MID_EPOCH_CHECKPOINTS,
+                            "resume": "{runs}/checkpoints-whole/step=2.ckpt"},
+    "validation": {**pipedream(TWO), "trainer": {"val_check_interval": 2, "limit_val_batches": 2},
+                   "checkpoint": {"monitor": "val_loss", "save_top_k": -1, "filename": "{step}"}},
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """Train every run of RUNS; returns each one's folder."""
+    base = tmp_path_factory.mktemp("rule")
+    for devices in (2, 3):
+        group = [[str(base / name), json.loads(json.dumps(options).replace("{runs}", str(base)))]
+                 for name, options in RUNS.items() if options["devices"] == devices]
+        (base / f"runs{devices}.json").write_text(json.dumps(group))
+        run(base, {"--runs": str(base / f"runs{devices}.json")}, timeout=400)
+    return {name: base / name for name in RUNS}
+
+
+@pytest.mark.parametrize("name,extra", [
+    ("2-sgd-steplr", {}), ("3-adam-lambdalr", {}), ("3-momentum-vertical-sync", {"vertical_sync": True}),
+])
+def test_two_epochs_follow_the_rule(runs, name, extra):
+    options = RUNS[name]
+    want = reference(balance=options["strategy"]["balance"], model=options["model"], epochs=TWO_EPOCHS, **extra)
+    assert_weights(runs[name], want)
+    assert result(runs[name])["global_step"] == 12
+
+
+def test_without_weight_stashing_the_backward_uses_the_newest_weights(runs):
     # The paper's ablation: each stage's backward runs at its live weights on the activations its forward kept.
-    balance = [4, 3]
-    run(tmp_path, {"devices": 2, "strategy": {"schedule": "pipedream", "balance": balance, "weight_stashing": False}})
-    want = reference(balance=balance, epochs=TWO_EPOCHS, stashing=False)
-    assert_weights(tmp_path, want)
-    stashed = reference(balance=balance, epochs=TWO_EPOCHS)
+    want = reference(balance=TWO, epochs=TWO_EPOCHS, stashing=False)
+    assert_weights(runs["no-stashing"], want)
+    stashed = reference(balance=TWO, epochs=TWO_EPOCHS)
     assert max((want[k] - stashed[k]).abs().max().item() for k in want) > 1e-4  # the two rules differ here
 
 
-@pytest.mark.parametrize("stages,clip", [(2, None), (2, "value"), (3, "norm")])
-def test_accumulation_and_clipping_follow_the_rule(tmp_path, stages, clip):
-    # 5 batches with accumulate_grad_batches=2: groups {0,1}, {2,3}, {4} (Lightning steps at the epoch's end).
-    balance = [4, 3] if stages == 2 else [3, 2, 2]
-    model = {"optimizer": "momentum", "lr": 0.1, "scheduler": "step"}
-    trainer: dict[str, Any] = {"accumulate_grad_batches": 2}
-    clip_args: dict[str, float] = {}
-    if clip is not None:
-        value = 0.01 if clip == "value" else 0.05
-        trainer.update(gradient_clip_val=value, gradient_clip_algorithm=clip)
-        clip_args = {f"clip_{clip}": value}
-    options = {"devices": stages, "model": model, "batches": 5, "trainer": trainer,
-               "strategy": {"schedule": "pipedream", "balance": balance}}
-    if clip is None:
-        options["unfreeze_at_epoch"] = 1  # and the first layer frozen in the first epoch
-    run(tmp_path, options)
+@pytest.mark.parametrize("name,balance,clip", [
+    ("accumulate-2", TWO, None), ("accumulate-value-2", TWO, "value"), ("accumulate-norm-3", THREE, "norm"),
+])
+def test_accumulation_and_clipping_follow_the_rule(runs, name, balance, clip):
+    clip_args = {f"clip_{clip}": CLIP_VALUES[clip]} if clip is not None else {}
     frozen = (0,) if clip is None else ()
     epochs = [list(range(5)), list(range(5))]
-    assert_weights(tmp_path, reference(balance=balance, model=model, epochs=epochs, accumulate=2, num_batches=5,
-                                       frozen_first_layer_epochs=frozen, **clip_args))
-    assert result(tmp_path)["global_step"] == 6
+    assert_weights(runs[name], reference(balance=balance, model=SCHEDULED, epochs=epochs, accumulate=2,
+                                         num_batches=5, frozen_first_layer_epochs=frozen, **clip_args))
+    assert result(runs[name])["global_step"] == 6
 
 
-def test_max_steps_in_the_middle_of_an_epoch(tmp_path):
-    balance = [3, 2, 2]
-    run(tmp_path, {"devices": 3, "trainer": {"max_steps": 8}, "strategy": {"schedule": "pipedream",
-                                                                         "balance": balance}})
-    assert_weights(tmp_path, reference(balance=balance, epochs=[list(range(6)), [0, 1]]))
-    assert result(tmp_path)["global_step"] == 8
+def test_max_steps_in_the_middle_of_an_epoch(runs):
+    assert_weights(runs["max-steps-3"], reference(balance=THREE, epochs=[list(range(6)), [0, 1]]))
+    assert result(runs["max-steps-3"])["global_step"] == 8
 
 
-def test_fewer_batches_than_stages(tmp_path):
-    balance = [3, 2, 2]
-    run(tmp_path, {"devices": 3, "batches": 2, "strategy": {"schedule": "pipedream", "balance": balance}})
-    assert_weights(tmp_path, reference(balance=balance, epochs=[[0, 1], [0, 1]], num_batches=2))
+def test_fewer_batches_than_stages(runs):
+    assert_weights(runs["few-batches-3"], reference(balance=THREE, epochs=[[0, 1], [0, 1]], num_batches=2))
 
 
-@pytest.mark.parametrize("stopper", ["callback", "early_stopping"])
-def test_stopping_in_the_middle_of_an_epoch(tmp_path, stopper):
-    balance = [4, 3]
-    options: dict[str, Any] = {"devices": 2, "strategy": {"schedule": "pipedream", "balance": balance}}
-    if stopper == "callback":  # should_stop set by a callback after 3 batches
-        options["stop_at"] = 3
-        want, steps = reference(balance=balance, epochs=[[0, 1, 2]]), 3
-    else:  # EarlyStopping on val_loss in "max" mode: the second validation (after batch 4) does not improve
-        options["early_stopping"] = {"monitor": "val_loss", "mode": "max", "patience": 0}
-        options["trainer"] = {"val_check_interval": 2, "limit_val_batches": 2}
-        want, steps = reference(balance=balance, epochs=[[0, 1, 2, 3]], drain_after=(2,)), 4
-    run(tmp_path, options)
-    assert_weights(tmp_path, want)
-    assert result(tmp_path)["global_step"] == steps
+def test_stopping_in_the_middle_of_an_epoch(runs):
+    assert_weights(runs["stop-callback"], reference(balance=TWO, epochs=[[0, 1, 2]]))
+    assert result(runs["stop-callback"])["global_step"] == 3
+    assert_weights(runs["stop-early-stopping"], reference(balance=TWO, epochs=[[0, 1, 2, 3]], drain_after=(2,)))
+    assert result(runs["stop-early-stopping"])["global_step"] == 4
 
 
-def test_bf16_with_clipping_and_mid_epoch_validation_follows_the_rule(tmp_path):
+def test_bf16_with_clipping_and_mid_epoch_validation_follows_the_rule(runs):
     # bf16 autocast on CPU: the same rule, to bf16's precision (the reference runs in float32).
-    balance = [4, 3]
-    run(tmp_path, {"devices": 2, "strategy": {"schedule": "pipedream", "balance": balance},
-                   "trainer": {"precision": "bf16-mixed", "val_check_interval": 2, "limit_val_batches": 1,
-                               "gradient_clip_val": 0.05}})
-    want = reference(balance=balance, epochs=TWO_EPOCHS, drain_after=(2, 4), clip_norm=0.05)
-    got = torch.load(tmp_path / "final.ckpt", weights_only=False, map_location="cpu")["state_dict"]
+    want = reference(balance=TWO, epochs=TWO_EPOCHS, drain_after=(2, 4), clip_norm=0.05)
+    got = torch.load(runs["bf16"] / "final.ckpt", weights_only=False, map_location="cpu")["state_dict"]
     L.seed_everything(0, verbose=False)
     initial = RuleMLP().state_dict()
     for key in want:
@@ -197,31 +224,22 @@ def test_bf16_with_clipping_and_mid_epoch_validation_follows_the_rule(tmp_path):
         assert error < 0.05 * moved + 2e-3, f"{key}: off by {error:.2e} after moving {moved:.2e}"
 
 
-def test_checkpoint_in_the_middle_of_an_epoch_then_resume(tmp_path):
+def test_checkpoint_in_the_middle_of_an_epoch_then_resume(runs):
     # A checkpoint drains the pipeline: the run equals the rule with drains after batches 2 and 4 of each epoch,
     # and resuming from the step-2 checkpoint continues exactly where it left.
-    balance = [4, 3]
-    model = {"optimizer": "momentum", "lr": 0.05, "scheduler": "step"}
-    common = {"devices": 2, "model": model, "strategy": {"schedule": "pipedream", "balance": balance},
-              "checkpoint": {"every_n_train_steps": 2, "save_top_k": -1, "filename": "{step}"}}
-    run(tmp_path / "whole", common)
-    want = reference(balance=balance, model=model, epochs=TWO_EPOCHS, drain_after=(2, 4))
-    assert_weights(tmp_path / "whole", want)
-    run(tmp_path / "resumed", {**common, "resume": str(tmp_path / "whole" / "step=2.ckpt")})
-    assert_weights(tmp_path / "resumed", want)
+    want = reference(balance=TWO, model=RESUMED, epochs=TWO_EPOCHS, drain_after=(2, 4))
+    assert_weights(runs["checkpoints-whole"], want)
+    assert_weights(runs["checkpoints-resumed"], want)
 
 
-def test_mid_epoch_validation_sees_the_checkpointed_model(tmp_path):
-    balance = [4, 3]
-    run(tmp_path, {"devices": 2, "strategy": {"schedule": "pipedream", "balance": balance},
-                   "trainer": {"val_check_interval": 2, "limit_val_batches": 2},
-                   "checkpoint": {"monitor": "val_loss", "save_top_k": -1, "filename": "{step}"}})
-    assert_weights(tmp_path, reference(balance=balance, epochs=TWO_EPOCHS, drain_after=(2, 4)))
-    logged = result(tmp_path)["checkpoints"]
+def test_mid_epoch_validation_sees_the_checkpointed_model(runs):
+    out = runs["validation"]
+    assert_weights(out, reference(balance=TWO, epochs=TWO_EPOCHS, drain_after=(2, 4)))
+    logged = result(out)["checkpoints"]
     assert sorted(logged) == [f"step={s}.ckpt" for s in (10, 12, 2, 4, 6, 8)]
     val = batches(2, seed=9)
     for name, value in logged.items():
-        model = RuleMLP.load_from_checkpoint(tmp_path / name, map_location="cpu")
+        model = RuleMLP.load_from_checkpoint(out / name, map_location="cpu")
         with torch.no_grad():
             losses = [torch.nn.functional.mse_loss(model(x), y) for x, y in val]
         assert float(sum(losses) / len(losses)) == pytest.approx(value, rel=1e-5), name
