@@ -15,7 +15,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
-from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
+from lightning.pytorch.core.optimizer import _configure_optimizers
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
@@ -199,7 +199,13 @@ class PipeDreamStrategy(DDPStrategy):
             self._make_groups()
             full_keys = list(module.state_dict())
             # The full model's optimizer layout maps checkpoints (single-device form) to this rank's stage.
-            self._optimizer_layouts = OptimizerLayout.of_module(module, _init_optimizers_and_lr_schedulers)
+            self._optimizer_layouts = OptimizerLayout.of_module(module, _optimizers_unvalidated)
+            if fitting and len(self._optimizer_layouts) > 1:
+                raise ValueError(
+                    f"{type(module).__name__}.configure_optimizers returns {len(self._optimizer_layouts)} optimizers; "
+                    "PipeDreamStrategy trains with one (automatic optimization, which takes one). Use one optimizer "
+                    "with a parameter group per part of the model for different learning rates or settings."
+                )
             layers = self._sequential_layers(module)
             if layers is not None:
                 self._call = SequentialCall(self._layers_name)
@@ -806,6 +812,12 @@ def _keep_parameters(optimizers: list[torch.optim.Optimizer], keep: set[int]) ->
     for optimizer in optimizers:
         for group in optimizer.param_groups:
             group["params"] = [p for p in group["params"] if id(p) in keep]
+
+
+def _optimizers_unvalidated(module: LightningModule) -> tuple[list[torch.optim.Optimizer], None]:
+    """``configure_optimizers``' optimizers, before Lightning's checks (so that ours can say what to do instead)."""
+    conf = module.configure_optimizers()
+    return (_configure_optimizers(conf)[0] if conf is not None else []), None
 
 
 def _gradients_ready() -> None:
