@@ -149,6 +149,9 @@ RUNS: dict[str, dict[str, Any]] = {
     "checkpoints-whole": {**pipedream(TWO), "model": RESUMED, "checkpoint": MID_EPOCH_CHECKPOINTS},
     "checkpoints-resumed": {**pipedream(TWO), "model": RESUMED, "checkpoint": MID_EPOCH_CHECKPOINTS,
                             "resume": "{runs}/checkpoints-whole/step=2.ckpt"},
+    # Two data-parallel pipelines of 2 stages: each reads half of every batch; a stage's replicas sum their
+    # gradients (each loss counting 1/2), so the rule applies to the whole batches.
+    "data-parallel": {**pipedream(TWO, stages=2), "devices": 4, "pipelines": 2, "model": SCHEDULED},
     "validation": {**pipedream(TWO), "trainer": {"val_check_interval": 2, "limit_val_batches": 2},
                    "checkpoint": {"monitor": "val_loss", "save_top_k": -1, "filename": "{step}"}},
 }
@@ -158,7 +161,7 @@ RUNS: dict[str, dict[str, Any]] = {
 def runs(tmp_path_factory) -> dict[str, Path]:
     """Train every run of RUNS; returns each one's folder."""
     base = tmp_path_factory.mktemp("rule")
-    for devices in (2, 3):
+    for devices in (2, 3, 4):
         group = [[str(base / name), json.loads(json.dumps(options).replace("{runs}", str(base)))]
                  for name, options in RUNS.items() if options["devices"] == devices]
         (base / f"runs{devices}.json").write_text(json.dumps(group))
@@ -230,6 +233,10 @@ def test_checkpoint_in_the_middle_of_an_epoch_then_resume(runs):
     want = reference(balance=TWO, model=RESUMED, epochs=TWO_EPOCHS, drain_after=(2, 4))
     assert_weights(runs["checkpoints-whole"], want)
     assert_weights(runs["checkpoints-resumed"], want)
+
+
+def test_data_parallel_pipelines_follow_the_rule_on_whole_batches(runs):
+    assert_weights(runs["data-parallel"], reference(balance=TWO, model=SCHEDULED, epochs=TWO_EPOCHS))
 
 
 def test_mid_epoch_validation_sees_the_checkpointed_model(runs):

@@ -167,7 +167,12 @@ def train(out: str, options: dict[str, Any]) -> None:
         trainer_args["strategy"] = PipeDreamStrategy(**strategy)
     trainer_args.update(options.pop("trainer", {}))
     trainer = L.Trainer(**trainer_args)
-    train = ResumableBatches(batches(options.pop("batches", 6)))
+    items = batches(options.pop("batches", 6))
+    pipelines = options.pop("pipelines", 1)
+    if pipelines > 1:  # data-parallel pipelines: pipeline k reads rows k, k + d, ... of every batch (its shard)
+        shard = int(os.environ.get("LOCAL_RANK", 0)) % pipelines  # stage-major ranks: rank % d is the pipeline
+        items = [(x[shard::pipelines], y[shard::pipelines]) for x, y in items]
+    train = ResumableBatches(items)
     val = ResumableBatches(batches(2, seed=9))
     trainer.fit(model, train, val, ckpt_path=options.pop("resume", None))
     trainer.save_checkpoint(os.path.join(out, "final.ckpt"))
