@@ -283,6 +283,19 @@ def test_a_failing_stage_stops_every_rank_with_its_error(tmp_path):
             "ValueError: boom on the third forward (this rank, stage 0, stopped because of it)") in proc.stderr
 
 
+def test_a_failing_replicated_stage_stops_every_rank_with_its_error(tmp_path):
+    # 2 pipelines x 2 stages: the last stage (ranks 2 and 3) fails; its replicas and the first stage all stop.
+    start = time.monotonic()
+    proc = run_tiny(tmp_path, {"devices": 4, "fail_in_last_layer": True, "trainer": {"use_distributed_sampler": True},
+                               "strategy": {"schedule": "1f1b", "stages": 2, "balance": [3, 3]}},
+                    timeout=120, expect_ok=False)
+    assert proc.returncode != 0 and time.monotonic() - start < 60
+    assert "ValueError: boom on the third forward" in proc.stderr
+    for rank in (0, 1):  # the first stage of each pipeline names the failure
+        assert f"[rank{rank}]: lightning_pipedream.runtime.transport.PeerFailedError: Pipeline stage 1 failed" in (
+            proc.stderr)
+
+
 def test_a_stage_without_parameters_is_refused():
     from lightning_pipedream.strategy import _check_stage_trains
 
