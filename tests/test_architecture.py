@@ -20,6 +20,10 @@ FORBIDDEN = {
     "runtime": ("lightning_pipedream.strategy", "lightning_pipedream.cli", "lightning"),
     "cli": ("lightning_pipedream.strategy", "lightning_pipedream.runtime", "lightning"),
     "tree": ("lightning_pipedream.", "lightning"),
+    # torch only: capture, profile and split a model's graph; the runtime runs its stages, the strategy wires it.
+    "graph": ("lightning_pipedream.runtime", "lightning_pipedream.strategy", "lightning_pipedream.cli", "lightning"),
+    # the pieces the strategy uses that need no Lightning themselves
+    "step_summary": ("lightning_pipedream.strategy", "lightning_pipedream.cli", "lightning"),
 }
 
 
