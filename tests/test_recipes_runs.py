@@ -127,6 +127,42 @@ def test_sweep_over_schedules_and_chunks_equals_one_process(tmp_path: Path) -> N
     assert "summary of" in proc.stdout
 
 
+# task -> (overrides that turn all dropout off, micro-batches). translation runs 1 micro-batch: its loss is the mean
+# over non-padding tokens of each micro-batch, so 2 micro-batches with 63 and 53 such tokens weight them unlike one
+# batch of 116 (~6e-3 apart after 2 steps). language_model too: with 2, one weight whose first gradient (~2e-9) is
+# below Adam's eps=1e-8 turns float rounding of the micro-batch sum into a 2.5e-6 step difference.
+SEQUENCE_RUNS = {
+    "translation": (["model.dropout=0.0"], 1),
+    "language_model": (["model.dropoute=0.0", "model.dropouti=0.0", "model.dropouth=0.0", "model.dropout=0.0",
+                        "model.wdrop=0.0"], 1),
+    "video_captioning": (["model.dropout=0.0"], 2),
+}
+
+
+@pytest.mark.parametrize("task", list(SEQUENCE_RUNS))
+def test_sequence_recipe_on_two_processes_equals_one_process(tmp_path: Path, task: str) -> None:
+    """The task's smallest config under 1f1b on 2 processes trains exactly as on one process (strategy=auto): the
+    same batches (use_distributed_sampler=false), no dropout; every checkpoint weight after 2 Adam steps to 1e-5
+    and the same validation metric."""
+    no_dropout, chunks = SEQUENCE_RUNS[task]
+    same = [f"experiment=smoke_{task}", *no_dropout, "trainer.use_distributed_sampler=false",
+            "trainer.enable_checkpointing=true", "trainer.default_root_dir=${hydra:runtime.output_dir}"]
+    train([*same, "strategy.schedule=1f1b", f"strategy.chunks={chunks}", f"hydra.run.dir={tmp_path / 'two'}"],
+          cwd=tmp_path)
+    train([*same, "strategy=auto", "trainer.devices=1", f"hydra.run.dir={tmp_path / 'one'}"], cwd=tmp_path)
+    one = json.loads((tmp_path / "one" / "results.json").read_text())
+    assert (one["task"], one["schedule"], one["stages"]) == (task, "auto", 1)
+    two = json.loads((tmp_path / "two" / "results.json").read_text())
+    check_results(two, task, "1f1b", chunks)
+    assert two["metric"] == pytest.approx(one["metric"], rel=1e-5, abs=1e-6)
+    checkpoint = Path("checkpoints") / "epoch=0-step=2.ckpt"
+    want = torch.load(tmp_path / "one" / checkpoint, weights_only=False, map_location="cpu")["state_dict"]
+    got = torch.load(tmp_path / "two" / checkpoint, weights_only=False, map_location="cpu")["state_dict"]
+    assert list(got) == list(want)
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=lambda m: f"{task} {key}: {m}")
+
+
 def test_pipedream_recipe_follows_the_rule(tmp_path: Path) -> None:
     """The image recipe under pipedream on 2 processes equals PipeDream's rule in one process
     (tests/scripts/pipedream_reference.py) on the same model, batches and Adam: every checkpoint weight to 1e-5.
