@@ -43,6 +43,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.multiprocess)
 
 
+@pytest.fixture(autouse=True)
+def _no_process_group_leaks_into_later_tests():
+    """A Trainer run in the pytest process (one device, a DDP-like strategy) leaves a process group and
+    MASTER_PORT/RANK variables behind; processes started by later tests would inherit the port, which this
+    process still holds, and fail with EADDRINUSE. Put both back as they were."""
+    before = dict(os.environ)
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    for key in set(os.environ) - set(before):
+        del os.environ[key]
+    os.environ.update(before)
+
+
 @pytest.fixture
 def pipedream_profiles() -> Path:
     """The folder of PipeDream's published profiles: skip without it, but fail in CI (CI=true), where it must be."""
