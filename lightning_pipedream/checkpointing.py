@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import io
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from fsspec.implementations.local import LocalFileSystem
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch import LightningModule
 from torch import Tensor
 
@@ -127,6 +132,36 @@ class CheckpointGather:
         """The optimizer's state in single-device form (indices over the whole model) on rank 0; ``{}`` elsewhere."""
         shares = self._gather(layout.named_state(optimizer, local_names))
         return layout.to_full(optimizer, shares) if shares is not None else {}
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Writes a checkpoint to a temporary file beside its path, flushed to disk, then renames it into place.
+
+    A process killed while saving (by a scheduler, a user, the out-of-memory killer) leaves the
+    previous checkpoint at that path whole and loadable; the temporary file's name does not end in
+    ``.ckpt``, so nothing resumes from it. Remote filesystems keep Lightning's own writer.
+    """
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None or not isinstance(get_filesystem(path), LocalFileSystem):
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        path = os.fspath(path)
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        buffer = io.BytesIO()
+        torch.save(checkpoint, buffer)
+        temporary = f"{path}.tmp-{os.getpid()}"
+        try:
+            self._write(temporary, buffer.getvalue())
+            os.replace(temporary, path)  # atomic on one filesystem: the old file or the new one, never half
+        finally:
+            if os.path.exists(temporary):
+                os.remove(temporary)
+
+    def _write(self, path: str, data: bytes) -> None:
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
 
 
 def load_own_share(module: torch.nn.Module, state: Mapping[str, Any], strict: bool) -> None:

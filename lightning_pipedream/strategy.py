@@ -23,7 +23,7 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_pipedream.checkpointing import CheckpointGather, OptimizerLayout, load_own_share
+from lightning_pipedream.checkpointing import AtomicCheckpointIO, CheckpointGather, OptimizerLayout, load_own_share
 from lightning_pipedream.lightning_adapter import (
     Elsewhere,
     ForwardCall,
@@ -110,7 +110,8 @@ class PipeDreamStrategy(DDPStrategy):
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
+            # A checkpoint is written beside its path and renamed into place: a kill while saving keeps the old one.
+            checkpoint_io=checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO(),
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
             timeout=timeout,

@@ -267,6 +267,19 @@ def test_interrupted_mid_epoch_exits_and_keeps_the_last_good_checkpoint(tmp_path
     assert_weights(tmp_path, want, "step=2.ckpt")
 
 
+def test_a_kill_while_saving_keeps_the_previous_checkpoint(tmp_path):
+    # Rank 0 is SIGKILLed halfway through writing the step-4 checkpoint over the step-2 one at the same path.
+    latest = {"every_n_train_steps": 2, "save_top_k": 1, "filename": "latest", "enable_version_counter": False}
+    common = {**pipedream(TWO), "model": RESUMED, "checkpoint": latest}
+    start = time.monotonic()
+    proc = run(tmp_path / "killed", {**common, "kill_during_save": 2}, timeout=120, expect_ok=False)
+    assert proc.returncode != 0 and time.monotonic() - start < 60
+    assert_weights(tmp_path / "killed", reference(balance=TWO, model=RESUMED, epochs=[[0, 1]]), "latest.ckpt")
+    # Resuming from it continues as the uninterrupted run (which drained at each checkpoint) does.
+    run(tmp_path / "resumed", {**common, "resume": str(tmp_path / "killed" / "latest.ckpt")})
+    assert_weights(tmp_path / "resumed", reference(balance=TWO, model=RESUMED, epochs=TWO_EPOCHS, drain_after=(2, 4)))
+
+
 # ------------------------------------------------------------------ refused, with what to do instead
 class Manual(RuleMLP):
     def __init__(self) -> None:

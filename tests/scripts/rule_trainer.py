@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from typing import Any
 
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 from lightning_pipedream import PipeDreamStrategy
+from lightning_pipedream.checkpointing import AtomicCheckpointIO
 
 INPUTS, WIDTH, OUTPUTS = 4, 8, 2
 
@@ -103,6 +105,23 @@ class ResumableBatches:
         self._resume_at = state["position"] % len(self.items)
 
 
+class KillDuringSave(AtomicCheckpointIO):
+    """Dies (SIGKILL) halfway through writing its n-th checkpoint: a process killed while it saves."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n, self.saves = n, 0
+
+    def _write(self, path: str, data: bytes) -> None:
+        self.saves += 1
+        if self.saves == self.n:
+            with open(path, "wb") as f:
+                f.write(data[: len(data) // 2])
+                f.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        super()._write(path, data)
+
+
 class StopAt(L.Callback):
     """Asks the Trainer to stop after a given number of batches (a callback's should_stop, mid-epoch)."""
 
@@ -164,6 +183,8 @@ def train(out: str, options: dict[str, Any]) -> None:
         num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks,
     )
     if strategy is not None:
+        if "kill_during_save" in options:
+            strategy = {**strategy, "checkpoint_io": KillDuringSave(options.pop("kill_during_save"))}
         trainer_args["strategy"] = PipeDreamStrategy(**strategy)
     trainer_args.update(options.pop("trainer", {}))
     trainer = L.Trainer(**trainer_args)
