@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
 
 # subcommand -> module that provides `add_arguments(parser)` and `run(args) -> int`
 COMMANDS = {
@@ -22,4 +23,22 @@ def main(argv: list[str] | None = None) -> int:
         module.add_arguments(sub.add_parser(name, help=help_text, description=help_text))
     args = parser.parse_args(argv)
     module = importlib.import_module(COMMANDS[args.command][0])
-    return int(module.run(args) or 0)
+    try:
+        return int(module.run(args) or 0)
+    except Exception as err:
+        if not _is_input_error(err):
+            raise  # a programming error: its traceback is what a bug report needs
+        message = " ".join(str(err).split()) or type(err).__name__
+        print(f"error: {message}", file=sys.stderr)
+        return 2
+
+
+def _is_input_error(err: Exception) -> bool:
+    """The project's own errors about what the user gave (a bad file, flag or value), and the operating system's
+    about the files named (missing, unreadable, a directory): a one-line message, not a traceback."""
+    from lightning_pipedream.cli.show import UsageError
+
+    if isinstance(err, (UsageError, OSError)):
+        return True
+    errors = sys.modules.get("lightning_pipedream.plan.errors")  # loaded only by commands that read plans/profiles
+    return errors is not None and isinstance(err, errors.InputFormatError)

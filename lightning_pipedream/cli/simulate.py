@@ -163,8 +163,11 @@ def _report(
 
 def _costs(args: argparse.Namespace, schedule: Schedule) -> tuple[list[float], list[float], list[float], str]:
     """Per-stage forward and backward seconds, activation bytes, and a note on where they came from."""
-    if args.latency < 0 or args.optimizer < 0:
-        raise UsageError("--latency and --optimizer are seconds and must be >= 0.")
+    if not (0 <= args.latency < math.inf and 0 <= args.optimizer < math.inf):
+        raise UsageError(
+            f"--latency and --optimizer are seconds and must be >= 0 and finite, got {args.latency:g} and "
+            f"{args.optimizer:g}."
+        )
     if args.profile is not None:
         return _profile_costs(args, schedule)
     if args.balance is not None:

@@ -10,9 +10,10 @@ from typing import Any
 
 import numpy as np
 
+from lightning_pipedream.plan.errors import PlanFormatError, is_number, is_whole
 from lightning_pipedream.plan.profile import Profile
 from lightning_pipedream.plan.topology import Topology
-from lightning_pipedream.schedule.builders import build_schedule
+from lightning_pipedream.schedule.builders import SCHEDULES, build_schedule
 from lightning_pipedream.schedule.simulate import simulate
 
 METHODS = ("uniform", "parameters", "time", "pipedream")
@@ -110,41 +111,88 @@ class Plan:
         return data
 
     @classmethod
-    def from_json(cls, data: dict[str, Any] | str) -> Plan:
+    def from_json(cls, data: dict[str, Any] | str, *, path: str | Path | None = None) -> Plan:
+        """A plan from :meth:`to_json`'s dict (or its JSON text); :class:`PlanFormatError` names the stage and
+        field that is wrong (and ``path``, the file it came from, when given)."""
+        where = f" {path}" if path is not None else ""
         if isinstance(data, str):
-            data = json.loads(data)
+            data = _parse_json(data, f"The plan{where}")
         if not isinstance(data, dict) or not isinstance(data.get("stages"), list):
-            raise ValueError("A plan is a JSON object with a 'stages' list, each stage with 'layers' and 'replicas'.")
+            raise PlanFormatError(
+                f"A plan is a JSON object with a 'stages' list, each stage with 'layers' and 'replicas'; "
+                f"the plan{where} has none."
+            )
+        if not data["stages"]:
+            raise PlanFormatError(f"The plan{where} has no stages; a plan needs at least one stage.")
         stages = []
+        seen: dict[str, int] = {}
         for index, entry in enumerate(data["stages"]):
             if not isinstance(entry, dict) or not isinstance(entry.get("layers"), list):
-                raise ValueError(f"Stage {index} of the plan is {entry!r}; give it a 'layers' list of layer names.")
+                raise PlanFormatError(
+                    f"Stage {index} of the plan{where} is {_short(entry)}; give it a 'layers' list of layer names."
+                )
             unknown = set(entry) - set(StagePlan.__dataclass_fields__)
             if unknown:
-                raise ValueError(
-                    f"Stage {index} of the plan has unknown fields {sorted(unknown)}; "
+                raise PlanFormatError(
+                    f"Stage {index} of the plan{where} has unknown fields {sorted(unknown)}; "
                     f"known fields are {sorted(StagePlan.__dataclass_fields__)}."
                 )
-            stages.append(StagePlan(**entry))
+            layers = entry["layers"]
+            if not layers:
+                raise PlanFormatError(
+                    f"Stage {index} of the plan{where} has no layers; every stage needs at least one."
+                )
+            for name in layers:
+                if not isinstance(name, str) or not name:
+                    raise PlanFormatError(
+                        f"Stage {index} of the plan{where} has a layer {_short(name)}; layers are the profile's "
+                        "layer names (non-empty strings)."
+                    )
+                if name in seen:
+                    raise PlanFormatError(
+                        f"Stage {index} of the plan{where} lists layer {name!r}, which stage {seen[name]} lists "
+                        "too; each layer belongs to one stage."
+                    )
+                seen[name] = index
+            _check_fields(entry, _STAGE_CHECKS, f"Stage {index} of the plan{where}")
+            stages.append(StagePlan(**{k: int(v) if k in _WHOLE_FIELDS else v for k, v in entry.items()}))
         known = {f for f in cls.__dataclass_fields__ if f != "stages"}
         unknown = set(data) - known - {"stages"}
         if unknown:
-            raise ValueError(f"The plan has unknown fields {sorted(unknown)}; known fields are {sorted(known)}.")
-        return cls(stages=stages, **{k: v for k, v in data.items() if k != "stages"})
+            raise PlanFormatError(
+                f"The plan{where} has unknown fields {sorted(unknown)}; known fields are {sorted(known)}."
+            )
+        _check_fields(data, _PLAN_CHECKS, f"The plan{where}")
+        topology = data.get("topology")
+        if topology is not None:
+            try:
+                Topology([tuple(level) if isinstance(level, list) else level for level in topology])
+            except ValueError as err:
+                raise PlanFormatError(
+                    f"The plan{where} has topology={_short(topology)}: {err} Use [[workers, bytes/s], ...], "
+                    "innermost level first."
+                ) from None
+        fields = {k: int(v) if k == "chunks" else v for k, v in data.items() if k != "stages"}
+        return cls(stages=stages, **fields)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
-        text = Path(path).read_text()
+        """Read a plan saved by :meth:`save` (or `python -m lightning_pipedream plan --save`)."""
         try:
-            data = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise ValueError(
-                f"The plan {path} is not valid JSON: line {err.lineno}, column {err.colno}: {err.msg}."
+            text = Path(path).read_text(encoding="utf-8")
+        except UnicodeDecodeError as err:
+            raise PlanFormatError(
+                f"The plan {path} is not UTF-8 text (byte {err.start}: {err.reason}); a plan is JSON written by "
+                "Plan.save or `python -m lightning_pipedream plan --save`."
             ) from None
-        return cls.from_json(data)
+        if not text.strip():
+            raise PlanFormatError(
+                f"The plan {path} is empty; write one with `python -m lightning_pipedream plan ... --save {path}`."
+            )
+        return cls.from_json(_parse_json(text, f"The plan {path}"), path=path)
 
     def describe(self, simulated: bool = False) -> str:
         """A table for people: stage, layers, replicas and the predicted per-stage times.
@@ -192,6 +240,58 @@ class Plan:
         if self.schedule:
             summary.append(f"schedule {self.schedule}" + (f", {self.chunks} micro-batches" if self.chunks > 1 else ""))
         return "\n".join(lines + [""] + summary)
+
+
+def _parse_json(text: str, what: str) -> Any:
+    """``json.loads``, with errors that name ``what`` (e.g. "The plan plan.json") and the line and column."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise PlanFormatError(f"{what} is not valid JSON: line {err.lineno}, column {err.colno}: {err.msg}.") from None
+    except RecursionError:
+        raise PlanFormatError(f"{what} is not valid JSON: its arrays or objects nest too deeply.") from None
+
+
+def _optional(check):
+    return lambda value: value is None or check(value)
+
+
+_NUMBER = (is_number, "a number >= 0")
+_STAGE_CHECKS = {
+    "replicas": (lambda v: is_whole(v, 1), "a whole number >= 1"),
+    "compute_s": _NUMBER,
+    "forward_s": _NUMBER,
+    "allreduce_s": _NUMBER,
+    "transfer_s": _NUMBER,
+    "parameter_bytes": (is_whole, "a whole number of bytes >= 0"),
+    "output_bytes": (is_whole, "a whole number of bytes >= 0"),
+}
+_WHOLE_FIELDS = ("replicas", "parameter_bytes", "output_bytes")
+_PLAN_CHECKS = {
+    "schedule": (lambda v: v in SCHEDULES, f"one of {', '.join(SCHEDULES)}"),
+    "chunks": (lambda v: is_whole(v, 1), "a whole number >= 1"),
+    "time_per_minibatch": _NUMBER,
+    "speedup_vs_data_parallel": (_optional(is_number), "a number >= 0, or null"),
+    "speedup_vs_one_worker": (_optional(is_number), "a number >= 0, or null"),
+    "method": (lambda v: isinstance(v, str), "a string (the partition method)"),
+    "cost_model": (_optional(lambda v: isinstance(v, str)), "a string, or null"),
+    "topology": (_optional(lambda v: isinstance(v, list) and bool(v)), "a list of [workers, bytes/s], or null"),
+    "data_parallel_time": (_optional(is_number), "a number >= 0, or null"),
+    "one_worker_time": (_optional(is_number), "a number >= 0, or null"),
+    "source": (lambda v: isinstance(v, str), "a string"),
+    "extra": (lambda v: isinstance(v, dict), "a JSON object"),
+}
+
+
+def _check_fields(entry: dict[str, Any], checks: dict[str, tuple[Any, str]], what: str) -> None:
+    for key, value in entry.items():
+        if key in checks and not checks[key][0](value):
+            raise PlanFormatError(f"{what} has {key}={_short(value)}; use {checks[key][1]}.")
+
+
+def _short(value: Any, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -16,7 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_pipedream.plan.errors import ProfileFormatError, is_number, is_whole
 from lightning_pipedream.tree import map_tensors, tensors
+
+_LAYER_FIELDS = ("name", "forward_s", "backward_s", "activation_bytes", "parameter_bytes", "description")
 
 
 @dataclass
@@ -48,39 +51,78 @@ class Profile:
 
     def validate(self) -> None:
         where = f" ({self.source})" if self.source else ""
-        if not self.layers:
-            raise ValueError(f"The profile{where} has no layers; profile a model with at least one layer.")
+        if not isinstance(self.layers, list) or not self.layers:
+            raise ProfileFormatError(f"The profile{where} has no layers; profile a model with at least one layer.")
         seen: set[str] = set()
         for index, layer in enumerate(self.layers):
+            if not isinstance(layer, LayerProfile):
+                raise ProfileFormatError(f"Layer {index} of the profile{where} is {layer!r}, not a LayerProfile.")
+            if not isinstance(layer.name, str) or not layer.name:
+                raise ProfileFormatError(
+                    f"Layer {index} of the profile{where} has name={layer.name!r}; give each layer a non-empty string."
+                )
+            if not isinstance(layer.description, str):
+                raise ProfileFormatError(
+                    f"Layer {index} ({layer.name}) of the profile{where} has description={layer.description!r}; "
+                    "use a string."
+                )
             if layer.name in seen:
-                raise ValueError(f"The profile{where} names two layers {layer.name!r}; layer names must be unique.")
+                raise ProfileFormatError(
+                    f"The profile{where} names two layers {layer.name!r}; layer names must be unique."
+                )
             seen.add(layer.name)
             for key in ("forward_s", "backward_s", "activation_bytes", "parameter_bytes"):
                 value = getattr(layer, key)
-                if (
-                    not isinstance(value, (int, float))
-                    or isinstance(value, bool)
-                    or not value >= 0
-                    or math.isinf(value)
-                ):
-                    raise ValueError(
-                        f"Layer {index} ({layer.name}) of the profile{where} has {key}={value!r}; use a number >= 0."
+                if not is_number(value):
+                    raise ProfileFormatError(
+                        f"Layer {index} ({layer.name}) of the profile{where} has {key}={value!r}; "
+                        "use a number >= 0 (finite: seconds or bytes)."
                     )
         count = len(self.layers)
+        if not isinstance(self.no_cut_after, list):
+            raise ProfileFormatError(
+                f"The profile{where} has no_cut_after={self.no_cut_after!r}; use a list of layer indices."
+            )
         for index in self.no_cut_after:
-            if not (isinstance(index, int) and 0 <= index < count - 1):
-                raise ValueError(
+            if not (isinstance(index, int) and not isinstance(index, bool) and 0 <= index < count - 1):
+                raise ProfileFormatError(
                     f"The profile{where} has no_cut_after={index!r}; use indices of layers 0..{count - 2}."
                 )
         if self.edges is not None:
-            for a, b in self.edges:
+            if not isinstance(self.edges, list):
+                raise ProfileFormatError(
+                    f"The profile{where} has edges={self.edges!r}; use a list of [producer, consumer] pairs, or null."
+                )
+            for edge in self.edges:
+                if (
+                    not isinstance(edge, (tuple, list))
+                    or len(edge) != 2
+                    or not all(isinstance(i, int) and not isinstance(i, bool) for i in edge)
+                ):
+                    raise ProfileFormatError(
+                        f"The profile{where} has an edge {edge!r}; "
+                        "an edge is a pair of layer indices [producer, consumer]."
+                    )
+                a, b = edge
                 if not (0 <= a < count and 0 <= b < count):
-                    raise ValueError(f"The profile{where} has an edge {a} -> {b} outside its {count} layers.")
+                    raise ProfileFormatError(f"The profile{where} has an edge {a} -> {b} outside its {count} layers.")
                 if a >= b:
-                    raise ValueError(
+                    raise ProfileFormatError(
                         f"The profile{where} has an edge {a} -> {b} that goes backwards; "
                         "list layers in a topological order."
                     )
+        if self.batch_size is not None and not is_whole(self.batch_size, 1):
+            raise ProfileFormatError(
+                f"The profile{where} has batch_size={self.batch_size!r}; use a whole number >= 1, or null."
+            )
+        if self.profiling_s is not None and not is_number(self.profiling_s):
+            raise ProfileFormatError(
+                f"The profile{where} has profiling_s={self.profiling_s!r}; use seconds >= 0, or null."
+            )
+        if not isinstance(self.source, str):
+            raise ProfileFormatError(f"The profile has source={self.source!r}; use a string (where it came from).")
+        if not isinstance(self.extra, dict):
+            raise ProfileFormatError(f"The profile{where} has extra={self.extra!r}; use a JSON object.")
 
     @property
     def names(self) -> list[str]:
@@ -125,28 +167,65 @@ class Profile:
 
     @classmethod
     def from_json(cls, data: dict[str, Any] | str) -> Profile:
+        """A profile from :meth:`to_json`'s dict (or its JSON text); :class:`ProfileFormatError` names what is
+        wrong (the layer and field)."""
         if isinstance(data, str):
-            data = json.loads(data)
+            data = _parse_json(data, "The profile")
         if not isinstance(data, dict) or not isinstance(data.get("layers"), list):
-            raise ValueError("A profile is a JSON object with a 'layers' list; this one has none.")
+            raise ProfileFormatError(
+                "A profile is a JSON object with a 'layers' list; this one has none"
+                + (f" ({data['source']})" if isinstance(data, dict) and isinstance(data.get("source"), str) else "")
+                + "."
+            )
         source = data.get("source", "")
+        if not isinstance(source, str):
+            raise ProfileFormatError(f"The profile has source={source!r}; use a string (where it came from).")
+        where = f" ({source})" if source else ""
         layers = []
         for index, entry in enumerate(data["layers"]):
-            try:
-                layers.append(LayerProfile(**entry))
-            except TypeError as err:
-                raise ValueError(
-                    f"Layer {index} of the profile{f' ({source})' if source else ''} is {entry!r}; each layer needs "
-                    f"name, forward_s, backward_s, activation_bytes and parameter_bytes ({err})."
-                ) from None
+            needs = "name, forward_s, backward_s, activation_bytes and parameter_bytes"
+            if not isinstance(entry, dict):
+                raise ProfileFormatError(
+                    f"Layer {index} of the profile{where} is {_short(entry)}; each layer is an object with {needs}."
+                )
+            missing = [key for key in _LAYER_FIELDS[:5] if key not in entry]
+            unknown = sorted(set(entry) - set(_LAYER_FIELDS))
+            if missing or unknown:
+                raise ProfileFormatError(
+                    f"Layer {index} of the profile{where} is {_short(entry)}; each layer needs {needs}"
+                    + (f" (missing {', '.join(missing)})" if missing else "")
+                    + (f" (unknown fields {unknown}; known fields are {list(_LAYER_FIELDS)})" if unknown else "")
+                    + "."
+                )
+            layers.append(LayerProfile(**entry))
         edges = data.get("edges")
+        if edges is not None:
+            if not isinstance(edges, list):
+                raise ProfileFormatError(
+                    f"The profile{where} has edges={_short(edges)}; use a list of [producer, consumer] pairs, or null."
+                )
+            pairs = []
+            for edge in edges:
+                if not isinstance(edge, list) or len(edge) != 2 or not all(is_whole(i) for i in edge):
+                    raise ProfileFormatError(
+                        f"The profile{where} has an edge {_short(edge)}; an edge is a pair of layer indices "
+                        "[producer, consumer], each a whole number >= 0."
+                    )
+                pairs.append((int(edge[0]), int(edge[1])))
+            edges = pairs
+        no_cut_after = data.get("no_cut_after") or []
+        if not isinstance(no_cut_after, list) or not all(is_whole(i) for i in no_cut_after):
+            raise ProfileFormatError(
+                f"The profile{where} has no_cut_after={_short(no_cut_after)}; use a list of layer indices "
+                "(whole numbers >= 0)."
+            )
         return cls(
             layers,
-            edges=None if edges is None else [(int(a), int(b)) for a, b in edges],
+            edges=edges,
             batch_size=data.get("batch_size"),
             source=source,
             profiling_s=data.get("profiling_s"),
-            no_cut_after=[int(i) for i in data.get("no_cut_after") or []],
+            no_cut_after=[int(i) for i in no_cut_after],
             extra=data.get("extra") or {},
         )
 
@@ -156,22 +235,51 @@ class Profile:
     @classmethod
     def load(cls, path: str | Path) -> Profile:
         """Read a profile saved by :meth:`save`, or a PipeDream ``graph.txt`` (recognised by its first line)."""
-        text = Path(path).read_text()
+        text = _read_text(path, "profile")
         if not text.strip():
-            raise ValueError(
+            raise ProfileFormatError(
                 f"The profile {path} is empty; write one with Profile.save or `python -m lightning_pipedream plan`."
             )
         if not text.lstrip().startswith("{"):
             return parse_pipedream_graph(text, source=str(path))
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise ValueError(
-                f"The profile {path} is not valid JSON: line {err.lineno}, column {err.colno}: {err.msg}."
-            ) from None
+        data = _parse_json(text, f"The profile {path}")
         if isinstance(data, dict) and not data.get("source"):
             data["source"] = str(path)
-        return cls.from_json(data)
+        try:
+            return cls.from_json(data)
+        except ProfileFormatError as err:
+            if str(path) in str(err):
+                raise
+            raise ProfileFormatError(f"{path}: {err}") from None  # the file's own "source" names another
+
+
+def _short(value: Any, limit: int = 120) -> str:
+    """``repr(value)``, cut to ``limit`` characters for an error message."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _read_text(path: str | Path, what: str) -> str:
+    """The file's text; a file that is not UTF-8 is a :class:`ProfileFormatError` naming it."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ProfileFormatError(
+            f"The {what} {path} is not UTF-8 text (byte {err.start}: {err.reason}); "
+            "a profile is JSON written by Profile.save, or PipeDream's graph.txt."
+        ) from None
+
+
+def _parse_json(text: str, what: str) -> Any:
+    """``json.loads``, with errors that name ``what`` (e.g. "The profile p.json") and the line and column."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ProfileFormatError(
+            f"{what} is not valid JSON: line {err.lineno}, column {err.colno}: {err.msg}."
+        ) from None
+    except RecursionError:
+        raise ProfileFormatError(f"{what} is not valid JSON: its arrays or objects nest too deeply.") from None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -291,9 +399,9 @@ def _number(text: str, what: str, where: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise ValueError(f"{where}: {what} is {text!r}, not a number.") from None
+        raise ProfileFormatError(f"{where}: {what} is {text!r}, not a number.") from None
     if not value >= 0 or math.isinf(value):
-        raise ValueError(f"{where}: {what} is {text!r}; it must be a finite number >= 0.")
+        raise ProfileFormatError(f"{where}: {what} is {text!r}; it must be a finite number >= 0.")
     return value
 
 
@@ -314,6 +422,7 @@ def parse_pipedream_graph(text: str, source: str = "graph.txt", *, attach_side_s
     """
     nodes: dict[str, LayerProfile] = {}
     edges: list[tuple[str, str]] = []
+    edge_lines: list[int] = []
     for number, line in enumerate(text.splitlines(), start=1):
         where = f"{source}, line {number}"
         if not line.strip():
@@ -321,22 +430,27 @@ def parse_pipedream_graph(text: str, source: str = "graph.txt", *, attach_side_s
         if line.startswith("\t"):
             match = _EDGE.match(line)
             if not match:
-                raise ValueError(f"{where}: expected an edge 'nodeA -- nodeB' after a tab, got {line.strip()!r}.")
+                raise ProfileFormatError(
+                    f"{where}: expected an edge 'nodeA -- nodeB' after a tab, got {line.strip()!r}."
+                )
             edges.append((match["a"], match["b"]))
+            edge_lines.append(number)
             continue
         match = _NODE.match(line.strip())
         meta = _META.match(match["meta"]) if match else None
         if not match or not meta:
-            raise ValueError(
+            raise ProfileFormatError(
                 f"{where}: expected 'nodeN -- description -- forward_compute_time=MS, backward_compute_time=MS, "
                 f"activation_size=BYTES, parameter_size=BYTES', got {line.strip()[:120]!r}."
             )
         if match["id"] in nodes:
-            raise ValueError(f"{where}: node {match['id']} is defined twice.")
+            raise ProfileFormatError(f"{where}: node {match['id']} is defined twice.")
         activation = meta["a"]
         if activation.startswith("["):  # a layer with several outputs lists their sizes
             sizes = [s for s in activation.strip("[]").split(";") if s.strip()]
             activation_bytes = sum(_number(s.strip(), "activation_size", where) for s in sizes)
+            if math.isinf(activation_bytes):
+                raise ProfileFormatError(f"{where}: activation_size {activation!r} adds up to more than a float holds.")
         else:
             activation_bytes = _number(activation, "activation_size", where)
         nodes[match["id"]] = LayerProfile(
@@ -348,11 +462,14 @@ def parse_pipedream_graph(text: str, source: str = "graph.txt", *, attach_side_s
             description=match["desc"],
         )
     if not nodes:
-        raise ValueError(f"{source} has no nodes; a PipeDream profile lists 'nodeN -- ...' lines, then edges.")
-    for a, b in edges:
+        raise ProfileFormatError(f"{source} has no nodes; a PipeDream profile lists 'nodeN -- ...' lines, then edges.")
+    for (a, b), number in zip(edges, edge_lines):
         for node in (a, b):
             if node not in nodes:
-                raise ValueError(f"{source}: an edge names {node}, which no node line defines.")
+                raise ProfileFormatError(
+                    f"{source}, line {number}: an edge names {node}, which no node line defines; "
+                    "define it with a 'nodeN -- ...' line."
+                )
     return _order_graph(nodes, edges, source, attach_side_sources)
 
 
@@ -380,7 +497,9 @@ def _order_graph(
                 heapq.heappush(ready, ((1, _natural_key(m)), m))
     if len(order) != len(nodes):
         stuck = sorted(set(nodes) - set(order), key=_natural_key)[:5]
-        raise ValueError(f"{source}: the graph has a cycle through {', '.join(stuck)}; PipeDream graphs must be DAGs.")
+        raise ProfileFormatError(
+            f"{source}: the graph has a cycle through {', '.join(stuck)}; PipeDream graphs must be DAGs."
+        )
     index = {n: i for i, n in enumerate(order)}
     no_cut = {index[n] for n in inputs}  # the inputs stay with the first layer
     if attach_side_sources:
@@ -419,7 +538,9 @@ def _side_branches(
 
 def load_pipedream_graph(path: str | Path, *, attach_side_sources: bool = True) -> Profile:
     """Read a PipeDream ``graph.txt`` profile (see :func:`parse_pipedream_graph`)."""
-    text = Path(path).read_text()
+    text = _read_text(path, "PipeDream profile")
     if not text.strip():
-        raise ValueError(f"The PipeDream profile {path} is empty; it should list 'nodeN -- ...' lines, then edges.")
+        raise ProfileFormatError(
+            f"The PipeDream profile {path} is empty; it should list 'nodeN -- ...' lines, then edges."
+        )
     return parse_pipedream_graph(text, source=str(path), attach_side_sources=attach_side_sources)
