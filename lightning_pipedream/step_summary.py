@@ -82,7 +82,7 @@ class SummaryChannel:
             if fits:
                 message[2 : 2 + len(values)] = torch.tensor(values, dtype=torch.float64)
         on_device = message.to(self.device)
-        with pipeline_failures(self.stage_index):
+        with pipeline_failures(self.stage_index, waiting="the step summary's broadcast from the last stage"):
             dist.broadcast(on_device, group=self.pipeline_group, group_src=self.source)
         message = on_device.cpu()
         if message[0] == 0.0:  # something new: it travels whole, and every rank remembers its layout
@@ -99,7 +99,7 @@ class SummaryChannel:
         if self.num_pipelines == 1:
             return summary
         numbers = torch.tensor(summary.numbers(), dtype=torch.float64, device=self.device)
-        with pipeline_failures(self.stage_index):
+        with pipeline_failures(self.stage_index, waiting="the step summary's all-reduce over the pipelines"):
             dist.all_reduce(numbers, group=self.replica_group)
         values = (numbers / self.num_pipelines).cpu().tolist()
         logs = [LoggedValue(log.name, value, log.options) for log, value in zip(summary.logs, values[1:])]
@@ -112,7 +112,7 @@ class SummaryChannel:
         weights = [float(log.options.get("batch_size", 1)) for log in logs]
         numbers = torch.tensor([v for log, w in zip(logs, weights) for v in (log.value * w, w)],
                                dtype=torch.float64, device=self.device)
-        with pipeline_failures(self.stage_index):
+        with pipeline_failures(self.stage_index, waiting="the evaluation logs' all-reduce over the pipelines"):
             dist.all_reduce(numbers, group=self.replica_group)
         sums = numbers.cpu().tolist()
         return [
@@ -125,6 +125,6 @@ class SummaryChannel:
         if self.num_stages == 1:
             return value
         box = [value]
-        with pipeline_failures(self.stage_index):
+        with pipeline_failures(self.stage_index, waiting="a broadcast of evaluation outputs from the last stage"):
             dist.broadcast_object_list(box, group=self.pipeline_group, group_src=self.source, device=self.device)
         return box[0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,12 +13,17 @@ from hypothesis import settings
 settings.register_profile("lightning_pipedream", database=None)
 settings.load_profile("lightning_pipedream")
 
+# Ranks that fail write their flight recorder (runtime/flight.py); keep those files out of the checkout.
+os.environ.setdefault("LIGHTNING_PIPEDREAM_FLIGHT_RECORDER",
+                      os.path.join(tempfile.gettempdir(), f"lightning_pipedream_flight_{os.getpid()}"))
+
 # Modules whose tests start several processes (forked ranks, or a Trainer/recipe in a subprocess).
 # Marked here, not in the files: `pytest -m "not multiprocess"` is the fast suite.
 MULTIPROCESS_MODULES = {
     "test_benchmarks_smoke.py",
     "test_docs_examples.py",
     "test_engine.py",
+    "test_faults.py",
     "test_graph_pipeline.py",
     "test_graph_split.py",
     "test_recipes_errors.py",

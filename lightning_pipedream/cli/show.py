@@ -1,13 +1,16 @@
-"""`python -m lightning_pipedream show`: print a schedule as a time slot x rank grid, validated."""
+"""`python -m lightning_pipedream show`: print a schedule as a time slot x rank grid, validated, or a recorded trace."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 from lightning_pipedream.schedule.actions import Schedule
 from lightning_pipedream.schedule.builders import SCHEDULES, build_schedule
 from lightning_pipedream.schedule.check import ScheduleError, render_grid, validate
+from lightning_pipedream.schedule.timeline import TimedAction, from_chrome_trace, render_events
 
 
 class UsageError(Exception):
@@ -119,9 +122,60 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--actions", action="store_true", help="also list every rank's actions, sends and receives included"
     )
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        nargs="+",
+        metavar="FILE",
+        help="instead of a schedule, show recorded traces (a flight-recorder file of a failed run, "
+        "pipedream_flight_recorder/rank0.json, or the strategy's trace_dir files); several files: one column per rank",
+    )
+    parser.add_argument(
+        "--last", type=int, default=60, help="with --trace: show only the last this many actions (0: all; default 60)"
+    )
+
+
+def read_traces(paths: list[Path]) -> tuple[list[TimedAction], set[int], list[str]]:
+    """The events of Chrome-trace files, the ranks whose last action had not ended, and the errors the files carry."""
+    events: list[TimedAction] = []
+    unfinished: set[int] = set()
+    notes: list[str] = []
+    for path in paths:
+        try:
+            obj = json.loads(path.read_text())
+            found = from_chrome_trace(obj)
+        except (json.JSONDecodeError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as err:
+            raise UsageError(f"{path} is not a trace JSON written by lightning_pipedream ({err}).") from err
+        events += found
+        raw = obj.get("traceEvents", []) if isinstance(obj, dict) else obj
+        unfinished |= {int(ev["tid"]) for ev in raw if (ev.get("args") or {}).get("unfinished")}
+        other = obj.get("otherData") if isinstance(obj, dict) else None
+        if isinstance(other, dict) and other.get("error"):
+            notes.append(f"rank {other.get('rank')}: {other['error']}")
+    return events, unfinished, notes
+
+
+def run_trace(args: argparse.Namespace) -> int:
+    events, unfinished, notes = read_traces(args.trace)
+    ranks = sorted({e.rank for e in events})
+    print(
+        f"recorded trace: {len(events)} actions of rank {', '.join(map(str, ranks)) or '-'} "
+        f"from {', '.join(map(str, args.trace))}"
+    )
+    for note in notes:
+        print(f"error on {note}")
+    print(
+        "F3 = forward of micro-batch 3, B3 = its backward, O = optimizer step, RA3@1 / RG3@1 = receive of its "
+        "activation / gradient from rank 1 (with the wait), SA/SG = sends; unfinished = the rank was still in it"
+    )
+    print()
+    print(render_events(events, unfinished, max(0, args.last)))
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.trace:
+        return run_trace(args)
     try:
         schedule = schedule_of(args)
     except UsageError as err:

@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from lightning_pipedream.runtime.executor import Executor, InputFn, LossFn
 from lightning_pipedream.runtime.failures import pipeline_failures
+from lightning_pipedream.runtime.flight import recorder
 from lightning_pipedream.runtime.stage import Stage
 from lightning_pipedream.runtime.transport import Transport
 from lightning_pipedream.runtime.weights import WeightVersions
@@ -103,6 +104,7 @@ class PipelineEngine:
         )
         self._admitted = 0  # pipedream: minibatches admitted since the last drain
         self._steps = 0  # flushed schedules: training steps run so far
+        self._train_steps = 0  # every schedule: training steps run so far (the flight recorder's step)
         self._base_version = 0  # pipedream: updates every stage had made at the last drain
 
     @property
@@ -128,12 +130,15 @@ class PipelineEngine:
     def train_step(self, inputs: InputFn, loss: LossFn, update: UpdateFn) -> StepResult:
         """Run one training step. ``inputs``/``loss`` receive the micro-batch number (for
         ``pipedream``: the minibatch number since the last drain, which is also the step's)."""
+        flight = recorder()
+        flight.step, flight.unit = self._train_steps, "micro-batch" if self._flushed is not None else "minibatch"
         result = self._run(self.step_actions(), inputs, loss, update, self.next_minibatch)
+        self._train_steps += 1
         if self._flushed is None:
             self._admitted += 1
         else:
             self._steps += 1
-            self.transport.wait_all()
+            self._wait_for_sends()
         return result
 
     def drain(self, update: UpdateFn) -> StepResult:
@@ -145,12 +150,16 @@ class PipelineEngine:
         else:
             actions = pipedream_drain(self.num_stages, self.stage.index, self._admitted)
         result = self._run(actions, _no_inputs, _no_loss, update, self._admitted)
-        self.transport.wait_all()
+        self._wait_for_sends()
         self._admitted = 0
         assert self.weights is not None
         self.weights.clear()
         self._base_version = self.weights.num_updates
         return result
+
+    def _wait_for_sends(self) -> None:
+        with pipeline_failures(self.stage.index, waiting="waiting for this step's sends to be received"):
+            self.transport.wait_all()
 
     def version_for(self, minibatch: int) -> int:
         """Vertical sync: the version stage 0 used for ``minibatch`` (it has made ``t - stages + 1`` updates)."""

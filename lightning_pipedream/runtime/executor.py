@@ -8,6 +8,7 @@ from typing import Any
 
 from torch import Tensor
 
+from lightning_pipedream.runtime.flight import recorder
 from lightning_pipedream.runtime.stage import Stage
 from lightning_pipedream.runtime.transport import Transport
 from lightning_pipedream.schedule.actions import Action, Op
@@ -23,6 +24,8 @@ class Executor:
 
     With ``record=True`` every action is appended to :attr:`records` as ``(action, start, end)``
     (``perf_counter`` seconds); a blocking receive's time is the time spent waiting for the peer.
+    Whatever ``record`` says, the process's flight recorder (:mod:`~lightning_pipedream.runtime.flight`)
+    keeps the last few hundred actions and the one in progress, for the words and the file of a failure.
     """
 
     # Post each receive ahead (see Transport.post_recv). Measured on 2 CPU ranks over gloo (the
@@ -69,9 +72,11 @@ class Executor:
         if self.post_receives:
             for peer in dict.fromkeys(a.peer for a in actions if a.op.is_recv):
                 transport.post_recv(peer)
+        flight = recorder()
         for i, action in enumerate(actions):
-            start = time.perf_counter()
             op, mb = action.op, action.microbatch
+            flight.begin(action, transport.global_rank(action.peer) if op.is_recv else None)
+            start = time.perf_counter()
             if op is Op.RECV_ACT:
                 self._inputs[mb] = transport.recv(action.peer)
                 if post_next[i]:
@@ -113,8 +118,10 @@ class Executor:
                         "allreduce function; build the engine with the replicas' ReplicaGroups."
                     )
                 allreduce(action)
+            end = time.perf_counter()
+            flight.end(action, start, end)
             if self.record:
-                self.records.append((action, start, time.perf_counter()))
+                self.records.append((action, start, end))
         return losses
 
     def events(self, rank: int, origin: float = 0.0) -> list:

@@ -125,6 +125,10 @@ class Transport:
         # Peers are ranks within ``group``; torch.distributed p2p takes global ranks.
         return peer if self.group is None else dist.get_global_rank(self.group, peer)
 
+    def global_rank(self, peer: int | None) -> int | None:
+        """``peer`` (a rank of ``group``) as a global rank; None stays None."""
+        return None if peer is None else self._global(peer)
+
     def send(self, tree: Any, peer: int, where: str = "stage output") -> None:
         """Send ``tree`` to ``peer`` without waiting for it to be received."""
         leaves, spec = flatten(tree, where)
@@ -240,6 +244,8 @@ class Transport:
         try:
             work.wait()
         except RuntimeError as err:
+            if "timed out" in str(err).lower():  # pipeline_failures names the peer and what it last did
+                raise PeerFailedError(f"Pipeline communication timed out ({err}).") from err
             raise PeerFailedError(
                 f"Pipeline communication failed ({err}). Another rank has probably raised an error and "
                 "exited; look for its traceback above."

@@ -147,3 +147,36 @@ def plot_timeline(events: list[TimedAction], path: str | Path, title: str = "") 
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     return path
+
+
+def render_events(events: list[TimedAction], unfinished: set[int] = frozenset(), last: int = 0) -> str:  # type: ignore[assignment]
+    """Recorded events as a text grid: one column per rank, one row per action in order of start.
+
+    Cells show the action (``F3`` forward of micro-batch 3, ``B3`` backward, ``O`` optimizer step,
+    ``RG3@1`` receive of its gradient from rank 1, ``SA3@1`` send ...), with the wait when a receive
+    or all-reduce took 1 ms or more. The last action of each rank in ``unfinished`` had not ended
+    (the rank was waiting in it when the file was written). ``last`` > 0 keeps only the last rows.
+    """
+    if not events:
+        return "(no actions recorded)"
+    ranks = sorted({e.rank for e in events})
+    ordered = sorted(events, key=lambda e: (e.start, e.rank))
+    final = {e.rank: e for e in ordered if e.rank in unfinished}
+    origin = ordered[0].start
+    rows = []
+    for e in ordered:
+        text = str(e.action)
+        if final.get(e.rank) is e:
+            text += f" unfinished, {e.duration:.1f} s"
+        elif (e.action.op.is_recv or e.action.op.is_collective) and e.duration >= 1e-3:
+            text += f" {e.duration * 1e3:.0f}ms"
+        rows.append((f"{e.start - origin:10.3f}", ranks.index(e.rank), text))
+    skipped = max(0, len(rows) - last) if last > 0 else 0
+    rows = rows[skipped:]
+    width = max(12, *(len(t) + 2 for _, _, t in rows))
+    lines = ["   seconds  " + "".join(f"rank {r}".ljust(width) for r in ranks)]
+    if skipped:
+        lines.append(f"   ({skipped} earlier actions not shown)")
+    for when, column, text in rows:
+        lines.append(f"{when}  " + " " * (width * column) + text)
+    return "\n".join(line.rstrip() for line in lines)
