@@ -433,12 +433,18 @@ def _files(folder: Path) -> dict[str, str]:
     return files
 
 
-small_int = st.one_of(st.integers(-1, 5).map(str), st.sampled_from(["0", "x", "1.5", "", "2,2", "nan"]))
+good_int = st.integers(1, 4).map(str)
+small_int = st.one_of(
+    good_int, good_int, good_int, st.integers(-1, 5).map(str), st.sampled_from(["0", "x", "1.5", "", "2,2", "nan"])
+)
+good_value = st.one_of(good_int, st.sampled_from(["1.5", "0", "1e9", "1,2", "1,1", "2,1", "0.5,0.25", "1e9,1e9"]))
 value_text = st.one_of(
+    good_value,
+    good_value,
     small_int,
     number_text,
     st.text(alphabet="abc,.-01 ", max_size=6),
-    st.sampled_from(["inf", "-inf", "1e400", "1,1", "1,2,3", "0,1", "1e9,1e9"]),
+    st.sampled_from(["inf", "-inf", "1e400", "1,2,3", "0,1"]),
 )
 path_value = st.sampled_from(
     [
@@ -505,12 +511,16 @@ stray = st.text(alphabet="-abcdefghijklmnopqrstuvwxyz0123456789,.", max_size=8).
 @st.composite
 def argv(draw) -> list[str]:
     command = draw(st.sampled_from(["plan", "show", "simulate", "plan", "simulate", "other"]))
-    flags = FLAGS.get(command, {})
+    flags = dict(FLAGS.get(command, {}))
     args = [command]
-    if command == "plan" and draw(st.booleans()):  # often valid enough to reach the partitioner
-        args += ["--profile", draw(path_value), "--workers", draw(small_int), "--bandwidth", draw(value_text)]
-    for _ in range(draw(st.integers(0, 5))):
-        if flags and draw(st.integers(0, 9)) > 0:
+    if command == "plan" and draw(st.integers(0, 3)) > 0:  # mostly valid enough to reach the partitioner
+        source = draw(st.sampled_from(["--profile", "--pipedream-graph"]))
+        args += [source, draw(st.sampled_from(["good.json", "graph.txt"]) | path_value)]
+        args += ["--workers", draw(good_int | small_int), "--bandwidth", draw(st.just("1e9") | value_text)]
+        for flag in ("--profile", "--pipedream-graph", "--workers", "--bandwidth"):
+            del flags[flag]
+    for _ in range(draw(st.integers(0, 4))):
+        if flags and draw(st.integers(0, 19)) > 0:
             flag = draw(st.sampled_from(sorted(flags)))
             args.append(flag)
             if flags[flag] is not None:
