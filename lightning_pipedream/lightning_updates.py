@@ -57,10 +57,11 @@ class PipelineUpdates:
         params: list[nn.Parameter],
         optimizers: Callable[[], list[torch.optim.Optimizer]],
         step: Callable[[torch.optim.Optimizer], None],
-        before_step: Callable[[], None] | None = None,
+        before_step: Callable[[int], None] | None = None,
     ) -> None:
         self.params = params
-        self._before_step = before_step  # e.g. summing tied copies' gradients over the stages that hold them
+        # Called with the batch index of the minibatch about to be applied (e.g. to sum tied copies' gradients).
+        self._before_step = before_step
         self._optimizers = optimizers
         self._step = step
         self._pending: list[Tensor | None] = [None] * len(params)  # gradients accumulated, kept aside
@@ -106,7 +107,7 @@ class PipelineUpdates:
         if not admission.closes_group:
             return  # gradient accumulation: the group's last minibatch applies them all
         if self._before_step is not None:
-            self._before_step()
+            self._before_step(admission.batch_idx)
         for optimizer, settings in zip(self._optimizers(), admission.hyperparameters):
             now = hyperparameters_of([optimizer])[0]
             _set_hyperparameters(optimizer, settings)

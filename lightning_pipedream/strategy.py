@@ -42,7 +42,7 @@ from lightning_pipedream.runtime.transport import Transport
 from lightning_pipedream.schedule.actions import Layout
 from lightning_pipedream.schedule.builders import SCHEDULES, check_schedule_options, inference
 from lightning_pipedream.step_summary import StepSummary, SummaryChannel
-from lightning_pipedream.tree import map_tensors
+from lightning_pipedream.tree import map_tensors, tensors
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +70,8 @@ class PipeDreamStrategy(DDPStrategy):
         weight_stashing: ``pipedream`` only; ``False`` is the paper's ablation.
         vertical_sync: ``pipedream`` only; every stage uses the weight version stage 0 used.
         bandwidth: bytes/s between stages, for the partitioner's cost model.
+        check_finite: check every stage's layer outputs and gradients for NaN/inf and stop, naming the
+            stage, layer and training step (off by default: it costs a reduction per layer and step).
         stages: pipeline stages; on ``stages * d`` processes the strategy runs ``d`` data-parallel
             pipelines (each stage's replicas all-reduce their gradients). Default: one stage per process.
         trace: a directory; each rank writes a Chrome/Perfetto trace of its actions there at the end.
@@ -90,6 +92,7 @@ class PipeDreamStrategy(DDPStrategy):
         bandwidth: float = 1e9,
         trace: str | os.PathLike | None = None,
         stages: int | None = None,
+        check_finite: bool = False,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -135,6 +138,8 @@ class PipeDreamStrategy(DDPStrategy):
         if stages is not None and (not isinstance(stages, int) or stages < 1):
             raise ValueError(f"stages must be an integer >= 1 (the pipeline's length), got {stages!r}.")
         self._stages_arg = stages
+        self.check_finite = check_finite
+        self._step_context = "setup"  # what the pipeline runs now, for error messages
         self._pipeline_group: dist.ProcessGroup | None = None  # this rank's pipeline: its ranks are the stages
         self._replica_group: dist.ProcessGroup | None = None  # this rank's stage in every pipeline
         self._reducer: GradientReducer | None = None
@@ -221,6 +226,8 @@ class PipeDreamStrategy(DDPStrategy):
             assert self._stage_module is not None
             self._stage_module.to(self.root_device)  # a graph stage is not a child of the module
             self._build_engine()
+            if self.check_finite:
+                self._watch_outputs()
             self._summary = SummaryChannel(self.stage_index, self.num_stages, self.root_device, self._pipeline_group,
                                            self._replica_group, self.num_pipelines)
             self._checkpoint = CheckpointGather(self.global_rank, self.world_size, full_keys)
@@ -270,12 +277,44 @@ class PipeDreamStrategy(DDPStrategy):
                 if k == self.pipeline_index:
                     self._pipeline_group = group
 
-    def _before_update(self) -> None:
+    def _before_update(self, batch_idx: int) -> None:
         """Right before each of the pipeline's updates: sum tied copies, then the stage's replicas' gradients."""
+        if self.check_finite:
+            self._check_gradients(batch_idx)
         if self._graph is not None:
             self._graph.before_update()
         if self._reducer is not None:
             self._reducer.reduce(average=False)  # each pipeline's loss counts 1/pipelines: the sum is the mean
+
+    def _watch_outputs(self) -> None:
+        """check_finite: every layer of this stage raises when its output holds NaN or inf."""
+        assert self._stage_module is not None
+        children = list(self._stage_module.named_children()) if self._graph is None else []
+        for name, layer in children or [("(the whole stage)", self._stage_module)]:
+            layer.register_forward_hook(self._output_check(name))
+
+    def _output_check(self, name: str) -> Callable[[nn.Module, Any, Any], None]:
+        def check(layer: nn.Module, inputs: Any, output: Any) -> None:
+            bad = _non_finite(output)
+            if bad:
+                raise NonFiniteError(
+                    f"Stage {self.stage_index}: layer {name!r} ({type(layer).__name__}) produced {bad} in its output "
+                    f"at {self._step_context}. Its inputs were {_non_finite(inputs) or 'finite'}. Lower the learning "
+                    "rate, clip gradients, or check the data of that step; check_finite=False turns this check off."
+                )
+
+        return check
+
+    def _check_gradients(self, batch_idx: int) -> None:
+        assert self._stage_module is not None
+        for name, p in self._stage_module.named_parameters():
+            bad = _non_finite(p.grad) if p.grad is not None else ""
+            if bad:
+                raise NonFiniteError(
+                    f"Stage {self.stage_index}: the gradient of {name} holds {bad} before the update for the "
+                    f"minibatch of training step {batch_idx}. Lower the learning rate, clip gradients, or check the "
+                    "data of that step; check_finite=False turns this check off."
+                )
 
     def _sequential_layers(self, module: LightningModule) -> nn.Sequential | None:
         """The module's Sequential to split between layers, or None to split its traced forward graph."""
@@ -504,6 +543,7 @@ class PipeDreamStrategy(DDPStrategy):
             return value * (share * scale) if share * scale != 1.0 else value
 
         self._ensure_captured(module, "training_step", parts, batch_idx)
+        self._step_context = f"training step {batch_idx} of epoch {trainer.current_epoch}"
         updates.admit(engine.next_minibatch, batch_idx, closes_group)
         with self.precision_plugin.train_step_context(), updates.pipeline_grads():
             engine.train_step(inputs, loss, updates.apply)
@@ -758,6 +798,22 @@ def _check_training_supported(module: LightningModule, precision: Precision) -> 
         )
 
 
+class NonFiniteError(FloatingPointError):
+    """A stage's output or gradient held NaN or inf (``PipeDreamStrategy(check_finite=True)``)."""
+
+
+def _non_finite(tree: Any) -> str:
+    """"nan", "inf" or "nan and inf" when the tree's floating-point tensors hold them; "" when all are finite."""
+    found = set()
+    for t in tensors(tree):
+        if t.is_floating_point() or t.is_complex():
+            if torch.isnan(t).any():
+                found.add("nan")
+            if torch.isinf(t).any():
+                found.add("inf")
+    return " and ".join(sorted(found))
+
+
 def _check_stage_trains(stage: nn.Module, index: int, balance: list[int]) -> None:
     """A stage without parameters would give its optimizer an empty parameter list, which torch refuses."""
     if not any(p.requires_grad for p in stage.parameters()):
@@ -873,4 +929,4 @@ if not _package_log.handlers and not logging.getLogger().handlers:
 
 PipeDreamStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["PipeDreamStrategy", "SCHEDULES"]
+__all__ = ["NonFiniteError", "PipeDreamStrategy", "SCHEDULES"]

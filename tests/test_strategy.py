@@ -283,6 +283,25 @@ def test_a_failing_stage_stops_every_rank_with_its_error(tmp_path):
             "ValueError: boom on the third forward (this rank, stage 0, stopped because of it)") in proc.stderr
 
 
+def test_a_non_finite_output_stops_training_with_stage_layer_and_step_named(tmp_path):
+    start = time.monotonic()
+    proc = run_tiny(tmp_path, {"devices": 2, "nan_in_last_layer": True,
+                               "strategy": {"schedule": "pipedream", "balance": [3, 3], "check_finite": True}},
+                    timeout=120, expect_ok=False)
+    assert proc.returncode != 0 and time.monotonic() - start < 60
+    assert ("NonFiniteError: Stage 1: layer '5' (NaNOnThirdCall) produced nan in its output at training step 2 of "
+            "epoch 0. Its inputs were finite.") in proc.stderr
+    assert "[rank0]: lightning_pipedream.runtime.transport.PeerFailedError: Pipeline stage 1 failed" in proc.stderr
+
+
+def test_non_finite_values_are_named():
+    from lightning_pipedream.strategy import _non_finite
+
+    assert _non_finite((torch.ones(2), {"a": torch.tensor([1.0, float("inf")])})) == "inf"
+    assert _non_finite([torch.tensor([float("nan"), float("-inf")]), torch.arange(3)]) == "inf and nan"
+    assert _non_finite(torch.ones(3)) == ""
+
+
 def test_a_failing_replicated_stage_stops_every_rank_with_its_error(tmp_path):
     # 2 pipelines x 2 stages: the last stage (ranks 2 and 3) fails; its replicas and the first stage all stop.
     start = time.monotonic()

@@ -80,6 +80,18 @@ class FailOnThirdCall(nn.Module):
         return x
 
 
+class NaNOnThirdCall(nn.Module):
+    """A layer whose third forward outputs NaN: a numerical blow-up in the middle of training."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return x * float("nan") if self.calls == 3 else x
+
+
 class LossRecorder(L.Callback):
     """Writes every step's logged training loss (rank 0) and this rank's share of the model."""
 
@@ -115,6 +127,8 @@ def train(out: str, options: dict) -> None:
     os.chdir(out)
     L.seed_everything(0, verbose=False)
     model = TinyClassifier(**options.pop("model", {}))
+    if options.pop("nan_in_last_layer", False):
+        model.layers.append(NaNOnThirdCall())
     if options.pop("fail_in_last_layer", False):
         model.layers.append(FailOnThirdCall())
     strategy = options.pop("strategy", None)
