@@ -49,6 +49,7 @@ CASES = {
     "gpt": (3, {"schedule": "gpipe", "chunks": 2, "split_points": ["model.blocks.1", "model.blocks.3"]}, {}),
     "resnet": (2, {"schedule": "1f1b", "chunks": 1}, {"lr": 0.01}),  # split points from profiling; BatchNorm
     "transformer": (2, {"schedule": "gpipe", "chunks": 1}, {}),  # two inputs, masks, one shared embedding
+    "lstm": (3, {"schedule": "1f1b", "chunks": 2}, {}),  # profiled split points; decoder tied to the embedding
 }
 
 
