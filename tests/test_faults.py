@@ -7,6 +7,7 @@ import multiprocessing as mp
 import os
 import queue as queue_module
 import signal
+import subprocess
 import sys
 import time
 import traceback
@@ -124,3 +125,32 @@ def test_stopped_rank_is_named_by_every_other_rank(tmp_path, capsys):
     assert cli_main(["show", "--trace", str(recorder_dir / "rank0.json"), str(recorder_dir / "rank2.json")]) == 0
     shown = capsys.readouterr().out
     assert "rank 0" in shown and "rank 2" in shown and "unfinished" in shown
+
+
+HANG_TRAINER = Path(__file__).parent / "scripts" / "hang_trainer.py"
+
+
+def test_stopped_rank_of_a_trainer_is_named(tmp_path):
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "LIGHTNING_PIPEDREAM_FLIGHT_RECORDER": str(tmp_path / "flight")}
+    log = tmp_path / "stderr.txt"
+    with log.open("w") as err:  # a file, not a pipe: the stopped rank would hold a pipe open
+        proc = subprocess.Popen([sys.executable, str(HANG_TRAINER), str(tmp_path), "1", "3"], cwd=tmp_path, env=env,
+                                stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+        start = time.monotonic()
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGUSR1)  # hang_trainer.py dumps its stacks on it
+            time.sleep(1)
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)  # the stopped rank too, and anything else the launcher started
+            proc.wait()
+    err = log.read_text()
+    assert proc.returncode not in (0, -signal.SIGKILL), err[-4000:]
+    assert time.monotonic() - start < 90
+    assert "PipelineTimeoutError: Pipeline timeout: rank 0, step 3: " in err, err[-4000:]
+    message = err[err.index("PipelineTimeoutError: Pipeline timeout: rank 0"):].splitlines()[0]
+    assert "from stage 1 (rank 1) got no answer within 1" in message, message
+    assert "Rank 1 last reported" in message and "it has stopped reporting" in message, message
+    assert "PipeDreamStrategy(timeout=timedelta(minutes=60))" in message
+    assert from_chrome_trace(json.loads((tmp_path / "flight" / "rank0.json").read_text()))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import pickle
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -47,6 +48,20 @@ def _default_store() -> Any:
         return dist.distributed_c10d._get_default_store()
     except Exception:
         return None
+
+
+def _world_timeout() -> timedelta:
+    """The default process group's timeout, which every wait here honours too.
+
+    A group made by ``dist.new_group()`` without ``timeout=`` gets torch's default (30 minutes), not the
+    world's; waiting at most the world's timeout keeps ``init_process_group(timeout=...)`` (and
+    ``PipeDreamStrategy(timeout=...)``) in force for the pipeline's own group. ``timedelta(0)``: the group's own.
+    """
+    try:
+        group = dist.distributed_c10d._get_default_group()
+        return group._get_backend(torch.device("cpu")).options._timeout
+    except Exception:
+        return timedelta(0)
 
 
 _ALIGN = 64  # every leaf starts at a multiple of this many bytes in a message (any dtype can view it)
@@ -120,6 +135,7 @@ class Transport:
     _recv_channels: dict[int, _Channel] = field(default_factory=dict)
     _pending: list[tuple[Any, list[Tensor]]] = field(default_factory=list)
     _posted: dict[int, tuple[Any, Tensor]] = field(default_factory=dict)  # peer -> receive posted ahead
+    _timeout: timedelta | None = None  # what a wait may last: the world's timeout (see _world_timeout)
 
     def _global(self, peer: int) -> int:
         # Peers are ranks within ``group``; torch.distributed p2p takes global ranks.
@@ -239,10 +255,11 @@ class Transport:
         except RuntimeError as err:
             raise PeerFailedError(f"Pipeline communication with rank {peer} failed: {err}") from err
 
-    @staticmethod
-    def _wait(work: Any) -> None:
+    def _wait(self, work: Any) -> None:
+        if self._timeout is None:
+            self._timeout = _world_timeout()
         try:
-            work.wait()
+            work.wait(self._timeout)
         except RuntimeError as err:
             if "timed out" in str(err).lower():  # pipeline_failures names the peer and what it last did
                 raise PeerFailedError(f"Pipeline communication timed out ({err}).") from err
