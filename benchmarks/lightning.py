@@ -1,0 +1,370 @@
+"""The benchmark MLP trained under Lightning: one device, DDP and PipeDreamStrategy, with the same samples and updates.
+
+Run from the repository root (``-m`` only: run as a file, ``import lightning`` would find this module)::
+
+    python -m benchmarks.lightning                                   # ~6-8 minutes, benchmarks/results/lightning.json
+    python -m benchmarks.lightning --quick --json /tmp/quick.json    # smoke run, tiny sizes, < 1 minute
+
+The workload is that of ``benchmarks/workload.py``: 8 x (Linear(1024, 1024) + ReLU), MSE, plain SGD
+(lr 1e-3), ``OMP_NUM_THREADS=1`` and one thread per process. Every contender trains on the same
+samples, in the same order; two groups do the same number of updates:
+
+* **minibatch 64** (one update per 64 samples): ``one_device_64`` (one process), ``ddp`` (2 processes
+  x 32 samples, gloo), ``pipedream`` (PipeDreamStrategy(schedule="pipedream"), 2 stages, balance [8, 8]);
+* **batch 512** (one update per 512 samples): ``one_device_512`` (one process, the whole batch),
+  ``gpipe`` and ``1f1b`` (PipeDreamStrategy(schedule=..., chunks=8), 2 stages, balance [8, 8]).
+
+A step is one Lightning training batch; each run is timed from ``on_train_batch_end`` of the last
+warm-up step to that of the last step (the earliest rank's start to the latest rank's end), in
+seconds per step. The standalone engine (``benchmarks.workload.ours_worker``: ``Pipeline``
+without Lightning) does the same work in the same run, so the JSON holds the strategy/engine ratio per
+schedule. Contenders run in interleaved rounds (the order rotated each round), each run in fresh
+processes; the figures are medians over rounds. ``os.getloadavg()`` is recorded before and after every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+GROUP_64 = ("one_device_64", "ddp", "pipedream")
+GROUP_512 = ("one_device_512", "gpipe", "1f1b")
+LIGHTNING = GROUP_64 + GROUP_512
+ENGINE = ("engine_gpipe", "engine_1f1b", "engine_pipedream")
+CONTENDERS = LIGHTNING + ENGINE
+
+
+# ---------------------------------------------------------------------------------------------
+# The worker: one Lightning run, in a process of its own (Lightning starts the second rank by re-running
+# this module with the same arguments).
+
+
+def _worker(spec: dict) -> None:
+    import lightning as L
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from benchmarks.workload import LR, Config, build_model
+    from lightning_pipedream import PipeDreamStrategy
+
+    torch.set_num_threads(1)
+    cfg = Config(**spec["cfg"])
+    name = spec["name"]
+    out = Path(spec["out"])
+
+    class MLP(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = build_model(cfg)
+            self.updates = 0
+
+        def forward(self, x):
+            return self.layers(x)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = nn.functional.mse_loss(self(x), y)
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=LR)
+
+            def count(*_):
+                self.updates += 1
+
+            opt.register_step_post_hook(count)
+            return opt
+
+    class Timer(L.Callback):
+        def __init__(self) -> None:
+            self.ends: list[float] = []
+            self.samples = 0
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.ends.append(time.perf_counter())
+            self.samples += batch[0].shape[0]
+
+    steps = spec["warmup"] + spec["steps"]
+    batch = cfg.micro if name in GROUP_64 else cfg.batch
+    n = steps * batch
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(n, cfg.width, generator=g), torch.randn(n, cfg.width, generator=g))
+    devices, per_rank = 1, batch
+    if name == "ddp":
+        devices, per_rank, strategy = 2, batch // 2, "ddp"
+    elif name in ("pipedream", "gpipe", "1f1b"):
+        chunks = 1 if name == "pipedream" else cfg.chunks
+        half = cfg.layers  # the Sequential has 2 * layers modules (Linear, ReLU): [8, 8]
+        devices, strategy = 2, PipeDreamStrategy(schedule=name, chunks=chunks, balance=[half, half])
+    else:
+        strategy = "auto"
+    timer = Timer()
+    model = MLP()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[timer],
+        num_sanity_val_steps=0,
+    )
+    loader = DataLoader(data, batch_size=per_rank, shuffle=False)
+    profiler = None
+    if spec.get("profile") and trainer.global_rank in spec["profile_ranks"]:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+    trainer.fit(model, loader)
+    if profiler is not None:
+        profiler.disable()
+        profiler.dump_stats(str(out / f"profile_rank{trainer.global_rank}.pstats"))
+    loss = trainer.callback_metrics.get("train_loss")
+    result = {
+        "rank": trainer.global_rank,
+        "ends": timer.ends,
+        "samples": timer.samples,
+        "batches": len(timer.ends),
+        "updates": model.updates,
+        "loss": float(loss) if loss is not None else None,
+        "threads": torch.get_num_threads(),
+    }
+    (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+
+
+# ---------------------------------------------------------------------------------------------
+# The parent: runs contenders in fresh processes and summarises.
+
+
+def _env() -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
+    return env
+
+
+def run_lightning(name: str, cfg_dict: dict, warmup: int, steps: int, timeout: float, profile: bool = False,
+                  profile_dir: Path | None = None) -> dict:
+    with tempfile.TemporaryDirectory(prefix="bench_lightning_") as tmp:
+        out = Path(profile_dir) if profile_dir is not None else Path(tmp)
+        out.mkdir(parents=True, exist_ok=True)
+        spec = {"name": name, "cfg": cfg_dict, "warmup": warmup, "steps": steps, "out": str(out),
+                "profile": profile, "profile_ranks": [0, 1]}
+        proc = subprocess.run(
+            [sys.executable, "-m", "benchmarks.lightning", "--worker", json.dumps(spec)],
+            cwd=tmp, env=_env(), capture_output=True, text=True, timeout=timeout,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"{name} failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        ranks = sorted((json.loads(p.read_text()) for p in out.glob("rank*.json")), key=lambda r: r["rank"])
+    t0 = min(r["ends"][warmup - 1] for r in ranks)
+    t1 = max(r["ends"][-1] for r in ranks)
+    data_parallel = len(ranks) if name == "ddp" else 1
+    return {
+        "seconds": t1 - t0,
+        "seconds_per_step": (t1 - t0) / steps,
+        "timed_steps": steps,
+        "samples": sum(r["samples"] for r in ranks[:data_parallel]),
+        "timed_samples": steps * (ranks[0]["samples"] // ranks[0]["batches"]) * data_parallel,
+        "updates": ranks[0]["updates"],
+        "updates_per_rank": [r["updates"] for r in ranks],
+        "batches_per_rank": [r["batches"] for r in ranks],
+        "loss": next((r["loss"] for r in reversed(ranks) if r["loss"] is not None), None),
+        "threads": [r["threads"] for r in ranks],
+    }
+
+
+def run_engine(name: str, cfg, warmup: int, steps: int, timeout: float) -> dict:
+    """The standalone engine on the same work: ``steps`` batches of 512 (pipedream: 8 minibatches of 64 each)."""
+    from benchmarks.workload import ours_worker
+    from lightning_pipedream.runtime.launch import run_local
+
+    schedule = name.removeprefix("engine_")
+    results = run_local(ours_worker, cfg.stages, cfg, schedule, False, warmup, steps, 0, timeout=timeout)
+    t0 = min(r["t0"] for r in results)
+    t1 = max(r["t1"] for r in results)
+    per_batch = cfg.chunks if schedule == "pipedream" else 1
+    losses = [r["loss"] for r in results if r["loss"] is not None]
+    return {
+        "seconds": t1 - t0,
+        # in the strategy's steps: a pipedream step is one minibatch of 64, a gpipe/1f1b step one batch of 512
+        "seconds_per_step": (t1 - t0) / (steps * per_batch),
+        "timed_steps": steps * per_batch,
+        "samples": (warmup + steps) * cfg.batch,
+        "timed_samples": steps * cfg.batch,
+        "updates": (warmup + steps) * per_batch,
+        "loss": losses[-1] if losses else None,
+    }
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def summarize(runs: dict[str, list[dict]]) -> dict:
+    out: dict[str, dict] = {}
+    for name, rs in runs.items():
+        sps = [r["seconds_per_step"] for r in rs]
+        out[name] = {
+            "seconds_per_step": _median(sps),
+            "min": min(sps),
+            "max": max(sps),
+            "runs": sps,
+            "samples": rs[0]["samples"],
+            "timed_samples": rs[0]["timed_samples"],
+            "timed_steps": rs[0]["timed_steps"],
+            "updates": rs[0]["updates"],
+            "loss": rs[-1]["loss"],
+            "loadavg_1m": [[r["loadavg_before"][0], r["loadavg_after"][0]] for r in rs],
+        }
+    for name, rs in runs.items():
+        c = out[name]
+        c["samples_per_s"] = rs[0]["timed_samples"] / (c["seconds_per_step"] * rs[0]["timed_steps"])
+    one = {n: "one_device_64" for n in GROUP_64} | {n: "one_device_512" for n in GROUP_512}
+    for name in LIGHTNING:
+        c = out[name]
+        base = one[name]
+        # same updates: the one device with the same batch per update (seconds per step, same samples per step)
+        c["speedup_vs_one_device"] = out[base]["seconds_per_step"] / c["seconds_per_step"]
+        # DDP does 64 samples per update: compare samples per second
+        c["speedup_vs_ddp"] = c["samples_per_s"] / out["ddp"]["samples_per_s"]
+        engine = f"engine_{name}"
+        if engine in out:
+            c["strategy_over_engine"] = c["seconds_per_step"] / out[engine]["seconds_per_step"]
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--json", type=Path, default=None, help="default benchmarks/results/lightning.json")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, 1 round: a smoke run (< 1 minute)")
+    parser.add_argument("--rounds", type=int, default=None, help="default 3 (quick 1)")
+    parser.add_argument("--steps", type=int, default=None, help="timed batches of 512 per run (default 6; quick 1)")
+    parser.add_argument("--warmup", type=int, default=None, help="warm-up batches of 512 per run (default 1)")
+    parser.add_argument("--parallel", action="store_true",
+                        help="start the Lightning runs all at once (a smoke test: the timings are meaningless)")
+    parser.add_argument("--only", default="", help="comma-separated contenders (default all)")
+    parser.add_argument("--profile", type=Path, default=None,
+                        help="instead of timing, cProfile one run of --only's contenders per rank into this folder")
+    parser.add_argument("--timeout", type=float, default=300.0)
+    args = parser.parse_args(argv)
+    if args.worker:
+        _worker(json.loads(args.worker))
+        return {}
+
+    from benchmarks.workload import Config
+
+    if args.quick:
+        cfg = Config(layers=2, width=32, batch=16, chunks=4)
+    else:
+        cfg = Config()
+    rounds = args.rounds or (1 if args.quick else 3)
+    steps = args.steps or (1 if args.quick else 6)
+    warmup = args.warmup if args.warmup is not None else 1
+    json_path = args.json or Path("benchmarks/results/lightning.json")
+    names = [n for n in CONTENDERS if not args.only or n in args.only.split(",")]
+    cfg_dict = {"layers": cfg.layers, "width": cfg.width, "batch": cfg.batch, "chunks": cfg.chunks}
+
+    def units(name: str) -> tuple[int, int]:  # (warm-up, timed) Lightning steps: a step of 64 or of 512
+        per = cfg.chunks if name in GROUP_64 else 1
+        return warmup * per, steps * per
+
+    if args.profile:
+        for name in names:
+            w, s = units(name)
+            run_lightning(name, cfg_dict, w, s, args.timeout, profile=True, profile_dir=args.profile / name)
+            print(f"profiled {name} into {args.profile / name}", flush=True)
+        return {}
+
+    started = time.time()
+    load0 = os.getloadavg()
+    print(f"machine: {os.cpu_count()} CPUs, load average {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}", flush=True)
+    runs: dict[str, list[dict]] = {n: [] for n in names}
+    if args.parallel:  # a smoke run: start every Lightning contender at once (timings meaningless), engines after
+        from concurrent.futures import ThreadPoolExecutor
+
+        before = os.getloadavg()
+        with ThreadPoolExecutor(len(names)) as pool:
+            futures = {n: pool.submit(run_lightning, n, cfg_dict, *units(n), args.timeout)
+                       for n in names if n in LIGHTNING}
+            done = {n: f.result() for n, f in futures.items()}
+        for n in names:
+            run = done[n] if n in done else run_engine(n, cfg, warmup, steps, args.timeout)
+            run["loadavg_before"], run["loadavg_after"] = before, os.getloadavg()
+            runs[n].append(run)
+        rounds = 0
+    for rnd in range(rounds):
+        order = names[rnd % len(names):] + names[: rnd % len(names)]
+        for name in order:
+            before = os.getloadavg()
+            if name in ENGINE:
+                run = run_engine(name, cfg, warmup, steps, args.timeout)
+            else:
+                w, s = units(name)
+                run = run_lightning(name, cfg_dict, w, s, args.timeout)
+            run["loadavg_before"], run["loadavg_after"] = before, os.getloadavg()
+            runs[name].append(run)
+            print(f"round {rnd + 1}/{rounds} {name:18s} {run['seconds_per_step']:.4f} s/step "
+                  f"({run['timed_steps']} steps, {run['updates']} updates, {run['samples']} samples; "
+                  f"load {before[0]:.2f} -> {run['loadavg_after'][0]:.2f})", flush=True)
+    contenders = summarize(runs) if set(names) >= set(LIGHTNING) else summarize_partial(runs)
+    loads = [x for rs in runs.values() for r in rs for x in (r["loadavg_before"][0], r["loadavg_after"][0])]
+    doc = {
+        "config": {**cfg_dict, "micro": cfg.micro, "stages": cfg.stages, "threads_per_process": 1,
+                   "rounds": rounds, "parallel": args.parallel,
+                   "warmup_batches_of_512": warmup, "timed_batches_of_512": steps,
+                   "quick": args.quick},
+        "machine": {"cpus": os.cpu_count(), "loadavg_start": load0, "loadavg_end": os.getloadavg(),
+                    "loadavg_1m_during": {"median": _median(loads), "min": min(loads), "max": max(loads)}},
+        "contenders": contenders,
+        "seconds": time.time() - started,
+    }
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(doc, indent=1))
+    _print_table(doc)
+    return doc
+
+
+def summarize_partial(runs: dict[str, list[dict]]) -> dict:
+    return {n: {"seconds_per_step": _median([r["seconds_per_step"] for r in rs]),
+                "runs": [r["seconds_per_step"] for r in rs], "samples": rs[0]["samples"],
+                "updates": rs[0]["updates"]} for n, rs in runs.items()}
+
+
+def _fmt(v: float | None, spec: str = ".3f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def _print_table(doc: dict) -> None:
+    c = doc["contenders"]
+    print("| contender | s/step (median) | min - max | samples/s | vs one device, same updates | vs DDP | "
+          "strategy / engine |")
+    print("|---|---|---|---|---|---|---|")
+    for name in CONTENDERS:
+        if name not in c:
+            continue
+        r = c[name]
+        print(f"| {name} | {_fmt(r['seconds_per_step'], '.4f')} | {_fmt(r.get('min'), '.4f')} - "
+              f"{_fmt(r.get('max'), '.4f')} | {_fmt(r.get('samples_per_s'), '.0f')} | "
+              f"{_fmt(r.get('speedup_vs_one_device'), '.2f')} | {_fmt(r.get('speedup_vs_ddp'), '.2f')} | "
+              f"{_fmt(r.get('strategy_over_engine'), '.2f')} |")
+    m = doc["machine"]["loadavg_1m_during"]
+    print(f"load average (1 min) during the runs: median {m['median']:.2f}, {m['min']:.2f} - {m['max']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
