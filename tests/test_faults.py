@@ -154,3 +154,10 @@ def test_stopped_rank_of_a_trainer_is_named(tmp_path):
     assert "Rank 1 last reported" in message and "it has stopped reporting" in message, message
     assert "PipeDreamStrategy(timeout=timedelta(minutes=60))" in message
     assert from_chrome_trace(json.loads((tmp_path / "flight" / "rank0.json").read_text()))
+
+
+def test_show_trace_of_a_file_that_is_not_a_trace_says_so(tmp_path, capsys):
+    bad = tmp_path / "rank0.json"
+    bad.write_text("{not json")
+    assert cli_main(["show", "--trace", str(bad)]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {bad} is not a trace JSON written by lightning_pipedream (")

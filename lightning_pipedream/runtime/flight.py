@@ -11,7 +11,6 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,12 +56,23 @@ def _op_words(action: Action, unit: str = "minibatch") -> str:
     return text
 
 
-@dataclass
 class _Current:
-    what: str  # e.g. "step 3: RECV_GRAD of minibatch 3 from stage 1"
-    peers: tuple[int, ...]  # global ranks this wait depends on; () for compute or unknown
-    start: float  # perf_counter
-    action: Action | None = None
+    """The action or wait in progress; its words are made only when asked for (an action costs ~1 us here)."""
+
+    __slots__ = ("_what", "peers", "start", "action", "step", "unit")
+
+    def __init__(self, what: str | None, peers: tuple[int, ...], start: float, action: Action | None = None,
+                 step: int = 0, unit: str = "minibatch") -> None:
+        self._what, self.peers, self.start, self.action, self.step, self.unit = what, peers, start, action, step, unit
+
+    @property
+    def what(self) -> str:
+        """E.g. ``"step 3: RECV_GRAD of minibatch 3 from stage 1 (rank 1)"``."""
+        if self._what is None:
+            assert self.action is not None
+            peer = "" if not self.peers else f" (rank {self.peers[0]})"
+            self._what = f"step {self.step}: {_op_words(self.action, self.unit)}{peer}"
+        return self._what
 
 
 class FlightRecorder:
@@ -77,7 +87,6 @@ class FlightRecorder:
         self.recent: deque[tuple[Action, float, float]] = deque(maxlen=size)
         self.current: _Current | None = None
         self.rank = 0
-        self.stage = 0
         self.step = 0  # the training step running (set by the engine)
         self.unit = "minibatch"  # what the actions' numbers count: "minibatch" or "micro-batch"
         self._epoch = time.time() - time.perf_counter()
@@ -86,10 +95,8 @@ class FlightRecorder:
 
     def begin(self, action: Action, peer: int | None = None) -> None:
         """``action`` starts; ``peer`` is the global rank it waits for, if any."""
-        self.stage = action.stage
-        words = _op_words(action, self.unit) + ("" if peer is None else f" (rank {peer})")
-        self.current = _Current(f"step {self.step}: {words}", () if peer is None else (peer,), time.perf_counter(),
-                                action)
+        self.current = _Current(None, () if peer is None else (peer,), time.perf_counter(), action, self.step,
+                                self.unit)
 
     def end(self, action: Action, start: float, end: float) -> None:
         self.recent.append((action, start, end))
@@ -99,7 +106,7 @@ class FlightRecorder:
     def waiting(self, what: str, peers: tuple[int, ...] = ()) -> Iterator[None]:
         """Marks a wait outside the actions (a collective, the step's sends) for the reports."""
         outer = self.current
-        self.current = _Current(what, peers, time.perf_counter(), None)
+        self.current = _Current(f"step {self.step}: {what}", peers, time.perf_counter(), None)
         try:
             yield
         finally:
@@ -130,7 +137,9 @@ class FlightRecorder:
         trace = to_chrome_trace(events)
         if current is not None and current.action is not None:
             trace["traceEvents"][-1]["args"]["unfinished"] = True
-        trace["otherData"] = {"rank": self.rank, "stage": self.stage, "doing": self.doing(), "error": error}
+        stage = current.action.stage if current is not None and current.action is not None else (
+            self.recent[-1][0].stage if self.recent else None)
+        trace["otherData"] = {"rank": self.rank, "stage": stage, "doing": self.doing(), "error": error}
         return trace
 
     def dump(self, error: str = "") -> Path | None:
