@@ -257,7 +257,8 @@ class Transport:
 
     def _wait(self, work: Any) -> None:
         if self._timeout is None:
-            self._timeout = _world_timeout()
+            # gloo only: NCCL's wait(timeout) would block the host until the transfer ends.
+            self._timeout = _world_timeout() if self.device.type == "cpu" else timedelta(0)
         try:
             work.wait(self._timeout)
         except RuntimeError as err:
