@@ -14,11 +14,14 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from lightning_pipedream.cli import main as cli_main
+from lightning_pipedream.runtime.failures import pipeline_failures
+from lightning_pipedream.runtime.flight import PipelineTimeoutError
 from lightning_pipedream.runtime.pipeline import Pipeline
 from lightning_pipedream.schedule.timeline import from_chrome_trace
 
@@ -96,8 +99,6 @@ def _is_stopped(pid: int) -> bool:
 
 def test_stopped_rank_is_named_by_every_other_rank(tmp_path, capsys):
     if not sys.platform.startswith("linux"):
-        import pytest
-
         pytest.skip("reads process states from /proc")
     recorder_dir = tmp_path / "flight"
     env = {"LIGHTNING_PIPEDREAM_FLIGHT_RECORDER": str(recorder_dir), "LIGHTNING_PIPEDREAM_NO_PROGRESS_WARNING": "4"}
@@ -161,3 +162,15 @@ def test_show_trace_of_a_file_that_is_not_a_trace_says_so(tmp_path, capsys):
     bad.write_text("{not json")
     assert cli_main(["show", "--trace", str(bad)]) == 2
     assert capsys.readouterr().err.startswith(f"error: {bad} is not a trace JSON written by lightning_pipedream (")
+
+
+def test_a_timed_out_collective_is_named(tmp_path, monkeypatch):
+    monkeypatch.setenv("LIGHTNING_PIPEDREAM_FLIGHT_RECORDER", str(tmp_path))
+    with pytest.raises(PipelineTimeoutError) as info:
+        with pipeline_failures(1, waiting="the step summary's broadcast from the last stage"):
+            raise RuntimeError("[unbound_buffer.cc:78] Timed out waiting 10000ms for recv operation to complete")
+    text = str(info.value)
+    assert text.startswith("Pipeline timeout: rank 0, step ")
+    assert ": the step summary's broadcast from the last stage (stage 1) got no answer within " in text
+    assert "(Timed out waiting 10000ms for recv operation to complete), in a collective of the pipeline's ranks." in text
+    assert f"are in {tmp_path / 'rank0.json'}" in text and (tmp_path / "rank0.json").exists()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 from lightning_pipedream.runtime.flight import (
     PipelineTimeoutError,
@@ -41,31 +41,29 @@ def pipeline_failures(stage: int, waiting: str | None = None) -> Iterator[None]:
     """
     flight = recorder()
     flight.start_heartbeat()
-    try:
-        if waiting is None:
+    # The except clauses run inside the mark, so that a timeout's words name this wait.
+    with flight.waiting(f"{waiting} (stage {stage})") if waiting is not None else nullcontext():
+        try:
             yield
-        else:
-            with flight.waiting(f"{waiting} (stage {stage})"):
-                yield
-    except PipelineTimeoutError:
-        raise
-    except (PeerFailedError, RuntimeError) as err:
-        if is_timeout(err):
-            timed_out = timeout_error(err, stage)
-            post_error_soon(str(timed_out))
-            raise timed_out from err
-        cause = wait_for_posted_error() if _is_communication_error(err) else None
-        if cause is None:
-            if not isinstance(err, PeerFailedError):
-                post_error(f"Pipeline stage {stage} failed with {type(err).__name__}: {err}")
+        except PipelineTimeoutError:
+            raise
+        except (PeerFailedError, RuntimeError) as err:
+            if is_timeout(err):
+                timed_out = timeout_error(err, flight.current)
+                post_error_soon(str(timed_out))
+                raise timed_out from err
+            cause = wait_for_posted_error() if _is_communication_error(err) else None
+            if cause is None:
+                if not isinstance(err, PeerFailedError):
+                    post_error(f"Pipeline stage {stage} failed with {type(err).__name__}: {err}")
+                _record(err)
+                raise
+            _record(err, cause)
+            raise PeerFailedError(f"{cause} (this rank, stage {stage}, stopped because of it)") from err
+        except Exception as err:
+            post_error(f"Pipeline stage {stage} failed with {type(err).__name__}: {err}")
             _record(err)
             raise
-        _record(err, cause)
-        raise PeerFailedError(f"{cause} (this rank, stage {stage}, stopped because of it)") from err
-    except Exception as err:
-        post_error(f"Pipeline stage {stage} failed with {type(err).__name__}: {err}")
-        _record(err)
-        raise
 
 
 def _record(err: BaseException, cause: str | None = None) -> None:

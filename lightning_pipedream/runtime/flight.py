@@ -103,12 +103,12 @@ class FlightRecorder:
         self.current = None
 
     @contextmanager
-    def waiting(self, what: str, peers: tuple[int, ...] = ()) -> Iterator[None]:
-        """Marks a wait outside the actions (a collective, the step's sends) for the reports."""
+    def waiting(self, what: str, peers: tuple[int, ...] = ()) -> Iterator[_Current]:
+        """Marks a wait outside the actions (a collective, the step's sends) for the reports and errors."""
         outer = self.current
-        self.current = _Current(f"step {self.step}: {what}", peers, time.perf_counter(), None)
+        self.current = marker = _Current(f"step {self.step}: {what}", peers, time.perf_counter(), None)
         try:
-            yield
+            yield marker
         finally:
             self.current = outer
 
@@ -264,19 +264,20 @@ def hang_message(current: _Current | None, waited: float, warning: bool = False,
         world = dist.get_world_size() if dist.is_initialized() else 1
         peers = [r for r in range(world) if r != rec.rank]
         text += ", in a collective of the pipeline's ranks."
-    reports = peer_reports(peers)
-    words = "; ".join(_report_words(r, reports.get(r)) for r in peers)
-    text += " " + words[:1].upper() + words[1:] + "."
+    if peers:
+        reports = peer_reports(peers)
+        words = "; ".join(_report_words(r, reports.get(r)) for r in peers)
+        text += " " + words[:1].upper() + words[1:] + "."
     if warning:
         text += (f" The hard timeout will end the run; this warning comes after {no_progress_limit():.0f} s "
                  f"({NO_PROGRESS_ENV}=seconds, 0 to turn it off).")
     return text
 
 
-def timeout_error(err: BaseException, stage: int) -> PipelineTimeoutError:
-    """A :class:`PipelineTimeoutError` for a timed-out wait; the flight recorder is written and named in it."""
+def timeout_error(err: BaseException, current: _Current | None) -> PipelineTimeoutError:
+    """A :class:`PipelineTimeoutError` for the timed-out wait ``current``; the flight recorder is written and named
+    in it."""
     rec = _RECORDER
-    current = rec.current
     waited = time.perf_counter() - current.start if current is not None else float("nan")
     message = hang_message(current, waited, error=str(err))
     path = rec.dump(message)
