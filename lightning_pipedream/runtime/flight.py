@@ -157,11 +157,13 @@ class FlightRecorder:
 
     # -- the heartbeat and the no-progress watchdog ----------------------------------------------------
     def start_heartbeat(self) -> None:
-        """Once per process (after the process group exists): report :meth:`doing` to the store every second,
+        """Once per process group (called by every pipeline_failures): report :meth:`doing` to the store every second,
         and warn when one wait lasts longer than the no-progress limit."""
-        if self._heartbeat is not None or not dist.is_initialized():
+        if not dist.is_initialized():
             return
         self.rank = dist.get_rank()
+        if self._heartbeat is not None and self._heartbeat.is_alive():
+            return
         self._heartbeat = threading.Thread(target=self._beat, name="lightning_pipedream-heartbeat", daemon=True)
         self._heartbeat.start()
 
