@@ -58,8 +58,6 @@ def _worker(spec: dict) -> None:
 
     torch.set_num_threads(1)
     cfg = Config(**spec["cfg"])
-    name = spec["name"]
-    out = Path(spec["out"])
 
     class MLP(L.LightningModule):
         def __init__(self) -> None:
@@ -94,56 +92,61 @@ def _worker(spec: dict) -> None:
             self.ends.append(time.perf_counter())
             self.samples += batch[0].shape[0]
 
-    steps = spec["warmup"] + spec["steps"]
-    batch = cfg.micro if name in GROUP_64 else cfg.batch
-    n = steps * batch
-    g = torch.Generator().manual_seed(1)
-    data = TensorDataset(torch.randn(n, cfg.width, generator=g), torch.randn(n, cfg.width, generator=g))
-    devices, per_rank = 1, batch
-    if name == "ddp":
-        devices, per_rank, strategy = 2, batch // 2, "ddp"
-    elif name in ("pipedream", "gpipe", "1f1b"):
-        chunks = 1 if name == "pipedream" else cfg.chunks
-        half = cfg.layers  # the Sequential has 2 * layers modules (Linear, ReLU): [8, 8]
-        devices, strategy = 2, PipeDreamStrategy(schedule=name, chunks=chunks, balance=[half, half])
-    else:
-        strategy = "auto"
-    timer = Timer()
-    model = MLP()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[timer],
-        num_sanity_val_steps=0,
-    )
-    loader = DataLoader(data, batch_size=per_rank, shuffle=False)
-    profiler = None
-    if spec.get("profile") and trainer.global_rank in spec["profile_ranks"]:
-        import cProfile
+    # Several contenders may share the processes (--quick): Lightning launches the second rank for the
+    # first Trainer; later Trainers find LOCAL_RANK set and the process group initialized, and reuse both.
+    for name in spec["names"]:
+        out = Path(spec["out"]) / name
+        out.mkdir(parents=True, exist_ok=True)
+        steps = spec["warmup"][name] + spec["steps"][name]
+        batch = cfg.micro if name in GROUP_64 else cfg.batch
+        n = steps * batch
+        g = torch.Generator().manual_seed(1)
+        data = TensorDataset(torch.randn(n, cfg.width, generator=g), torch.randn(n, cfg.width, generator=g))
+        devices, per_rank = 1, batch
+        if name == "ddp":
+            devices, per_rank, strategy = 2, batch // 2, "ddp"
+        elif name in ("pipedream", "gpipe", "1f1b"):
+            chunks = 1 if name == "pipedream" else cfg.chunks
+            half = cfg.layers  # the Sequential has 2 * layers modules (Linear, ReLU): [8, 8]
+            devices, strategy = 2, PipeDreamStrategy(schedule=name, chunks=chunks, balance=[half, half])
+        else:
+            strategy = "auto"
+        timer = Timer()
+        model = MLP()
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=devices,
+            strategy=strategy,
+            max_epochs=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[timer],
+            num_sanity_val_steps=0,
+        )
+        loader = DataLoader(data, batch_size=per_rank, shuffle=False)
+        profiler = None
+        if spec.get("profile") and trainer.global_rank in spec["profile_ranks"]:
+            import cProfile
 
-        profiler = cProfile.Profile()
-        profiler.enable()
-    trainer.fit(model, loader)
-    if profiler is not None:
-        profiler.disable()
-        profiler.dump_stats(str(out / f"profile_rank{trainer.global_rank}.pstats"))
-    loss = trainer.callback_metrics.get("train_loss")
-    result = {
-        "rank": trainer.global_rank,
-        "ends": timer.ends,
-        "samples": timer.samples,
-        "batches": len(timer.ends),
-        "updates": model.updates,
-        "loss": float(loss) if loss is not None else None,
-        "threads": torch.get_num_threads(),
-    }
-    (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+            profiler = cProfile.Profile()
+            profiler.enable()
+        trainer.fit(model, loader)
+        if profiler is not None:
+            profiler.disable()
+            profiler.dump_stats(str(out / f"profile_rank{trainer.global_rank}.pstats"))
+        loss = trainer.callback_metrics.get("train_loss")
+        result = {
+            "rank": trainer.global_rank,
+            "ends": timer.ends,
+            "samples": timer.samples,
+            "batches": len(timer.ends),
+            "updates": model.updates,
+            "loss": float(loss) if loss is not None else None,
+            "threads": torch.get_num_threads(),
+        }
+        (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,20 +159,29 @@ def _env() -> dict:
     return env
 
 
-def run_lightning(name: str, cfg_dict: dict, warmup: int, steps: int, timeout: float, profile: bool = False,
-                  profile_dir: Path | None = None) -> dict:
+def run_lightning_many(names: list[str], cfg_dict: dict, units: dict, timeout: float, profile: bool = False,
+                       profile_dir: Path | None = None) -> dict[str, dict]:
+    """Run ``names`` one after the other in the same processes (2 ranks, or 1 for the one-device contenders)."""
     with tempfile.TemporaryDirectory(prefix="bench_lightning_") as tmp:
         out = Path(profile_dir) if profile_dir is not None else Path(tmp)
         out.mkdir(parents=True, exist_ok=True)
-        spec = {"name": name, "cfg": cfg_dict, "warmup": warmup, "steps": steps, "out": str(out),
-                "profile": profile, "profile_ranks": [0, 1]}
+        spec = {"names": names, "cfg": cfg_dict, "warmup": {n: units[n][0] for n in names},
+                "steps": {n: units[n][1] for n in names}, "out": str(out), "profile": profile, "profile_ranks": [0, 1]}
         proc = subprocess.run(
             [sys.executable, "-m", "benchmarks.lightning", "--worker", json.dumps(spec)],
-            cwd=tmp, env=_env(), capture_output=True, text=True, timeout=timeout,
+            check=False, cwd=tmp, env=_env(), capture_output=True, text=True, timeout=timeout,
         )
         if proc.returncode != 0:
-            raise RuntimeError(f"{name} failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-        ranks = sorted((json.loads(p.read_text()) for p in out.glob("rank*.json")), key=lambda r: r["rank"])
+            raise RuntimeError(f"{names} failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        return {n: _collect(n, out / n, *units[n]) for n in names}
+
+
+def run_lightning(name: str, cfg_dict: dict, units: dict, timeout: float) -> dict:
+    return run_lightning_many([name], cfg_dict, units, timeout)[name]
+
+
+def _collect(name: str, out: Path, warmup: int, steps: int) -> dict:
+    ranks = sorted((json.loads(p.read_text()) for p in out.glob("rank*.json")), key=lambda r: r["rank"])
     t0 = min(r["ends"][warmup - 1] for r in ranks)
     t1 = max(r["ends"][-1] for r in ranks)
     data_parallel = len(ranks) if name == "ddp" else 1
@@ -227,6 +239,7 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
             "timed_samples": rs[0]["timed_samples"],
             "timed_steps": rs[0]["timed_steps"],
             "updates": rs[0]["updates"],
+            "updates_per_rank": rs[0].get("updates_per_rank", [rs[0]["updates"]]),
             "loss": rs[-1]["loss"],
             "loadavg_1m": [[r["loadavg_before"][0], r["loadavg_after"][0]] for r in rs],
         }
@@ -255,8 +268,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rounds", type=int, default=None, help="default 3 (quick 1)")
     parser.add_argument("--steps", type=int, default=None, help="timed batches of 512 per run (default 6; quick 1)")
     parser.add_argument("--warmup", type=int, default=None, help="warm-up batches of 512 per run (default 1)")
-    parser.add_argument("--parallel", action="store_true",
-                        help="start the Lightning runs all at once (a smoke test: the timings are meaningless)")
+    parser.add_argument("--shared", action="store_true",
+                        help="(default with --quick) run the Lightning contenders in 2 shared sets of processes, both "
+                        "at once, to save Lightning's start-up: a smoke test, the timings are not comparable")
     parser.add_argument("--only", default="", help="comma-separated contenders (default all)")
     parser.add_argument("--profile", type=Path, default=None,
                         help="instead of timing, cProfile one run of --only's contenders per rank into this folder")
@@ -279,14 +293,13 @@ def main(argv: list[str] | None = None) -> dict:
     names = [n for n in CONTENDERS if not args.only or n in args.only.split(",")]
     cfg_dict = {"layers": cfg.layers, "width": cfg.width, "batch": cfg.batch, "chunks": cfg.chunks}
 
-    def units(name: str) -> tuple[int, int]:  # (warm-up, timed) Lightning steps: a step of 64 or of 512
-        per = cfg.chunks if name in GROUP_64 else 1
-        return warmup * per, steps * per
+    # (warm-up, timed) Lightning steps per contender: a step is a batch of 64 or of 512
+    units = {n: (warmup * cfg.chunks, steps * cfg.chunks) if n in GROUP_64 else (warmup, steps) for n in CONTENDERS}
+    shared = args.shared or args.quick
 
     if args.profile:
         for name in names:
-            w, s = units(name)
-            run_lightning(name, cfg_dict, w, s, args.timeout, profile=True, profile_dir=args.profile / name)
+            run_lightning_many([name], cfg_dict, units, args.timeout, profile=True, profile_dir=args.profile)
             print(f"profiled {name} into {args.profile / name}", flush=True)
         return {}
 
@@ -294,14 +307,15 @@ def main(argv: list[str] | None = None) -> dict:
     load0 = os.getloadavg()
     print(f"machine: {os.cpu_count()} CPUs, load average {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}", flush=True)
     runs: dict[str, list[dict]] = {n: [] for n in names}
-    if args.parallel:  # a smoke run: start every Lightning contender at once (timings meaningless), engines after
+    if shared:  # a smoke run: one process for the one-device runs, one pair for the rest, both at once
         from concurrent.futures import ThreadPoolExecutor
 
         before = os.getloadavg()
-        with ThreadPoolExecutor(len(names)) as pool:
-            futures = {n: pool.submit(run_lightning, n, cfg_dict, *units(n), args.timeout)
-                       for n in names if n in LIGHTNING}
-            done = {n: f.result() for n, f in futures.items()}
+        sets = [[n for n in names if n in LIGHTNING and n.startswith("one_device")],
+                [n for n in names if n in LIGHTNING and not n.startswith("one_device")]]
+        with ThreadPoolExecutor(2) as pool:
+            futures = [pool.submit(run_lightning_many, ns, cfg_dict, units, args.timeout) for ns in sets if ns]
+            done = {n: r for f in futures for n, r in f.result().items()}
         for n in names:
             run = done[n] if n in done else run_engine(n, cfg, warmup, steps, args.timeout)
             run["loadavg_before"], run["loadavg_after"] = before, os.getloadavg()
@@ -314,8 +328,7 @@ def main(argv: list[str] | None = None) -> dict:
             if name in ENGINE:
                 run = run_engine(name, cfg, warmup, steps, args.timeout)
             else:
-                w, s = units(name)
-                run = run_lightning(name, cfg_dict, w, s, args.timeout)
+                run = run_lightning(name, cfg_dict, units, args.timeout)
             run["loadavg_before"], run["loadavg_after"] = before, os.getloadavg()
             runs[name].append(run)
             print(f"round {rnd + 1}/{rounds} {name:18s} {run['seconds_per_step']:.4f} s/step "
@@ -325,7 +338,7 @@ def main(argv: list[str] | None = None) -> dict:
     loads = [x for rs in runs.values() for r in rs for x in (r["loadavg_before"][0], r["loadavg_after"][0])]
     doc = {
         "config": {**cfg_dict, "micro": cfg.micro, "stages": cfg.stages, "threads_per_process": 1,
-                   "rounds": rounds, "parallel": args.parallel,
+                   "rounds": rounds, "shared_processes": shared,
                    "warmup_batches_of_512": warmup, "timed_batches_of_512": steps,
                    "quick": args.quick},
         "machine": {"cpus": os.cpu_count(), "loadavg_start": load0, "loadavg_end": os.getloadavg(),

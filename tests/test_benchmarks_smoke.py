@@ -46,3 +46,32 @@ def test_schedules_memory_and_timelines_run(tmp_path):
     ranks = memory.measure("gpipe", cfg, steps=1, timeout=60)
     assert [r["peak_in_flight"] for r in ranks] == [4, 4]  # gpipe keeps every micro-batch
     assert all(r["peak_activation_mb"] > 0 and r["peak_rss_mb"] > 0 for r in ranks)
+
+
+@pytest.mark.timeout(240)
+def test_lightning_quick_runs(tmp_path):
+    """`python -m benchmarks.lightning --quick`: every contender trains on the same samples, with the same updates
+    as the contenders it is compared with, and the JSON holds the ratios the docs quote."""
+    lightning = _load("lightning")
+    out = tmp_path / "lightning.json"
+    doc = lightning.main(["--quick", "--json", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved.keys() == doc.keys() == {"config", "machine", "contenders", "seconds"}
+    assert len(saved["machine"]["loadavg_start"]) == 3 and saved["machine"]["loadavg_1m_during"]["max"] >= 0
+    contenders = saved["contenders"]
+    assert contenders.keys() == set(lightning.CONTENDERS)
+    for name, c in contenders.items():
+        assert c["seconds_per_step"] > 0, name
+        assert all(len(pair) == 2 for pair in c["loadavg_1m"]), name
+        assert len(set(c["updates_per_rank"])) == 1, name  # every rank (stage or replica) stepped as often
+    assert len({c["samples"] for c in contenders.values()}) == 1  # the same samples for all
+    cfg = saved["config"]
+    batches = cfg["warmup_batches_of_512"] + cfg["timed_batches_of_512"]
+    for name in ("one_device_64", "ddp", "pipedream", "engine_pipedream"):  # one update per minibatch
+        assert contenders[name]["updates"] == batches * cfg["chunks"], name
+    for name in ("one_device_512", "gpipe", "1f1b", "engine_gpipe", "engine_1f1b"):  # one update per batch
+        assert contenders[name]["updates"] == batches, name
+    for name in lightning.LIGHTNING:
+        assert contenders[name]["speedup_vs_one_device"] > 0 and contenders[name]["speedup_vs_ddp"] > 0
+    for name in ("gpipe", "1f1b", "pipedream"):
+        assert contenders[name]["strategy_over_engine"] > 0
