@@ -111,7 +111,7 @@ class CheckpointGather:
             return [share]
         on_zero = self.rank == 0
         gathered: list[Any] = [None] * self.world_size if on_zero else []
-        with pipeline_failures(self.rank):
+        with pipeline_failures(self.rank, waiting="the checkpoint gather to rank 0"):
             dist.gather_object(share, gathered if on_zero else None, dst=0)
         return gathered if on_zero else None
 

@@ -37,9 +37,8 @@ from lightning_pipedream.plan.balance import check_balance, check_stage_count, e
 from lightning_pipedream.runtime.engine import PipelineEngine
 from lightning_pipedream.runtime.graph_stage import CapturedStage
 from lightning_pipedream.runtime.microbatch import TensorTreeError, batch_size, flatten, merge, split
-from lightning_pipedream.runtime.replicas import GradientReducer, ReplicaGroups
+from lightning_pipedream.runtime.replicas import GradientReducer
 from lightning_pipedream.runtime.transport import Transport
-from lightning_pipedream.schedule.actions import Layout
 from lightning_pipedream.schedule.builders import SCHEDULES, check_schedule_options, inference
 from lightning_pipedream.step_summary import StepSummary, SummaryChannel
 from lightning_pipedream.tree import map_tensors, tensors
@@ -264,18 +263,21 @@ class PipeDreamStrategy(DDPStrategy):
                 f"dividing {world}."
             )
         d = self.num_pipelines
+        # Groups made here carry the strategy's timeout (a DeviceMesh's would wait torch's default 30 minutes).
+        options = {"backend": self._process_group_backend, "timeout": self._timeout}
         if d == 1:
-            self._pipeline_group = dist.new_group(backend=self._process_group_backend) if p > 1 else None
+            self._pipeline_group = dist.new_group(**options) if p > 1 else None
             return
-        groups = ReplicaGroups(Layout.data_parallel(p, d), device_type=self.root_device.type)
-        self._replica_group = groups.data_group
-        if groups.mesh is not None:
-            self._pipeline_group = groups.mesh.get_group("pipe")
-        else:  # new_group is collective: every rank makes every pipeline's group, in the same order
-            for k in range(d):
-                group = dist.new_group([s * d + k for s in range(p)])
-                if k == self.pipeline_index:
-                    self._pipeline_group = group
+        # The rows and columns of a (p, d) mesh of stage-major ranks (see ReplicaGroups). new_group is collective:
+        # every rank makes every group, in the same order.
+        for k in range(d):
+            group = dist.new_group([s * d + k for s in range(p)], **options)
+            if k == self.pipeline_index:
+                self._pipeline_group = group
+        for s in range(p):
+            group = dist.new_group([s * d + k for k in range(d)], **options)
+            if s == self.stage_index:
+                self._replica_group = group
 
     def _before_update(self, batch_idx: int) -> None:
         """Right before each of the pipeline's updates: sum tied copies, then the stage's replicas' gradients."""
