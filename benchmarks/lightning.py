@@ -84,13 +84,16 @@ def _worker(spec: dict) -> None:
             return opt
 
     class Timer(L.Callback):
-        def __init__(self) -> None:
+        def __init__(self, warmup: int, profiler=None) -> None:
             self.ends: list[float] = []
             self.samples = 0
+            self.warmup, self.profiler = warmup, profiler
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             self.ends.append(time.perf_counter())
             self.samples += batch[0].shape[0]
+            if self.profiler is not None and len(self.ends) == self.warmup:
+                self.profiler.enable()  # the timed steps only
 
     # Several contenders may share the processes (--quick): Lightning launches the second rank for the
     # first Trainer; later Trainers find LOCAL_RANK set and the process group initialized, and reuse both.
@@ -111,7 +114,12 @@ def _worker(spec: dict) -> None:
             devices, strategy = 2, PipeDreamStrategy(schedule=name, chunks=chunks, balance=[half, half])
         else:
             strategy = "auto"
-        timer = Timer()
+        profiler = None
+        if spec.get("profile"):
+            import cProfile
+
+            profiler = cProfile.Profile()
+        timer = Timer(spec["warmup"][name], profiler)
         model = MLP()
         trainer = L.Trainer(
             accelerator="cpu",
@@ -126,12 +134,6 @@ def _worker(spec: dict) -> None:
             num_sanity_val_steps=0,
         )
         loader = DataLoader(data, batch_size=per_rank, shuffle=False)
-        profiler = None
-        if spec.get("profile") and trainer.global_rank in spec["profile_ranks"]:
-            import cProfile
-
-            profiler = cProfile.Profile()
-            profiler.enable()
         trainer.fit(model, loader)
         if profiler is not None:
             profiler.disable()
@@ -166,7 +168,7 @@ def run_lightning_many(names: list[str], cfg_dict: dict, units: dict, timeout: f
         out = Path(profile_dir) if profile_dir is not None else Path(tmp)
         out.mkdir(parents=True, exist_ok=True)
         spec = {"names": names, "cfg": cfg_dict, "warmup": {n: units[n][0] for n in names},
-                "steps": {n: units[n][1] for n in names}, "out": str(out), "profile": profile, "profile_ranks": [0, 1]}
+                "steps": {n: units[n][1] for n in names}, "out": str(out), "profile": profile}
         proc = subprocess.run(
             [sys.executable, "-m", "benchmarks.lightning", "--worker", json.dumps(spec)],
             check=False, cwd=tmp, env=_env(), capture_output=True, text=True, timeout=timeout,
@@ -273,7 +275,7 @@ def main(argv: list[str] | None = None) -> dict:
                         "at once, to save Lightning's start-up: a smoke test, the timings are not comparable")
     parser.add_argument("--only", default="", help="comma-separated contenders (default all)")
     parser.add_argument("--profile", type=Path, default=None,
-                        help="instead of timing, cProfile one run of --only's contenders per rank into this folder")
+                        help="cProfile the timed steps of each of --only's contenders, per rank, into this folder")
     parser.add_argument("--timeout", type=float, default=300.0)
     args = parser.parse_args(argv)
     if args.worker:
