@@ -54,6 +54,7 @@ class SummaryChannel:
         pipeline_group: dist.ProcessGroup | None = None,
         replica_group: dist.ProcessGroup | None = None,
         num_pipelines: int = 1,
+        source: int | None = None,
     ) -> None:
         self.stage_index = stage_index
         self.num_stages = num_stages
@@ -61,12 +62,8 @@ class SummaryChannel:
         self.pipeline_group = pipeline_group  # this rank's pipeline (ranks are its stages); None: the world
         self.replica_group = replica_group  # this rank's stage in every pipeline (data parallelism); None: none
         self.num_pipelines = num_pipelines
+        self.source = num_stages - 1 if source is None else source  # the last stage, as a rank of the group
         self._layout: tuple | None = None
-
-    @property
-    def source(self) -> int:
-        """The last stage, as a rank of the pipeline's group."""
-        return self.num_stages - 1
 
     def exchange(self, summary: StepSummary | None) -> StepSummary:
         """Call on every rank; ``summary`` is given on the last stage (None elsewhere). Returns it everywhere,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -39,6 +40,7 @@ from lightning_pipedream.runtime.graph_stage import CapturedStage
 from lightning_pipedream.runtime.microbatch import TensorTreeError, batch_size, flatten, merge, split
 from lightning_pipedream.runtime.replicas import GradientReducer
 from lightning_pipedream.runtime.transport import Transport
+from lightning_pipedream.schedule.actions import Action, Layout
 from lightning_pipedream.schedule.builders import SCHEDULES, check_schedule_options, inference
 from lightning_pipedream.step_summary import StepSummary, SummaryChannel
 from lightning_pipedream.tree import map_tensors, tensors
@@ -71,6 +73,9 @@ class PipeDreamStrategy(DDPStrategy):
         bandwidth: bytes/s between stages, for the partitioner's cost model.
         check_finite: check every stage's layer outputs and gradients for NaN/inf and stop, naming the
             stage, layer and training step (off by default: it costs a reduction per layer and step).
+        replicas: replicas per stage, e.g. ``[2, 1]`` on 3 processes (PipeDream's 1F1B-RR, ``gpipe``/``1f1b``):
+            a replicated stage's replicas take micro-batches round robin and sum their gradients. A plan
+            with replicated stages sets it. Equal counts are the same as ``stages=``.
         stages: pipeline stages; on ``stages * d`` processes the strategy runs ``d`` data-parallel
             pipelines (each stage's replicas all-reduce their gradients). Default: one stage per process.
         trace: a directory; each rank writes a Chrome/Perfetto trace of its actions there at the end.
@@ -91,6 +96,7 @@ class PipeDreamStrategy(DDPStrategy):
         bandwidth: float = 1e9,
         trace: str | os.PathLike | None = None,
         stages: int | None = None,
+        replicas: list[int] | None = None,
         check_finite: bool = False,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -137,6 +143,8 @@ class PipeDreamStrategy(DDPStrategy):
         if stages is not None and (not isinstance(stages, int) or stages < 1):
             raise ValueError(f"stages must be an integer >= 1 (the pipeline's length), got {stages!r}.")
         self._stages_arg = stages
+        self._replicas_arg = list(replicas) if replicas is not None else None
+        self._layout: Layout | None = None  # replicated stages with different counts (1F1B-RR); None otherwise
         self.check_finite = check_finite
         self._step_context = "setup"  # what the pipeline runs now, for error messages
         self._pipeline_group: dist.ProcessGroup | None = None  # this rank's pipeline: its ranks are the stages
@@ -161,23 +169,29 @@ class PipeDreamStrategy(DDPStrategy):
     # ----------------------------------------------------------------------------------- ranks
     @property
     def num_stages(self) -> int:
-        """Stages of one pipeline (``stages=``, or one per process)."""
+        """Stages of one pipeline (``stages=``, ``replicas=``, or one per process)."""
+        if self._layout is not None:
+            return self._layout.num_stages
         return self._stages_arg if self._stages_arg is not None else self.world_size
 
     @property
     def num_pipelines(self) -> int:
-        """Data-parallel copies of the pipeline: processes / stages."""
+        """Data-parallel copies of the pipeline: processes / stages (1 with unequal replicas)."""
+        if self._layout is not None:
+            return 1
         return max(1, self.world_size // self.num_stages)
 
     @property
     def stage_index(self) -> int:
         # Stage-major ranks (see ReplicaGroups): stage s of pipeline k is rank s * pipelines + k, so a
         # stage's replicas are neighbours (on one node when they fit) and all-reduce over fast links.
+        if self._layout is not None:
+            return self._layout.stage_of(self.global_rank)
         return self.global_rank // self.num_pipelines
 
     @property
     def pipeline_index(self) -> int:
-        return self.global_rank % self.num_pipelines
+        return 0 if self._layout is not None else self.global_rank % self.num_pipelines
 
     @property
     def is_last_stage(self) -> bool:
@@ -201,6 +215,7 @@ class PipeDreamStrategy(DDPStrategy):
         if fitting:
             _check_training_supported(module, self.precision_plugin)
         if self._engine is None or module is not self._module_set_up:
+            self._decide_layout()
             self._make_groups()
             full_keys = list(module.state_dict())
             # The full model's optimizer layout maps checkpoints (single-device form) to this rank's stage.
@@ -228,9 +243,9 @@ class PipeDreamStrategy(DDPStrategy):
             if self.check_finite:
                 self._watch_outputs()
             self._summary = SummaryChannel(self.stage_index, self.num_stages, self.root_device, self._pipeline_group,
-                                           self._replica_group, self.num_pipelines)
+                                           self._replica_group, self.num_pipelines, source=self._last_stage_rank())
             self._checkpoint = CheckpointGather(self.global_rank, self.world_size, full_keys)
-            if self.num_pipelines > 1:
+            if self._replica_group is not None:
                 self._reducer = GradientReducer(self._stage_module.parameters(), self._replica_group)
         else:  # a later fit/validate/test/predict with the same model: keep its stages
             self.model_to_device()
@@ -253,8 +268,53 @@ class PipeDreamStrategy(DDPStrategy):
                 trainer.callbacks.insert(0, PipelineDrain(self.drain, self._pipeline_failed))
         self._failure = None
 
+    def _last_stage_rank(self) -> int:
+        """The last stage's rank in the pipeline's group (the one that computes the loss)."""
+        return self.world_size - 1 if self._layout is not None else self.num_stages - 1
+
+    def _decide_layout(self) -> None:
+        """Replicas per stage from ``replicas=`` or the plan: equal counts are data parallelism (``stages=``),
+        unequal ones PipeDream's 1F1B-RR."""
+        replicas = self._replicas_arg
+        if replicas is None and self._plan_path is not None:
+            from lightning_pipedream.plan.partition import Plan
+
+            replicas = [stage.replicas for stage in Plan.load(self._plan_path).stages]
+        if replicas is None or all(r == 1 for r in replicas):
+            return
+        layout = Layout(tuple(replicas))
+        if layout.num_ranks != self.world_size:
+            raise ValueError(
+                f"replicas {list(replicas)} need {layout.num_ranks} processes but the Trainer runs {self.world_size}; "
+                f"set devices x num_nodes to {layout.num_ranks}, or change the replicas."
+            )
+        if layout.is_uniform:
+            self._stages_arg = layout.num_stages
+            return
+        if self.schedule == "pipedream":
+            raise ValueError(
+                f"Stages with unequal replica counts ({list(replicas)}) run with schedule='gpipe' or '1f1b' under "
+                "PipeDreamStrategy; PipeDream's asynchronous 1F1B-RR is not supported through Lightning yet "
+                "(the standalone Pipeline runs it). Use equal replicas (data-parallel pipelines) for 'pipedream'."
+            )
+        if replicas[-1] != 1:
+            raise ValueError(
+                f"replicas {list(replicas)}: the last stage must have one replica under PipeDreamStrategy (it computes "
+                "the loss that rank 0 logs); replicate earlier stages, or use equal replicas."
+            )
+        self._layout = layout
+
     def _make_groups(self) -> None:
         """The process groups: each pipeline's (its point-to-point traffic) and each stage's replicas'."""
+        options = {"backend": self._process_group_backend, "timeout": self._timeout}
+        if self._layout is not None:  # 1F1B-RR: ranks talk across the world; each stage's replicas all-reduce
+            self._pipeline_group = dist.new_group(**options)
+            for s in range(self._layout.num_stages):
+                ranks = list(self._layout.ranks_of(s))
+                group = dist.new_group(ranks, **options) if len(ranks) > 1 else None
+                if s == self.stage_index:
+                    self._replica_group = group
+            return
         p, world = self.num_stages, self.world_size
         if world % p != 0:
             raise ValueError(
@@ -264,7 +324,6 @@ class PipeDreamStrategy(DDPStrategy):
             )
         d = self.num_pipelines
         # Groups made here carry the strategy's timeout (a DeviceMesh's would wait torch's default 30 minutes).
-        options = {"backend": self._process_group_backend, "timeout": self._timeout}
         if d == 1:
             self._pipeline_group = dist.new_group(**options) if p > 1 else None
             return
@@ -422,12 +481,6 @@ class PipeDreamStrategy(DDPStrategy):
 
         assert self._plan_path is not None
         self.plan = Plan.load(self._plan_path)
-        if any(stage.replicas != 1 for stage in self.plan.stages):
-            raise ValueError(
-                f"The plan {self._plan_path} replicates stages ({[st.replicas for st in self.plan.stages]} replicas); "
-                "PipeDreamStrategy runs uniform data parallelism (stages=p on p x d processes) but not yet plans "
-                "whose stages have different replica counts. Plan with straight=True, or use stages=."
-            )
         if len(self.plan.stages) != self.num_stages:
             raise ValueError(
                 f"The plan {self._plan_path} has {len(self.plan.stages)} stages but the Trainer runs "
@@ -491,6 +544,10 @@ class PipeDreamStrategy(DDPStrategy):
             weight_stashing=self.weight_stashing,
             vertical_sync=self.vertical_sync,
             record=self.trace_dir is not None,
+            # 1F1B-RR: the engine runs the replicated schedule; the replicas' all-reduce happens in our updates.
+            replicas=self._layout.replicas if self._layout is not None else None,
+            rank=self.global_rank if self._layout is not None else None,
+            allreduce=_reduced_in_updates if self._layout is not None else None,
         )
 
     @override
@@ -517,7 +574,7 @@ class PipeDreamStrategy(DDPStrategy):
         end_of_data = epoch_loop._num_ready_batches_reached()
         last_step = closes_group and 0 < trainer.max_steps <= trainer.global_step + 1
 
-        parts = split(batch, self.chunks) if self.chunks > 1 else [batch]
+        parts, piece = self._pieces(batch)
         sizes = [batch_size(p) for p in parts]
         total = sum(sizes)
         # As Lightning divides the loss of each accumulated batch; and each pipeline's loss counts 1/pipelines in the
@@ -529,13 +586,13 @@ class PipeDreamStrategy(DDPStrategy):
         batch_loss = [0.0]
 
         def part(mb: int) -> Any:
-            return parts[mb if flushed else 0]
+            return parts[piece(mb) if flushed else 0]
 
         def inputs(mb: int) -> Any:
             return self._call.input_of(module, "training_step", part(mb), batch_idx)
 
         def loss(mb: int, output: Any) -> Tensor:
-            size = sizes[mb if flushed else 0]
+            size = sizes[piece(mb) if flushed else 0]
             with self._call.replaying(module, output), recorder.capture(module, size):
                 step_output = module.training_step(part(mb), batch_idx)
             value = loss_of(step_output)
@@ -566,13 +623,26 @@ class PipeDreamStrategy(DDPStrategy):
         loss_tensor = torch.tensor(summary.loss, device=self.root_device, requires_grad=True)
         return {"loss": loss_tensor, **summary.extra} if summary.extra else loss_tensor
 
+    def _pieces(self, batch: Any) -> tuple[list[Any], Callable[[int], int]]:
+        """A training batch's micro-batches, and which of them the schedule's micro-batch number m is.
+
+        With unequal replicas (1F1B-RR) every rank has the whole batch: it is split into one shard per
+        replica of the first stage and each shard into ``chunks``; micro-batch m is chunk ``m // d`` of
+        shard ``m % d``, and a replica computes only the micro-batches it owns.
+        """
+        if self._layout is None:
+            return (split(batch, self.chunks) if self.chunks > 1 else [batch]), (lambda mb: mb)
+        d, chunks = self._layout.input_replicas, self.chunks
+        parts = [part for shard in split(batch, d) for part in split(shard, chunks)]  # shard-major
+        return parts, lambda mb: (mb % d) * chunks + mb // d
+
     def _check_same_batch(self, batch: Any) -> None:
         """At each epoch's first batch, make sure every stage got the same one (a cheap fingerprint)."""
         if self.num_stages == 1:
             return
         leaves, _ = flatten(batch, "batch")
         mine = torch.tensor([_fingerprint(t) for t in leaves[:4]] + [float(batch_size(batch))], dtype=torch.float64)
-        everyone = [torch.zeros_like(mine) for _ in range(self.num_stages)]
+        everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size(self._pipeline_group))]
         dist.all_gather(everyone, mine.to(self.root_device) if self.root_device.type != "cpu" else mine,
                         group=self._pipeline_group)
         if any(not torch.equal(everyone[0].cpu(), other.cpu()) for other in everyone[1:]):
@@ -621,6 +691,8 @@ class PipeDreamStrategy(DDPStrategy):
         for g in grads:
             square += g.detach().float().pow(2).sum()
         if self.num_stages > 1 and self.schedule != "pipedream":
+            if self._layout is not None and self._layout.replica_of(self.global_rank) != 0:
+                square.zero_()  # a stage's replicas hold the same (summed) gradients: count the stage once
             dist.all_reduce(square, group=self._pipeline_group)  # replicas hold the same gradients: one pipeline
         factor = torch.clamp(clip_val / (square.sqrt() + 1e-6), max=1.0)
         for group in optimizer.param_groups:
@@ -687,6 +759,10 @@ class PipeDreamStrategy(DDPStrategy):
 
         self._ensure_captured(module, hook, parts, batch_idx, *extra_args, **kwargs)
         actions = inference(self.num_stages, len(parts)).actions[self.stage_index]
+        if self._layout is not None:  # the first replica of each stage evaluates; the others get the results
+            layout = self._layout
+            first = [layout.ranks_of(s)[0] for s in range(layout.num_stages)]
+            actions = [] if layout.replica_of(self.global_rank) != 0 else [_to_peer_rank(a, first) for a in actions]
         outputs = engine.executor.run(actions, inputs=inputs, loss=output_of, optimizer_step=_no_update, train=False)
         payload = None
         if self.is_last_stage:
@@ -877,6 +953,16 @@ def _optimizers_unvalidated(module: LightningModule) -> tuple[list[torch.optim.O
     """``configure_optimizers``' optimizers, before Lightning's checks (so that ours can say what to do instead)."""
     conf = module.configure_optimizers()
     return (_configure_optimizers(conf)[0] if conf is not None else []), None
+
+
+def _reduced_in_updates(average: bool = False) -> int:
+    """The replicated schedule's ALLREDUCE_GRAD: a no-op, the strategy all-reduces right before each update
+    (so that accumulated gradients are summed once per update, not once per step)."""
+    return 0
+
+
+def _to_peer_rank(action: Action, rank_of_stage: list[int]) -> Action:
+    return dataclasses.replace(action, peer=rank_of_stage[action.peer]) if action.peer is not None else action
 
 
 def _gradients_ready() -> None:
