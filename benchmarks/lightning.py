@@ -2,8 +2,8 @@
 
 Run from the repository root (``-m`` only: run as a file, ``import lightning`` would find this module)::
 
-    python -m benchmarks.lightning                                   # ~6-8 minutes, benchmarks/results/lightning.json
-    python -m benchmarks.lightning --quick --json /tmp/quick.json    # smoke run, tiny sizes, < 1 minute
+    python -m benchmarks.lightning                                   # 3 rounds, ~5 min: results/lightning.json
+    python -m benchmarks.lightning --quick --json /tmp/quick.json    # smoke run, tiny sizes, ~25 s
 
 The workload is that of ``benchmarks/workload.py``: 8 x (Linear(1024, 1024) + ReLU), MSE, plain SGD
 (lr 1e-3), ``OMP_NUM_THREADS=1`` and one thread per process. Every contender trains on the same
@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path, default=None, help="default benchmarks/results/lightning.json")
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, 1 round: a smoke run (< 1 minute)")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, 1 round, shared processes (~25 s)")
     parser.add_argument("--rounds", type=int, default=None, help="default 3 (quick 1)")
     parser.add_argument("--steps", type=int, default=None, help="timed batches of 512 per run (default 6; quick 1)")
     parser.add_argument("--warmup", type=int, default=None, help="warm-up batches of 512 per run (default 1)")
@@ -291,6 +291,8 @@ def main(argv: list[str] | None = None) -> dict:
     rounds = args.rounds or (1 if args.quick else 3)
     steps = args.steps or (1 if args.quick else 6)
     warmup = args.warmup if args.warmup is not None else 1
+    if warmup < 1:
+        parser.error("--warmup must be at least 1: the timing starts at the end of the last warm-up step")
     json_path = args.json or Path("benchmarks/results/lightning.json")
     names = [n for n in CONTENDERS if not args.only or n in args.only.split(",")]
     cfg_dict = {"layers": cfg.layers, "width": cfg.width, "batch": cfg.batch, "chunks": cfg.chunks}
