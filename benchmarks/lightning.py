@@ -277,7 +277,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--profile", type=Path, default=None,
                         help="cProfile the timed steps of each of --only's contenders, per rank, into this folder")
     parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("--plot", type=Path, default=None, help="only draw --json's results into this PNG")
     args = parser.parse_args(argv)
+    if args.plot:  # from an existing JSON
+        plot(json.loads((args.json or Path("benchmarks/results/lightning.json")).read_text()), args.plot)
+        return {}
     if args.worker:
         _worker(json.loads(args.worker))
         return {}
@@ -354,6 +358,37 @@ def main(argv: list[str] | None = None) -> dict:
     json_path.write_text(json.dumps(doc, indent=1))
     _print_table(doc)
     return doc
+
+
+def plot(doc: dict, path: Path) -> None:
+    """Samples per second of every contender, median and per round, as a bar chart."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    c = doc["contenders"]
+    order = [n for n in ("one_device_64", "ddp", "pipedream", "engine_pipedream",
+                         "one_device_512", "gpipe", "engine_gpipe", "1f1b", "engine_1f1b") if n in c]
+    per_step = {n: c[n]["timed_samples"] / c[n]["timed_steps"] for n in order}
+    fig, ax = plt.subplots(figsize=(9, 4))
+    colors = ["tab:gray" if n.startswith("one_device") else "tab:red" if n == "ddp"
+              else "tab:green" if n.startswith("engine") else "tab:blue" for n in order]
+    ax.bar(range(len(order)), [per_step[n] / c[n]["seconds_per_step"] for n in order], color=colors, alpha=0.8)
+    for i, n in enumerate(order):
+        ax.scatter([i] * len(c[n]["runs"]), [per_step[n] / r for r in c[n]["runs"]], color="k", s=8, zorder=3)
+    ax.set_xticks(range(len(order)), [n.replace("_", " ") for n in order], rotation=20)
+    ax.set_ylabel("samples / s (bar: median; dots: rounds)")
+    load = doc["machine"]["loadavg_1m_during"]
+    ax.set_title(f"MLP under Lightning, 1 thread per process; load average {load['min']:.1f}-{load['max']:.1f} "
+                 f"on {doc['machine']['cpus']} CPUs", fontsize=10)
+    ax.axvline(3.5, color="k", lw=0.5)
+    ax.text(1.5, ax.get_ylim()[1] * 0.95, "one update per 64 samples", ha="center", fontsize=9)
+    ax.text(6.5, ax.get_ylim()[1] * 0.95, "one update per 512 samples", ha="center", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def summarize_partial(runs: dict[str, list[dict]]) -> dict:
