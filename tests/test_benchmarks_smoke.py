@@ -75,3 +75,5 @@ def test_lightning_quick_runs(tmp_path):
         assert contenders[name]["speedup_vs_one_device"] > 0 and contenders[name]["speedup_vs_ddp"] > 0
     for name in ("gpipe", "1f1b", "pipedream"):
         assert contenders[name]["strategy_over_engine"] > 0
+    lightning.main(["--json", str(out), "--plot", str(tmp_path / "lightning.png")])
+    assert (tmp_path / "lightning.png").stat().st_size > 0
