@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -265,16 +266,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_nodes_under_torchrun(tmp_path, runs):
+def torchrun_two_nodes(out: Path, options: dict, per_node: int) -> None:
+    """Two torchrun "nodes" on loopback, ``per_node`` processes each, running tiny.py with ``options``."""
     port = free_port()
-    options = json.dumps({"strategy": {"schedule": "1f1b", "chunks": 2}, "trainer": {"num_nodes": 2}})
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}",
-             "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}", str(SCRIPT),
-             str(tmp_path), options],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
+             f"--nproc_per_node={per_node}", "--master_addr=127.0.0.1", f"--master_port={port}", str(SCRIPT),
+             str(out), json.dumps(options)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=out, start_new_session=True,
         )
         for node in (0, 1)
     ]
@@ -282,10 +283,22 @@ def test_two_nodes_under_torchrun(tmp_path, runs):
         outputs = [p.communicate(timeout=240) for p in procs]
     finally:
         for p in procs:
-            p.kill()
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
     for p, (_, err) in zip(procs, outputs):
         assert p.returncode == 0, err[-4000:]
+
+
+def test_two_nodes_under_torchrun(tmp_path, runs):
+    torchrun_two_nodes(tmp_path, {"strategy": {"schedule": "1f1b", "chunks": 2}, "trainer": {"num_nodes": 2}}, 1)
     assert_same_weights(tmp_path / "final.ckpt", runs["reference"] / "final.ckpt")
+
+
+def test_two_pipelines_on_two_nodes_under_torchrun(tmp_path, runs):
+    # 2 stages x 2 pipelines over 2 nodes of 2 processes: a stage's replicas share a node (stage-major ranks).
+    torchrun_two_nodes(tmp_path, {**RUNS["dp_1f1b"], "devices": 2, "trainer": {"num_nodes": 2,
+                                                                             "use_distributed_sampler": True}}, 2)
+    assert_same_weights(tmp_path / "final.ckpt", runs["dp_single"] / "final.ckpt")
 
 
 def test_more_stages_than_layers_fails_on_every_rank(tmp_path):
