@@ -16,7 +16,6 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
-from lightning.pytorch.core.optimizer import _configure_optimizers
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
@@ -33,17 +32,34 @@ from lightning_pipedream.lightning_adapter import (
     find_layers,
     loss_of,
 )
+from lightning_pipedream.lightning_batches import (
+    EVALUATION_LOOP,
+    STEP_OF,
+    batch_args,
+    batch_shapes,
+    fingerprint,
+    first_batch,
+    merge_outputs,
+)
+from lightning_pipedream.lightning_checks import (
+    FiniteChecks,
+    NonFiniteError,
+    check_optimizers,
+    check_stage_trains,
+    check_training_supported,
+    optimizers_unvalidated,
+)
 from lightning_pipedream.lightning_updates import PipelineDrain, PipelineUpdates
 from lightning_pipedream.plan.balance import check_balance, check_stage_count, even_balance, stage_slice
 from lightning_pipedream.runtime.engine import PipelineEngine
 from lightning_pipedream.runtime.graph_stage import CapturedStage
-from lightning_pipedream.runtime.microbatch import TensorTreeError, batch_size, flatten, merge, split
+from lightning_pipedream.runtime.microbatch import batch_size, flatten, split
 from lightning_pipedream.runtime.replicas import GradientReducer
 from lightning_pipedream.runtime.transport import Transport
 from lightning_pipedream.schedule.actions import Action, Layout
 from lightning_pipedream.schedule.builders import SCHEDULES, check_schedule_options, inference
 from lightning_pipedream.step_summary import StepSummary, SummaryChannel
-from lightning_pipedream.tree import map_tensors, tensors
+from lightning_pipedream.tree import map_tensors
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +162,7 @@ class PipeDreamStrategy(DDPStrategy):
         self._replicas_arg = list(replicas) if replicas is not None else None
         self._layout: Layout | None = None  # replicated stages with different counts (1F1B-RR); None otherwise
         self.check_finite = check_finite
+        self._finite: FiniteChecks | None = None
         self._step_context = "setup"  # what the pipeline runs now, for error messages
         self._pipeline_group: dist.ProcessGroup | None = None  # this rank's pipeline: its ranks are the stages
         self._replica_group: dist.ProcessGroup | None = None  # this rank's stage in every pipeline
@@ -213,13 +230,13 @@ class PipeDreamStrategy(DDPStrategy):
         assert module is not None
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
-            _check_training_supported(module, self.precision_plugin)
+            check_training_supported(module, self.precision_plugin)
         if self._engine is None or module is not self._module_set_up:
             self._decide_layout()
             self._make_groups()
             full_keys = list(module.state_dict())
             # The full model's optimizer layout maps checkpoints (single-device form) to this rank's stage.
-            self._optimizer_layouts = OptimizerLayout.of_module(module, _optimizers_unvalidated)
+            self._optimizer_layouts = OptimizerLayout.of_module(module, optimizers_unvalidated)
             if fitting and len(self._optimizer_layouts) > 1:
                 raise ValueError(
                     f"{type(module).__name__}.configure_optimizers returns {len(self._optimizer_layouts)} optimizers; "
@@ -241,7 +258,8 @@ class PipeDreamStrategy(DDPStrategy):
             self._stage_module.to(self.root_device)  # a graph stage is not a child of the module
             self._build_engine()
             if self.check_finite:
-                self._watch_outputs()
+                self._finite = FiniteChecks(self._stage_module, self.stage_index, lambda: self._step_context,
+                                            per_layer=self._graph is None)
             self._summary = SummaryChannel(self.stage_index, self.num_stages, self.root_device, self._pipeline_group,
                                            self._replica_group, self.num_pipelines, source=self._last_stage_rank())
             self._checkpoint = CheckpointGather(self.global_rank, self.world_size, full_keys)
@@ -251,7 +269,7 @@ class PipeDreamStrategy(DDPStrategy):
             self.model_to_device()
         if fitting:
             self.setup_optimizers(trainer)
-            _check_optimizers(self.optimizers)
+            check_optimizers(self.optimizers)
             if self._graph is not None:  # every rank holds the whole module; its optimizer takes its stage's share
                 _keep_parameters(self.optimizers, {id(p) for p in self._stage_module.parameters()})
         self.setup_precision_plugin()
@@ -340,42 +358,12 @@ class PipeDreamStrategy(DDPStrategy):
 
     def _before_update(self, batch_idx: int) -> None:
         """Right before each of the pipeline's updates: sum tied copies, then the stage's replicas' gradients."""
-        if self.check_finite:
-            self._check_gradients(batch_idx)
+        if self._finite is not None:
+            self._finite.check_gradients(batch_idx)
         if self._graph is not None:
             self._graph.before_update()
         if self._reducer is not None:
             self._reducer.reduce(average=False)  # each pipeline's loss counts 1/pipelines: the sum is the mean
-
-    def _watch_outputs(self) -> None:
-        """check_finite: every layer of this stage raises when its output holds NaN or inf."""
-        assert self._stage_module is not None
-        children = list(self._stage_module.named_children()) if self._graph is None else []
-        for name, layer in children or [("(the whole stage)", self._stage_module)]:
-            layer.register_forward_hook(self._output_check(name))
-
-    def _output_check(self, name: str) -> Callable[[nn.Module, Any, Any], None]:
-        def check(layer: nn.Module, inputs: Any, output: Any) -> None:
-            bad = _non_finite(output)
-            if bad:
-                raise NonFiniteError(
-                    f"Stage {self.stage_index}: layer {name!r} ({type(layer).__name__}) produced {bad} in its output "
-                    f"at {self._step_context}. Its inputs were {_non_finite(inputs) or 'finite'}. Lower the learning "
-                    "rate, clip gradients, or check the data of that step; check_finite=False turns this check off."
-                )
-
-        return check
-
-    def _check_gradients(self, batch_idx: int) -> None:
-        assert self._stage_module is not None
-        for name, p in self._stage_module.named_parameters():
-            bad = _non_finite(p.grad) if p.grad is not None else ""
-            if bad:
-                raise NonFiniteError(
-                    f"Stage {self.stage_index}: the gradient of {name} holds {bad} before the update for the "
-                    f"minibatch of training step {batch_idx}. Lower the learning rate, clip gradients, or check the "
-                    "data of that step; check_finite=False turns this check off."
-                )
 
     def _sequential_layers(self, module: LightningModule) -> nn.Sequential | None:
         """The module's Sequential to split between layers, or None to split its traced forward graph."""
@@ -396,7 +384,7 @@ class PipeDreamStrategy(DDPStrategy):
     def _split_captured_graph(self, trainer: Trainer, module: LightningModule) -> None:
         """The graph path: capture the forward call on a first batch, choose split points, keep this rank's stage."""
         fitting = trainer.state.fn == TrainerFn.FITTING
-        batch = _first_training_batch(trainer) if fitting else _first_batch_of(trainer, trainer.state.fn)
+        batch = first_batch(trainer.fit_loop) if fitting else first_batch(EVALUATION_LOOP[trainer.state.fn](trainer))
         if batch is None:
             raise ValueError(
                 f"PipeDreamStrategy splits {type(module).__name__} from its traced forward call, which needs a batch "
@@ -405,7 +393,7 @@ class PipeDreamStrategy(DDPStrategy):
             )
         batch = self.batch_to_device(batch)
         part = split(batch, self.chunks)[0] if self.chunks > 1 else batch
-        hook = _STEP_OF[trainer.state.fn]
+        hook = STEP_OF[trainer.state.fn]
         args, kwargs = self._call.input_of(module, hook, part, 0)
         points, captured = self._split_points, None
         if points is None:
@@ -425,7 +413,7 @@ class PipeDreamStrategy(DDPStrategy):
                 dist.broadcast_object_list(payload, src=0)
             points = payload[0]
         self._graph = CapturedStage(module, self.stage_index, self.num_stages, points, args, kwargs, captured)
-        self._graph_inputs_seen = {(module.training, _shapes(part))}
+        self._graph_inputs_seen = {(module.training, batch_shapes(part))}
         if self._graph.ties and self.num_pipelines > 1:
             raise ValueError(
                 f"Parameters {sorted(self._graph.ties)} are used on several stages (tied weights), which "
@@ -449,7 +437,7 @@ class PipeDreamStrategy(DDPStrategy):
             return
         self._stage_module.train(module.training)  # type: ignore[union-attr]
         for part in parts:
-            key = (module.training, _shapes(part))
+            key = (module.training, batch_shapes(part))
             if key not in self._graph_inputs_seen:
                 args, kwargs = self._call.input_of(module, hook, part, *step_args, **step_kwargs)
                 self._graph.ensure(module, args, kwargs)
@@ -504,7 +492,7 @@ class PipeDreamStrategy(DDPStrategy):
         from lightning_pipedream.plan.profile import profile_module
         from lightning_pipedream.plan.topology import Topology
 
-        batch = _first_training_batch(trainer)
+        batch = first_batch(trainer.fit_loop)
         if batch is None:
             return None, even_balance(len(layers), self.num_stages)
         batch = self.batch_to_device(batch)
@@ -523,7 +511,7 @@ class PipeDreamStrategy(DDPStrategy):
         """Replace the other stages' layers by placeholders so this rank holds only its own."""
         assert self.balance is not None
         own = stage_slice(layers, self.balance, self.stage_index)
-        _check_stage_trains(own, self.stage_index, self.balance)
+        check_stage_trains(own, self.stage_index, self.balance)
         stage_of = [s for s, count in enumerate(self.balance) for _ in range(count)]
         for i, name in enumerate(list(layers._modules)):
             if name not in own._modules:
@@ -566,7 +554,7 @@ class PipeDreamStrategy(DDPStrategy):
         assert engine is not None and updates is not None
         module = self.lightning_module
         trainer = module.trainer
-        batch, batch_idx = _batch_args(args, kwargs)
+        batch, batch_idx = batch_args(args, kwargs)
         if batch_idx == 0:
             self._check_same_batch(batch)
         epoch_loop = trainer.fit_loop.epoch_loop
@@ -641,7 +629,7 @@ class PipeDreamStrategy(DDPStrategy):
         if self.num_stages == 1:
             return
         leaves, _ = flatten(batch, "batch")
-        mine = torch.tensor([_fingerprint(t) for t in leaves[:4]] + [float(batch_size(batch))], dtype=torch.float64)
+        mine = torch.tensor([fingerprint(t) for t in leaves[:4]] + [float(batch_size(batch))], dtype=torch.float64)
         everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size(self._pipeline_group))]
         dist.all_gather(everyone, mine.to(self.root_device) if self.root_device.type != "cpu" else mine,
                         group=self._pipeline_group)
@@ -743,7 +731,7 @@ class PipeDreamStrategy(DDPStrategy):
         engine, channel = self._engine, self._summary
         assert engine is not None and channel is not None
         module = self.lightning_module
-        batch, batch_idx = _batch_args(args, kwargs)
+        batch, batch_idx = batch_args(args, kwargs)
         extra_args = args[2:]
         step = getattr(module, hook)
         parts = split(batch, self.chunks) if self.chunks > 1 else [batch]
@@ -769,7 +757,7 @@ class PipeDreamStrategy(DDPStrategy):
             merged = None
             if send_output:
                 values = [outputs[mb] for mb in sorted(outputs)]
-                merged = map_tensors(_to_cpu, values[0] if len(values) == 1 else _merge_outputs(values))
+                merged = map_tensors(_to_cpu, values[0] if len(values) == 1 else merge_outputs(values))
             payload = (merged, recorder.aggregate())
         merged, logs = channel.broadcast_object(payload)
         LogRecorder.replay(module, channel.averaged_logs(logs))
@@ -860,99 +848,11 @@ class PipeDreamStrategy(DDPStrategy):
 _StrategyRegistry = type(StrategyRegistry)
 
 
-def _check_training_supported(module: LightningModule, precision: Precision) -> None:
-    """Refuse, before anything runs, what the pipeline cannot train correctly."""
-    if not module.automatic_optimization:
-        raise ValueError(
-            f"{type(module).__name__} uses manual optimization (automatic_optimization=False), which "
-            "PipeDreamStrategy does not support: the pipeline runs each stage's optimizer steps itself, at the "
-            "points its schedule gives. Use automatic optimization (return the loss from training_step)."
-        )
-    if getattr(precision, "scaler", None) is not None:
-        raise ValueError(
-            "PipeDreamStrategy does not support precision='16-mixed' with a gradient scaler: every stage would have "
-            "to scale its backward and all stages agree to skip a step together. Use precision='bf16-mixed' "
-            "(no scaler needed) or '32-true'."
-        )
-
-
-class NonFiniteError(FloatingPointError):
-    """A stage's output or gradient held NaN or inf (``PipeDreamStrategy(check_finite=True)``)."""
-
-
-def _non_finite(tree: Any) -> str:
-    """"nan", "inf" or "nan and inf" when the tree's floating-point tensors hold them; "" when all are finite."""
-    found = set()
-    for t in tensors(tree):
-        if t.is_floating_point() or t.is_complex():
-            if torch.isnan(t).any():
-                found.add("nan")
-            if torch.isinf(t).any():
-                found.add("inf")
-    return " and ".join(sorted(found))
-
-
-def _check_stage_trains(stage: nn.Module, index: int, balance: list[int]) -> None:
-    """A stage without parameters would give its optimizer an empty parameter list, which torch refuses."""
-    if not any(p.requires_grad for p in stage.parameters()):
-        raise ValueError(
-            f"Stage {index} of balance={balance} holds layers {list(stage._modules)}, which have no trainable "
-            "parameters, and torch's optimizers refuse an empty parameter list. Choose a balance (or fewer stages) "
-            "that gives every stage a layer with parameters."
-        )
-
-
-def _check_optimizers(optimizers: list[torch.optim.Optimizer]) -> None:
-    for optimizer in optimizers:
-        if isinstance(optimizer, torch.optim.LBFGS):
-            raise ValueError(
-                "PipeDreamStrategy does not support LBFGS (or any optimizer that re-evaluates the loss inside "
-                "step()): a pipeline stage cannot recompute the loss on its own. Use an optimizer that steps once "
-                "from the gradients, such as SGD or Adam."
-            )
-
-
-_STEP_OF = {
-    TrainerFn.FITTING: "training_step",
-    TrainerFn.VALIDATING: "validation_step",
-    TrainerFn.TESTING: "test_step",
-    TrainerFn.PREDICTING: "predict_step",
-}
-
-
-def _first_batch_of(trainer: Trainer, fn: TrainerFn) -> Any:
-    """The first batch of the evaluation loop that ``fn`` runs (the graph path captures on it)."""
-    loop = {TrainerFn.VALIDATING: trainer.validate_loop, TrainerFn.TESTING: trainer.test_loop,
-            TrainerFn.PREDICTING: trainer.predict_loop}[fn]
-    source = getattr(loop, "_data_source", None)
-    if source is None or not source.is_defined():
-        return None
-    loader = source.dataloader()
-    if isinstance(loader, (list, tuple)):
-        loader = loader[0]
-    try:
-        return next(iter(loader))
-    except (StopIteration, TypeError):
-        return None
-
-
-def _shapes(tree: Any) -> tuple:
-    """What decides whether a batch needs a capture of its own: its structure, shapes and dtypes."""
-    leaves, spec = flatten(tree, "batch")
-    return (repr(spec), tuple((tuple(t.shape), str(t.dtype)) for t in leaves))
-
-
 def _keep_parameters(optimizers: list[torch.optim.Optimizer], keep: set[int]) -> None:
     """Drop from the optimizers' groups the parameters another stage trains."""
     for optimizer in optimizers:
         for group in optimizer.param_groups:
             group["params"] = [p for p in group["params"] if id(p) in keep]
-
-
-def _optimizers_unvalidated(module: LightningModule) -> tuple[list[torch.optim.Optimizer], None]:
-    """``configure_optimizers``' optimizers, before Lightning's checks (so that ours can say what to do instead)."""
-    conf = module.configure_optimizers()
-    return (_configure_optimizers(conf)[0] if conf is not None else []), None
 
 
 def _reduced_in_updates(average: bool = False) -> int:
@@ -976,37 +876,6 @@ def _no_update(action: Any) -> None:
 
 def _to_cpu(t: Tensor) -> Tensor:
     return t.detach().to(_CPU)
-
-
-def _fingerprint(t: Tensor) -> float:
-    return float((torch.view_as_real(t) if t.is_complex() else t).double().sum())
-
-
-def _first_training_batch(trainer: Trainer) -> Any:
-    source = getattr(trainer.fit_loop, "_data_source", None)
-    if source is None or not source.is_defined():
-        return None
-    loader = source.dataloader()
-    if isinstance(loader, (list, tuple)):
-        loader = loader[0]
-    try:
-        return next(iter(loader))
-    except (StopIteration, TypeError):
-        return None
-
-
-def _batch_args(args: tuple, kwargs: dict) -> tuple[Any, int]:
-    batch = args[0] if args else kwargs.get("batch")
-    batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
-    return batch, batch_idx
-
-
-def _merge_outputs(values: list[Any]) -> Any:
-    """One batch's output from its micro-batches' outputs; the list itself when they don't concatenate."""
-    try:
-        return merge(values)
-    except (TensorTreeError, RuntimeError):  # not tensors, or shapes that differ beyond dim 0
-        return values
 
 
 _package_log = logging.getLogger("lightning_pipedream")

@@ -330,11 +330,11 @@ def test_a_non_finite_output_stops_training_with_stage_layer_and_step_named(tmp_
 
 
 def test_non_finite_values_are_named():
-    from lightning_pipedream.strategy import _non_finite
+    from lightning_pipedream.lightning_checks import non_finite
 
-    assert _non_finite((torch.ones(2), {"a": torch.tensor([1.0, float("inf")])})) == "inf"
-    assert _non_finite([torch.tensor([float("nan"), float("-inf")]), torch.arange(3)]) == "inf and nan"
-    assert _non_finite(torch.ones(3)) == ""
+    assert non_finite((torch.ones(2), {"a": torch.tensor([1.0, float("inf")])})) == "inf"
+    assert non_finite([torch.tensor([float("nan"), float("-inf")]), torch.arange(3)]) == "inf and nan"
+    assert non_finite(torch.ones(3)) == ""
 
 
 def test_a_failing_replicated_stage_stops_every_rank_with_its_error(tmp_path):
@@ -351,11 +351,11 @@ def test_a_failing_replicated_stage_stops_every_rank_with_its_error(tmp_path):
 
 
 def test_a_stage_without_parameters_is_refused():
-    from lightning_pipedream.strategy import _check_stage_trains
+    from lightning_pipedream.lightning_checks import check_stage_trains
 
     with pytest.raises(ValueError, match=r"Stage 1 of balance=\[2, 1, 2\] holds layers \['2'\], which have no trainable "
                                          r"parameters.*Choose a balance \(or fewer stages\)"):
-        _check_stage_trains(nn.Sequential(OrderedDict([("2", nn.Tanh())])), 1, [2, 1, 2])
+        check_stage_trains(nn.Sequential(OrderedDict([("2", nn.Tanh())])), 1, [2, 1, 2])
 
 
 def test_bad_strategy_arguments():
