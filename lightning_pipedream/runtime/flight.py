@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -91,6 +92,7 @@ class FlightRecorder:
         self.unit = "minibatch"  # what the actions' numbers count: "minibatch" or "micro-batch"
         self._epoch = time.time() - time.perf_counter()
         self._heartbeat: threading.Thread | None = None
+        self._stop = threading.Event()
         self._warned: _Current | None = None
 
     def begin(self, action: Action, peer: int | None = None) -> None:
@@ -164,12 +166,23 @@ class FlightRecorder:
         self.rank = dist.get_rank()
         if self._heartbeat is not None and self._heartbeat.is_alive():
             return
+        if self._heartbeat is None:
+            # Stop it before the interpreter (and torch's store) goes away: a thread killed inside a store call
+            # at exit aborts the process ("terminate called without an active exception").
+            atexit.register(self.stop_heartbeat)
+        self._stop.clear()
         self._heartbeat = threading.Thread(target=self._beat, name="lightning_pipedream-heartbeat", daemon=True)
         self._heartbeat.start()
 
+    def stop_heartbeat(self) -> None:
+        """Stop the heartbeat thread and wait a little for it to leave the store."""
+        self._stop.set()
+        if self._heartbeat is not None and self._heartbeat.is_alive():
+            self._heartbeat.join(timeout=3)
+
     def _beat(self) -> None:
         limit = no_progress_limit()
-        while True:
+        while not self._stop.is_set():
             store = _default_store()
             if store is None:
                 return
@@ -182,7 +195,8 @@ class FlightRecorder:
                     and time.perf_counter() - current.start > limit):
                 self._warned = current
                 log.warning("%s", hang_message(current, time.perf_counter() - current.start, warning=True))
-            time.sleep(HEARTBEAT)
+            if self._stop.wait(HEARTBEAT):
+                return
 
 
 _RECORDER = FlightRecorder()
