@@ -8,10 +8,7 @@ rule (tests/scripts/pipedream_reference.py), to 1e-5.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -22,6 +19,7 @@ import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 from pipedream_reference import Minibatch, PipeDreamRule
 from rule_trainer import ResumableBatches, RuleMLP, batches, make_optimizer, make_scheduler
+from script_runs import run_script
 
 from lightning_pipedream import PipeDreamStrategy
 
@@ -29,21 +27,7 @@ SCRIPT = Path(__file__).parent / "scripts" / "rule_trainer.py"
 
 
 def run(out: Path, options: dict, timeout: float = 180, expect_ok: bool = True) -> subprocess.CompletedProcess:
-    """Train in a subprocess (Lightning's launcher re-runs sys.argv); a hung run is killed with its ranks."""
-    out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    args = ["--runs", options["--runs"]] if "--runs" in options else [str(out), json.dumps(options)]
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), *args], cwd=out, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"rule_trainer.py did not finish in {timeout} s:\n{stderr[-4000:]}")
-    if expect_ok:
-        assert proc.returncode == 0, f"rule_trainer.py failed ({proc.returncode}):\n{stderr[-4000:]}"
-    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    return run_script(SCRIPT, out, options, timeout, expect_ok)
 
 
 def reference(

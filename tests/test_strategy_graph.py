@@ -8,15 +8,13 @@ trains in a subprocess on 2 or 3 processes; the consolidated checkpoint must equ
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from graph_trainer import FamilyModule
+from script_runs import run_script
 
 from lightning_pipedream import PipeDreamStrategy
 
@@ -24,20 +22,7 @@ SCRIPT = Path(__file__).parent / "scripts" / "graph_trainer.py"
 
 
 def run(out: Path, options: dict, expect_ok: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
-    out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    args = ["--runs", options["--runs"]] if "--runs" in options else [str(out), json.dumps(options)]
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), *args], cwd=out, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"graph_trainer.py did not finish in {timeout} s:\n{stderr[-4000:]}")
-    if expect_ok:
-        assert proc.returncode == 0, f"graph_trainer.py failed ({proc.returncode}):\n{stderr[-4000:]}"
-    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    return run_script(SCRIPT, out, options, timeout, expect_ok)
 
 
 def weights(path: Path) -> dict[str, torch.Tensor]:

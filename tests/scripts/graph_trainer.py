@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from typing import Any
 
 import lightning as L
 import torch
 from graph_models import batches, loss_fn, make
+from script_runs import main_runs
 
 from lightning_pipedream import PipeDreamStrategy
 
@@ -90,17 +90,5 @@ def train(out: str, options: dict[str, Any]) -> None:
         raise SystemExit(f"unused options: {options}")
 
 
-def main() -> None:
-    """`graph_trainer.py OUT_DIR JSON_OPTIONS`, or `graph_trainer.py --runs RUNS.json` with a list of
-    [OUT_DIR, OPTIONS] run one after the other in the same processes (they start once)."""
-    if sys.argv[1] == "--runs":
-        with open(sys.argv[2]) as f:
-            runs = json.load(f)
-    else:
-        runs = [[sys.argv[1], json.loads(sys.argv[2])]]
-    for out, options in runs:
-        train(out, options)
-
-
 if __name__ == "__main__":
-    main()
+    main_runs(train)

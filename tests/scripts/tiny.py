@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import lightning as L
 import torch
 import torchmetrics
+from script_runs import main_runs
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -186,17 +186,5 @@ def train(out: str, options: dict) -> None:
         raise SystemExit(f"unused options: {options}")
 
 
-def main() -> None:
-    """`tiny.py OUT_DIR JSON_OPTIONS`, or `tiny.py --runs RUNS.json` with a list of [OUT_DIR, OPTIONS] run one
-    after the other in the same processes (they start once: Lightning's launcher runs only for the first)."""
-    if sys.argv[1] == "--runs":
-        with open(sys.argv[2]) as f:
-            runs = json.load(f)
-    else:
-        runs = [[sys.argv[1], json.loads(sys.argv[2])]]
-    for out, options in runs:
-        train(out, options)
-
-
 if __name__ == "__main__":
-    main()
+    main_runs(train)
