@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -79,3 +81,19 @@ def test_through_the_dispatcher(vgg16, capsys):
 
     assert main(["plan", "--pipedream-graph", vgg16, "--workers", "4", "--bandwidth", "1e9", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["stages"][0]["replicas"] == 3
+
+
+def test_planning_a_pipedream_graph_does_not_import_torch(pipedream_profiles):
+    """Reading graph.txt and partitioning it is pure Python and numpy: torch (1.3 s to import) loads only for
+    the profiler. A fresh interpreter, since this test process has torch already."""
+    graph = pipedream_profiles / "gnmt16" / "graph.txt"
+    code = (
+        "import json, sys; import lightning_pipedream.cli.plan; from lightning_pipedream.cli import main; "
+        f"rc = main(['plan', '--pipedream-graph', {str(graph)!r}, '--workers', '4,4', '--bandwidth', '1e10,1.25e9', "
+        "'--json']); print(json.dumps([rc, 'torch' in sys.modules]))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    rc, torch_loaded = json.loads(out.stdout.strip().splitlines()[-1])
+    assert json.loads(out.stdout.strip().splitlines()[0])["stages"]  # the plan was printed
+    assert (rc, torch_loaded) == (0, False)

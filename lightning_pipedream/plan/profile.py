@@ -11,13 +11,13 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from lightning_pipedream.plan.errors import ProfileFormatError, is_number, is_whole
-from lightning_pipedream.tree import map_tensors, tensors
+
+if TYPE_CHECKING:  # torch is imported where the profiler runs: reading and planning a profile do without it
+    import torch
+    from torch import nn
 
 _LAYER_FIELDS = ("name", "forward_s", "backward_s", "activation_bytes", "parameter_bytes", "description")
 
@@ -289,6 +289,7 @@ def _parse_json(text: str, what: str) -> Any:
 def _fresh_leaves(tree: Any, requires_grad: bool = True) -> Any:
     """The same tree with each tensor detached; floating tensors require grad, as a later stage's input does
     (with ``requires_grad=False``, those that required it before)."""
+    from lightning_pipedream.tree import map_tensors
 
     def fresh(t: torch.Tensor) -> torch.Tensor:
         leaf = t.detach()
@@ -304,6 +305,8 @@ def _call(layer: nn.Module, inputs: Any) -> Any:
 
 
 def _synchronize(tensors: list[torch.Tensor]) -> None:
+    import torch
+
     devices = {t.device for t in tensors if t.device.type == "cuda"}
     for device in devices:
         torch.cuda.synchronize(device)
@@ -324,6 +327,10 @@ def _median_time(fn: Callable[[], Any], sync: Callable[[], None], warmup: int, r
 
 
 def _profile_layer(name: str, layer: nn.Module, inputs: Any, warmup: int, repeats: int) -> tuple[LayerProfile, Any]:
+    import torch
+
+    from lightning_pipedream.tree import tensors
+
     in_tensors = tensors(inputs)
     params = [p for p in layer.parameters() if p.requires_grad]
     sync = lambda: _synchronize(in_tensors)  # noqa: E731
@@ -362,6 +369,11 @@ def profile_module(layers: nn.Sequential, sample_input: Any, *, warmup: int = 1,
     backward computes gradients for ``sample_input`` only where it requires them. Buffers such as
     BatchNorm statistics and the random number generators are restored afterwards, and no ``.grad`` is set.
     """
+    import torch
+    from torch import nn
+
+    from lightning_pipedream.tree import tensors
+
     if not isinstance(layers, nn.Sequential) or len(layers) == 0:
         raise ValueError("profile_module needs a non-empty torch.nn.Sequential; split the model into layers first.")
     if warmup < 0 or repeats < 1:
