@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lightning_pipedream.plan import LayerProfile, Plan, Profile, StagePlan, Topology, partition
+from lightning_pipedream.plan import LayerProfile, Plan, Profile, StagePlan, Topology, configuration_time, partition
 
 # ---------------------------------------------------------------------------------------------------------
 # The cost model, written out configuration by configuration (independently of the DP's tables)
@@ -309,3 +309,43 @@ def test_bad_arguments():
         Plan.from_json({"stages": [{"layers": ["a"], "replica": 2}]})
     with pytest.raises(ValueError, match=r"The plan has unknown fields \['time'\]"):
         Plan.from_json({"stages": [{"layers": ["a"]}], "time": 1.0})
+
+
+def _best_with_replicas(prof, topology, replicas, model):
+    """The brute force restricted to stages with exactly ``replicas`` workers each, in order."""
+    cuts, n = prof.cut_bytes() + [0], len(prof.layers)
+    best = math.inf
+    for inner in itertools.combinations(range(1, n), len(replicas) - 1):
+        bounds = [0, *inner, n]
+        config = [(bounds[q], bounds[q + 1] - 1, r, None) for q, r in enumerate(replicas)]
+        best = min(best, _pipeline_time(prof, cuts, 0, topology, 0, n - 1, config, model, None))
+    return best
+
+
+@SETTINGS
+@given(prof=profiles(), topology=st.sampled_from(FLAT[1:]), model=st.sampled_from(["code", "paper"]),
+       data=st.data())
+def test_configuration_time_is_the_best_split_with_those_replicas(prof, topology, model, data):
+    """Pricing a configuration someone else chose ("15-1") searches only the stage boundaries."""
+    workers = topology.num_workers
+    stages = data.draw(st.integers(1, min(workers, len(prof.layers))))
+    replicas = data.draw(st.sampled_from(list(_compositions(workers, stages))))
+    expected = _best_with_replicas(prof, topology, replicas, model)
+    got = configuration_time(prof, topology, replicas, model)
+    assert (got is None) == math.isinf(expected)
+    if got is not None:
+        assert got == pytest.approx(expected, rel=1e-9, abs=1e-12)
+
+
+def test_configuration_time_by_hand_and_its_errors():
+    # compute 1, 1, 4 s (forward = backward), no parameters, free links
+    prof = Profile([LayerProfile(f"l{i}", c / 2, c / 2, 0, 0) for i, c in enumerate([1, 1, 4])])
+    topology = Topology.flat(3, math.inf)
+    assert configuration_time(prof, topology, [1, 2]) == pytest.approx(2.0)  # max(1 + 1, 4 / 2); not max(1, 5 / 2)
+    assert configuration_time(prof, topology, [2, 1]) == pytest.approx(4.0)  # layer 2 alone on one worker
+    assert configuration_time(prof, topology, [3]) == pytest.approx(2.0)  # data parallelism: 6 / 3
+    assert configuration_time(prof, topology, [1, 1, 1]) == partition(prof, topology, straight=True).time_per_minibatch
+    with pytest.raises(ValueError, match=r"adding up to the topology's 3 workers"):
+        configuration_time(prof, topology, [2, 2])
+    with pytest.raises(ValueError, match=r"needs a one-level topology, got 2 levels: a configuration such as 15-1"):
+        configuration_time(prof, Topology([(1, 1e9), (3, 1e9)]), [3])

@@ -567,6 +567,40 @@ def data_parallel_time(profile: Profile, topology: Topology, cost_model: str = "
     return time
 
 
+def configuration_time(
+    profile: Profile, topology: Topology, replicas: list[int], cost_model: str = "code"
+) -> float | None:
+    """The predicted time per minibatch of the best plan whose stages have exactly ``replicas`` workers each
+    (e.g. ``[15, 1]``: stage boundaries chosen by the same dynamic programme and cost model as
+    :func:`partition`), on a one-level topology; None when no split of the layers has that shape.
+
+    It prices a configuration someone else chose (a paper's "15-1") under this planner's cost model.
+    """
+    if cost_model not in COST_MODELS:
+        raise ValueError(f"Unknown cost model {cost_model!r}; choose 'code' (PipeDream's optimizer) or 'paper'.")
+    if len(topology.levels) != 1:
+        raise ValueError(
+            f"configuration_time needs a one-level topology, got {len(topology.levels)} levels: a configuration "
+            "such as 15-1 on 4 servers of 4 workers splits a server, which the levels' programme cannot express. "
+            "Use Topology.flat(workers, bandwidth)."
+        )
+    if not replicas or any(not isinstance(r, int) or r < 1 for r in replicas) or sum(replicas) != topology.num_workers:
+        raise ValueError(
+            f"replicas={replicas!r} must be whole numbers >= 1, one per stage, adding up to the topology's "
+            f"{topology.num_workers} workers."
+        )
+    sums = _Sums(profile)
+    workers, bandwidth = topology.levels[0]
+    level = _Level(sums, sums.range(sums.compute, empty=_INF), workers, bandwidth, 1, 1, cost_model, False, None)
+    best = level.single[replicas[0]][:1].copy()  # [0, j]: layers 0..j as the first stage
+    used = replicas[0]
+    for r in replicas[1:]:
+        used += r
+        best = _minmax_product(best, level.last(r, used))
+    time = float(best[0, sums.count - 1])
+    return time if math.isfinite(time) else None
+
+
 def partition(
     profile: Profile,
     topology: Topology,
