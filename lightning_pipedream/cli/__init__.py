@@ -11,6 +11,10 @@ COMMANDS = {
     "plan": ("lightning_pipedream.cli.plan", "profile a model or read a PipeDream profile, and partition it"),
     "simulate": ("lightning_pipedream.cli.simulate", "predict step time, bubble and memory of a schedule"),
     "show": ("lightning_pipedream.cli.show", "print a schedule as a step x rank grid"),
+    "reproduce-table": (
+        "lightning_pipedream.cli.reproduce_table",
+        "PipeDream's Table 1 (SOSP'19) predicted from its published profiles: configurations and speedups",
+    ),
 }
 
 
