@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import sys
@@ -28,8 +29,11 @@ RESULT_KEYS = (
     "throughput_samples_per_s",
     "time_to_target_s",
     "error",  # null, or why the job failed (a sweep goes on past a failed job)
+    "contender",  # the `contender=` config chosen (a reproduction sweep), or null
+    "seed",
+    "history",  # one entry per validation: epoch, step, metric, seconds (see ResultsCallback)
 )
-SUMMARY_COLUMNS = ("run", *RESULT_KEYS)
+SUMMARY_COLUMNS = ("run", *(key for key in RESULT_KEYS if key != "history"))
 
 
 def _batch_size(batch: Any) -> int:
@@ -38,20 +42,42 @@ def _batch_size(batch: Any) -> int:
     return int(batch.shape[0]) if isinstance(batch, torch.Tensor) else 1
 
 
+def _data_parallel_readers(trainer: L.Trainer) -> int:
+    """Processes that each read a different share of every batch (DDP: all of them; a pipeline: its data-parallel
+    degree), so that throughput counts the samples of the whole update."""
+    if not trainer._accelerator_connector.use_distributed_sampler:
+        return 1
+    return int((trainer.distributed_sampler_kwargs or {}).get("num_replicas", 1))
+
+
 class ResultsCallback(L.Callback):
-    """Measures training throughput (samples per second of training steps, validation excluded), the
-    quality metric after each validation, and the wall time since `start` at which it first reached `target`."""
+    """Measures training throughput (samples per second of training steps, validation excluded) and, after each
+    validation, the task's quality metric of the whole model on the whole held-out set (`RecipeTask.held_out_metric`:
+    rank 0 gathers the weights from every stage and evaluates them in one process, so every strategy is measured
+    alike), and the time at which it first reached `target`.
+
+    Times count from `start` and leave out that held-out evaluation (a measurement, not training): `history` has one
+    entry per validation with the epoch, the optimizer steps, the metric, those seconds, and the seconds and samples
+    of training steps so far."""
 
     def __init__(self, target: float | None, start: float, echo: Callable[[str], None] = print) -> None:
         self.target, self.start, self.echo = target, start, echo
         self.samples, self.steps, self.train_seconds = 0, 0, 0.0
         self.metric: float | None = None
         self.time_to_target: float | None = None
+        self.history: list[dict[str, Any]] = []
+        self.eval_seconds = 0.0
         self._step_start = 0.0
+        self._model: torch.nn.Module | None = None
 
     @property
     def throughput(self) -> float | None:
         return self.samples / self.train_seconds if self.train_seconds > 0 else None
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # before the strategy splits the module: rank 0 keeps a whole copy to load the gathered weights into
+        if trainer.is_global_zero and isinstance(pl_module, RecipeTask) and self._model is None:
+            self._model = copy.deepcopy(pl_module.layers).cpu()
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
@@ -62,25 +88,38 @@ class ResultsCallback(L.Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self.train_seconds += time.perf_counter() - self._step_start
-        self.samples += _batch_size(batch)
+        self.samples += _batch_size(batch) * _data_parallel_readers(trainer)
         self.steps += 1
+
+    def held_out_metric(self, trainer: L.Trainer, pl_module: RecipeTask) -> float | None:
+        """Every rank: hand in its weights (a pipeline gathers its stages' shares on rank 0). Rank 0: evaluate."""
+        state = trainer.strategy.lightning_module_state_dict()
+        if not trainer.is_global_zero or self._model is None:
+            return None
+        prefix = "layers."
+        self._model.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+        self._model.eval()
+        return pl_module.held_out_metric(self._model, trainer.datamodule)
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking or not isinstance(pl_module, RecipeTask):
             return
-        metric = pl_module.metric_from(trainer.callback_metrics)
+        began = time.perf_counter()
+        metric = self.held_out_metric(trainer, pl_module)
+        self.eval_seconds += time.perf_counter() - began
         if metric is None or math.isnan(metric):
             return
         self.metric = metric
-        elapsed = time.perf_counter() - self.start
+        elapsed = time.perf_counter() - self.start - self.eval_seconds
         if self.time_to_target is None and self.target is not None and pl_module.reached(metric, self.target):
             self.time_to_target = elapsed
-        if trainer.is_global_zero:
-            rate = f"{self.throughput:.1f}" if self.throughput else "n/a"
-            self.echo(
-                f"epoch {trainer.current_epoch:>3}  step {trainer.global_step:>5}  "
-                f"{pl_module.metric_name}={metric:.4f}  throughput={rate} samples/s  elapsed={elapsed:.1f}s"
-            )
+        self.history.append({"epoch": trainer.current_epoch, "step": trainer.global_step, "metric": metric,
+                             "seconds": elapsed, "train_seconds": self.train_seconds, "samples": self.samples})
+        rate = f"{self.throughput:.1f}" if self.throughput else "n/a"
+        self.echo(
+            f"epoch {trainer.current_epoch:>3}  step {trainer.global_step:>5}  "
+            f"{pl_module.metric_name}={metric:.4f}  throughput={rate} samples/s  elapsed={elapsed:.1f}s"
+        )
 
 
 class PlanPrinter(L.Callback):
@@ -108,10 +147,12 @@ def write_results(path: Path, results: dict[str, Any]) -> None:
 
 
 def summarize(sweep_dir: Path) -> str:
-    """Collect the `results.json` of every run under `sweep_dir` into summary.json and a summary.md table."""
+    """Collect the `results.json` of every run under `sweep_dir` (without their histories) into summary.json and a
+    summary.md table."""
     rows = []
     for result in sorted(sweep_dir.glob("*/results.json"), key=lambda p: (len(p.parent.name), p.parent.name)):
-        rows.append({"run": result.parent.name, **json.loads(result.read_text())})
+        job = json.loads(result.read_text())
+        rows.append({"run": result.parent.name, **{k: v for k, v in job.items() if k != "history"}})
     (sweep_dir / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
 
     def cell(value: Any) -> str:
@@ -132,6 +173,11 @@ class MultirunSummary(HydraCallback):
         if not sweep_dir.is_dir():
             return
         print(f"summary of {sweep_dir}:\n" + summarize(sweep_dir), flush=True)
+        from recipes.reproduction import write_reproduction
+
+        comparison = write_reproduction(sweep_dir)  # a sweep over contender=...: the curves and their table
+        if comparison is not None:
+            print(f"comparison (reproduction.md, .csv, .png in {sweep_dir}):\n{comparison}", flush=True)
         failed = failed_jobs(sweep_dir)
         if failed:
             lines = [f"  job {run}: {error}" for run, error in failed]

@@ -42,6 +42,25 @@ def world_size(devices: Any) -> int:
     return len(devices) if isinstance(devices, (list, tuple)) else 1
 
 
+def per_process_batch(strategy: str, batch_size: int, processes: int) -> dict[str, int]:
+    """`data.batch_size` is the global batch of one update. Under DDP each process reads its share, so DDP and a
+    pipeline (whose stages all read the whole batch) compare at the same batch and number of updates."""
+    if not strategy.startswith("ddp") or processes == 1:
+        return {}
+    if batch_size % processes:
+        raise ValueError(f"data.batch_size={batch_size} is the global batch, which strategy={strategy} splits over "
+                         f"{processes} processes; choose a multiple of {processes}")
+    return {"batch_size": batch_size // processes, "global_batch_size": batch_size}
+
+
+def check_carried_state(model: dict[str, Any], data: dict[str, Any]) -> None:
+    """A model that carries its hidden state across batches needs batches that continue each other."""
+    if model.get("carry_state") and not data.get("streams"):
+        raise ValueError("model.carry_state=true carries the hidden state from one batch to the next, which needs "
+                         "batches that continue the same text streams: set data.streams=true, or "
+                         "model.carry_state=false for independent shuffled windows")
+
+
 def build(cfg: DictConfig, start: float) -> tuple[Any, Any, Any, Any]:
     """(trainer, task module, data module, results callback) from the composed config; times count from `start`."""
     import lightning as L
@@ -60,9 +79,12 @@ def build(cfg: DictConfig, start: float) -> tuple[Any, Any, Any, Any]:
     L.seed_everything(cfg.seed, verbose=False)  # every rank must build the same data and initial weights
 
     data_options = OmegaConf.to_container(cfg.data, resolve=True)
+    model_options = OmegaConf.to_container(cfg.model, resolve=True)
+    check_carried_state(model_options, data_options)
+    data_options.update(per_process_batch(cfg.strategy.name, data_options["batch_size"],
+                                          world_size(cfg.trainer.devices) * int(cfg.trainer.get("num_nodes") or 1)))
     datamodule = build_datamodule(data_options.pop("name"), task, seed=cfg.seed, **data_options)
     datamodule.setup("fit")
-    model_options = OmegaConf.to_container(cfg.model, resolve=True)
     layers = build_model(model_options.pop("name"), task, **{**model_options, **datamodule.model_kwargs()})
     module = TASKS[task].from_data(layers, OmegaConf.to_container(cfg.optim, resolve=True), datamodule)
 
@@ -109,6 +131,7 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, Any] | None:
         "metric": results.metric,
         "throughput_samples_per_s": results.throughput,
         "time_to_target_s": results.time_to_target,
+        "history": results.history,
     }
     if plan is not None and results.steps:
         print(
@@ -128,12 +151,17 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, Any] | None:
 
 def _job_keys(cfg: DictConfig) -> dict[str, Any]:
     """What the job was asked to run: task, model, schedule, chunks (known even when it fails)."""
+    from hydra.core.hydra_config import HydraConfig
+
     pipelined = cfg.strategy.name == "pipedream"
+    choices = HydraConfig.get().runtime.choices if HydraConfig.initialized() else {}
     return {
         "task": cfg.task.name,
         "model": cfg.model.name,
         "schedule": cfg.strategy.schedule if pipelined else cfg.strategy.name,
         "chunks": cfg.strategy.chunks if pipelined else 1,
+        "contender": choices.get("contender"),
+        "seed": cfg.seed,
     }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import os
@@ -29,7 +30,7 @@ TASKS = {
     "video_captioning": ("s2vt", "val_bleu", (0.0, 1.0)),
 }
 RESULT_KEYS = {"task", "model", "schedule", "stages", "chunks", "metric_name", "metric",
-               "throughput_samples_per_s", "time_to_target_s", "error"}
+               "throughput_samples_per_s", "time_to_target_s", "error", "contender", "seed", "history"}
 
 
 def train(args: list[str], cwd: Path, timeout: float = 240, expect_ok: bool = True) -> subprocess.CompletedProcess:
@@ -75,6 +76,9 @@ def check_results(results: dict, task: str, schedule: str, chunks: int) -> None:
     assert results["throughput_samples_per_s"] > 0
     assert results["time_to_target_s"] is None or results["time_to_target_s"] >= 0
     assert results["error"] is None
+    # one entry per validation, the last one the final metric; the target's time is one of them
+    assert results["history"] and results["history"][-1]["metric"] == results["metric"]
+    assert results["time_to_target_s"] in (None, *(entry["seconds"] for entry in results["history"]))
 
 
 @pytest.mark.parametrize("task", list(TASKS))
@@ -93,7 +97,8 @@ def test_multirun_writes_summary_of_its_runs(smoke_sweep) -> None:
     rows = json.loads((sweep / "summary.json").read_text())
     assert [row["task"] for row in rows] == list(TASKS)
     for row in rows:
-        assert {k: v for k, v in row.items() if k != "run"} == json.loads((sweep / row["run"] / "results.json").read_text())
+        results = json.loads((sweep / row["run"] / "results.json").read_text())
+        assert {k: v for k, v in row.items() if k != "run"} == {k: v for k, v in results.items() if k != "history"}
     table = (sweep / "summary.md").read_text().splitlines()
     assert table[0].startswith("| run | task | model | schedule | stages | chunks |")
     assert len(table) == 2 + len(TASKS)
@@ -228,3 +233,34 @@ def test_sweep_survives_a_bad_job_and_exits_non_zero(tmp_path: Path) -> None:
     assert "1 job(s) failed:\n  job 0: ValueError: schedule='pipedream'" in proc.stderr
     summary = json.loads((tmp_path / "sweep" / "summary.json").read_text())
     assert [row["error"] is None for row in summary] == [False, True]
+
+
+def test_reproduction_sweep_writes_curves_and_table(tmp_path: Path) -> None:
+    """`train.py -m experiment=paper_image` at its smallest (2 contenders, 1 seed, 2 epochs): each job's history,
+    and the sweep's reproduction table, CSV and PNG. DDP reads half of each global batch per process and 1f1b the
+    whole batch on each stage: with dropout off both take the same updates on the same samples, so their held-out
+    accuracy after each epoch agrees (to one of the 359 validation digits: float rounding may flip a close call)."""
+    sweep = tmp_path / "sweep"
+    proc = train(["-m", "experiment=paper_image", "contender=ddp,1f1b", "seed=0", "trainer.max_epochs=2",
+                  "model.dropout=0.0", f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
+    runs = {json.loads((d / "results.json").read_text())["contender"]: json.loads((d / "results.json").read_text())
+            for d in job_dirs(sweep).values()}
+    assert set(runs) == {"ddp", "1f1b"}
+    assert (runs["ddp"]["schedule"], runs["1f1b"]["schedule"], runs["1f1b"]["chunks"]) == ("ddp", "1f1b", 4)
+    ddp, pipe = runs["ddp"]["history"], runs["1f1b"]["history"]
+    assert [e["epoch"] for e in ddp] == [e["epoch"] for e in pipe] == [0, 1]
+    assert [e["step"] for e in ddp] == [e["step"] for e in pipe] == [22, 44]  # 1,438 digits / 64 per update
+    assert [e["samples"] for e in ddp] == [e["samples"] for e in pipe] == [22 * 64, 44 * 64]
+    for d, p in zip(ddp, pipe):
+        assert abs(d["metric"] - p["metric"]) <= 1 / 359 + 1e-9
+        assert 0 < d["seconds"] and 0 < d["train_seconds"] < d["seconds"]
+    table = (sweep / "reproduction.md").read_text().splitlines()
+    assert table[0] == "# image: digits_cnn"
+    assert table[2].startswith("| contender | seeds reaching target | epochs | final val_acc (mean) |")
+    assert [line.split(" | ")[0] for line in table[4:]] == ["| ddp", "| 1f1b"]  # the reference first
+    with (sweep / "reproduction.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["contender"], float(r["epochs"])) for r in rows] == [("ddp", 2.0), ("1f1b", 2.0)]
+    assert float(rows[0]["final_metric"]) == pytest.approx(runs["ddp"]["metric"])
+    assert (sweep / "reproduction.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "comparison (reproduction.md, .csv, .png in" in proc.stdout

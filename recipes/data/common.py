@@ -52,9 +52,12 @@ class ListDataset(Dataset):
 class RecipeDataModule(L.LightningDataModule):
     """Base: subclasses fill `self.train_set`/`self.val_set` in `load()`; `setup` calls it once."""
 
-    def __init__(self, batch_size: int, val_batch_size: int | None = None, num_workers: int = 0, seed: int = 0) -> None:
+    def __init__(self, batch_size: int, val_batch_size: int | None = None, num_workers: int = 0, seed: int = 0,
+                 global_batch_size: int | None = None) -> None:
         super().__init__()
         self.batch_size = batch_size
+        # rows of one update over all data-parallel processes (DDP: batch_size per process x processes)
+        self.global_batch_size = global_batch_size or batch_size
         self.val_batch_size = val_batch_size or batch_size
         self.num_workers = num_workers
         self.seed = seed

@@ -1,7 +1,10 @@
 """Language-model data: Shakespeare's sonnets (offline default) and WikiText / Penn Treebank token files.
 
 Samples are fixed windows of `bptt` tokens (input) and the same window shifted by one (target), so a batch
-is (B, bptt) and splits into micro-batches along dim 0.
+is (B, bptt) and splits into micro-batches along dim 0. With `streams=True` (for a model that carries its hidden
+state across batches) the training text is cut into as many parallel streams as the global batch has rows, and
+batch k holds window k of every stream, in order, unshuffled (AWD-LSTM's batchify); otherwise the windows are
+independent samples, shuffled.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 from recipes.data.common import RecipeDataModule, find_file, require_dir
 from recipes.data.vocab import EOS, UNK, Vocab
@@ -35,14 +38,44 @@ def windows(ids: list[int], bptt: int) -> TensorDataset:
     return TensorDataset(stream[:-1].view(n, bptt), stream[1:].view(n, bptt))
 
 
+def stream_windows(ids: list[int], bptt: int, streams: int) -> TensorDataset:
+    """Cut a token stream into `streams` parallel streams and those into windows of `bptt` tokens, ordered so that
+    samples k*streams .. (k+1)*streams-1 are window k of streams 0 .. streams-1: a sequential loader with batch size
+    `streams` gives each row the continuation of the same row of the batch before. Under DDP, the distributed
+    sampler's rank r then always gets the streams r, r + world, ... (so its rows continue too)."""
+    length = (len(ids) - 1) // streams
+    count = length // bptt
+    if count < 1:
+        raise ValueError(f"the text has {len(ids)} tokens, too few for {streams} streams (data.batch_size) of one "
+                         f"window of data.bptt={bptt}; lower data.batch_size or data.bptt")
+    stream = torch.tensor(ids, dtype=torch.long)
+    x = stream[: streams * length].view(streams, length)[:, : count * bptt]
+    y = stream[1 : streams * length + 1].view(streams, length)[:, : count * bptt]
+
+    def order(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(streams, count, bptt).transpose(0, 1).reshape(count * streams, bptt)
+
+    return TensorDataset(order(x), order(y))
+
+
 class LanguageModelDataModule(RecipeDataModule):
     """Shared: tokens -> vocabulary -> windows."""
 
     vocab: Vocab
 
-    def __init__(self, batch_size: int = 32, bptt: int = 70, **kwargs: Any) -> None:
+    def __init__(self, batch_size: int = 32, bptt: int = 70, streams: bool = False, **kwargs: Any) -> None:
         super().__init__(batch_size, **kwargs)
-        self.bptt = bptt
+        self.bptt, self.streams = bptt, streams
+
+    def training_windows(self, ids: list[int]) -> TensorDataset:
+        return stream_windows(ids, self.bptt, self.global_batch_size) if self.streams else windows(ids, self.bptt)
+
+    def train_dataloader(self) -> DataLoader:
+        if not self.streams:
+            return super().train_dataloader()
+        # in order: batch k continues batch k-1 row by row (drop_last: every batch has every stream)
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=False, drop_last=True,
+                          num_workers=self.num_workers, collate_fn=self.collate)
 
     def model_kwargs(self) -> dict[str, Any]:
         self.setup()
@@ -67,7 +100,7 @@ class ShakespeareDataModule(LanguageModelDataModule):
             tokens = [tok for line in text.splitlines() for tok in line.split() + [EOS]]
         split = int(len(tokens) * (1 - self.val_fraction))
         self.vocab = Vocab.build([tokens], specials=(UNK,))
-        self.train_set = windows(self.vocab.encode(tokens[:split]), self.bptt)
+        self.train_set = self.training_windows(self.vocab.encode(tokens[:split]))
         self.val_set = windows(self.vocab.encode(tokens[split:]), self.bptt)
 
 
@@ -93,5 +126,5 @@ class TokenFileDataModule(LanguageModelDataModule):
         train = self._tokens(find_file(root, _LAYOUTS["train"], "training token file"))
         val = self._tokens(find_file(root, _LAYOUTS["valid"], "validation token file"))
         self.vocab = Vocab.build([train], specials=(UNK,))
-        self.train_set = windows(self.vocab.encode(train), self.bptt)
+        self.train_set = self.training_windows(self.vocab.encode(train))
         self.val_set = windows(self.vocab.encode(val), self.bptt)

@@ -38,6 +38,11 @@ class RecipeTask(L.LightningModule):
         value = logged.get(self.metric_name)
         return None if value is None else float(value)
 
+    def held_out_metric(self, layers: nn.Sequential, datamodule: Any) -> float:
+        """The task's quality metric of the whole model `layers` (in eval mode, one process) on the whole held-out
+        set: the same number whatever strategy trained the weights (DDP would otherwise see half the set per rank)."""
+        raise NotImplementedError
+
     def reached(self, value: float, target: float) -> bool:
         return value >= target if self.metric_mode == "max" else value <= target
 
@@ -78,11 +83,54 @@ class ClassificationTask(RecipeTask):
         self.log("val_acc", (logits.argmax(-1) == y).float().mean())
         return loss
 
+    @torch.no_grad()
+    def held_out_metric(self, layers: nn.Sequential, datamodule: Any) -> float:
+        """Accuracy over every validation sample."""
+        correct = total = 0
+        for x, y in datamodule.val_dataloader():
+            correct += int((layers(x).argmax(-1) == y).sum())
+            total += len(y)
+        return correct / max(1, total)
+
 
 class LanguageModelTask(RecipeTask):
-    """Next-token prediction; the metric is perplexity, exp of the mean validation cross-entropy."""
+    """Next-token prediction; the metric is perplexity, exp of the mean cross-entropy over the held-out text.
+
+    Layers with a `reset_state()` (AWD-LSTM with `carry_state`) carry their hidden state from one training batch to
+    the next (truncated backpropagation through time); it starts from zeros at each epoch, as in the AWD-LSTM code.
+    """
 
     metric_name, metric_mode = "perplexity", "min"
+    eval_streams = 10  # AWD-LSTM evaluates the validation text as 10 parallel streams
+
+    def on_train_epoch_start(self) -> None:
+        # every rank resets the layers it holds (also dropping states left by the strategy's profiling forwards)
+        reset_states(self.layers)
+
+    @torch.no_grad()
+    def held_out_metric(self, layers: nn.Sequential, datamodule: Any) -> float:
+        """Perplexity of the held-out text read in order as `eval_streams` streams, the hidden state carried from
+        each window to the next (AWD-LSTM's evaluate())."""
+        inputs, targets = datamodule.val_set.tensors
+        stream = torch.cat([inputs.flatten(), targets[-1, -1:]])
+        streams = min(self.eval_streams, max(1, (len(stream) - 1) // inputs.size(1)))
+        length = (len(stream) - 1) // streams
+        x = stream[: streams * length].view(streams, length)
+        y = stream[1 : streams * length + 1].view(streams, length)
+        carrying = set_carry_in_eval(layers, True)
+        reset_states(layers)
+        total, count = 0.0, 0
+        try:
+            for start in range(0, length, inputs.size(1)):
+                window = slice(start, start + inputs.size(1))
+                logits = layers(x[:, window])
+                total += float(nn.functional.cross_entropy(logits.flatten(0, 1), y[:, window].flatten(),
+                                                           reduction="sum"))
+                count += y[:, window].numel()
+        finally:
+            reset_states(layers)
+            set_carry_in_eval(layers, carrying)
+        return math.exp(min(total / max(1, count), 50.0))
 
     def _loss(self, batch: Any) -> torch.Tensor:
         x, y = batch
@@ -102,3 +150,19 @@ class LanguageModelTask(RecipeTask):
     def metric_from(self, logged: Mapping[str, Any]) -> float | None:
         value = logged.get("val_loss")
         return None if value is None else math.exp(min(float(value), 50.0))
+
+
+def reset_states(layers: nn.Module) -> None:
+    """Forget the hidden state that stateful layers carry between batches."""
+    for module in layers.modules():
+        if hasattr(module, "reset_state"):
+            module.reset_state()
+
+
+def set_carry_in_eval(layers: nn.Module, on: bool) -> bool:
+    """Make stateful layers carry their state in eval mode too (held-out evaluation); returns the previous setting."""
+    before = False
+    for module in layers.modules():
+        if hasattr(module, "carry_in_eval"):
+            before, module.carry_in_eval = module.carry_in_eval, on
+    return before
