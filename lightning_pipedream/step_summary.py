@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pickle
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,3 +127,111 @@ class SummaryChannel:
         with pipeline_failures(self.stage_index, waiting="a broadcast of evaluation outputs from the last stage"):
             dist.broadcast_object_list(box, group=self.pipeline_group, group_src=self.source, device=self.device)
         return box[0]
+
+
+class LaggedSummaries:
+    """``pipedream``: step summaries travel point to point, and every rank uses step t's at step t + lag.
+
+    A broadcast from the last stage at every step would make every stage wait for the last one to
+    finish the step, which re-synchronizes the asynchronous schedule each step (it cost most of the
+    gap between the strategy and its engine). Here the last stage sends step t's summary to the
+    pipeline's other ranks when its step ends and goes on; each rank (the last stage too, so that all
+    ranks log the same values at the same step and callbacks decide alike) takes step t's summary at
+    the end of step ``t + lag``, ``lag = stages - 1``. By then it has arrived without waiting: stage
+    s's backward of minibatch t runs in step ``t + lag - s`` at the latest and needs the last stage's
+    backward of t, which precedes its summary. :meth:`take_all` collects what is pending at a drain.
+
+    The summaries travel on their own process group, so that they never interleave with the
+    pipeline's activations (NCCL matches point-to-point messages by order, not by tag).
+    """
+
+    def __init__(self, channel: SummaryChannel, group: dist.ProcessGroup, source: int, receivers: list[int],
+                 lag: int, is_source: bool) -> None:
+        self.channel = channel
+        self.group = group
+        self.source = source  # the last stage, a rank of ``group``
+        self.receivers = receivers  # the other ranks of ``group``
+        self.lag = lag
+        self.is_source = is_source
+        self._pending: deque[StepSummary | None] = deque()  # oldest first; None: still on its way here
+        self._sends: deque[tuple[int, list[Any]]] = deque()  # (step, the sends' works) on the last stage
+        self._steps = 0
+        self._layout: tuple | None = None  # sender and receivers each follow the message order
+
+    def step(self, summary: StepSummary | None) -> list[StepSummary]:
+        """Call at the end of every training step (``summary`` given on the last stage). Returns the
+        summaries to log now: the one from ``lag`` steps ago, or none while the pipeline fills."""
+        if self.is_source:
+            assert summary is not None
+            self._send(summary)
+            self._pending.append(summary)
+        else:
+            self._pending.append(None)
+        self._steps += 1
+        out = []
+        while len(self._pending) > self.lag:
+            out.append(self._take_oldest())
+        return out
+
+    def take_all(self) -> list[StepSummary]:
+        """Every pending summary, oldest first (at a drain: the last stage has sent them all)."""
+        out = [self._take_oldest() for _ in range(len(self._pending))]
+        while self._sends:
+            self._wait(self._sends.popleft()[1])
+        return out
+
+    def forget(self) -> None:
+        """After a failure: nothing pending will arrive or be logged."""
+        self._pending.clear()
+        self._sends.clear()
+
+    def _take_oldest(self) -> StepSummary:
+        summary = self._pending.popleft()
+        if summary is None:
+            summary = self._receive()
+        return self.channel._averaged(summary)
+
+    def _send(self, summary: StepSummary) -> None:
+        values = summary.numbers()
+        fits = not summary.extra and len(values) <= SummaryChannel.SLOTS - 3 and summary.layout() == self._layout
+        header = torch.zeros(SummaryChannel.SLOTS, dtype=torch.float64)
+        payload = None
+        if fits:
+            header[0], header[1] = 1.0, len(values)
+            header[3 : 3 + len(values)] = torch.tensor(values, dtype=torch.float64)
+        else:
+            payload = torch.frombuffer(bytearray(pickle.dumps(summary)), dtype=torch.uint8)
+            header[2] = payload.numel()
+            self._layout = summary.layout()
+        works = []
+        for tensor in [header] + ([payload] if payload is not None else []):
+            on_device = tensor.to(self.channel.device)
+            for peer in self.receivers:
+                works.append((dist.isend(on_device, group=self.group, group_dst=peer), on_device))
+        self._sends.append((self._steps, works))
+        # Sends older than lag + 1 steps were received (their receivers finished the step that takes them).
+        while self._sends and self._sends[0][0] < self._steps - self.lag:
+            self._wait(self._sends.popleft()[1])
+
+    def _wait(self, works: list[Any]) -> None:
+        with pipeline_failures(self.channel.stage_index, waiting="a step summary's delivery to the other stages"):
+            for work, _ in works:
+                work.wait()
+
+    def _receive(self) -> StepSummary:
+        device = self.channel.device
+        header = torch.zeros(SummaryChannel.SLOTS, dtype=torch.float64, device=device)
+        with pipeline_failures(self.channel.stage_index, waiting="a step summary from the last stage"):
+            dist.recv(header, group=self.group, group_src=self.source)
+            header = header.cpu()
+            if header[0] == 0.0:  # something new: it travels pickled, and its layout is remembered
+                payload = torch.empty(int(header[2]), dtype=torch.uint8, device=device)
+                dist.recv(payload, group=self.group, group_src=self.source)
+                summary = pickle.loads(payload.cpu().numpy().tobytes())
+                self._layout = summary.layout()
+                return summary
+        assert self._layout is not None
+        extra, names = self._layout
+        values = header[3 : 3 + int(header[1])].tolist()
+        logs = [LoggedValue(name, value, options) for (name, options), value in zip(names, values[1:])]
+        return StepSummary(values[0], dict(extra), logs)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 import os
@@ -58,12 +59,14 @@ from lightning_pipedream.runtime.replicas import GradientReducer
 from lightning_pipedream.runtime.transport import Transport
 from lightning_pipedream.schedule.actions import Action, Layout
 from lightning_pipedream.schedule.builders import SCHEDULES, check_schedule_options, inference
-from lightning_pipedream.step_summary import StepSummary, SummaryChannel
+from lightning_pipedream.step_summary import LaggedSummaries, StepSummary, SummaryChannel
 from lightning_pipedream.tree import map_tensors
 
 log = logging.getLogger(__name__)
 
 _DEFAULT_TIMEOUT = timedelta(minutes=30)
+# Under pipedream, Lightning's per-batch SIGTERM broadcast (a collective over all ranks) runs every this many batches.
+SIGTERM_CHECK_EVERY = 32
 _CPU = torch.device("cpu")  # where a step's extra outputs go before they travel pickled
 
 
@@ -178,6 +181,8 @@ class PipeDreamStrategy(DDPStrategy):
         self._engine: PipelineEngine | None = None
         self._updates: PipelineUpdates | None = None
         self._summary: SummaryChannel | None = None
+        self._summary_group: dist.ProcessGroup | None = None  # pipedream: the summaries' own point-to-point group
+        self._lagged: LaggedSummaries | None = None  # pipedream: summaries used ``stages - 1`` steps late
         self._checkpoint: CheckpointGather | None = None
         self._optimizer_layouts: list[OptimizerLayout] = []
         self._local_names: dict[int, str] = {}
@@ -262,6 +267,13 @@ class PipeDreamStrategy(DDPStrategy):
                                             per_layer=self._graph is None)
             self._summary = SummaryChannel(self.stage_index, self.num_stages, self.root_device, self._pipeline_group,
                                            self._replica_group, self.num_pipelines, source=self._last_stage_rank())
+            if self._summary_group is not None:
+                last = self._last_stage_rank()
+                self._lagged = LaggedSummaries(
+                    self._summary, self._summary_group, source=last,
+                    receivers=[r for r in range(self.num_stages) if r != last], lag=self.num_stages - 1,
+                    is_source=self.is_last_stage,
+                )
             self._checkpoint = CheckpointGather(self.global_rank, self.world_size, full_keys)
             if self._replica_group is not None:
                 self._reducer = GradientReducer(self._stage_module.parameters(), self._replica_group)
@@ -281,10 +293,29 @@ class PipeDreamStrategy(DDPStrategy):
                 list(self._stage_module.parameters()), lambda: self.optimizers, self._optimizer_step_now,
                 before_step=self._before_update,
             )
+            if self._lagged is not None:
+                self._check_sigterm_every_few_batches(trainer)
             if not any(isinstance(c, PipelineDrain) for c in trainer.callbacks):
                 # First, so that no other callback sees a model with minibatches in flight.
                 trainer.callbacks.insert(0, PipelineDrain(self.drain, self._pipeline_failed))
         self._failure = None
+
+    def _check_sigterm_every_few_batches(self, trainer: Trainer) -> None:
+        """Lightning broadcasts rank 0's SIGTERM flag before every training batch: a collective over all ranks,
+        which would re-synchronize the asynchronous pipeline at each step. Under ``pipedream`` it runs before
+        every ``SIGTERM_CHECK_EVERY``-th batch instead (the same batches on every rank), so a SIGTERM (e.g.
+        a cluster's preemption notice) stops training within that many steps."""
+        epoch_loop = trainer.fit_loop.epoch_loop
+        check = getattr(type(epoch_loop), "_broadcast_sigterm_tensor", None)
+        if check is None:  # a Lightning version without the per-batch broadcast
+            return
+        batches = itertools.count()
+
+        def every_few_batches() -> None:
+            if next(batches) % SIGTERM_CHECK_EVERY == 0:
+                check(epoch_loop)
+
+        epoch_loop._broadcast_sigterm_tensor = every_few_batches  # type: ignore[method-assign]
 
     def _last_stage_rank(self) -> int:
         """The last stage's rank in the pipeline's group (the one that computes the loss)."""
@@ -342,15 +373,19 @@ class PipeDreamStrategy(DDPStrategy):
             )
         d = self.num_pipelines
         # Groups made here carry the strategy's timeout (a DeviceMesh's would wait torch's default 30 minutes).
+        lagged = self.schedule == "pipedream" and p > 1  # summaries travel on a group of their own
         if d == 1:
             self._pipeline_group = dist.new_group(**options) if p > 1 else None
+            self._summary_group = dist.new_group(**options) if lagged else None
             return
         # The rows and columns of a (p, d) mesh of stage-major ranks (see ReplicaGroups). new_group is collective:
         # every rank makes every group, in the same order.
         for k in range(d):
-            group = dist.new_group([s * d + k for s in range(p)], **options)
+            ranks = [s * d + k for s in range(p)]
+            group = dist.new_group(ranks, **options)
+            summaries = dist.new_group(ranks, **options) if lagged else None
             if k == self.pipeline_index:
-                self._pipeline_group = group
+                self._pipeline_group, self._summary_group = group, summaries
         for s in range(p):
             group = dist.new_group([s * d + k for k in range(d)], **options)
             if s == self.stage_index:
@@ -606,10 +641,19 @@ class PipeDreamStrategy(DDPStrategy):
                 extra = {k: map_tensors(_to_cpu, v) for k, v in last.items() if k != "loss"}
             summary = StepSummary(batch_loss[0], extra, recorder.aggregate())
         assert self._summary is not None
-        summary = self._summary.exchange(summary)
-        LogRecorder.replay(module, summary.logs)
-        loss_tensor = torch.tensor(summary.loss, device=self.root_device, requires_grad=True)
-        return {"loss": loss_tensor, **summary.extra} if summary.extra else loss_tensor
+        if self._lagged is not None:  # pipedream: minibatch t's summary is used at step t + stages - 1
+            summaries = self._lagged.step(summary)
+            if end_of_data or last_step:
+                summaries += self._lagged.take_all()
+        else:
+            summaries = [self._summary.exchange(summary)]
+        for each in summaries:
+            LogRecorder.replay(module, each.logs)
+        if not summaries:  # the pipeline is filling: no minibatch has finished since the last drain
+            return torch.tensor(float("nan"), device=self.root_device, requires_grad=True)
+        newest = summaries[-1]
+        loss_tensor = torch.tensor(newest.loss, device=self.root_device, requires_grad=True)
+        return {"loss": loss_tensor, **newest.extra} if newest.extra else loss_tensor
 
     def _pieces(self, batch: Any) -> tuple[list[Any], Callable[[int], int]]:
         """A training batch's micro-batches, and which of them the schedule's micro-batch number m is.
@@ -705,6 +749,8 @@ class PipeDreamStrategy(DDPStrategy):
         self._failure = exception
         if self._updates is not None:
             self._updates.forget()
+        if self._lagged is not None:
+            self._lagged.forget()
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -817,6 +863,8 @@ class PipeDreamStrategy(DDPStrategy):
     @override
     def on_train_end(self) -> None:
         self.drain()
+        if self._lagged is not None and self._failure is None:
+            self._lagged.take_all()  # training stopped between drains (should_stop): deliver, too late to log
         self._write_trace()
         super().on_train_end()
 

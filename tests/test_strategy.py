@@ -78,6 +78,9 @@ RUNS: dict[str, dict] = {
     "gpipe": {"devices": 2, "strategy": {"schedule": "gpipe", "chunks": 4, "balance": [3, 2]}},
     "1f1b": {"devices": 2, "strategy": {"schedule": "1f1b", "chunks": 4, "balance": [3, 2]}},
     # Trainer(strategy="pipedream") by name; the partition comes from profiling.
+    # pipedream's steps in the middle of an epoch make no collective call: the loss travels point to point.
+    "pipedream_async": {"devices": 2, "max_steps": 8, "count_collectives": True,
+                        "strategy": {"schedule": "pipedream", "balance": [3, 2]}},
     "pipedream_by_name": {"devices": 2, "strategy": "pipedream", "monitor": "val_acc", "predict": True, "test": True,
                           "limit_val_batches": 2, "trainer": {"max_epochs": 4, "max_steps": -1}},
     "resume_pipe": {**RESUME, "devices": 2, "strategy": {"schedule": "1f1b", "chunks": 4}},
@@ -167,6 +170,23 @@ def test_pipedream_with_logging_monitoring_checkpoint_and_predict(runs):
     x = torch.stack([data(24)[i][0] for i in range(24)])
     assert model(x).argmax(-1).tolist() == metrics["predictions"]
     assert rank_info(out, 0)["parameters"] + rank_info(out, 1)["parameters"] == 484
+
+
+def test_pipedream_steps_make_no_collective_call_and_log_each_minibatch_when_it_finishes(runs):
+    out = runs["pipedream_async"]
+    per_step = [json.loads((out / f"collectives_rank{r}.json").read_text()) for r in (0, 1)]
+    # 8 steps: an epoch of 5 batches (the last drains) and 3 of the next. Step 0 counts the setup too;
+    # Lightning's SIGTERM broadcast runs every 32 batches only (the first of them in step 0).
+    assert [len(steps) for steps in per_step] == [8, 8]
+    for steps in per_step:
+        assert steps[1:5] == [[], [], [], []] and steps[6:] == [[], []], steps
+        assert steps[5] == ["all_gather/2"], steps  # an epoch's first batch: did every stage get the same one?
+    # Every rank logs the same value at the same step: minibatch t's loss at step t + 1 (stages - 1 late);
+    # at the epoch's end the drain delivers what is left.
+    losses = [rank_info(out, r)["losses"] for r in (0, 1)]
+    assert losses[0] == losses[1]
+    assert losses[0][0] is None and None not in losses[0][1:5]
+    assert losses[0][1] == pytest.approx(rank_info(runs["reference"], 0)["losses"][0], rel=1e-6)  # both at W(0)
 
 
 @pytest.mark.parametrize("resumed", ["resumed_from_pipe_on_2", "resumed_from_pipe_on_3", "resumed_from_single_on_2"])

@@ -99,7 +99,8 @@ class LossRecorder(L.Callback):
         self.out, self.losses = out, []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.losses.append(float(trainer.callback_metrics["train_loss"]))
+        loss = trainer.callback_metrics.get("train_loss")  # pipedream logs minibatch t at step t + stages - 1
+        self.losses.append(None if loss is None else float(loss))
 
     def on_train_end(self, trainer, pl_module):
         optimizer = trainer.optimizers[0]
@@ -115,6 +116,38 @@ class LossRecorder(L.Callback):
         }
         with open(os.path.join(self.out, f"rank{trainer.global_rank}.json"), "w") as f:
             json.dump(share, f)
+
+
+COLLECTIVES = ("broadcast", "all_reduce", "all_gather", "all_gather_into_tensor", "reduce", "reduce_scatter",
+               "reduce_scatter_tensor", "barrier", "monitored_barrier", "gather", "scatter", "all_to_all",
+               "all_to_all_single", "broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list")
+
+
+class CollectiveCounter(L.Callback):
+    """Counts torch.distributed collective calls (and their groups' sizes) from one batch's end to the next's:
+    Lightning's loop between batches, the data, the strategy's training step and the hooks."""
+
+    def __init__(self, out: str) -> None:
+        self.out, self.calls, self.per_step = out, [], []
+        for module in (torch.distributed, torch.distributed.distributed_c10d):
+            for name in COLLECTIVES:
+                setattr(module, name, self._counted(name, getattr(torch.distributed.distributed_c10d, name)))
+
+    def _counted(self, name, function):
+        def counted(*args, **kwargs):
+            group = kwargs.get("group")
+            size = torch.distributed.get_world_size(group) if torch.distributed.is_initialized() else 1
+            self.calls.append(f"{name}/{size}")
+            return function(*args, **kwargs)
+        return counted
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.per_step.append(self.calls)
+        self.calls = []
+
+    def on_train_end(self, trainer, pl_module):
+        with open(os.path.join(self.out, f"collectives_rank{trainer.global_rank}.json"), "w") as f:
+            json.dump(self.per_step, f)
 
 
 def _members(group) -> list[int] | None:
@@ -144,6 +177,8 @@ def train(out: str, options: dict) -> None:
     if strategy is not None:
         trainer_args["strategy"] = strategy
     callbacks = [LossRecorder(out)]
+    if options.pop("count_collectives", False):
+        callbacks.append(CollectiveCounter(out))
     if options.pop("checkpoint_every_epoch", False):
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=out, every_n_epochs=1, save_top_k=-1))
         trainer_args["enable_checkpointing"] = True
