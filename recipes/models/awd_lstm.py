@@ -9,8 +9,6 @@ layers' state and nothing extra crosses stages. `tie_weights=True` shares the em
 
 from __future__ import annotations
 
-from collections import deque
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -51,10 +49,11 @@ class EmbeddingLayer(nn.Module):
 class WeightDropLSTM(nn.Module):
     """One LSTM layer whose hidden-to-hidden weight gets a fresh DropConnect mask every forward, then locked dropout.
 
-    With `carry_state`, each training forward starts from the (detached) final state of an earlier one: a queue
-    holds one state per micro-batch, so with `chunks` micro-batches per batch, run in order, micro-batch k of a batch
-    continues micro-batch k of the batch before (the same rows of the same streams). A batch of another size starts
-    from zeros. Evaluation starts from zeros unless `carry_in_eval` is set (the held-out evaluation sets it).
+    With `carry_state`, each training forward starts from the (detached) final state of the same rows of the batch
+    before: the layer keeps one state row per batch row (`set_rows`, else the first input's rows) and a pointer, and
+    each input takes the next rows in turn, so with micro-batches, run in order, micro-batch k of a batch continues
+    micro-batch k of the batch before. Evaluation starts from zeros unless `carry_in_eval` is set (the held-out
+    evaluation sets it).
     """
 
     def __init__(self, input_size: int, hidden_size: int, wdrop: float, dropout: float,
@@ -65,15 +64,41 @@ class WeightDropLSTM(nn.Module):
         self.locked = LockedDropout(dropout)
         self.carry_state = carry_state
         self.carry_in_eval = False
-        self._states: deque[tuple[torch.Tensor, torch.Tensor]] = deque()
+        self.reset_state()
 
     def reset_state(self) -> None:
-        self._states.clear()
+        """Forget the carried state and the row count (the next batch starts from zeros)."""
+        self._rows: int | None = None
+        self._state: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._next_row = 0
+
+    def set_rows(self, rows: int) -> None:
+        """Rows of each whole batch on this process (micro-batches take them in turn); a change starts over."""
+        if rows != self._rows:
+            self.reset_state()
+            self._rows = rows
 
     def _initial_state(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if self._states and self._states[0][0].size(1) != x.size(0):
-            self._states.clear()  # the batch size changed: the rows no longer continue the same streams
-        return self._states.popleft() if self._states else None
+        if self._rows is None:
+            self._rows = x.size(0)
+        if self._next_row + x.size(0) > self._rows:  # inputs that do not tile the batch: start over from zeros
+            self.reset_state()
+            self._rows = x.size(0)
+        if self._state is None:
+            return None
+        rows = slice(self._next_row, self._next_row + x.size(0))
+        return self._state[0][:, rows], self._state[1][:, rows]
+
+    def _keep_state(self, h: torch.Tensor, c: torch.Tensor) -> None:
+        """Store the final state of these rows, detached: the gradient stops at the batch boundary (truncated BPTT).
+        Out of place: autograd may still hold the old state tensors."""
+        assert self._rows is not None
+        if self._state is None:
+            self._state = (h.new_zeros(1, self._rows, h.size(2)), c.new_zeros(1, self._rows, c.size(2)))
+        lo, hi = self._next_row, self._next_row + h.size(1)
+        self._state = tuple(torch.cat([old[:, :lo], new.detach(), old[:, hi:]], dim=1)
+                            for old, new in zip(self._state, (h, c)))
+        self._next_row = hi % self._rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         carry = self.carry_state and (self.training or self.carry_in_eval)
@@ -84,8 +109,8 @@ class WeightDropLSTM(nn.Module):
             out, (h, c) = functional_call(self.lstm, {"weight_hh_l0": dropped}, (x, state), strict=False)
         else:
             out, (h, c) = self.lstm(x, state)
-        if carry:  # detached: the gradient stops at the batch boundary (truncated BPTT)
-            self._states.append((h.detach(), c.detach()))
+        if carry:
+            self._keep_state(h, c)
         return self.locked(out)
 
 

@@ -107,6 +107,10 @@ class LanguageModelTask(RecipeTask):
         # every rank resets the layers it holds (also dropping states left by the strategy's profiling forwards)
         reset_states(self.layers)
 
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # every rank reads the batch: its rows are what micro-batches of stateful layers take in turn
+        set_batch_rows(self.layers, int(batch[0].size(0)))
+
     @torch.no_grad()
     def held_out_metric(self, layers: nn.Sequential, datamodule: Any) -> float:
         """Perplexity of the held-out text read in order as `eval_streams` streams, the hidden state carried from
@@ -157,6 +161,13 @@ def reset_states(layers: nn.Module) -> None:
     for module in layers.modules():
         if hasattr(module, "reset_state"):
             module.reset_state()
+
+
+def set_batch_rows(layers: nn.Module, rows: int) -> None:
+    """Tell stateful layers how many rows each whole batch has on this process (micro-batches take them in turn)."""
+    for module in layers.modules():
+        if hasattr(module, "set_rows"):
+            module.set_rows(rows)
 
 
 def set_carry_in_eval(layers: nn.Module, on: bool) -> bool:

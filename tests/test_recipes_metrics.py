@@ -1,0 +1,150 @@
+"""The recipes' real metrics and truncated BPTT: greedy decoding, carried LSTM state, stream batches, the DDP
+batch split, and the reproduction table; all in one process."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from recipes.data.language_model import stream_windows
+from recipes.models import build_model
+from recipes.reproduction import table_rows, write_reproduction
+from recipes.tasks.base import LanguageModelTask, reset_states, set_batch_rows
+from recipes.tasks.seq2seq import greedy_decode
+from recipes.train import check_carried_state, per_process_batch
+
+BOS, EOS = 2, 3
+
+
+@pytest.mark.parametrize("name, inputs", [("gnmt8", (torch.randint(4, 11, (5, 6)),)),
+                                          ("s2vt", (torch.randn(5, 4, 12),))])
+def test_greedy_decoding_is_what_a_teacher_forced_pass_predicts_on_its_own_words(name: str, inputs: tuple) -> None:
+    """Fed back its own words (BOS + decoded) in one teacher-forced pass, the model predicts exactly the decoded
+    words up to each row's EOS: each step's choice depends only on the prefix, as autoregressive decoding must."""
+    torch.manual_seed(0)
+    sizes = {"gnmt8": {"src_vocab_size": 11, "tgt_vocab_size": 11}, "s2vt": {"feature_size": 12, "vocab_size": 11}}
+    model = build_model(name, "translation" if name == "gnmt8" else "video_captioning", hidden_size=8, dropout=0.0,
+                        **sizes[name]).eval()
+    with torch.no_grad():
+        [m for m in model[-1].modules() if isinstance(m, nn.Linear)][-1].bias[EOS] += 0.3  # some rows end early
+        decoded = greedy_decode(model, inputs, BOS, EOS, max_len=7)
+        again = model((*inputs, torch.cat([torch.full((5, 1), BOS), decoded[:, :-1]], dim=1))).argmax(-1)
+    assert decoded.shape[0] == 5 and 1 <= decoded.shape[1] <= 7
+    for row, forced in zip(decoded.tolist(), again.tolist()):
+        end = row.index(EOS) + 1 if EOS in row else len(row)
+        assert forced[:end] == row[:end]
+        assert all(word == 0 for word in row[end:])  # padding after EOS
+
+
+def lstm_model(carry: bool) -> nn.Sequential:
+    torch.manual_seed(0)
+    return build_model("awd_lstm", "language_model", vocab_size=17, embedding_size=6, hidden_size=8, dropoute=0.0,
+                       dropouti=0.0, dropouth=0.0, dropout=0.0, wdrop=0.0, carry_state=carry)
+
+
+def test_carried_state_continues_each_micro_batch_stream() -> None:
+    """Two batches of 4 streams in 2 micro-batches each (as a pipeline stage runs them: mb 0, mb 1, mb 0, mb 1) give
+    the logits of one pass over the whole text of each stream; a new epoch (reset) starts from zeros again."""
+    text = torch.randint(0, 17, (4, 10))
+    whole = lstm_model(carry=False)(text)
+    model = lstm_model(carry=True)
+    first, second = text[:, :5], text[:, 5:]
+    outputs = []
+    for batch in (first, second):
+        set_batch_rows(model, 4)  # what LanguageModelTask.on_train_batch_start does on every rank
+        outputs += [model(batch[:2]), model(batch[2:])]
+    torch.testing.assert_close(torch.cat(outputs[:2]), whole[:, :5])
+    torch.testing.assert_close(torch.cat(outputs[2:]), whole[:, 5:])
+    assert not torch.allclose(lstm_model(carry=False)(second), whole[:, 5:])  # the state matters
+    reset_states(model)
+    set_batch_rows(model, 4)
+    torch.testing.assert_close(torch.cat([model(first[:2]), model(first[2:])]), whole[:, :5])
+    model.eval()  # Lightning's validation in eval mode neither reads nor advances the training state
+    torch.testing.assert_close(model(second), lstm_model(carry=False).eval()(second))
+
+
+def test_stream_windows_make_batches_that_continue_row_by_row() -> None:
+    """Batch k of a sequential loader (batch = streams) holds window k of every stream; DDP's rank r, which reads
+    positions r, r+2, ... of that order, always gets the same streams."""
+    ids = list(range(103))
+    data = stream_windows(ids, bptt=4, streams=4)  # 4 streams of 25 tokens: 6 windows each
+    x, y = data.tensors
+    assert x.shape == (24, 4) and torch.equal(y[:, :-1], x[:, 1:])
+    batches = x.view(6, 4, 4)  # (window, stream, token)
+    for stream in range(4):
+        assert torch.cat(list(batches[:, stream])).tolist() == list(range(25 * stream, 25 * stream + 24))
+    rank1 = x[1::2].view(6, 2, 4)
+    assert torch.equal(rank1, batches[:, 1::2])
+    with pytest.raises(ValueError, match=r"too few for 40 streams \(data.batch_size\) of one window of data.bptt=4; "
+                                         "lower data.batch_size or data.bptt"):
+        stream_windows(ids, bptt=4, streams=40)
+
+
+def test_held_out_perplexity_carries_the_state_over_the_validation_text() -> None:
+    """Perplexity of the held-out text as 10 streams equals exp(mean cross-entropy) of one pass over each stream."""
+
+    class Data:
+        pass
+
+    data = Data()
+    data.val_set = stream_windows(torch.randint(0, 17, (401,)).tolist(), bptt=8, streams=1)  # 50 windows in order
+    model = lstm_model(carry=True).eval()
+    task = LanguageModelTask(model, {"name": "adam"})
+    got = task.held_out_metric(model, data)
+    stream = torch.cat([data.val_set.tensors[0].flatten(), data.val_set.tensors[1][-1, -1:]])
+    x, y = stream[:400].view(10, 40), stream[1:401].view(10, 40)
+    with torch.no_grad():
+        want = math.exp(nn.functional.cross_entropy(lstm_model(carry=False)(x).flatten(0, 1), y.flatten()))
+    assert got == pytest.approx(want, rel=1e-5)
+    assert model[1].carry_in_eval is False and model[1]._state is None  # left as it was
+
+
+def test_tied_awd_lstm_shares_embedding_and_decoder() -> None:
+    model = build_model("awd_lstm", "language_model", vocab_size=17, embedding_size=6, hidden_size=8,
+                        tie_weights=True)
+    assert model[-1].weight is model[0].embed.weight
+    assert len(list(model.parameters())) == len(list(lstm_model(carry=False).parameters())) - 1
+
+
+def test_ddp_reads_its_share_of_the_global_batch() -> None:
+    assert per_process_batch("ddp", 64, 2) == {"batch_size": 32, "global_batch_size": 64}
+    assert per_process_batch("pipedream", 64, 2) == {} and per_process_batch("ddp", 64, 1) == {}
+    with pytest.raises(ValueError, match="data.batch_size=63 is the global batch, which strategy=ddp splits over 2 "
+                                         "processes; choose a multiple of 2"):
+        per_process_batch("ddp", 63, 2)
+    with pytest.raises(ValueError, match="model.carry_state=true carries the hidden state from one batch to the next, "
+                                         "which needs batches that continue the same text streams: set "
+                                         "data.streams=true, or model.carry_state=false"):
+        check_carried_state({"carry_state": True}, {"streams": False})
+
+
+def write_job(sweep: Path, contender: str, seed: int, metrics: list[float], target_epoch: int | None) -> None:
+    history = [{"epoch": e, "step": 10 * (e + 1), "metric": m, "seconds": 2.0 * (e + 1) + seed,
+                "train_seconds": 1.0 * (e + 1), "samples": 640 * (e + 1)} for e, m in enumerate(metrics)]
+    job = {"task": "image", "model": "digits_cnn", "metric_name": "val_acc", "metric": metrics[-1],
+           "contender": contender, "seed": seed, "error": None, "history": history,
+           "time_to_target_s": None if target_epoch is None else history[target_epoch]["seconds"]}
+    (sweep / f"{contender}_seed{seed}").mkdir(parents=True)
+    (sweep / f"{contender}_seed{seed}" / "results.json").write_text(json.dumps(job))
+
+
+def test_reproduction_table_means_over_seeds(tmp_path: Path) -> None:
+    write_job(tmp_path, "pipedream", 0, [0.5, 0.9, 0.96], target_epoch=2)
+    write_job(tmp_path, "pipedream", 1, [0.6, 0.8, 0.90], target_epoch=None)
+    write_job(tmp_path, "ddp", 0, [0.7, 0.95, 0.97], target_epoch=1)
+    rows = table_rows(json.loads((d / "results.json").read_text()) for d in sorted(tmp_path.iterdir()))
+    assert [row["contender"] for row in rows] == ["ddp", "pipedream"]
+    ddp, pipedream = rows
+    assert (ddp["seeds"], ddp["epochs_to_target"], ddp["seconds_to_target"]) == ("1/1", 2, 4.0)
+    assert (pipedream["seeds"], pipedream["epochs_to_target"], pipedream["seconds_to_target"]) == ("1/2", 3, 6.0)
+    assert pipedream["final_metric"] == pytest.approx(0.93)
+    assert (pipedream["final_metric_min"], pipedream["final_metric_max"]) == (0.90, 0.96)
+    assert pipedream["train_seconds_per_epoch"] == 1.0 and pipedream["seconds_total"] == pytest.approx(6.5)
+    table = write_reproduction(tmp_path)
+    assert "| pipedream | 1/2 | 3 | 0.93 | 0.9 | 0.96 | 3 | 6 | 1 | 6.5 |" in table
+    assert (tmp_path / "reproduction.png").stat().st_size > 1000
