@@ -96,7 +96,8 @@ def plot(runs: list[dict[str, Any]], path: Path, title: str) -> None:
     styles = ["-", "--", ":", "-."]
     seeds = sorted({run["seed"] for run in runs})
     labelled: set[str] = set()
-    for run in runs:
+    rank = {c: i for i, c in enumerate(CONTENDERS)}
+    for run in sorted(runs, key=lambda r: (rank.get(r["contender"], len(rank)), r["contender"], r["seed"])):
         if run.get("error") or not run.get("history"):
             continue
         epochs = [entry["epoch"] + 1 for entry in run["history"]]
