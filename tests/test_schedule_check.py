@@ -42,16 +42,24 @@ def _index(actions, text: str) -> int:
 
 
 def _build(name: str, stages: int, count: int) -> Schedule:
-    """``count`` micro-batches per step, or for pipedream ``count`` minibatches before the drain."""
+    """``count`` micro-batches per step, or for pipedream ``count`` minibatches before the drain
+    (2bw: 3 minibatches of ``count`` micro-batches; interleaved: 2 model chunks per rank)."""
     if name == "pipedream":
         return build_schedule(name, stages, minibatches=count)
+    if name == "2bw":
+        return build_schedule(name, stages, count, minibatches=3)
+    if name == "interleaved":
+        return build_schedule(name, stages, count, virtual_stages=2)
     return build_schedule(name, stages, count)
+
+
+FIRST_SCHEDULES = ("gpipe", "1f1b", "pipedream")  # the newer ones: tests/test_schedule_more.py
 
 
 def test_every_builder_and_size_is_valid_and_fast():
     start = time.perf_counter()
     count = 0
-    for name in SCHEDULES:
+    for name in FIRST_SCHEDULES:
         for stages in range(1, MAX_STAGES + 1):
             for chunks in range(1, MAX_CHUNKS + 1):
                 schedule = _build(name, stages, chunks)
@@ -60,7 +68,7 @@ def test_every_builder_and_size_is_valid_and_fast():
                 assert all(i is None for i in placement.stuck)
                 count += 1
     elapsed = time.perf_counter() - start
-    assert count == len(SCHEDULES) * MAX_STAGES * MAX_CHUNKS
+    assert count == len(FIRST_SCHEDULES) * MAX_STAGES * MAX_CHUNKS
     assert elapsed < 15, f"exhaustive validation took {elapsed:.1f} s"
 
 
@@ -374,7 +382,7 @@ def test_build_schedule_keeps_chunks_and_minibatches_apart():
         build_schedule("pipedream", 3)
     with pytest.raises(ValueError, match="schedule='pipedream' runs each batch as one PipeDream minibatch; chunks=4"):
         build_schedule("pipedream", 3, 4, minibatches=2)
-    with pytest.raises(ValueError, match="minibatches=2 applies to schedule='pipedream' only"):
+    with pytest.raises(ValueError, match="minibatches=2 applies to schedule='pipedream' or '2bw' only"):
         build_schedule("1f1b", 3, 4, minibatches=2)
     with pytest.raises(ValueError, match="minibatches must be an integer >= 1, got 0"):
         build_schedule("pipedream", 3, minibatches=0)
@@ -387,10 +395,9 @@ def test_build_schedule_keeps_chunks_and_minibatches_apart():
 # The builders' arguments and labels (what the mutation run found unguarded)
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "pipedream"])
+@pytest.mark.parametrize("name", SCHEDULES)
 def test_a_schedule_carries_its_name(name):
-    schedule = build_schedule(name, 2, minibatches=2) if name == "pipedream" else build_schedule(name, 2, 2)
-    assert schedule.name == name
+    assert _build(name, 2, 2).name == name
 
 
 def test_pipedream_communication_carries_the_training_step():

@@ -11,7 +11,8 @@ import pytest
 
 from lightning_pipedream.cli import main
 from lightning_pipedream.schedule.actions import Action, Layout, Op, Schedule
-from lightning_pipedream.schedule.builders import SCHEDULES, build_schedule
+from lightning_pipedream.schedule.builders import REPLICATED_SCHEDULES as SCHEDULES
+from lightning_pipedream.schedule.builders import build_schedule
 from lightning_pipedream.schedule.check import ScheduleError, place, render_grid, validate
 from lightning_pipedream.schedule.simulate import simulate
 

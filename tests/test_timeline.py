@@ -66,7 +66,7 @@ def test_from_chrome_trace_skips_foreign_events_and_rejects_unknown_ops():
     assert len(from_chrome_trace(trace)) == len(_recorded())
     assert len(from_chrome_trace(trace["traceEvents"])) == len(_recorded())  # a bare event list works too
     bad = {"traceEvents": [{"name": "Z", "ph": "X", "ts": 0, "dur": 1, "tid": 0, "args": {"op": "Z", "stage": 0}}]}
-    with pytest.raises(ValueError, match="unknown op 'Z'; expected one of F, B, O"):
+    with pytest.raises(ValueError, match="unknown op 'Z'; expected one of F, B, W, O"):
         from_chrome_trace(bad)
 
 

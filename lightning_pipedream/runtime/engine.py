@@ -16,12 +16,15 @@ from lightning_pipedream.runtime.transport import Transport
 from lightning_pipedream.runtime.weights import WeightVersions
 from lightning_pipedream.schedule.actions import Action, Layout, Op
 from lightning_pipedream.schedule.builders import (
+    REPLICATED_SCHEDULES,
     build_schedule,
     check_schedule_options,
     pipedream_drain,
     pipedream_step,
     replicated_pipedream_drain,
     replicated_pipedream_step,
+    two_bw_drain,
+    two_bw_step,
 )
 
 # Applies the gradients now in the parameters' .grad; receives the minibatch they belong to (for
@@ -42,9 +45,16 @@ class StepResult:
 class PipelineEngine:
     """Runs the schedule's actions for one stage, one training step at a time.
 
-    ``gpipe`` and ``1f1b`` run a whole flushed schedule per step. ``pipedream`` admits one
-    minibatch per step and keeps the pipeline full across steps until :meth:`drain`; its stage
-    keeps weight versions (stashing, and vertical sync if asked) in a :class:`WeightVersions`.
+    ``gpipe``, ``1f1b``, ``zb-h1`` and ``interleaved`` run a whole flushed schedule per step.
+    ``pipedream`` admits one minibatch per step and keeps the pipeline full across steps until
+    :meth:`drain`; its stage keeps weight versions (stashing, and vertical sync if asked) in a
+    :class:`WeightVersions`. ``2bw`` admits a minibatch of ``chunks`` micro-batches per step, runs
+    them on the version before the stage's newest (two versions kept) and updates once per
+    minibatch, also without a flush until :meth:`drain`.
+
+    ``interleaved``: ``stage_index`` is this rank, ``num_stages`` the number of ranks, and ``module``
+    a sequence of ``virtual_stages`` model chunks: chunk c is stage ``c * num_stages + stage_index``.
+    ``recompute=True`` keeps only each stage's inputs between forward and backward (see :class:`Stage`).
 
     Replicated stages: ``replicas`` (one count per stage, see :class:`Layout`) and ``rank`` (this
     process's position in the layout) run the replicated schedules (1F1B-RR); ``allreduce`` (e.g.
@@ -71,8 +81,10 @@ class PipelineEngine:
         replicas: Sequence[int] | None = None,
         rank: int | None = None,
         allreduce: AllReduceFn | None = None,
+        recompute: bool = False,
+        virtual_stages: int = 1,
     ) -> None:
-        check_schedule_options(schedule, chunks, vertical_sync)
+        check_schedule_options(schedule, chunks, vertical_sync, virtual_stages=virtual_stages, recompute=recompute)
         layout = Layout.of(replicas, num_stages) if replicas is not None else None
         self.layout = layout if layout is not None and layout.is_replicated else None
         if self.layout is not None:
@@ -85,22 +97,45 @@ class PipelineEngine:
                 raise ValueError("Replicated stages need allreduce= (e.g. ReplicaGroups(...).reducer(params).reduce).")
             if vertical_sync:
                 raise ValueError("vertical_sync=True is not supported with replicated stages yet; use replicas=None.")
+            if schedule not in REPLICATED_SCHEDULES:
+                raise ValueError(
+                    f"schedule={schedule!r} does not support replicated stages yet; use gpipe, 1f1b or pipedream."
+                )
         self.rank = stage_index if rank is None else rank
         self.allreduce = allreduce
         self.schedule = schedule
         self.num_stages = num_stages
         self.chunks = chunks
+        self.asynchronous = schedule in ("pipedream", "2bw")
+        if schedule == "interleaved":
+            chunk_modules = list(module) if isinstance(module, (list, tuple, nn.ModuleList)) else [module]
+            if len(chunk_modules) != virtual_stages:
+                raise ValueError(
+                    f"schedule='interleaved' with virtual_stages={virtual_stages} needs that many model chunks on "
+                    f"each rank, got {len(chunk_modules)}; give a list of chunks c = 0.. for stages c * ranks + rank."
+                )
+        else:
+            chunk_modules = [module]
         self.weights = (
-            WeightVersions(module, stashing=weight_stashing, vertical_sync=vertical_sync)
-            if schedule == "pipedream"
+            WeightVersions(
+                module, stashing=weight_stashing, vertical_sync=vertical_sync, two_versions=schedule == "2bw"
+            )
+            if self.asynchronous
             else None
         )
-        self.stage = Stage(module, stage_index, num_stages, self.weights)
-        self.executor = Executor(self.stage, transport, record=record)
+        total = num_stages * virtual_stages
+        indices = [c * num_stages + stage_index for c in range(len(chunk_modules))]
+        self.stages = {
+            i: Stage(m, i, total, self.weights, recompute=recompute) for i, m in zip(indices, chunk_modules)
+        }
+        self.stage = self.stages[stage_index]
+        self.executor = Executor(self.stages, transport, record=record, rank=self.rank)
         self.transport = transport
         replicated = None if self.layout is None else self.layout.replicas
         self._flushed = (
-            None if schedule == "pipedream" else build_schedule(schedule, num_stages, chunks, replicas=replicated)
+            None
+            if self.asynchronous
+            else build_schedule(schedule, num_stages, chunks, replicas=replicated, virtual_stages=virtual_stages)
         )
         self._admitted = 0  # pipedream: minibatches admitted since the last drain
         self._steps = 0  # flushed schedules: training steps run so far
@@ -109,8 +144,8 @@ class PipelineEngine:
 
     @property
     def in_flight(self) -> int:
-        """Minibatches admitted but not yet fully back-propagated on this stage."""
-        return self.stage.in_flight()
+        """Micro-batches (minibatches for pipedream) admitted but not yet fully back-propagated on this rank."""
+        return sum(stage.in_flight() for stage in self.stages.values())
 
     @property
     def next_minibatch(self) -> int:
@@ -119,17 +154,30 @@ class PipelineEngine:
         shards = 1 if self.layout is None else self.layout.input_replicas
         return self._admitted * shards if self._flushed is None else self._steps
 
+    @property
+    def activation_bytes(self) -> int:
+        """Peak bytes this rank's stages kept between forwards and backwards (set ``track_activations``)."""
+        return sum(stage.peak_activation_bytes for stage in self.stages.values())
+
+    def track_activations(self, on: bool = True) -> None:
+        """Count the bytes each micro-batch keeps for its backward (see :class:`Stage`); a hook per saved tensor."""
+        for stage in self.stages.values():
+            stage.track_activations = on
+
     def step_actions(self) -> list[Action]:
         """This rank's actions for the next training step."""
         if self._flushed is not None:
             return list(self._flushed.actions[self.rank if self.layout is not None else self.stage.index])
+        if self.schedule == "2bw":
+            return two_bw_step(self.num_stages, self.stage.index, self.chunks, self._admitted)
         if self.layout is not None:
             return replicated_pipedream_step(self.layout, self.rank, self._admitted)
         return pipedream_step(self.num_stages, self.stage.index, self._admitted)
 
     def train_step(self, inputs: InputFn, loss: LossFn, update: UpdateFn) -> StepResult:
         """Run one training step. ``inputs``/``loss`` receive the micro-batch number (for
-        ``pipedream``: the minibatch number since the last drain, which is also the step's)."""
+        ``pipedream``: the minibatch number since the last drain, which is also the step's; for
+        ``2bw``: ``step * chunks + i`` for the step's i-th micro-batch, counted since the last drain)."""
         flight = recorder()
         flight.step, flight.unit = self._train_steps, "micro-batch" if self._flushed is not None else "minibatch"
         result = self._run(self.step_actions(), inputs, loss, update, self.next_minibatch)
@@ -145,7 +193,9 @@ class PipelineEngine:
         """Finish every minibatch in flight (pipedream), so that all weights are final."""
         if self._flushed is not None or self._admitted == 0:
             return StepResult()
-        if self.layout is not None:
+        if self.schedule == "2bw":
+            actions = two_bw_drain(self.num_stages, self.stage.index, self.chunks, self._admitted)
+        elif self.layout is not None:
             actions = replicated_pipedream_drain(self.layout, self.rank, self._admitted)
         else:
             actions = pipedream_drain(self.num_stages, self.stage.index, self._admitted)
@@ -162,7 +212,10 @@ class PipelineEngine:
             self.transport.wait_all()
 
     def version_for(self, minibatch: int) -> int:
-        """Vertical sync: the version stage 0 used for ``minibatch`` (it has made ``t - stages + 1`` updates)."""
+        """Vertical sync: the version stage 0 used for ``minibatch`` (it has made ``t - stages + 1`` updates).
+        2BW: the version before the newest when micro-batch ``minibatch``'s minibatch t starts, t - 1."""
+        if self.schedule == "2bw":
+            return self._base_version + max(0, minibatch // self.chunks - 1)
         return self._base_version + max(0, minibatch - self.num_stages + 1)
 
     def _run(
@@ -170,23 +223,34 @@ class PipelineEngine:
     ) -> StepResult:
         result = StepResult()
         weights = self.weights
-        # Which minibatch each optimizer step applies: pipedream's follows that minibatch's backward.
-        applies = iter(_minibatch_of_each_update(actions) if self._flushed is None else [])
+        # Which minibatch each optimizer step applies: pipedream's follows that minibatch's backward,
+        # 2bw's the backwards of a minibatch's micro-batches.
+        per = self.chunks if self.schedule == "2bw" else 1
+        applies = iter([mb // per for mb in _minibatch_of_each_update(actions)] if self._flushed is None else [])
+        # A rank with several stages (interleaved) has one OPTIMIZER_STEP per stage; its one optimizer
+        # steps at the last of them, when every stage's gradients are in.
+        steps_left = [sum(a.op is Op.OPTIMIZER_STEP for a in actions)]
 
         def optimizer_step(action: Action) -> None:
-            minibatch = next(applies) if self._flushed is None else step_minibatch
+            if self._flushed is not None:
+                steps_left[0] -= 1
+                if steps_left[0] == 0:
+                    update(step_minibatch)
+                return
+            minibatch = next(applies)
             if weights is not None:
                 weights.before_update()
             update(minibatch)
             if weights is not None:
                 # The next forward here admits minibatch step+1; vertical sync needs versions from its one on.
-                weights.after_update(keep_from=self.version_for(action.step + 1))
+                keep = None if self.schedule == "2bw" else self.version_for(action.step + 1)
+                weights.after_update(keep_from=keep)
 
         def allreduce(action: Action) -> None:
             assert self.allreduce is not None
             self.allreduce(average=self._flushed is None)
 
-        vertical = weights is not None and weights.vertical_sync
+        vertical = weights is not None and (weights.vertical_sync or weights.two_versions)
         with pipeline_failures(self.stage.index):
             result.losses = self.executor.run(
                 actions,

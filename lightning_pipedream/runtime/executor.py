@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from torch import Tensor
 
 from lightning_pipedream.runtime.flight import recorder
+from lightning_pipedream.runtime.microbatch import flatten, unflatten
 from lightning_pipedream.runtime.stage import Stage
 from lightning_pipedream.runtime.transport import Transport
 from lightning_pipedream.schedule.actions import Action, Op
@@ -26,6 +28,11 @@ class Executor:
     (``perf_counter`` seconds); a blocking receive's time is the time spent waiting for the peer.
     Whatever ``record`` says, the process's flight recorder (:mod:`~lightning_pipedream.runtime.flight`)
     keeps the last few hundred actions and the one in progress, for the words and the file of a failure.
+
+    ``stage`` is this rank's stage, or (interleaved schedules) a mapping from stage index to each of
+    the rank's model chunks; ``rank`` is this rank's number, so that a message between two chunks on
+    the same rank stays in memory. A BACKWARD followed in the list by a BACKWARD_WEIGHT of the same
+    micro-batch runs only the input-gradient half (zero bubble).
     """
 
     # Post each receive ahead (see Transport.post_recv). Measured on 2 CPU ranks over gloo (the
@@ -33,15 +40,21 @@ class Executor:
     # receive-when-reached, e.g. to compare.
     post_receives = True
 
-    def __init__(self, stage: Stage, transport: Transport, record: bool = False) -> None:
-        self.stage = stage
+    def __init__(
+        self, stage: Stage | Mapping[int, Stage], transport: Transport, record: bool = False, rank: int | None = None
+    ) -> None:
+        self.stages: dict[int, Stage] = dict(stage) if isinstance(stage, Mapping) else {stage.index: stage}
+        self.stage = next(iter(self.stages.values()))  # the rank's first (usually only) stage
         self.transport = transport
         self.record = record
+        self.rank = rank
         self.records: list[tuple[Action, float, float]] = []
-        self._inputs: dict[int, Any] = {}
-        self._grads: dict[int, Any] = {}
-        self._outputs: dict[int, Any] = {}
-        self._input_grads: dict[int, list] = {}
+        # Keyed by (stage, micro-batch): several stages may live here (interleaved).
+        self._inputs: dict[tuple[int, int], Any] = {}
+        self._grads: dict[tuple[int, int], Any] = {}
+        self._outputs: dict[tuple[int, int], Any] = {}
+        self._input_grads: dict[tuple[int, int], list] = {}
+        self._local: deque[Any] = deque()  # messages from one of this rank's stages to another
 
     def run(
         self,
@@ -63,26 +76,34 @@ class Executor:
         ``loss`` returns on the last stage (any step output) are returned as they are.
         """
         losses: dict[int, Tensor] = {}
-        stage = self.stage
         transport = self.transport
+        local = self.rank
+        split = {(a.stage, a.microbatch) for a in actions if a.op is Op.BACKWARD_WEIGHT}
         # Every receive is posted ahead, one per peer at a time: the first from each peer now, the
         # next one as soon as the previous one from that peer has arrived. Only receives of these
         # actions are posted, so none is left waiting when the list is done.
         post_next = _next_receive_peers(actions) if self.post_receives else [False] * len(actions)
         if self.post_receives:
-            for peer in dict.fromkeys(a.peer for a in actions if a.op.is_recv):
+            for peer in dict.fromkeys(a.peer for a in actions if a.op.is_recv and a.peer != local):
                 transport.post_recv(peer)
         flight = recorder()
         for i, action in enumerate(actions):
             op, mb = action.op, action.microbatch
-            flight.begin(action, transport.global_rank(action.peer) if op.is_recv else None)
+            key = (action.stage, mb)
+            stage = self.stages[action.stage]
+            remote = action.peer is not None and action.peer != local
+            flight.begin(action, transport.global_rank(action.peer) if op.is_recv and remote else None)
             start = time.perf_counter()
-            if op is Op.RECV_ACT:
-                self._inputs[mb] = transport.recv(action.peer)
-                if post_next[i]:
-                    transport.post_recv(action.peer)
+            if op is Op.RECV_ACT or op is Op.RECV_GRAD:
+                if remote:
+                    value = transport.recv(action.peer)
+                    if post_next[i]:
+                        transport.post_recv(action.peer)
+                else:
+                    value = self._local.popleft()
+                (self._inputs if op is Op.RECV_ACT else self._grads)[key] = value
             elif op is Op.FORWARD:
-                x = inputs(mb) if stage.is_first else self._inputs.pop(mb)
+                x = inputs(mb) if stage.is_first else self._inputs.pop(key)
                 if not train:
                     out = stage.infer(x)
                     if stage.is_last:
@@ -95,20 +116,22 @@ class Executor:
                 else:
                     out = stage.forward(mb, x, None if version is None else version(mb))
                 if not stage.is_last:
-                    self._outputs[mb] = out
+                    self._outputs[key] = out
             elif op is Op.SEND_ACT:
-                self.transport.send(self._outputs.pop(mb), action.peer, f"output of stage {stage.index}")
-            elif op is Op.RECV_GRAD:
-                self._grads[mb] = transport.recv(action.peer)
-                if post_next[i]:
-                    transport.post_recv(action.peer)
+                self._send(self._outputs.pop(key), action.peer, f"output of stage {stage.index}")
             elif op is Op.BACKWARD:
-                grads = self._input_grads[mb] = stage.backward(mb, self._grads.pop(mb, None))
-                if stage.is_first:
-                    del self._input_grads[mb]
+                output_grads = self._grads.pop(key, None)
+                if key in split:
+                    grads = stage.backward_input(mb, output_grads)
+                else:
+                    grads = stage.backward(mb, output_grads)
+                if not stage.is_first:
+                    self._input_grads[key] = grads
                 del grads
+            elif op is Op.BACKWARD_WEIGHT:
+                stage.backward_weight(mb)
             elif op is Op.SEND_GRAD:
-                self.transport.send(self._input_grads.pop(mb), action.peer, "input gradients")
+                self._send(self._input_grads.pop(key), action.peer, "input gradients")
             elif op is Op.OPTIMIZER_STEP:
                 optimizer_step(action)
             elif op is Op.ALLREDUCE_GRAD:
@@ -124,6 +147,15 @@ class Executor:
                 self.records.append((action, start, end))
         return losses
 
+    def _send(self, tree: Any, peer: int, where: str) -> None:
+        if peer == self.rank:
+            # The other stage lives here too: no copy and no message, but a graph of its own (detached
+            # leaves, as a received tree), so each stage's backward stops at its inputs.
+            leaves, spec = flatten(tree, where)
+            self._local.append(unflatten([t.detach().requires_grad_(t.requires_grad) for t in leaves], spec))
+        else:
+            self.transport.send(tree, peer, where)
+
     def events(self, rank: int, origin: float = 0.0) -> list:
         """The :attr:`records` as ``TimedAction`` events (seconds from ``origin``)."""
         from lightning_pipedream.schedule.timeline import TimedAction
@@ -135,7 +167,7 @@ def _next_receive_peers(actions: Sequence[Action]) -> list[bool]:
     """For each action: whether it is a receive followed, later in ``actions``, by another receive
     from the same peer."""
     later: set[int | None] = set()
-    out = [False] * len(actions)
+    out = [False] * len(actions)  # (a receive from this rank itself is never posted: it is local)
     for i in range(len(actions) - 1, -1, -1):
         a = actions[i]
         if a.op.is_recv:

@@ -15,7 +15,7 @@ from lightning_pipedream.runtime.microbatch import batch_size, split
 from lightning_pipedream.runtime.replicas import ReplicaGroups
 from lightning_pipedream.runtime.transport import Transport
 from lightning_pipedream.schedule.actions import Layout
-from lightning_pipedream.schedule.builders import check_schedule_options
+from lightning_pipedream.schedule.builders import REPLICATED_SCHEDULES, check_schedule_options
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -37,6 +37,13 @@ class Pipeline:
     Flushed schedules then equal one process training on the whole batch; ``pipedream`` runs
     1F1B-RR, each shard being one minibatch, a replicated stage updating with the mean gradient
     of each round of its replicas' minibatches.
+
+    ``schedule='interleaved'`` with ``virtual_stages=v`` cuts the model into ``processes * v``
+    stages (``balance`` then lists that many layer counts); process r holds stages r, r + p, ...
+    ``schedule='2bw'`` (PipeDream-2BW) keeps the pipeline full like ``pipedream`` (call
+    :meth:`drain` before reading weights) but splits each batch into ``chunks`` micro-batches and
+    updates once per batch. ``recompute=True`` keeps only each stage's inputs and replays its
+    forward in the backward (dropout masks included).
     """
 
     def __init__(
@@ -55,14 +62,21 @@ class Pipeline:
         record: bool = False,
         before_update: Callable[[], None] | None = None,
         replicas: Sequence[int] | None = None,
+        recompute: bool = False,
+        virtual_stages: int = 1,
     ) -> None:
         # Prebuilt stages (e.g. lightning_pipedream.graph's GraphStage): a list with one module per rank.
         prebuilt = isinstance(layers, (list, tuple))
         if not isinstance(layers, nn.Sequential) and not prebuilt:
             raise TypeError(f"Pipeline needs an nn.Sequential of layers, got {type(layers).__name__}.")
-        check_schedule_options(schedule, chunks, vertical_sync)
+        check_schedule_options(schedule, chunks, vertical_sync, virtual_stages=virtual_stages, recompute=recompute)
         self.rank = dist.get_rank(group)
         self.num_stages = dist.get_world_size(group)
+        self.virtual_stages = virtual_stages
+        if replicas is not None and schedule not in REPLICATED_SCHEDULES:
+            raise ValueError(f"schedule={schedule!r} does not support replicas yet; use replicas=None.")
+        if prebuilt and virtual_stages != 1:
+            raise ValueError("Prebuilt stage modules run one stage per process; use virtual_stages=1 with them.")
         self.layout = None
         if replicas is not None:
             self.layout = Layout(tuple(replicas))
@@ -75,13 +89,19 @@ class Pipeline:
                                  "(and balance must be None with them); give one module per process.")
             self.balance = [1] * self.num_stages
         else:
+            total = self.num_stages * virtual_stages
             self.balance = (
-                check_balance(balance, len(layers), self.num_stages)
-                if balance is not None
-                else even_balance(len(layers), self.num_stages)
+                check_balance(balance, len(layers), total) if balance is not None else even_balance(len(layers), total)
             )
         self.device = torch.device(device)
-        stage = layers[self.stage_index] if prebuilt else stage_slice(layers, self.balance, self.stage_index)
+        if prebuilt:
+            stage = layers[self.stage_index]
+        elif virtual_stages > 1:
+            # Chunk c of this process is stage c * p + rank; a ModuleList keeps the full model's names.
+            p, rank = self.num_stages, self.stage_index
+            stage = nn.ModuleList(stage_slice(layers, self.balance, c * p + rank) for c in range(virtual_stages))
+        else:
+            stage = stage_slice(layers, self.balance, self.stage_index)
         self.module = stage.to(self.device)
         self.before_update = before_update  # e.g. TiedParameters.allreduce_grads
         self.schedule = schedule
@@ -105,6 +125,8 @@ class Pipeline:
             replicas=None if self.layout is None else self.layout.replicas,
             rank=self.rank,
             allreduce=None if self.reducer is None else self.reducer.reduce,
+            recompute=recompute,
+            virtual_stages=virtual_stages,
         )
 
     @property
@@ -138,8 +160,8 @@ class Pipeline:
         total = batch_size(targets) if self.is_last else 1
         sizes = [batch_size(t) for t in tgt_parts] if tgt_parts is not None else []
 
-        def micro(mb: int) -> int:  # flushed schedules number micro-batches 0..chunks-1 in a step
-            return mb if self.schedule != "pipedream" else 0
+        def micro(mb: int) -> int:  # the step's i-th micro-batch (2bw and pipedream number on across steps)
+            return mb % chunks
 
         def loss(mb: int, output: Any) -> Tensor:
             assert tgt_parts is not None
@@ -186,4 +208,6 @@ class Pipeline:
 
     def state_dict(self) -> dict[str, Tensor]:
         """This stage's parameters and buffers, under the full model's names."""
+        if isinstance(self.module, nn.ModuleList):  # interleaved: every chunk's, under the model's names
+            return {k: v for chunk in self.module for k, v in chunk.state_dict().items()}
         return self.module.state_dict()

@@ -1,4 +1,4 @@
-"""Weight versions of one stage: PipeDream's weight stashing and vertical sync."""
+"""Weight versions of one stage: PipeDream's weight stashing and vertical sync, PipeDream-2BW's double buffer."""
 
 from __future__ import annotations
 
@@ -17,11 +17,19 @@ class WeightVersions:
 
     With ``stashing=False`` (the paper's ablation) updates go into the live storage in place, so
     a backward sees the newest weights, as PipeDream without stashing does.
+
+    ``two_versions=True`` is PipeDream-2BW's double buffer: forwards ask for an explicit version
+    (minibatch t for version t-1), and an update keeps the version it replaces for the minibatch
+    still using it, writing the new one into the buffer of the version nobody uses any more, so
+    a stage holds at most two versions of its weights.
     """
 
-    def __init__(self, module: nn.Module, *, stashing: bool = True, vertical_sync: bool = False) -> None:
+    def __init__(
+        self, module: nn.Module, *, stashing: bool = True, vertical_sync: bool = False, two_versions: bool = False
+    ) -> None:
         if vertical_sync and not stashing:
             raise ValueError("vertical_sync=True needs weight_stashing=True: it chooses which stashed version to use.")
+        self.two_versions = two_versions
         # Every parameter, frozen ones too: one unfrozen during training (fine-tuning) is stashed
         # from then on, and its forward leaves ask for gradients exactly when the parameter does.
         self.params = dict(module.named_parameters())
@@ -64,6 +72,9 @@ class WeightVersions:
 
     def before_update(self) -> None:
         """Call right before the optimizer writes into the parameters."""
+        if self.two_versions:
+            self._swap_buffers()
+            return
         # Only a minibatch still in flight needs the old storage (on the last stage none is: its
         # forward and backward both come before the update, so it updates in place).
         if self.stashing and (self._live_users or self.vertical_sync):
@@ -73,6 +84,22 @@ class WeightVersions:
                 p.data = p.data.clone()
             if self.vertical_sync:
                 self._history[self.num_updates] = old
+        self._live_users.clear()
+
+    def _swap_buffers(self) -> None:
+        """2BW: keep the live version for the minibatch that runs on it (the next one, t+1 on version t,
+        whose forwards may have started); the update goes into the buffer of the version before, which
+        nobody uses any more."""
+        in_use = set(self._version_of.values())
+        free = None
+        for version in [v for v in self._history if v not in in_use]:
+            free = self._history.pop(version)  # its minibatch's backwards are done: reuse its memory
+        old = {}
+        for name, p in self.params.items():
+            old[name] = p.data
+            # The free buffer held a version whose backwards are all done: no graph saved it any more.
+            p.data = free[name].copy_(p.data) if free is not None else p.data.clone()
+        self._history[self.num_updates] = old
         self._live_users.clear()
 
     def after_update(self, keep_from: int | None = None) -> None:
@@ -89,6 +116,10 @@ class WeightVersions:
             raise RuntimeError(f"Minibatches {sorted(self._leaves)} are still in flight; drain the pipeline first.")
         self._history.clear()
         self._live_users.clear()
+
+    def forward_version(self, microbatch: int) -> int | None:
+        """The version ``microbatch``'s forward used (None once its backward is done)."""
+        return self._version_of.get(microbatch)
 
     def stored_versions(self) -> int:
         """How many distinct weight versions are alive: the live one plus stashed and kept ones."""

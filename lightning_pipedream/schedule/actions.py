@@ -6,13 +6,19 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
+from functools import cached_property
 
 
 class Op(str, Enum):
     """The kinds of action a rank performs."""
 
     FORWARD = "F"
+    # The backward of a micro-batch; in a schedule that also has BACKWARD_WEIGHT for it (zero
+    # bubble), only its input-gradient half: the half the previous stage waits for.
     BACKWARD = "B"
+    # The weight-gradient half of a split backward (zero bubble): the parameters' gradients of a
+    # micro-batch whose BACKWARD already ran; nobody waits for it, so it can fill a bubble.
+    BACKWARD_WEIGHT = "W"
     OPTIMIZER_STEP = "O"
     SEND_ACT = "SA"  # send a forward output to the next stage (asynchronous)
     RECV_ACT = "RA"  # receive a forward input from the previous stage (blocking)
@@ -24,15 +30,15 @@ class Op(str, Enum):
 
     @property
     def is_send(self) -> bool:
-        return self in (Op.SEND_ACT, Op.SEND_GRAD)
+        return self is Op.SEND_ACT or self is Op.SEND_GRAD
 
     @property
     def is_recv(self) -> bool:
-        return self in (Op.RECV_ACT, Op.RECV_GRAD)
+        return self is Op.RECV_ACT or self is Op.RECV_GRAD
 
     @property
     def is_compute(self) -> bool:
-        return self in (Op.FORWARD, Op.BACKWARD)
+        return self is Op.FORWARD or self is Op.BACKWARD or self is Op.BACKWARD_WEIGHT
 
     @property
     def is_collective(self) -> bool:
@@ -74,8 +80,8 @@ class Schedule:
     schedule, the minibatches before the drain for ``pipedream``). Action micro-batch numbers run
     over ``0 .. chunks * minibatches - 1``.
 
-    ``num_ranks`` is kept apart from ``num_stages``: the validator and the simulator already handle
-    several stages per rank (stage s on rank s % num_ranks), which interleaved schedules need.
+    ``num_ranks`` is kept apart from ``num_stages``: interleaved schedules put several stages on a
+    rank (stage s on rank s % num_ranks: rank r holds model chunks r, r + num_ranks, ...).
 
     ``replicas`` (one count per stage, e.g. ``(2, 1)``) makes a replicated schedule laid out by
     :class:`Layout`: stage s runs on ``replicas[s]`` ranks, micro-batch m on replica
@@ -113,6 +119,16 @@ class Schedule:
             stage = Layout(self.replicas).stage_of(rank)
             return range(stage, stage + 1)
         return range(rank, self.num_stages, self.num_ranks)
+
+    @property
+    def virtual_stages(self) -> int:
+        """Model chunks per rank (1 unless the schedule is interleaved)."""
+        return 1 if self.replicas is not None else self.num_stages // self.num_ranks
+
+    @cached_property
+    def splits_backward(self) -> bool:
+        """Whether the backwards are split into input- and weight-gradient halves (BACKWARD_WEIGHT actions)."""
+        return any(a.op is Op.BACKWARD_WEIGHT for rank in self.actions for a in rank)
 
     def steps(self) -> int:
         """How many training steps the schedule spans (1 for flushed schedules)."""

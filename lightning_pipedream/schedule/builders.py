@@ -6,10 +6,11 @@ from collections.abc import Callable, Iterable, Sequence
 
 from lightning_pipedream.schedule.actions import Action, Layout, Op, Schedule
 
-# A compute order for one stage: ("F" | "B", microbatch) pairs, and "O" for an optimizer step.
+# A compute order for one stage: ("F" | "B" | "W", microbatch) pairs, and "O" for an optimizer step.
 ComputeOrder = list[tuple[str, int] | str]
 
-SCHEDULES = ("gpipe", "1f1b", "pipedream")
+SCHEDULES = ("gpipe", "1f1b", "pipedream", "2bw", "interleaved", "zb-h1")
+REPLICATED_SCHEDULES = ("gpipe", "1f1b", "pipedream")  # those that run replicated stages (1F1B-RR)
 
 
 def check_chunks(chunks: object) -> None:
@@ -34,17 +35,25 @@ def _check_minibatches(minibatches: object) -> None:
         )
 
 
-def _with_communication(stage: int, num_stages: int, order: Iterable, step: int = 0) -> list[Action]:
-    """Turn a stage's compute order into actions, adding the sends and receives around it."""
+def _with_communication(
+    stage: int, num_stages: int, order: Iterable, step: int = 0, num_ranks: int | None = None
+) -> list[Action]:
+    """Turn a stage's compute order into actions, adding the sends and receives around it.
+
+    ``num_ranks`` (interleaved schedules): stage s lives on rank s % num_ranks; by default one stage per rank.
+    """
     actions: list[Action] = []
-    prev_rank, next_rank = stage - 1, stage + 1
+    ranks = num_stages if num_ranks is None else num_ranks
+    prev_rank, next_rank = (stage - 1) % ranks, (stage + 1) % ranks
     first, last = stage == 0, stage == num_stages - 1
     for item in order:
         if item == "O":
             actions.append(Action(Op.OPTIMIZER_STEP, stage, step=step))
             continue
         kind, mb = item
-        if kind == "F":
+        if kind == "W":
+            actions.append(Action(Op.BACKWARD_WEIGHT, stage, mb, step=step))
+        elif kind == "F":
             if not first:
                 actions.append(Action(Op.RECV_ACT, stage, mb, prev_rank, step))
             actions.append(Action(Op.FORWARD, stage, mb, step=step))
@@ -284,6 +293,193 @@ def replicated_pipedream_drain(layout: Layout, rank: int, minibatches: int) -> l
         order += ["R", "O"]
     return _with_replicas(layout, rank, order, minibatches)
 
+# --------------------------------------------------------------------------------------------
+# Zero bubble, PipeDream-2BW and interleaved 1F1B.
+
+
+def zero_bubble_h1(num_stages: int, chunks: int, replicas: Sequence[int] | None = None) -> Schedule:
+    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR'24): 1F1B with each backward split.
+
+    B computes only the input gradient (what the previous stage waits for), W the weight gradient.
+    Stage s runs 1F1B's forwards and B's, and defers each W by ``s`` micro-batches: the later stages,
+    which finish their backwards first, fill their cool-down with W's while the B's race back to
+    stage 0. Every stage keeps at most ``num_stages`` micro-batches' activations (1F1B's stage 0),
+    and with W as long as B the bubble shrinks from 1F1B's ``(p-1)(F+B+W)`` to ``(p-1)(F+B-W)``.
+    """
+    if replicas is not None and _replicated(num_stages, replicas) is not None:
+        raise ValueError("schedule='zb-h1' does not support replicated stages yet; use replicas=None.")
+
+    def order(stage: int) -> ComputeOrder:
+        warmup = min(num_stages - stage - 1, chunks)
+        delay = stage  # W's this stage defers
+        out: ComputeOrder = [("F", m) for m in range(warmup)]
+        weights = 0  # W's issued so far
+        backwards = 0
+        for i in range(chunks):
+            if warmup + i < chunks:
+                out.append(("F", warmup + i))
+            out.append(("B", i))
+            backwards += 1
+            if backwards - weights > delay:
+                out.append(("W", weights))
+                weights += 1
+        out += [("W", m) for m in range(weights, chunks)]
+        return out + ["O"]
+
+    return _flushed("zb-h1", num_stages, chunks, order)
+
+
+def _check_virtual_stages(virtual_stages: object) -> None:
+    if not isinstance(virtual_stages, int) or isinstance(virtual_stages, bool) or virtual_stages < 1:
+        raise ValueError(
+            f"virtual_stages must be an integer >= 1, got {virtual_stages!r}: it is the number of model "
+            "chunks each rank holds in schedule='interleaved' (1 is plain 1F1B)."
+        )
+
+
+def interleaved(num_ranks: int, chunks: int, virtual_stages: int = 2) -> Schedule:
+    """Megatron-LM's interleaved 1F1B: each rank holds ``virtual_stages`` (v) model chunks.
+
+    The model is cut into ``num_ranks * v`` stages; rank r holds stages r, r + p, r + 2p, ... (p ranks).
+    Micro-batches go in groups of p (the remainder of ``chunks / p`` joins the first group): a rank
+    runs the forwards of a group on its chunk 0, then on chunk 1, ...; backwards run the chunks in
+    reverse. Warm-up: ``2 (p - r - 1) + (v - 1) g`` forwards (g: the first group's size; all of them
+    if fewer), then one forward, one backward, as Megatron-LM's schedule for m a multiple of p.
+    Each forward is 1/v of a stage's, so the bubble is ``(p-1) / (v m)`` of a step's ideal time
+    instead of 1F1B's ``(p-1) / m``; in exchange a rank keeps more micro-batch chunks in flight.
+    With v = 1 it is exactly ``1f1b``.
+    """
+    _check_stages(num_ranks)
+    check_chunks(chunks)
+    _check_virtual_stages(virtual_stages)
+    p, v = num_ranks, virtual_stages
+    if v == 1:
+        schedule = one_f_one_b(p, chunks)
+        return Schedule("interleaved", p, p, chunks, schedule.actions)
+    # Groups of p micro-batches, the remainder in the first group: a group of at least p keeps chunk
+    # c's output of a micro-batch arriving before the rank needs it for chunk c + 1, and the warm-up,
+    # sized by the first group, covers every later (no larger) group.
+    first = p + chunks % p if chunks >= p else chunks
+    groups = [list(range(first))] + [list(range(g, g + p)) for g in range(first, chunks, p)]
+    total = chunks * v
+    actions = [
+        _interleaved_rank(rank, p, v, groups, min(total, 2 * (p - rank - 1) + (v - 1) * len(groups[0])))
+        for rank in range(p)
+    ]
+    return Schedule("interleaved", p, p * v, chunks, _receive_in_send_order(actions))
+
+
+def _interleaved_rank(rank: int, p: int, v: int, groups: list[list[int]], warmup: int) -> list[Action]:
+    """One rank's actions of interleaved 1F1B with ``warmup`` forwards before the first backward."""
+    forwards = [(c * p + rank, m) for group in groups for c in range(v) for m in group]
+    backwards = [(c * p + rank, m) for group in groups for c in reversed(range(v)) for m in group]
+    order: list[tuple[str, int, int]] = [("F", st, m) for st, m in forwards[:warmup]]
+    for i in range(len(forwards) - warmup):
+        order += [("F", *forwards[warmup + i]), ("B", *backwards[i])]
+    order += [("B", *b) for b in backwards[len(forwards) - warmup :]]
+    rank_actions: list[Action] = []
+    for kind, stage, m in order:
+        rank_actions += _with_communication(stage, p * v, [(kind, m)], num_ranks=p)
+    return rank_actions + [Action(Op.OPTIMIZER_STEP, c * p + rank) for c in range(v)]
+
+
+def _receive_in_send_order(actions: list[list[Action]]) -> tuple[tuple[Action, ...], ...]:
+    """Reorder receives so that each link's messages are received in the order they were sent.
+
+    With several stages per rank, one link carries both activations and gradients, and a rank may
+    need a later message first. Links are FIFO, so where a rank receives message X it first receives
+    every message sent before X on that link (they are kept until used). This never waits longer:
+    those messages left before X did.
+    """
+    sent: dict[tuple[int, int], list[Action]] = {}
+    for rank, rank_actions in enumerate(actions):
+        for a in rank_actions:
+            if a.op.is_send:
+                sent.setdefault((rank, a.peer), []).append(a)
+    out = []
+    for rank, rank_actions in enumerate(actions):
+        taken: dict[int, int] = {}  # peer -> messages received from it so far
+        received: set[tuple] = set()
+        new: list[Action] = []
+        for a in rank_actions:
+            if not a.op.is_recv:
+                new.append(a)
+                continue
+            key = (a.op is Op.RECV_ACT, a.stage, a.microbatch)
+            if key in received:
+                continue
+            queue = sent[(a.peer, rank)]
+            while key not in received:
+                message = queue[taken.get(a.peer, 0)]
+                taken[a.peer] = taken.get(a.peer, 0) + 1
+                is_act = message.op is Op.SEND_ACT
+                stage = message.stage + 1 if is_act else message.stage - 1
+                op = Op.RECV_ACT if is_act else Op.RECV_GRAD
+                new.append(Action(op, stage, message.microbatch, a.peer, message.step))
+                received.add((is_act, stage, message.microbatch))
+        out.append(tuple(new))
+    return tuple(out)
+
+
+def _two_bw_warmup(num_stages: int, stage: int, chunks: int) -> int:
+    # At most one minibatch of forwards ahead, so that minibatch t's forwards find version t-1 made.
+    return min(num_stages - stage - 1, chunks)
+
+
+def two_bw_step(num_stages: int, stage: int, chunks: int, step: int) -> list[Action]:
+    """One stage's actions in training step ``step`` of PipeDream-2BW.
+
+    The stage runs one endless 1F1B stream over micro-batches (no flush): step t admits micro-batches
+    ``t*chunks .. t*chunks + chunks - 1`` (minibatch t); after each forward comes the backward of the
+    micro-batch ``warmup`` before it, and after the backward of a minibatch's last micro-batch, the
+    update that coalesces that minibatch's gradients.
+    """
+    _check_stages(num_stages)
+    check_chunks(chunks)
+    warmup = _two_bw_warmup(num_stages, stage, chunks)
+    order: ComputeOrder = []
+    for n in range(step * chunks, (step + 1) * chunks):
+        order.append(("F", n))
+        if n - warmup >= 0:
+            order.append(("B", n - warmup))
+            if (n - warmup) % chunks == chunks - 1:
+                order.append("O")
+    return _with_communication(stage, num_stages, order, step)
+
+
+def two_bw_drain(num_stages: int, stage: int, chunks: int, minibatches: int) -> list[Action]:
+    """One stage's actions that finish the micro-batches in flight after ``minibatches`` steps of 2BW."""
+    _check_stages(num_stages)
+    if minibatches < 0:
+        raise ValueError(f"minibatches must be >= 0, got {minibatches}.")
+    warmup = _two_bw_warmup(num_stages, stage, chunks)
+    end = minibatches * chunks
+    order: ComputeOrder = []
+    for n in range(max(0, end - warmup), end):
+        order.append(("B", n))
+        if n % chunks == chunks - 1:
+            order.append("O")
+    return _with_communication(stage, num_stages, order, minibatches)
+
+
+def two_bw(num_stages: int, chunks: int, minibatches: int) -> Schedule:
+    """PipeDream-2BW (Narayanan et al., ICML'21) over ``minibatches`` steps of ``chunks`` micro-batches, then the drain.
+
+    The weight rule it serves: W(t+1) = W(t) - lr * grad f_t(W(t-1)): every micro-batch of minibatch
+    t runs forward and backward on its stage's version t-1, and each stage keeps two versions.
+    """
+    _check_stages(num_stages)
+    check_chunks(chunks)
+    _check_minibatches(minibatches)
+    actions = tuple(
+        tuple(
+            [a for t in range(minibatches) for a in two_bw_step(num_stages, s, chunks, t)]
+            + two_bw_drain(num_stages, s, chunks, minibatches)
+        )
+        for s in range(num_stages)
+    )
+    return Schedule("2bw", num_stages, num_stages, chunks, actions, minibatches=minibatches)
+
 
 def inference(num_stages: int, chunks: int) -> Schedule:
     """Forward passes only, micro-batch by micro-batch (validation, test, predict)."""
@@ -294,7 +490,13 @@ _BUILDERS: dict[str, Callable[..., Schedule]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
     "pipedream": pipedream,
+    "2bw": two_bw,
+    "interleaved": interleaved,
+    "zb-h1": zero_bubble_h1,
 }
+
+# Schedules that keep the pipeline full across training steps (several steps, then a drain).
+ASYNCHRONOUS = ("pipedream", "2bw")
 
 
 def check_schedule_name(name: str) -> str:
@@ -304,8 +506,11 @@ def check_schedule_name(name: str) -> str:
     return name
 
 
-def check_schedule_options(schedule: str, chunks: int, vertical_sync: bool = False) -> None:
-    """Validate a training configuration (schedule, micro-batches, vertical sync) as a user gives it."""
+def check_schedule_options(
+    schedule: str, chunks: int, vertical_sync: bool = False, *, virtual_stages: int = 1, recompute: bool = False
+) -> None:
+    """Validate a training configuration (schedule, micro-batches, vertical sync, model chunks per rank,
+    recomputation) as a user gives it."""
     check_schedule_name(schedule)
     check_chunks(chunks)
     if schedule == "pipedream" and chunks != 1:
@@ -315,6 +520,14 @@ def check_schedule_options(schedule: str, chunks: int, vertical_sync: bool = Fal
         )
     if vertical_sync and schedule != "pipedream":
         raise ValueError("vertical_sync=True only applies to schedule='pipedream'.")
+    _check_virtual_stages(virtual_stages)
+    if virtual_stages != 1 and schedule != "interleaved":
+        raise ValueError(
+            f"virtual_stages={virtual_stages} applies to schedule='interleaved' only (model chunks per rank); "
+            f"schedule={schedule!r} runs one chunk per rank: drop virtual_stages or use schedule='interleaved'."
+        )
+    if not isinstance(recompute, bool):
+        raise ValueError(f"recompute must be True or False, got {recompute!r}.")
 
 
 def build_schedule(
@@ -324,25 +537,37 @@ def build_schedule(
     *,
     minibatches: int | None = None,
     replicas: Sequence[int] | None = None,
+    virtual_stages: int = 1,
 ) -> Schedule:
     """Build a schedule by name.
 
-    ``gpipe`` and ``1f1b`` cover one training step of ``chunks`` micro-batches. ``pipedream`` runs
-    whole batches (``chunks`` must be 1) and covers ``minibatches`` training steps and the drain.
-    ``replicas`` (one count per stage, e.g. ``[2, 1]``) replicates stages (see :class:`Layout`):
-    ``chunks`` then counts micro-batches per replica of the input stage (per data shard).
+    ``gpipe``, ``1f1b``, ``zb-h1`` and ``interleaved`` cover one training step of ``chunks``
+    micro-batches. ``pipedream`` runs whole batches (``chunks`` must be 1) and covers ``minibatches``
+    training steps and the drain; ``2bw`` covers ``minibatches`` steps of ``chunks`` micro-batches
+    and the drain. ``replicas`` (one count per stage, e.g. ``[2, 1]``) replicates stages (see
+    :class:`Layout`): ``chunks`` then counts micro-batches per replica of the input stage (per data
+    shard). ``interleaved``: ``num_stages`` is the number of ranks, each holding ``virtual_stages``
+    model chunks (``num_stages * virtual_stages`` stages in all).
     """
-    check_schedule_options(name, chunks)
-    if name == "pipedream":
+    check_schedule_options(name, chunks, virtual_stages=virtual_stages)
+    if name in ASYNCHRONOUS:
         if minibatches is None:
             raise ValueError(
-                "build_schedule('pipedream', ...) needs minibatches=N: the number of minibatches "
+                f"build_schedule({name!r}, ...) needs minibatches=N: the number of minibatches "
                 "(training steps) to run before the drain."
             )
+        if name == "2bw":
+            if replicas is not None and _replicated(num_stages, replicas) is not None:
+                raise ValueError("schedule='2bw' does not support replicated stages yet; use replicas=None.")
+            return two_bw(num_stages, chunks, minibatches)
         return pipedream(num_stages, minibatches, replicas)
     if minibatches is not None:
         raise ValueError(
-            f"minibatches={minibatches} applies to schedule='pipedream' only; {name!r} covers one "
+            f"minibatches={minibatches} applies to schedule='pipedream' or '2bw' only; {name!r} covers one "
             "training step of `chunks` micro-batches."
         )
+    if name == "interleaved":
+        if replicas is not None and _replicated(num_stages, replicas) is not None:
+            raise ValueError("schedule='interleaved' does not support replicated stages yet; use replicas=None.")
+        return interleaved(num_stages, chunks, virtual_stages)
     return _BUILDERS[name](num_stages, chunks, replicas)

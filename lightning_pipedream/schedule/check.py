@@ -15,9 +15,12 @@ class ScheduleError(ValueError):
 
 # How each schedule updates weights. "per_step": every stage steps once per training step, after
 # all of that step's backwards (a flush). "per_backward": every backward is followed by its own
-# update before the stage computes anything else (PipeDream). "none": forwards only, no backward
-# and no update (evaluation). Unlisted schedules are "per_step".
-OPTIMIZER_POLICY: dict[str, str] = {"pipedream": "per_backward", "inference": "none"}
+# update before the stage computes anything else (PipeDream). "per_minibatch": a stage updates after
+# the backwards of each minibatch of ``chunks`` micro-batches, while the pipeline stays full, and
+# minibatch t's forwards run after its (t-1)-th update and before its (t+1)-th (PipeDream-2BW: two
+# weight versions). "none": forwards only, no backward and no update (evaluation). Unlisted
+# schedules are "per_step".
+OPTIMIZER_POLICY: dict[str, str] = {"pipedream": "per_backward", "2bw": "per_minibatch", "inference": "none"}
 
 _RECV, _SEND = (Op.RECV_ACT, Op.RECV_GRAD), (Op.SEND_ACT, Op.SEND_GRAD)
 
@@ -64,7 +67,7 @@ def place(schedule: Schedule) -> Placement:
                 while i < end:
                     action = actions[i]
                     op = action.op
-                    if op is Op.FORWARD or op is Op.BACKWARD:
+                    if op.is_compute:
                         if computed[rank]:
                             break
                         computed[rank] = True
@@ -153,7 +156,8 @@ def render_grid(
 ) -> str:
     """The schedule as a text grid: one column per rank, one row per time slot, ``.`` where a rank idles.
 
-    Cells show compute actions (``F3``: forward of micro-batch 3, ``B3``: backward) and ``O`` for an
+    Cells show compute actions (``F3``: forward of micro-batch 3, ``B3``: backward, ``W3``: the weight
+    gradient half of a split backward) and ``O`` for an
     optimizer step (``B3+O`` when it follows a backward in the same slot), ``AR`` for a gradient
     all-reduce among a replicated stage's replicas; with several stages per rank the stage is
     appended (``F3s5``); replicated schedules name each rank's stage in the header.
@@ -283,9 +287,12 @@ def _check_layout(s: Schedule, fail: _Failer) -> None:
             f"{s.name} schedule declares {s.num_stages} stages on {s.num_ranks} ranks but replicas "
             f"{list(layout.replicas)} place {layout.num_stages} stages on {layout.num_ranks} ranks."
         )
+    count = s.microbatch_count
+    owner = s.owner if layout is not None else (lambda stage, microbatch: stage % s.num_ranks)
     for rank, actions in enumerate(s.actions):
+        own = set(s.stages_of(rank))
         for i, a in enumerate(actions):
-            if not 0 <= a.stage <= last or a.stage not in s.stages_of(rank):
+            if a.stage not in own:
                 where = (
                     f"stages are 0..{last}, stage s lives on rank s % {s.num_ranks}"
                     if layout is None
@@ -298,8 +305,8 @@ def _check_layout(s: Schedule, fail: _Failer) -> None:
                 if layout is None or layout.replicas[a.stage] < 2:
                     raise fail(rank, i, f"gradient all-reduce on stage {a.stage}, which has one replica; remove it.")
                 continue
-            if not isinstance(a.microbatch, int) or not 0 <= a.microbatch < s.microbatch_count:
-                raise fail(rank, i, f"micro-batch {a.microbatch!r} is out of range 0..{s.microbatch_count - 1}.")
+            if not isinstance(a.microbatch, int) or not 0 <= a.microbatch < count:
+                raise fail(rank, i, f"micro-batch {a.microbatch!r} is out of range 0..{count - 1}.")
             if layout is not None and s.owner(a.stage, a.microbatch) != rank:
                 owner = s.owner(a.stage, a.microbatch)
                 raise fail(
@@ -310,19 +317,23 @@ def _check_layout(s: Schedule, fail: _Failer) -> None:
                 )
             if a.op.is_compute:
                 continue
-            to_next = a.op in (Op.SEND_ACT, Op.RECV_GRAD)  # talks to the next stage, else the previous
+            to_next = a.op is Op.SEND_ACT or a.op is Op.RECV_GRAD  # talks to the next stage, else the previous
             other = a.stage + 1 if to_next else a.stage - 1
             if not 0 <= other <= last:
                 side = "next" if to_next else "previous"
                 raise fail(rank, i, f"stage {a.stage} has no {side} stage to talk to.")
-            right = s.owner(other, a.microbatch)
+            right = owner(other, a.microbatch)
             if a.peer != right:
                 raise fail(rank, i, f"peer should be rank {right} (where stage {other} lives), not {a.peer}.")
 
 
 # What has happened to one (stage, micro-batch) on its rank, as bit flags, and how to say it.
-_FLAG = {Op.RECV_ACT: 1, Op.FORWARD: 2, Op.SEND_ACT: 4, Op.RECV_GRAD: 8, Op.BACKWARD: 16, Op.SEND_GRAD: 32}
+_FLAG = {
+    Op.RECV_ACT: 1, Op.FORWARD: 2, Op.SEND_ACT: 4, Op.RECV_GRAD: 8, Op.BACKWARD: 16, Op.SEND_GRAD: 32,
+    Op.BACKWARD_WEIGHT: 64,
+}
 _NAME = {
+    Op.BACKWARD_WEIGHT: "weight gradient",
     Op.RECV_ACT: "input",
     Op.FORWARD: "forward",
     Op.SEND_ACT: "output",
@@ -335,6 +346,7 @@ _NEEDS = {
     Op.SEND_ACT: (2, "sends the output of micro-batch {mb} before its forward ran."),
     Op.SEND_GRAD: (16, "sends the input gradient of micro-batch {mb} before its backward ran."),
     Op.RECV_GRAD: (2, "receives the gradient of micro-batch {mb} before its forward ran; it can never come."),
+    Op.BACKWARD_WEIGHT: (16, "computes the weight gradient of micro-batch {mb} before its backward (B{mb}) ran."),
 }
 
 
@@ -370,7 +382,9 @@ def _check_rank_order(s: Schedule, rank: int, fail: _Failer) -> None:
             raise fail(rank, i, _NEEDS[op][1].format(mb=mb))
         done[(stage, mb)] = flags | bit
         first_at[(op, stage, mb)] = i
-    required = (Op.FORWARD,) if OPTIMIZER_POLICY.get(s.name) == "none" else (Op.FORWARD, Op.BACKWARD)
+    required: tuple[Op, ...] = (Op.FORWARD,) if OPTIMIZER_POLICY.get(s.name) == "none" else (Op.FORWARD, Op.BACKWARD)
+    if s.splits_backward:
+        required += (Op.BACKWARD_WEIGHT,)
     for stage in s.stages_of(rank):
         for mb in range(s.microbatch_count):
             if s.owner(stage, mb) != rank:
@@ -425,14 +439,19 @@ def _check_updates(s: Schedule, rank: int, fail: _Failer) -> None:
                 rank, len(actions), f"backward of micro-batch {mb} on stage {stage} has no optimizer step after it."
             )
         return
-    # per_step: one update per stage and training step, after all of that step's backwards (the flush);
-    # on a replicated stage an all-reduce comes between the last backward and the update.
-    backwards_left = Counter((a.stage, a.step) for a in actions if a.op is Op.BACKWARD)
+    if policy == "per_minibatch":
+        _check_minibatch_updates(s, rank, fail)
+        return
+    # per_step: one update per stage and training step, after all of that step's backwards (the flush),
+    # both halves of each when they are split; on a replicated stage an all-reduce comes between the
+    # last backward and the update.
+    gradient_ops = (Op.BACKWARD, Op.BACKWARD_WEIGHT) if s.splits_backward else (Op.BACKWARD,)
+    backwards_left = Counter((a.stage, a.step) for a in actions if a.op in gradient_ops)
     stepped: set[tuple[int, int]] = set()
     reduced: set[tuple[int, int]] = set()
     for i, a in enumerate(actions):
         key = (a.stage, a.step)
-        if a.op is Op.BACKWARD:
+        if a.op in gradient_ops:
             backwards_left[key] -= 1
         elif a.op is Op.ALLREDUCE_GRAD:
             if backwards_left[key] or key in reduced:
@@ -464,6 +483,47 @@ def _check_updates(s: Schedule, rank: int, fail: _Failer) -> None:
             stepped.add(key)
     for key in sorted({(a.stage, a.step) for a in actions} - stepped):
         raise fail(rank, len(actions), f"stage {key[0]} has no optimizer step in training step {key[1]}.")
+
+
+def _check_minibatch_updates(s: Schedule, rank: int, fail: _Failer) -> None:
+    """PipeDream-2BW: update k of a stage follows the backwards of minibatch k's ``chunks`` micro-batches
+    and precedes any backward of a later minibatch; minibatch t's forwards run on version t-1, so they
+    come after update t-1 and before update t+1 (which would overwrite it: two versions are kept)."""
+    m = s.chunks
+    updates: Counter = Counter()  # stage -> updates so far
+    backwards: Counter = Counter()  # (stage, minibatch) -> backwards so far
+    for i, a in enumerate(s.actions[rank]):
+        k = updates[a.stage]
+        if a.op is Op.OPTIMIZER_STEP:
+            if backwards[(a.stage, k)] != m:
+                raise fail(
+                    rank, i, f"update {k} of stage {a.stage} after {backwards[(a.stage, k)]} of the {m} backwards of "
+                    f"minibatch {k}; 2bw updates once each minibatch's backwards are all done."
+                )
+            updates[a.stage] += 1
+        elif a.op is Op.BACKWARD:
+            t = a.microbatch // m
+            if t != k:
+                raise fail(
+                    rank, i, f"backward of micro-batch {a.microbatch} (minibatch {t}) while stage {a.stage} waits to "
+                    f"apply update {k} of minibatch {k}; its gradient would go into the wrong update."
+                )
+            backwards[(a.stage, t)] += 1
+        elif a.op is Op.FORWARD:
+            t = a.microbatch // m
+            if not t - 1 <= k <= t:
+                when, which = ("before", t - 1) if k < t - 1 else ("after", t + 1)
+                raise fail(
+                    rank, i, f"forward of micro-batch {a.microbatch} (minibatch {t}) {when} update {which} "
+                    f"of stage {a.stage}: 2bw runs minibatch t on weight version t-1 and keeps two versions, so its "
+                    "forwards come after update t-1 and before update t+1."
+                )
+    for stage in s.stages_of(rank):
+        if updates[stage] != s.minibatches:
+            raise fail(
+                rank, len(s.actions[rank]),
+                f"stage {stage} updates {updates[stage]} times for {s.minibatches} minibatches; 2bw updates once each.",
+            )
 
 
 def _check_collectives(s: Schedule, fail: _Failer) -> None:

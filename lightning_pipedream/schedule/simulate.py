@@ -21,7 +21,8 @@ class SimResult:
     time per step, measured between steps in which every rank runs a backward (``steady_state``
     says whether there were enough of them; if not it is ``makespan / steps``).
     ``peak_activations[rank]`` is the most micro-batches whose forward ran and whose backward has
-    not yet, i.e. how many sets of activations the rank must keep.
+    not yet (its weight half, for a split backward), i.e. how many sets of activations the rank
+    must keep; with several stages per rank (interleaved) each counts a chunk's activations.
     """
 
     schedule: str
@@ -64,6 +65,8 @@ def simulate(
     optimizer_s: float = 0.0,
     parameter_bytes: Sequence[float] | float = 0,
     allreduce_bandwidth: float | None = None,
+    weight_s: Sequence[float] | float | None = None,
+    recompute: bool = False,
 ) -> SimResult:
     """Run ``schedule`` on a clock: every rank does its actions in order, receives wait for their data.
 
@@ -89,7 +92,16 @@ def simulate(
         raise ValueError(f"bandwidth must be > 0 bytes per second (inf for free links), got {bandwidth}.")
     if latency < 0 or optimizer_s < 0:
         raise ValueError(f"latency and optimizer_s must be >= 0 seconds, got {latency} and {optimizer_s}.")
-    duration = {Op.FORWARD: fwd, Op.BACKWARD: bwd}
+    if schedule.splits_backward:
+        wgt = per_stage("weight_s", [b / 2 for b in bwd] if weight_s is None else weight_s, p)
+        if any(w > b for w, b in zip(wgt, bwd)):
+            raise ValueError(f"weight_s {wgt} must not exceed backward_s {bwd}: W is a part of the backward.")
+        bwd = [b - w for b, w in zip(bwd, wgt)]
+    else:
+        wgt = [0.0] * p
+    if recompute:
+        bwd = [b + f for b, f in zip(bwd, fwd)]
+    duration = {Op.FORWARD: fwd, Op.BACKWARD: bwd, Op.BACKWARD_WEIGHT: wgt}
 
     ranks = schedule.actions
     clock = [0.0] * len(ranks)
@@ -144,14 +156,16 @@ def simulate(
     step_time, steady = _step_time(schedule, events, span)
     return SimResult(
         schedule.name, p, schedule.chunks, schedule.minibatches, span, step_time, steady, bubble_fraction(events),
-        [_peak(actions) for actions in ranks], events,
+        [_peak(actions, schedule.splits_backward) for actions in ranks], events,
     )
 
 
-def _peak(actions) -> int:
+def _peak(actions, split: bool) -> int:
+    """Most micro-batches whose activations a rank holds: forward done, backward (its W half, when split) not."""
+    release = Op.BACKWARD_WEIGHT if split else Op.BACKWARD
     live = peak = 0
     for a in actions:
-        live += (a.op is Op.FORWARD) - (a.op is Op.BACKWARD)
+        live += (a.op is Op.FORWARD) - (a.op is release)
         peak = max(peak, live)
     return peak
 

@@ -23,7 +23,8 @@ class TimedAction:
         return self.end - self.start
 
 
-_BUSY = (Op.FORWARD, Op.BACKWARD, Op.OPTIMIZER_STEP)  # work; everything else is waiting or bookkeeping
+# Work; everything else is waiting or bookkeeping.
+_BUSY = (Op.FORWARD, Op.BACKWARD, Op.BACKWARD_WEIGHT, Op.OPTIMIZER_STEP)
 
 
 def _name(action: Action) -> str:
@@ -94,7 +95,8 @@ def makespan(events: list[TimedAction]) -> float:
 def bubble_fraction(events: list[TimedAction]) -> float:
     """1 - busy time / (ranks x makespan): the share of rank-time spent idle or waiting.
 
-    Busy means forward, backward and optimizer step; sends, receives (waits) and gaps are bubble.
+    Busy means forward, backward (both halves when split) and optimizer step; sends, receives
+    (waits) and gaps are bubble.
     """
     span = makespan(events)
     ranks = len({e.rank for e in events})
@@ -104,13 +106,16 @@ def bubble_fraction(events: list[TimedAction]) -> float:
     return 1.0 - busy / (ranks * span)
 
 
-_COLOURS = {Op.FORWARD: "#4C72B0", Op.BACKWARD: "#DD8452", Op.OPTIMIZER_STEP: "#55A868"}
+_COLOURS = {
+    Op.FORWARD: "#4C72B0", Op.BACKWARD: "#DD8452", Op.BACKWARD_WEIGHT: "#C44E52", Op.OPTIMIZER_STEP: "#55A868"
+}
 
 
 def plot_timeline(events: list[TimedAction], path: str | Path, title: str = "") -> Path:
     """Draw ``events`` as a Gantt chart PNG at ``path``: one row per rank (rank 0 on top).
 
-    Forwards and backwards are coloured boxes with the micro-batch number inside; optimizer steps
+    Forwards, backwards and weight-gradient halves (zero bubble) are coloured boxes with the
+    micro-batch number inside (``n/s`` with several stages per rank: micro-batch n of stage s); optimizer steps
     are green; sends and receives (waits, in recorded traces) are thin grey bars.
     """
     # Lazy, and without pyplot: no global backend switch, no GUI, safe in any process.
@@ -120,6 +125,10 @@ def plot_timeline(events: list[TimedAction], path: str | Path, title: str = "") 
 
     path = Path(path)
     ranks = sorted({e.rank for e in events}) or [0]
+    per_rank: dict[int, set[int]] = {}
+    for e in events:
+        per_rank.setdefault(e.rank, set()).add(e.action.stage)
+    several = any(len(stages) > 1 for stages in per_rank.values())
     origin = min((e.start for e in events), default=0.0)
     span = makespan(events) or 1.0
     fig = Figure(figsize=(max(6.0, min(20.0, 0.25 * len(events) / len(ranks) + 4)), 0.6 * len(ranks) + 1.4))
@@ -131,9 +140,8 @@ def plot_timeline(events: list[TimedAction], path: str | Path, title: str = "") 
         if op in _COLOURS:
             ax.barh(y, width, left=left, height=0.8, color=_COLOURS[op], edgecolor="black", linewidth=0.5)
             if op is not Op.OPTIMIZER_STEP and width > span / 80:
-                ax.text(
-                    left + width / 2, y, str(e.action.microbatch), ha="center", va="center", fontsize=7, color="white"
-                )
+                label = f"{e.action.microbatch}/{e.action.stage}" if several else str(e.action.microbatch)
+                ax.text(left + width / 2, y, label, ha="center", va="center", fontsize=7, color="white")
         elif width > 0:
             ax.barh(y, width, left=left, height=0.15, color="#AAAAAA")
     ax.set_yticks([row[r] for r in ranks], [f"rank {r}" for r in ranks])
@@ -142,7 +150,7 @@ def plot_timeline(events: list[TimedAction], path: str | Path, title: str = "") 
     ax.set_title(title)
     legend = [Patch(color=c, label=o.name.lower().replace("_", " ")) for o, c in _COLOURS.items()]
     legend.append(Patch(color="#AAAAAA", label="send / receive wait"))
-    fig.legend(handles=legend, loc="lower center", ncol=4, fontsize=8, frameon=False)
+    fig.legend(handles=legend, loc="lower center", ncol=5, fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.35 / fig.get_figheight(), 1, 1))  # leave room for the legend below
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
