@@ -206,3 +206,19 @@ def test_simulator_splits_the_backward_and_replays_forwards():
         simulate(s, 1.0, 2.0, weight_s=3.0)
     replay = simulate(build_schedule("1f1b", 2, 4), 1.0, 2.0, recompute=True)
     assert replay.makespan == simulate(build_schedule("1f1b", 2, 4), 1.0, 3.0).makespan
+
+
+def test_the_plans_cost_model_knows_the_new_schedules():
+    from lightning_pipedream.plan.partition import Plan, StagePlan
+
+    def plan(schedule: str, **extra) -> Plan:
+        stages = [StagePlan([f"layer{s}"], compute_s=3.0, forward_s=1.0) for s in range(4)]
+        return Plan(stages, schedule=schedule, chunks=8, extra=extra)
+
+    # Per minibatch of 8 micro-batches, each stage 1 s forward and 2 s backward per minibatch:
+    one_f_one_b = plan("1f1b").simulated_time_per_minibatch()
+    assert one_f_one_b == pytest.approx(3 + 3 * 3 / 8)  # the work, plus (p-1)(F+B) per micro-batch
+    assert plan("zb-h1").simulated_time_per_minibatch() == pytest.approx(3 + 3 / 8)  # (p-1)(F+B-W), W = B/2
+    assert plan("interleaved", virtual_stages=2).simulated_time_per_minibatch() == pytest.approx(3 + 3 * 3 / 16)
+    assert plan("2bw").simulated_time_per_minibatch() == pytest.approx(3)  # no flush: no bubble
+    assert plan("1f1b", recompute=True).simulated_time_per_minibatch() == pytest.approx(4 + 3 * 4 / 8)

@@ -81,6 +81,9 @@ class Plan:
             bandwidth = float(self.topology[0][1]) if self.topology else math.inf
         forward = [stage.forward_s for stage in self.stages]
         backward = [stage.compute_s - stage.forward_s + stage.allreduce_s for stage in self.stages]
+        # extra={"recompute": true} replays each forward in its backward; {"virtual_stages": v} (interleaved)
+        # splits each stage's layers into v chunks of equal cost, chunk c of rank r being stage c * p + r.
+        recompute = bool(self.extra.get("recompute", False))
         if self.schedule == "pipedream":
             result = simulate(
                 build_schedule("pipedream", len(self.stages), minibatches=minibatches),
@@ -88,15 +91,22 @@ class Plan:
                 backward,
                 activation_bytes=[stage.output_bytes for stage in self.stages],
                 bandwidth=bandwidth,
+                recompute=recompute,
             )
             return result.step_time
         chunks = max(1, self.chunks)
+        v = int(self.extra.get("virtual_stages", 1)) if self.schedule == "interleaved" else 1
+        if self.schedule == "2bw":
+            schedule = build_schedule("2bw", len(self.stages), chunks, minibatches=minibatches)
+        else:
+            schedule = build_schedule(self.schedule, len(self.stages), chunks, virtual_stages=v)
         result = simulate(
-            build_schedule(self.schedule, len(self.stages), chunks),
-            [f / chunks for f in forward],
-            [b / chunks for b in backward],
-            activation_bytes=[stage.output_bytes / chunks for stage in self.stages],
+            schedule,
+            [f / chunks / v for _ in range(v) for f in forward],
+            [b / chunks / v for _ in range(v) for b in backward],
+            activation_bytes=[stage.output_bytes / chunks for _ in range(v) for stage in self.stages],
             bandwidth=bandwidth,
+            recompute=recompute,
         )
         return result.step_time
 
