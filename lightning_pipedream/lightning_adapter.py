@@ -254,6 +254,69 @@ class ForwardCall:
             yield
 
 
+class SubmoduleCall(ForwardCall):
+    """The pipelined call is the submodule ``name``'s forward, with any arguments: split points given for a model
+    whose own forward cannot be traced. The step's code around that call runs as it is on the first stage
+    (up to the call) and on the last (after it)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def input_of(self, module: LightningModule, hook: str, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+        def stop(*call_args: Any, **call_kwargs: Any) -> Any:
+            raise InputCaptured((call_args, call_kwargs))
+
+        step = getattr(module, hook)
+        try:
+            with _forward_replaced(module.get_submodule(self.name), stop), LogRecorder().capture(module, 1):
+                step(*args, **kwargs)
+        except InputCaptured as captured:
+            return captured.value
+        raise RuntimeError(
+            f"{type(module).__name__}.{hook} returned without calling self.{self.name}. Under PipeDreamStrategy "
+            f"with split points inside {self.name!r}, every step must call it exactly once."
+        )
+
+    @contextmanager
+    def replaying(self, module: LightningModule, output: Any) -> Iterator[None]:
+        with _forward_replaced(module.get_submodule(self.name), lambda *args, **kwargs: output):
+            yield
+
+
+def innermost_called_module(module: LightningModule, split_points: list[str], hook: str, *args: Any,
+                            **kwargs: Any) -> str | None:
+    """The innermost module holding every split point that ``module.<hook>(*args)`` calls exactly once (a
+    container such as nn.ModuleList has no call of its own); None if there is none but the module itself.
+
+    Runs the step once, without gradients, up to the end of ``module``'s forward (so that the code after
+    it, metrics and logging, does not run), to count the calls.
+    """
+    parents = [point.split(".")[:-1] for point in split_points]
+    common: list[str] = []
+    for parts in zip(*parents):
+        if len(set(parts)) != 1:
+            break
+        common.append(parts[0])
+    candidates = [".".join(common[:n]) for n in range(len(common), 0, -1)]  # innermost first
+    candidates = [c for c in candidates if type(module.get_submodule(c)).forward is not nn.Module.forward]
+    calls = dict.fromkeys(candidates, 0)
+    handles = [module.get_submodule(c).register_forward_pre_hook(lambda *_, c=c: calls.__setitem__(c, calls[c] + 1))
+               for c in candidates]
+    def forward_then_stop(*call_args: Any, **call_kwargs: Any) -> Any:
+        type(module).forward(module, *call_args, **call_kwargs)
+        raise InputCaptured(None)
+
+    try:
+        with torch.no_grad(), LogRecorder().capture(module, 1), _forward_replaced(module, forward_then_stop):
+            getattr(module, hook)(*args, **kwargs)
+    except InputCaptured:
+        pass
+    finally:
+        for handle in handles:
+            handle.remove()
+    return next((c for c in candidates if calls[c] == 1), None)
+
+
 @contextmanager
 def _forward_replaced(module: nn.Module, forward: Any) -> Iterator[None]:
     module.forward = forward  # an instance attribute shadows the class's forward, which nn.Module.__call__ runs

@@ -30,7 +30,9 @@ from lightning_pipedream.lightning_adapter import (
     ForwardCall,
     LogRecorder,
     SequentialCall,
+    SubmoduleCall,
     find_layers,
+    innermost_called_module,
     loss_of,
 )
 from lightning_pipedream.lightning_batches import (
@@ -173,7 +175,7 @@ class PipeDreamStrategy(DDPStrategy):
         self.plan: Any = None  # the Plan used (from plan.json or the partitioner), if any
         self.balance: list[int] | None = None
         self._layers_name = ""
-        self._call: SequentialCall | ForwardCall = ForwardCall()
+        self._call: SequentialCall | ForwardCall = ForwardCall()  # SubmoduleCall is a ForwardCall
         self._graph: CapturedStage | None = None  # the graph path's stage, captures and tied copies
         self._graph_inputs_seen: set[tuple] = set()
         self._stage_module: nn.Module | None = None
@@ -447,7 +449,10 @@ class PipeDreamStrategy(DDPStrategy):
             if self.num_stages > 1:
                 dist.broadcast_object_list(payload, src=0)
             points = payload[0]
-        self._graph = CapturedStage(module, self.stage_index, self.num_stages, points, args, kwargs, captured)
+        if self._split_points is None:
+            self._graph = CapturedStage(module, self.stage_index, self.num_stages, points, args, kwargs, captured)
+        else:
+            self._graph = self._stage_of_split_points(module, hook, part, args, kwargs)
         self._graph_inputs_seen = {(module.training, batch_shapes(part))}
         if self._graph.ties and self.num_pipelines > 1:
             raise ValueError(
@@ -464,6 +469,35 @@ class PipeDreamStrategy(DDPStrategy):
             )
         self._stage_module = self._graph.stage
         self._local_names = {id(p): n for n, p in self._stage_module.named_parameters()}
+
+    def _stage_of_split_points(self, module: LightningModule, hook: str, part: Any, args: tuple,
+                               kwargs: dict) -> CapturedStage:
+        """split_points given: trace the module's forward; if that cannot be traced, the innermost module holding
+        the split points that the step calls (every rank decides alike: the same model, batch and failure)."""
+        from lightning_pipedream.graph import GraphCaptureError
+
+        assert self._split_points is not None
+        points = self._split_points
+        try:
+            return CapturedStage(module, self.stage_index, self.num_stages, points, args, kwargs)
+        except GraphCaptureError as untraceable:
+            through = innermost_called_module(module, points, hook, part, 0)
+            if through is None:
+                raise
+            outside = [n for n, p in module.named_parameters() if p.requires_grad and not n.startswith(through + ".")]
+            if outside:
+                raise ValueError(
+                    f"{type(module).__name__}.forward cannot be traced, so PipeDreamStrategy pipelines "
+                    f"self.{through} (the innermost module holding split_points={points} that the step calls), "
+                    f"but parameters {outside[:4]} are outside it and would not train. Move them into "
+                    f"self.{through}, or make forward traceable ({untraceable})."
+                ) from untraceable
+            if self.is_global_zero:
+                log.info("PipeDreamStrategy: %s.forward cannot be traced; pipelining self.%s, split at %s.",
+                         type(module).__name__, through, points)
+            self._call = SubmoduleCall(through)
+            args, kwargs = self._call.input_of(module, hook, part, 0)
+            return CapturedStage(module, self.stage_index, self.num_stages, points, args, kwargs, through=through)
 
     def _ensure_captured(self, module: LightningModule, hook: str, parts: list[Any], *step_args: Any,
                          **step_kwargs: Any) -> None:

@@ -6,6 +6,8 @@ import operator
 import os
 import traceback
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,8 +94,12 @@ def call_signature(args: tuple, kwargs: dict[str, Any] | None = None) -> tuple:
     return (str(spec), described)
 
 
-def capture(module: nn.Module, args: tuple = (), kwargs: dict[str, Any] | None = None) -> CapturedGraph:
+def capture(module: nn.Module, args: tuple = (), kwargs: dict[str, Any] | None = None,
+            through: str | None = None) -> CapturedGraph:
     """Trace ``module(*args, **kwargs)`` into a functional graph, in the module's current train/eval mode.
+
+    ``through``: trace the call of that submodule instead of ``module.forward`` (whose own code may not
+    trace); names in the graph stay relative to ``module``.
 
     torch.export (non-strict) first; when only a data-dependent check inside torch itself stops it
     (nn.Transformer's test whether a mask is causal), torch.export.draft_export, which keeps the
@@ -102,7 +108,7 @@ def capture(module: nn.Module, args: tuple = (), kwargs: dict[str, Any] | None =
     """
     args, kwargs = tuple(args), dict(kwargs or {})
     method = "export"
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _forward_through(module, through):
         warnings.simplefilter("ignore")  # export's advice on LSTM flat weights and the like is not the user's concern
         try:
             program = torch.export.export(module, args, kwargs, strict=False)
@@ -120,6 +126,20 @@ def capture(module: nn.Module, args: tuple = (), kwargs: dict[str, Any] | None =
         # Out-of-place ops only: a value that crosses stages must not be changed in place on either side.
         program = program.run_decompositions({})
     return _describe(module, program, args, kwargs, method)
+
+
+@contextmanager
+def _forward_through(module: nn.Module, name: str | None) -> Iterator[None]:
+    """While tracing, ``module``'s forward only calls its submodule ``name`` (an instance attribute shadows it)."""
+    if name is None:
+        yield
+        return
+    submodule = module.get_submodule(name)
+    module.forward = lambda *args, **kwargs: submodule(*args, **kwargs)
+    try:
+        yield
+    finally:
+        del module.forward
 
 
 def _failing_frame(err: BaseException) -> traceback.FrameSummary | None:
@@ -156,8 +176,10 @@ def _capture_message(module: nn.Module, err: BaseException, where: str | None) -
     return (
         f"Could not trace {type(module).__name__}.forward into a graph{at} ({type(err).__name__}: {first}). "
         "Data-dependent Python control flow (an `if` on a tensor's value, .item(), .tolist()) and some ops cannot "
-        "be traced. Move the branch out of forward (into training_step, say), or put the layers in one "
-        "nn.Sequential attribute: PipeDreamStrategy splits that between layers without tracing."
+        "be traced. Move the branch out of forward (into training_step, say); or name where stages begin, "
+        "PipeDreamStrategy(split_points=['model.layers.4', ...]): then only the innermost module holding them "
+        "that the step calls is traced, and the code around it runs as it is on the first and last stages; "
+        "or put the layers in one nn.Sequential attribute: PipeDreamStrategy splits that without tracing."
     )
 
 

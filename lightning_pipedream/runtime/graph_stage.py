@@ -28,8 +28,10 @@ class CapturedStage:
         args: tuple,
         kwargs: dict[str, Any],
         captured: CapturedGraph | None = None,
+        through: str | None = None,
     ) -> None:
-        captured = captured if captured is not None else capture(module, args, kwargs)
+        self.through = through  # trace this submodule's call rather than the module's forward (see capture)
+        captured = captured if captured is not None else capture(module, args, kwargs, through)
         split = split_graph(captured, split_points)
         if split.num_stages != num_stages:
             raise ValueError(
@@ -63,7 +65,7 @@ class CapturedStage:
         key = (module.training, call_signature(args, kwargs))
         if key in self._captured:
             return
-        self.stage.add_split(split_graph(capture(module, args, kwargs), self.split_points))
+        self.stage.add_split(split_graph(capture(module, args, kwargs, self.through), self.split_points))
         self._captured.add(key)
 
     def before_update(self) -> None:
