@@ -167,3 +167,37 @@ def test_through_the_dispatcher(capsys):
     assert "B3+O" in capsys.readouterr().out
     assert main(["simulate", "--schedule", "gpipe", "--stages", "3", "--chunks", "4", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["makespan"] == pytest.approx(18.0)
+
+
+def test_show_and_simulate_the_newer_schedules(capsys):
+    rc, out, _ = _run(cli_show, ["--schedule", "zb-h1", "--stages", "3", "--chunks", "3"], capsys)
+    assert rc == 0 and render_grid(build_schedule("zb-h1", 3, 3)) in out and "W3 = its weight-gradient half" in out
+    rc, out, _ = _run(cli_show, ["--schedule", "interleaved", "--stages", "2", "--chunks", "4", "--virtual-stages",
+                                 "3"], capsys)
+    assert rc == 0 and "interleaved schedule, 2 ranks x 3 model chunks (6 stages) x 4 micro-batches" in out
+    assert render_grid(build_schedule("interleaved", 2, 4, virtual_stages=3)) in out
+    rc, out, _ = _run(cli_show, ["--schedule", "2bw", "--stages", "2", "--chunks", "2", "--minibatches", "3"], capsys)
+    assert rc == 0 and render_grid(build_schedule("2bw", 2, 2, minibatches=3)) in out
+    rc, out, _ = _run(cli_simulate, ["--schedule", "zb-h1", "--stages", "4", "--chunks", "8"], capsys)
+    assert "step time         27 s" in out  # 8 x (1 + 2) + 3 x (1 + 1 - 1)
+    assert "bubble fraction   0.1111   (analytic (p-1)(F+B-W)/(m(F+B+W)+(p-1)(F+B-W)) = 0.1111" in out
+    rc, out, _ = _run(cli_simulate, ["--schedule", "interleaved", "--stages", "4", "--chunks", "8"], capsys)
+    assert "step time         28.5 s" in out and "((p-1)/v)/(m+(p-1)/v) = 0.1579" in out  # v = 2 by default
+    rc, out, _ = _run(cli_simulate, ["--schedule", "2bw", "--stages", "4", "--chunks", "4"], capsys)
+    assert "step time         12 s per minibatch (steady state)" in out
+    rc, out, _ = _run(cli_simulate, ["--schedule", "1f1b", "--stages", "4", "--chunks", "8", "--recompute"], capsys)
+    assert "step time         44 s" in out and "with recompute only their stage inputs" in out  # 11 x (1 + 3)
+
+
+@pytest.mark.parametrize(
+    ("module", "argv", "message"),
+    [
+        (cli_show, ["--schedule", "1f1b", "--virtual-stages", "2"], "--virtual-stages applies to --schedule interleaved"),
+        (cli_show, ["--schedule", "zb-h1", "--minibatches", "2"], "--minibatches applies to --schedule pipedream and 2bw"),
+        (cli_simulate, ["--schedule", "1f1b", "--weight", "1"], "--weight times the split backward of zb-h1; 1f1b runs"),
+        (cli_simulate, ["--schedule", "zb-h1", "--weight", "3"], "--weight 3,3,3,3 must not exceed the backward's seconds"),
+    ],
+)
+def test_bad_arguments_of_the_newer_schedules(module, argv, message, capsys):
+    rc, _, err = _run(module, argv, capsys)
+    assert rc == 2 and message in err

@@ -58,12 +58,17 @@ def add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--chunks",
         type=at_least_one("micro-batches per training step"),
-        help="gpipe/1f1b: micro-batches per training step (default: 8); pipedream runs whole batches (1)",
+        help="micro-batches per training step (default: 8); pipedream runs whole batches (1)",
     )
     parser.add_argument(
         "--minibatches",
-        type=at_least_one("pipedream minibatches before the drain"),
-        help="pipedream: minibatches (training steps) run before the drain (default: 8)",
+        type=at_least_one("minibatches before the drain"),
+        help="pipedream and 2bw: minibatches (training steps) run before the drain (default: 8 and 4)",
+    )
+    parser.add_argument(
+        "--virtual-stages",
+        type=at_least_one("model chunks per rank"),
+        help="interleaved: model chunks per rank, v (default: 2); --stages counts ranks, the model has stages x v",
     )
 
 
@@ -89,11 +94,26 @@ def schedule_of(args: argparse.Namespace) -> Schedule:
         return _build(
             lambda: build_schedule("pipedream", args.stages, minibatches=args.minibatches or 8, replicas=replicas)
         )
+    virtual = getattr(args, "virtual_stages", None)
+    if virtual is not None and args.schedule != "interleaved":
+        raise UsageError(
+            f"--virtual-stages applies to --schedule interleaved only (model chunks per rank); {args.schedule} "
+            "holds one stage per rank."
+        )
+    if args.schedule == "2bw":
+        return _build(
+            lambda: build_schedule("2bw", args.stages, args.chunks or 8, minibatches=args.minibatches or 4,
+                                   replicas=replicas)
+        )
     if args.minibatches is not None:
         raise UsageError(
-            f"--minibatches applies to --schedule pipedream only; {args.schedule} runs one batch of --chunks "
-            "micro-batches per step."
+            f"--minibatches applies to --schedule pipedream and 2bw only; {args.schedule} runs one batch of "
+            "--chunks micro-batches per step."
         )
+    if args.schedule == "interleaved":
+        v = virtual or 2
+        return _build(lambda: build_schedule("interleaved", args.stages, args.chunks or 8, virtual_stages=v,
+                                             replicas=replicas))
     return _build(lambda: build_schedule(args.schedule, args.stages, args.chunks or 8, replicas=replicas))
 
 
@@ -113,6 +133,10 @@ def size_text(schedule: Schedule) -> str:
     if schedule.name == "pipedream":
         per = " per input replica" if schedule.replicas is not None and schedule.replicas[0] > 1 else ""
         return f"{stages} x {schedule.minibatches} minibatches{per}"
+    if schedule.name == "2bw":
+        return f"{stages} x {schedule.minibatches} minibatches of {schedule.chunks} micro-batches"
+    if schedule.virtual_stages > 1:
+        stages = f"{schedule.num_ranks} ranks x {schedule.virtual_stages} model chunks ({schedule.num_stages} stages)"
     per = " per input replica" if schedule.replicas is not None and schedule.replicas[0] > 1 else ""
     return f"{stages} x {schedule.chunks} micro-batches{per}"
 
@@ -190,6 +214,18 @@ def run(args: argparse.Namespace) -> int:
         print(
             "AR = gradient all-reduce among a stage's replicas (waits for all of them); micro-batch m runs on "
             "replica m % r of a stage with r replicas"
+        )
+    if schedule.splits_backward:
+        print("B3 = the input-gradient half of the backward, W3 = its weight-gradient half (deferred into bubbles)")
+    if schedule.virtual_stages > 1:
+        print(
+            f"F3s5 = forward of micro-batch 3 on stage 5; rank r holds stages r, r+{schedule.num_ranks}, ... "
+            "(one O per stage, one optimizer step)"
+        )
+    if schedule.name == "2bw":
+        print(
+            "2bw: no flush; each stage updates after a minibatch's backwards, and minibatch t runs on the weights "
+            "before its stage's newest (version t-1): two versions per stage"
         )
     print()
     print(render_grid(schedule))

@@ -44,6 +44,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     costs.add_argument("--activation-bytes", type=_numbers, help="bytes each stage sends forward (default: 0)")
     costs.add_argument("--optimizer", type=float, default=0.0, help="seconds per optimizer step (default: 0)")
     costs.add_argument(
+        "--weight",
+        type=_numbers,
+        help="zb-h1: seconds of the backward's weight-gradient half per stage (default: half the backward)",
+    )
+    costs.add_argument(
+        "--recompute", action="store_true", help="activation recomputation: each backward replays its forward"
+    )
+    costs.add_argument(
         "--parameter-bytes",
         type=_numbers,
         help="with --replicas: each stage's parameter bytes, all-reduced among its replicas (default: 0)",
@@ -111,7 +119,7 @@ def _profile_costs(args: argparse.Namespace, schedule: Schedule) -> tuple[list[f
         raise UsageError(
             f"could not read the profile {args.profile}: {err}. Write one with `python -m lightning_pipedream plan`."
         ) from None
-    counts = _split(args.balance, len(layers), args.stages)
+    counts = _split(args.balance, len(layers), schedule.num_stages)
     # A profile times whole batches; flushed schedules split each batch into --chunks micro-batches,
     # assumed to cost 1/chunks each. PipeDream runs one whole batch (minibatch) per step.
     scale = 1.0 / schedule.chunks
@@ -128,9 +136,25 @@ def _profile_costs(args: argparse.Namespace, schedule: Schedule) -> tuple[list[f
     return fwd, bwd, act, note
 
 
-def analytic_bubble(name: str, stages: int, chunks: int) -> float | None:
-    """(p - 1) / (m + p - 1): the bubble of gpipe and 1f1b with equal stages and free links."""
-    return (stages - 1) / (chunks + stages - 1) if name in ("gpipe", "1f1b") else None
+def analytic_bubble(
+    name: str, stages: int, chunks: int, *, virtual_stages: int = 1, forward: float = 1.0, backward: float = 2.0,
+    weight: float | None = None,
+) -> tuple[float, str] | None:
+    """The bubble fraction theory gives for equal stages and free links, and its formula; None if none applies.
+
+    gpipe, 1f1b: (p-1)/(m+p-1). interleaved (m a multiple of p): (p-1)/v over m + (p-1)/v. zb-h1
+    (m >= p): (p-1)(F+B-W) over m(F+B+W) + (p-1)(F+B-W), B the input-gradient half.
+    """
+    p, m, v = stages, chunks, virtual_stages
+    if name in ("gpipe", "1f1b") or (name == "interleaved" and v == 1):
+        return (p - 1) / (m + p - 1), "(p-1)/(m+p-1)"
+    if name == "interleaved" and m % p == 0:
+        return ((p - 1) / v) / (m + (p - 1) / v), "((p-1)/v)/(m+(p-1)/v)"
+    if name == "zb-h1" and m >= p:
+        w = backward / 2 if weight is None else weight
+        idle = (p - 1) * (forward + backward - 2 * w)
+        return idle / (m * (forward + backward) + idle), "(p-1)(F+B-W)/(m(F+B+W)+(p-1)(F+B-W))"
+    return None
 
 
 def _report(
@@ -153,12 +177,27 @@ def _report(
         if result.step_time != result.makespan:
             lines.append(f"makespan          {result.makespan:.6g} s (too few minibatches for a steady state)")
     bubble = f"bubble fraction   {result.bubble_fraction:.4f}"
-    analytic = analytic_bubble(args.schedule, args.stages, schedule.chunks)
-    if analytic is not None and schedule.replicas is None:
-        bubble += f"   (analytic (p-1)/(m+p-1) = {analytic:.4f}, for equal stages and free links)"
+    analytic = _analytic(args, schedule, fwd, bwd)
+    if analytic is not None:
+        bubble += f"   (analytic {analytic[1]} = {analytic[0]:.4f}, for equal stages and free links)"
     lines.append(bubble)
-    lines.append(f"peak activations  {' '.join(map(str, result.peak_activations))}   (micro-batches stored, per rank)")
+    what = "micro-batch chunks stored, per rank" if schedule.virtual_stages > 1 else "micro-batches stored, per rank"
+    if args.recompute:
+        what += "; with recompute only their stage inputs, each backward replaying its forward"
+    lines.append(f"peak activations  {' '.join(map(str, result.peak_activations))}   ({what})")
     return "\n".join(lines)
+
+
+def _analytic(
+    args: argparse.Namespace, schedule: Schedule, fwd: list[float], bwd: list[float]
+) -> tuple[float, str] | None:
+    if schedule.replicas is not None or args.recompute or len(set(fwd)) > 1 or len(set(bwd)) > 1:
+        return None
+    weight = None if args.weight is None or len(set(args.weight)) > 1 else args.weight[0]
+    return analytic_bubble(
+        args.schedule, schedule.num_ranks, schedule.chunks, virtual_stages=schedule.virtual_stages,
+        forward=fwd[0], backward=bwd[0], weight=weight,
+    )
 
 
 def _costs(args: argparse.Namespace, schedule: Schedule) -> tuple[list[float], list[float], list[float], str]:
@@ -172,17 +211,24 @@ def _costs(args: argparse.Namespace, schedule: Schedule) -> tuple[list[float], l
         return _profile_costs(args, schedule)
     if args.balance is not None:
         raise UsageError("--balance splits the layers of a --profile; give --profile too, or drop --balance.")
-    fwd = _per_stage("--forward", args.forward, args.stages, [1.0] * args.stages)
-    bwd = _per_stage("--backward", args.backward, args.stages, [2 * f for f in fwd])
-    act = _per_stage("--activation-bytes", args.activation_bytes, args.stages, [0.0] * args.stages)
-    return fwd, bwd, act, ""
+    n = schedule.num_stages  # interleaved: one value per stage of the model (ranks x chunks), or one for all
+    fwd = _per_stage("--forward", args.forward, n, [1.0 / schedule.virtual_stages] * n)
+    bwd = _per_stage("--backward", args.backward, n, [2 * f for f in fwd])
+    act = _per_stage("--activation-bytes", args.activation_bytes, n, [0.0] * n)
+    v = schedule.virtual_stages
+    return fwd, bwd, act, f"each of the {n} stages: 1/{v} of a rank's work" if v > 1 else ""
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         schedule = schedule_of(args)
         fwd, bwd, act, note = _costs(args, schedule)
-        params = _per_stage("--parameter-bytes", args.parameter_bytes, args.stages, [0.0] * args.stages)
+        params = _per_stage("--parameter-bytes", args.parameter_bytes, schedule.num_stages, [0.0] * schedule.num_stages)
+        weight = None if args.weight is None else _per_stage("--weight", args.weight, schedule.num_stages, [])
+        if weight is not None and not schedule.splits_backward:
+            raise UsageError(f"--weight times the split backward of zb-h1; {args.schedule} runs whole backwards.")
+        if weight is not None and any(w > b for w, b in zip(weight, bwd)):
+            raise UsageError(f"--weight {','.join(f'{w:g}' for w in weight)} must not exceed the backward's seconds.")
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -196,6 +242,8 @@ def run(args: argparse.Namespace) -> int:
         optimizer_s=args.optimizer,
         parameter_bytes=params,
         allreduce_bandwidth=args.allreduce_bandwidth,
+        weight_s=weight,
+        recompute=args.recompute,
     )
     size = schedule.minibatches if schedule.name == "pipedream" else schedule.chunks
     if args.plot:
@@ -204,10 +252,11 @@ def run(args: argparse.Namespace) -> int:
         args.trace.parent.mkdir(parents=True, exist_ok=True)
         args.trace.write_text(json.dumps(to_chrome_trace(result.events)))
     if args.json:
+        analytic = _analytic(args, schedule, fwd, bwd)
         out = result.summary() | {
-            "analytic_bubble_fraction": None
-            if schedule.replicas is not None
-            else analytic_bubble(args.schedule, args.stages, schedule.chunks),
+            "analytic_bubble_fraction": None if analytic is None else analytic[0],
+            "virtual_stages": schedule.virtual_stages,
+            "recompute": args.recompute,
             "replicas": None if schedule.replicas is None else list(schedule.replicas),
             "parameter_bytes": params,
             "forward_s": fwd,
