@@ -222,3 +222,14 @@ def test_the_plans_cost_model_knows_the_new_schedules():
     assert plan("interleaved", virtual_stages=2).simulated_time_per_minibatch() == pytest.approx(3 + 3 * 3 / 16)
     assert plan("2bw").simulated_time_per_minibatch() == pytest.approx(3)  # no flush: no bubble
     assert plan("1f1b", recompute=True).simulated_time_per_minibatch() == pytest.approx(4 + 3 * 4 / 8)
+
+
+def test_inference_over_model_chunks():
+    from lightning_pipedream.schedule.builders import inference
+
+    for p in range(1, 5):
+        for m in range(1, 9):
+            for v in range(1, 4):
+                s = inference(p, m, virtual_stages=v)
+                validate(s)
+                assert s.num_stages == p * v and not any(a.op is Op.BACKWARD for rank in s.actions for a in rank)

@@ -481,9 +481,23 @@ def two_bw(num_stages: int, chunks: int, minibatches: int) -> Schedule:
     return Schedule("2bw", num_stages, num_stages, chunks, actions, minibatches=minibatches)
 
 
-def inference(num_stages: int, chunks: int) -> Schedule:
-    """Forward passes only, micro-batch by micro-batch (validation, test, predict)."""
-    return _flushed("inference", num_stages, chunks, lambda stage: [("F", m) for m in range(chunks)])
+def inference(num_stages: int, chunks: int, virtual_stages: int = 1) -> Schedule:
+    """Forward passes only, micro-batch by micro-batch (validation, test, predict).
+
+    ``virtual_stages`` > 1: ``num_stages`` ranks each hold that many model chunks (as ``interleaved``
+    lays them out); a rank runs every micro-batch through its chunk 0, then its chunk 1, ...
+    """
+    if virtual_stages == 1:
+        return _flushed("inference", num_stages, chunks, lambda stage: [("F", m) for m in range(chunks)])
+    _check_stages(num_stages)
+    check_chunks(chunks)
+    _check_virtual_stages(virtual_stages)
+    p, v = num_stages, virtual_stages
+    forwards = [("F", m) for m in range(chunks)]
+    actions = [
+        [a for c in range(v) for a in _with_communication(c * p + r, p * v, forwards, num_ranks=p)] for r in range(p)
+    ]
+    return Schedule("inference", p, p * v, chunks, _receive_in_send_order(actions))
 
 
 _BUILDERS: dict[str, Callable[..., Schedule]] = {
