@@ -212,8 +212,10 @@ def check_untraceable_model_error_names_the_line_and_the_way_out():
     text = str(info.value)
     assert text.startswith("Could not trace Branchy.forward into a graph at ")
     assert "test_graph_split.py:" in text and "in forward: if x.sum() > 0:" in text
-    assert ("Move the branch out of forward (into training_step, say), or put the layers in one nn.Sequential "
-            "attribute: PipeDreamStrategy splits that between layers without tracing.") in text
+    assert ("Move the branch out of forward (into training_step, say); or name where stages begin, "
+            "PipeDreamStrategy(split_points=['model.layers.4', ...]): then only the innermost module holding them "
+            "that the step calls is traced, and the code around it runs as it is on the first and last stages; "
+            "or put the layers in one nn.Sequential attribute: PipeDreamStrategy splits that without tracing.") in text
 
 
 def test_profile_is_a_dag_the_partitioner_splits():
