@@ -7,6 +7,7 @@ import itertools
 import json
 import logging
 import os
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any, Literal
@@ -81,8 +82,16 @@ class PipeDreamStrategy(DDPStrategy):
 
     Args:
         schedule: ``"pipedream"`` (asynchronous 1F1B with weight stashing, each batch one
-            minibatch), ``"1f1b"`` (one-forward-one-backward with a flush) or ``"gpipe"``.
-        chunks: micro-batches per batch for ``1f1b``/``gpipe`` (``pipedream`` takes 1).
+            minibatch), ``"1f1b"`` (one-forward-one-backward with a flush), ``"gpipe"``, ``"zb-h1"``
+            (1F1B with each backward split, its weight half deferred into the bubbles), ``"interleaved"``
+            (Megatron's 1F1B over ``virtual_stages`` model chunks per process) or ``"2bw"``
+            (PipeDream-2BW: micro-batches, two weight versions, the update one step late, no flush).
+        chunks: micro-batches per batch (``pipedream`` takes 1).
+        virtual_stages: ``interleaved`` only: model chunks per process; the layers are cut into
+            processes x ``virtual_stages`` stages (evenly, or by ``balance``) and process r holds stages
+            r, r + processes, ... Needs a module whose layers are one ``nn.Sequential``.
+        recompute: keep only each stage's inputs between forward and backward and replay the forward
+            in the backward (RNG restored: the same dropout masks); less memory, one more forward.
         balance: layers per stage, e.g. ``[3, 2]``; by default the model is profiled on a
             training batch and partitioned with PipeDream's optimizer.
         plan: path of a ``plan.json`` (``python -m lightning_pipedream plan --json``); skips profiling.
@@ -119,6 +128,8 @@ class PipeDreamStrategy(DDPStrategy):
         stages: int | None = None,
         replicas: list[int] | None = None,
         check_finite: bool = False,
+        virtual_stages: int = 1,
+        recompute: bool = False,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -128,7 +139,7 @@ class PipeDreamStrategy(DDPStrategy):
         timeout: timedelta | None = _DEFAULT_TIMEOUT,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
-        check_schedule_options(schedule, chunks, vertical_sync)
+        check_schedule_options(schedule, chunks, vertical_sync, virtual_stages=virtual_stages, recompute=recompute)
         if start_method != "popen":
             # spawn/fork launchers copy only rank 0's weights back to the main process: wrong for a pipeline.
             raise ValueError(
@@ -148,6 +159,10 @@ class PipeDreamStrategy(DDPStrategy):
         )
         self.schedule = schedule
         self.chunks = chunks
+        self.virtual_stages = virtual_stages
+        self.recompute = recompute
+        # pipedream and 2bw keep the pipeline full across training steps (a drain empties it).
+        self.asynchronous = schedule in ("pipedream", "2bw")
         self._balance_arg = list(balance) if balance is not None else None
         self._plan_path = plan
         self._layers_arg = layers
@@ -179,6 +194,7 @@ class PipeDreamStrategy(DDPStrategy):
         self._graph: CapturedStage | None = None  # the graph path's stage, captures and tied copies
         self._graph_inputs_seen: set[tuple] = set()
         self._stage_module: nn.Module | None = None
+        self._chunks: list[nn.Module] = []  # interleaved: this rank's model chunks, stages r, r + p, ...
         self._module_set_up: LightningModule | None = None
         self._engine: PipelineEngine | None = None
         self._updates: PipelineUpdates | None = None
@@ -256,6 +272,12 @@ class PipeDreamStrategy(DDPStrategy):
                 self.balance = self._decide_balance(trainer, module, layers)
                 self._keep_own_stage(module, layers)
             else:
+                if self.virtual_stages > 1:
+                    raise ValueError(
+                        f"schedule='interleaved' with virtual_stages={self.virtual_stages} splits the layers of one "
+                        f"nn.Sequential into model chunks, but {type(module).__name__}'s are not one nn.Sequential. "
+                        "Put the layers in one nn.Sequential (layers= names it), or use virtual_stages=1."
+                    )
                 self._call = ForwardCall()
                 self._split_captured_graph(trainer, module)
             self._module_set_up = module
@@ -375,7 +397,7 @@ class PipeDreamStrategy(DDPStrategy):
             )
         d = self.num_pipelines
         # Groups made here carry the strategy's timeout (a DeviceMesh's would wait torch's default 30 minutes).
-        lagged = self.schedule == "pipedream" and p > 1  # summaries travel on a group of their own
+        lagged = self.asynchronous and p > 1  # summaries travel on a group of their own
         if d == 1:
             self._pipeline_group = dist.new_group(**options) if p > 1 else None
             self._summary_group = dist.new_group(**options) if lagged else None
@@ -460,12 +482,11 @@ class PipeDreamStrategy(DDPStrategy):
                 "PipeDreamStrategy does not combine with data-parallel pipelines yet. Run one pipeline (stages = "
                 "processes), or split points that keep each tied parameter's users in one stage."
             )
-        if self._graph.ties and self.schedule == "pipedream":
+        if self._graph.ties and self.schedule == "2bw":
             raise ValueError(
-                f"Parameters {sorted(self._graph.ties)} are used on several stages (tied weights); under "
-                "schedule='pipedream' the stages apply their copies' gradients at different steps, so the copies "
-                "would drift apart. Use schedule='1f1b' or 'gpipe', or split_points that keep each tied parameter's "
-                "users in one stage."
+                f"Parameters {sorted(self._graph.ties)} are used on several stages (tied weights), which "
+                "schedule='2bw' does not support yet (pipedream, 1f1b and gpipe do). Use one of those, or "
+                "split_points that keep each tied parameter's users in one stage."
             )
         self._stage_module = self._graph.stage
         self._local_names = {id(p): n for n, p in self._stage_module.named_parameters()}
@@ -513,6 +534,17 @@ class PipeDreamStrategy(DDPStrategy):
                 self._graph_inputs_seen.add(key)
 
     def _decide_balance(self, trainer: Trainer, module: LightningModule, layers: nn.Sequential) -> list[int]:
+        if self.virtual_stages > 1:  # interleaved: processes x virtual_stages stages, evenly unless balance= says
+            total = self.num_stages * self.virtual_stages
+            if self._plan_path is not None:
+                raise ValueError(
+                    "PipeDreamStrategy(plan=...) gives one layer range per process; schedule='interleaved' with "
+                    f"virtual_stages={self.virtual_stages} needs {total} (processes x virtual_stages). Give "
+                    f"balance= with {total} layer counts, or drop plan= for an even split."
+                )
+            if self._balance_arg is not None:
+                return check_balance(self._balance_arg, len(layers), total)
+            return even_balance(len(layers), total)
         if self._plan_path is not None:
             return self._balance_from_plan_file(layers)
         if self._balance_arg is not None:
@@ -579,7 +611,12 @@ class PipeDreamStrategy(DDPStrategy):
     def _keep_own_stage(self, module: LightningModule, layers: nn.Sequential) -> None:
         """Replace the other stages' layers by placeholders so this rank holds only its own."""
         assert self.balance is not None
-        own = stage_slice(layers, self.balance, self.stage_index)
+        # interleaved: this rank's model chunks are stages r, r + p, ... (one stage otherwise)
+        mine = [c * self.num_stages + self.stage_index for c in range(self.virtual_stages)]
+        self._chunks = [stage_slice(layers, self.balance, s) for s in mine]
+        own = self._chunks[0] if len(mine) == 1 else nn.Sequential(
+            OrderedDict((name, layer) for chunk in self._chunks for name, layer in chunk.named_children())
+        )
         check_stage_trains(own, self.stage_index, self.balance)
         stage_of = [s for s, count in enumerate(self.balance) for _ in range(count)]
         for i, name in enumerate(list(layers._modules)):
@@ -592,7 +629,7 @@ class PipeDreamStrategy(DDPStrategy):
     def _build_engine(self) -> None:
         assert self._stage_module is not None
         self._engine = PipelineEngine(
-            self._stage_module,
+            self._chunks if self.virtual_stages > 1 else self._stage_module,
             self.stage_index,
             self.num_stages,
             Transport(group=self._pipeline_group, device=self.root_device),
@@ -605,6 +642,8 @@ class PipeDreamStrategy(DDPStrategy):
             replicas=self._layout.replicas if self._layout is not None else None,
             rank=self.global_rank if self._layout is not None else None,
             allreduce=_reduced_in_updates if self._layout is not None else None,
+            recompute=self.recompute,
+            virtual_stages=self.virtual_stages,
         )
 
     @override
@@ -637,19 +676,19 @@ class PipeDreamStrategy(DDPStrategy):
         # As Lightning divides the loss of each accumulated batch; and each pipeline's loss counts 1/pipelines in the
         # replicas' summed gradient.
         scale = 1.0 / (trainer.accumulate_grad_batches * self.num_pipelines)
-        flushed = self.schedule != "pipedream"
+        flushed = not self.asynchronous
         recorder = LogRecorder()
         step_outputs: list[Any] = []
         batch_loss = [0.0]
 
-        def part(mb: int) -> Any:
-            return parts[piece(mb) if flushed else 0]
+        def part(mb: int) -> Any:  # pipedream and 2bw number micro-batches on across steps
+            return parts[piece(mb % len(parts))]
 
         def inputs(mb: int) -> Any:
             return self._call.input_of(module, "training_step", part(mb), batch_idx)
 
         def loss(mb: int, output: Any) -> Tensor:
-            size = sizes[piece(mb) if flushed else 0]
+            size = sizes[piece(mb % len(parts))]
             with self._call.replaying(module, output), recorder.capture(module, size):
                 step_output = module.training_step(part(mb), batch_idx)
             value = loss_of(step_output)
@@ -756,7 +795,7 @@ class PipeDreamStrategy(DDPStrategy):
         square = torch.zeros(1, device=self.root_device, dtype=torch.float32)
         for g in grads:
             square += g.detach().float().pow(2).sum()
-        if self.num_stages > 1 and self.schedule != "pipedream":
+        if self.num_stages > 1 and not self.asynchronous:
             if self._layout is not None and self._layout.replica_of(self.global_rank) != 0:
                 square.zero_()  # a stage's replicas hold the same (summed) gradients: count the stage once
             dist.all_reduce(square, group=self._pipeline_group)  # replicas hold the same gradients: one pipeline
@@ -773,7 +812,7 @@ class PipeDreamStrategy(DDPStrategy):
         Every rank must call it at the same point (they do: they run the same steps and hooks).
         """
         engine, updates = self._engine, self._updates
-        if engine is None or updates is None or self.schedule != "pipedream" or self._failure is not None:
+        if engine is None or updates is None or not self.asynchronous or self._failure is not None:
             return
         with updates.pipeline_grads():
             engine.drain(updates.apply)
@@ -826,7 +865,7 @@ class PipeDreamStrategy(DDPStrategy):
                 return step(parts[mb], batch_idx, *extra_args, **kwargs)
 
         self._ensure_captured(module, hook, parts, batch_idx, *extra_args, **kwargs)
-        actions = inference(self.num_stages, len(parts)).actions[self.stage_index]
+        actions = inference(self.num_stages, len(parts), self.virtual_stages).actions[self.stage_index]
         if self._layout is not None:  # the first replica of each stage evaluates; the others get the results
             layout = self._layout
             first = [layout.ranks_of(s)[0] for s in range(layout.num_stages)]

@@ -141,6 +141,25 @@ RUNS: dict[str, dict[str, Any]] = {
 }
 
 
+# The newer schedules (issue 13) through the Trainer: one epoch of NEWER_BATCHES each, in the same launches.
+NEWER_BATCHES = 4
+
+
+def newer(schedule: str, balance: list[int], devices: int, **options: Any) -> dict[str, Any]:
+    return {"devices": devices, "strategy": {"schedule": schedule, "balance": balance, **options},
+            "trainer": {"max_epochs": 1}, "batches": NEWER_BATCHES}
+
+
+INTERLEAVED_BALANCE = {2: [2, 2, 2, 1], 3: [2, 1, 1, 1, 1, 1]}  # 2 model chunks per process
+for _p in (2, 3):
+    for _m in (2, 4, 8):
+        RUNS[f"zb-h1-{_p}x{_m}"] = newer("zb-h1", TWO if _p == 2 else THREE, _p, chunks=_m)
+        RUNS[f"interleaved-{_p}x{_m}"] = newer("interleaved", INTERLEAVED_BALANCE[_p], _p, chunks=_m, virtual_stages=2)
+    RUNS[f"2bw-{_p}x4"] = newer("2bw", TWO if _p == 2 else THREE, _p, chunks=4)
+RUNS["1f1b-recompute-2x4"] = newer("1f1b", TWO, 2, chunks=4, recompute=True)
+RUNS["2bw-recompute-2x4"] = newer("2bw", TWO, 2, chunks=4, recompute=True)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     """Train every run of RUNS; returns each one's folder."""
@@ -327,3 +346,47 @@ def test_several_optimizers_are_refused():
         _fit_one_device(TwoOptimizers())
     with pytest.raises(ValueError, match=r"uses manual optimization \(automatic_optimization=False\)"):
         _fit_one_device(TwoOptimizersManual())
+
+
+# ------------------------------------------------------------------ the newer schedules (issue 13)
+def one_device(num_batches: int = NEWER_BATCHES) -> dict[str, torch.Tensor]:
+    """One epoch of plain SGD on one device (the pipeline rule with one stage is synchronous training)."""
+    return reference(balance=[7], epochs=[list(range(num_batches))], num_batches=num_batches)
+
+
+def two_bw_rule(num_batches: int = NEWER_BATCHES, lr: float = 0.2) -> dict[str, torch.Tensor]:
+    """PipeDream-2BW's rule in one process, one epoch (a drain at its end): W(t+1) = W(t) - lr * grad f_t(W(t-1)),
+    with W(-1) = W(0); every stage uses the same delay, so the stages need no separate treatment."""
+    L.seed_everything(0, verbose=False)
+    module = RuleMLP()
+    before = {k: p.detach().clone() for k, p in module.named_parameters()}
+    for x, y in batches(num_batches):
+        params = {k: w.clone().requires_grad_() for k, w in before.items()}
+        loss = torch.nn.functional.mse_loss(torch.func.functional_call(module, params, (x,)), y)
+        grads = torch.autograd.grad(loss, list(params.values()))
+        before = {k: p.detach().clone() for k, p in module.named_parameters()}
+        with torch.no_grad():
+            for p, g in zip(module.parameters(), grads):
+                p -= lr * g
+    return module.state_dict()
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "interleaved"])
+@pytest.mark.parametrize("stages", [2, 3])
+def test_zero_bubble_and_interleaved_equal_one_device(runs, schedule, stages):
+    want = one_device()
+    for chunks in (2, 4, 8):
+        assert_weights(runs[f"{schedule}-{stages}x{chunks}"], want)
+        assert result(runs[f"{schedule}-{stages}x{chunks}"])["global_step"] == NEWER_BATCHES
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_two_bw_follows_its_rule(runs, stages):
+    want = two_bw_rule()
+    assert_weights(runs[f"2bw-{stages}x4"], want)
+    assert max((want[k] - v).abs().max().item() for k, v in one_device().items()) > 1e-4  # not synchronous
+
+
+def test_recompute_through_the_trainer(runs):
+    assert_weights(runs["1f1b-recompute-2x4"], one_device())
+    assert_weights(runs["2bw-recompute-2x4"], two_bw_rule())
