@@ -77,3 +77,27 @@ def test_lightning_quick_runs(tmp_path):
         assert contenders[name]["strategy_over_engine"] > 0
     lightning.main(["--json", str(out), "--plot", str(tmp_path / "lightning.png")])
     assert (tmp_path / "lightning.png").stat().st_size > 0
+
+
+@pytest.mark.timeout(240)
+def test_replication_quick_runs(tmp_path):
+    """`python -m benchmarks.replication --quick`: the planner's plans and predictions are recorded, the hybrid (2-1),
+    straight and DDP runs on 3 processes do the same updates and end with one-process training's weights."""
+    replication = _load("replication")
+    out = tmp_path / "replication.json"
+    replication.main(["--quick", "--json", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["plans"]["3"]["replicated"]["time_per_minibatch_s"] > 0
+    assert saved["plans"]["3"]["straight"]["configuration"] == "1-1-1"
+    contenders = saved["contenders"]
+    assert contenders.keys() == {"ddp3", "hybrid3", "straight3"}
+    batches = saved["config"]["warmup_batches"] + saved["config"]["timed_batches"]
+    for name, c in contenders.items():
+        assert c["seconds_per_step"] > 0 and c["predicted_samples_per_s"] > 0, name
+        assert c["updates_per_rank"] == [batches] * 3, name  # every stage, replica and DDP rank: one update per batch
+        assert c["weights_agree"] and c["max_abs_diff_vs_one_process"] <= replication.TOLERANCE, name
+    assert contenders["ddp3"]["per_process_batch"] * 3 == contenders["hybrid3"]["per_process_batch"]
+    ranking = saved["ranking"]["3"]
+    assert sorted(ranking["measured"]) == sorted(ranking["predicted"]) == ["ddp3", "hybrid3", "straight3"]
+    replication.main(["--json", str(out), "--plot", str(tmp_path / "replication.png")])
+    assert (tmp_path / "replication.png").stat().st_size > 0
