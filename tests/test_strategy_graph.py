@@ -13,8 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from graph_models import batches, loss_fn, make
 from graph_trainer import FamilyModule
+from pipedream_reference import Minibatch, PipeDreamRule
 from script_runs import run_script
+from torch import nn
 
 from lightning_pipedream import PipeDreamStrategy
 
@@ -50,6 +53,8 @@ def trained(tmp_path_factory) -> Path:
         common = {"family": family, "model": model, "limit_val_batches": 1, "untraceable": bool(untraceable)}
         runs[1].append([str(base / case / "single"), common])
         runs[processes].append([str(base / case / "pipe"), {**common, "devices": processes, "strategy": strategy}])
+    runs[2].append([str(base / "lstm_pipedream"), {"family": "lstm", "devices": 2, "strategy": {
+        "schedule": "pipedream", "split_points": ["model.rnn2"]}}])
     for processes, group in runs.items():
         if group:
             (base / f"runs{processes}.json").write_text(json.dumps(group))
@@ -72,13 +77,38 @@ def test_training_equals_one_device(trained, family):
     FamilyModule.load_from_checkpoint(pipe / "final.ckpt", map_location="cpu")
 
 
-def test_pipedream_refuses_weights_tied_across_stages(tmp_path):
-    proc = run(tmp_path, {"family": "lstm", "devices": 2, "strategy": {"schedule": "pipedream",
-                                                                    "split_points": ["model.rnn2"]}},
-               expect_ok=False)
-    assert proc.returncode != 0
-    assert ("Parameters ['model.emb.weight'] are used on several stages (tied weights); under schedule='pipedream' "
-            "the stages apply their copies' gradients at different steps") in proc.stderr
+class LSTMOutput(nn.Module):
+    def __init__(self, lstm: nn.LSTM) -> None:
+        super().__init__()
+        self.lstm = lstm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lstm(x)[0]
+
+
+def test_pipedream_with_weights_tied_across_stages_follows_its_rule(trained):
+    # The LSTM LM split before rnn2: the embedding on stage 0, the decoder tied to it on stage 1. Under pipedream
+    # each stage updates its copy at its own step for minibatch t with the sum of both copies' gradients for t,
+    # each at its own stage's stashed weights (tests/scripts/pipedream_reference.py, untied copies + ties).
+    got = weights(trained / "lstm_pipedream" / "final.ckpt")
+    model, _ = make("lstm")
+    decoder = nn.Linear(16, 31)
+    decoder.weight, decoder.bias = nn.Parameter(model.emb.weight.detach().clone()), model.dec.bias
+    stages = nn.Sequential(model.emb, LSTMOutput(model.rnn1), LSTMOutput(model.rnn2), decoder)
+    rule = PipeDreamRule(stages, [2, 2], lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), loss_fn,
+                         lambda index: {"lr": 0.1}, ties=[[(0, "0.weight"), (1, "1.weight")]])
+    rule.segment([Minibatch(i, args[0], targets) for i, (args, targets) in enumerate(batches("lstm", 3, 4))])
+    want = {"model.emb.weight": stages[0].weight, "model.dec.weight": stages[3].weight,
+            "model.dec.bias": stages[3].bias,
+            **{f"model.rnn{i}.{k}": v for i in (1, 2) for k, v in stages[i].lstm.state_dict().items()}}
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+    # The copies (the embedding on stage 0, the decoder on stage 1) stay bit-identical.
+    assert torch.equal(got["model.emb.weight"], got["model.dec.weight"])
+    # A minibatch's loss is logged on every rank once it has finished (after the drain: the last one).
+    assert json.loads((trained / "lstm_pipedream" / "metrics.json").read_text())["train_loss"] == pytest.approx(
+        rule.losses[-1], rel=1e-5)
 
 
 def test_an_untraceable_model_gets_the_way_out(tmp_path):

@@ -6,6 +6,11 @@ newest weights ``S-1-s`` steps later, with the hyperparameters minibatch ``t`` w
 drain applies every pending gradient. With ``vertical_sync`` every stage uses the version stage 0 used.
 Accumulation sums ``1/k`` of each gradient and steps at the minibatches that close a group.
 
+``ties`` (parameters used by several stages, e.g. an embedding tied to the decoder): each holding stage
+keeps its own copy; at a stage's update for minibatch ``t`` a copy's gradient is the sum of every
+copy's gradient for ``t``, each computed at its own stage's stashed weights (the copies stay identical,
+since every holder applies the same sums in the same order).
+
 ``stashing=False`` is the paper's ablation (no weight stashing): a stage's forward runs at the weights
 it has then and keeps its activations, but its backward runs later, at the weights it has when the
 backward runs (after its updates for every earlier minibatch): a Linear's input-gradient ``g @ W``
@@ -51,9 +56,13 @@ class PipeDreamRule:
         clip_value: float | None = None,
         vertical_sync: bool = False,
         stashing: bool = True,
+        ties: Sequence[Sequence[tuple[int, str]]] = (),
     ) -> None:
         if vertical_sync and not stashing:
             raise ValueError("vertical sync chooses among stashed versions: it needs stashing")
+        if ties and not stashing:
+            raise ValueError("the no-stashing reference knows no ties")
+        self.ties = [list(tie) for tie in ties]  # each: the (stage, parameter name in the stage) holding a copy
         names = list(layers._modules)
         self.stages: list[nn.Sequential] = []
         start = 0
@@ -95,11 +104,17 @@ class PipeDreamRule:
         accumulated: list[dict[str, Tensor]] = [{} for _ in range(S)]
         # Without stashing: the gradient each stage's backward receives, by (stage, minibatch index).
         output_grads: dict[tuple[int, int], Tensor] = {}
+        computed: dict[int, list[dict[str, Tensor | None]]] = {}  # every stage's gradients, by minibatch index
 
         def apply(s: int) -> None:
             mb, grads = pending[s].popleft()
             if not self.stashing:  # ``grads`` holds the forward's activations: the backward runs now
                 grads = self._late_backward(s, grads, output_grads.pop((s, mb.index)), output_grads, mb.index)
+            for tie in self.ties:
+                for holder, name in tie:
+                    if holder == s:
+                        copies = [computed[mb.index][t][n] for t, n in tie]
+                        grads = {**grads, name: sum(g for g in copies if g is not None)}
             for n, g in grads.items():
                 if g is not None:
                     accumulated[s][n] = accumulated[s][n] + g if n in accumulated[s] else g
@@ -132,6 +147,7 @@ class PipeDreamRule:
                 weights = [self._weights(s) for s in range(S)]
             if self.stashing:
                 per_stage = self._gradients(weights, mb)
+                computed[mb.index] = per_stage
             else:
                 per_stage, loss_grad = self._activations(mb)
                 output_grads[(S - 1, mb.index)] = loss_grad
