@@ -140,6 +140,7 @@ def plan_all(cfg: Config, plan_dir: Path, workers=(2, 3, 4), repeats: int = 5) -
             entry["one_worker_time_per_minibatch_s"] = plan.one_worker_time
         entry["planner_choice"] = _choice(entry)
         plans[str(n)] = entry
+    profile.save(plan_dir / "profile.json")
     return plans
 
 
@@ -165,21 +166,55 @@ def fallback_hybrid(plan_dir: Path) -> None:
     Plan.from_json({"stages": stages}).save(plan_dir / "replicated3.json")
 
 
-def predictions(plans: dict, cfg: Config) -> dict:
-    """The planner's time per minibatch (``micro`` samples) for each contender, as samples/s, and its ranking."""
-    def per_s(t: float) -> float:
-        return cfg.micro / t
+def predictions(plans: dict, cfg: Config, plan_dir: Path) -> dict:
+    """Two predictions per contender, both from the profile of one micro-batch:
 
+    * the planner's time per minibatch (``micro`` samples; PipeDream's asynchronous steady state, an all-reduce
+      per minibatch), as samples/s;
+    * the schedule simulator's seconds per step of the run as benchmarked: 1F1B(-RR) with a flush every
+      ``batch`` samples (DDP: one stage on n replicas, one all-reduce per batch), as samples/s.
+    """
+    from lightning_pipedream.plan import Plan, Profile
+
+    profile = Profile.load(plan_dir / "profile.json")
     out = {}
-    for n, names in ((3, {"hybrid3": ("replicated",), "straight3": ("straight",), "ddp3": None}),
-                     (2, {"straight2": ("straight",), "ddp2": None})):
+    for n, names in ((3, {"hybrid3": "replicated", "straight3": "straight", "ddp3": None}),
+                     (2, {"straight2": "straight", "ddp2": None})):
         entry = plans[str(n)]
         for name, kind in names.items():
-            t = entry[kind[0]]["time_per_minibatch_s"] if kind else entry["data_parallel_time_per_minibatch_s"]
-            out[name] = {"time_per_minibatch_s": t, "samples_per_s": per_s(t)}
-        out.setdefault("one_device", {"time_per_minibatch_s": entry["one_worker_time_per_minibatch_s"],
-                                      "samples_per_s": per_s(entry["one_worker_time_per_minibatch_s"])})
+            t = entry[kind]["time_per_minibatch_s"] if kind else entry["data_parallel_time_per_minibatch_s"]
+            if kind:
+                plan = Plan.load(plan_dir / f"{kind}{n}.json")
+                stages = [[profile.names.index(x) for x in st.layers] for st in plan.stages]
+                replicas = [st.replicas for st in plan.stages]
+            else:
+                stages, replicas = [list(range(len(profile.layers)))], [n]
+            step = simulated_step(profile, stages, replicas, cfg)
+            out[name] = {"time_per_minibatch_s": t, "samples_per_s": cfg.micro / t,
+                         "simulated_seconds_per_step": step, "simulated_samples_per_s": cfg.batch / step}
+    one = plans["3"]["one_worker_time_per_minibatch_s"]
+    step = one * cfg.batch / cfg.micro
+    out["one_device"] = {"time_per_minibatch_s": one, "samples_per_s": cfg.micro / one,
+                         "simulated_seconds_per_step": step, "simulated_samples_per_s": cfg.batch / step}
     return out
+
+
+def simulated_step(profile, stages: list[list[int]], replicas: list[int], cfg: Config) -> float:
+    """The schedule simulator's step: 1F1B(-RR) over ``batch`` samples in micro-batches of ``micro``."""
+    from lightning_pipedream.schedule.builders import build_schedule
+    from lightning_pipedream.schedule.simulate import simulate
+
+    layers = profile.layers
+    chunks = cfg.batch // (replicas[0] * cfg.micro)  # micro-batches per replica of the first stage (per shard)
+    result = simulate(
+        build_schedule("1f1b", len(stages), chunks, replicas=replicas if max(replicas) > 1 else None),
+        [sum(layers[i].forward_s for i in st) for st in stages],
+        [sum(layers[i].backward_s for i in st) for st in stages],
+        activation_bytes=[layers[st[-1]].activation_bytes for st in stages],
+        parameter_bytes=[sum(layers[i].parameter_bytes for i in st) for st in stages],
+        bandwidth=cfg.bandwidth,
+    )
+    return result.step_time
 
 
 # ---------------------------------------------------------------------------------------------
@@ -336,6 +371,7 @@ def summarize(runs: dict[str, list[dict]], cfg: Config, predicted: dict) -> dict
             "weights_agree": all(r["weights_agree"] for r in rs),
             "loadavg_1m": [[r["loadavg_before"][0], r["loadavg_after"][0]] for r in rs],
             "predicted_samples_per_s": predicted.get(name, {}).get("samples_per_s"),
+            "simulated_samples_per_s": predicted.get(name, {}).get("simulated_samples_per_s"),
         }
     if "one_device" in out:
         for c in out.values():
@@ -352,8 +388,10 @@ def rankings(contenders: dict, predicted: dict) -> dict:
             continue
         measured = sorted(names, key=lambda g: -contenders[g]["samples_per_s"])
         planned = sorted(names, key=lambda g: -predicted[g]["samples_per_s"])
+        simulated = sorted(names, key=lambda g: -predicted[g]["simulated_samples_per_s"])
         result[str(n)] = {"measured": measured, "predicted": planned, "agree": measured == planned,
-                          "best_agrees": measured[0] == planned[0]}
+                          "best_agrees": measured[0] == planned[0],
+                          "simulated": simulated, "simulated_agrees": measured == simulated}
     return result
 
 
@@ -405,7 +443,7 @@ def main(argv: list[str] | None = None) -> dict:
                                  "hybrid with one replica on the last stage: nothing to compare (rerun when quieter)")
             fallback_hybrid(Path(plan_dir))  # a smoke run still exercises the 2-1 path on a noisy profile
             plans["3"]["hybrid_run"] = "fallback 2-1 after the features (the planner chose otherwise)"
-        predicted = predictions(plans, cfg)
+        predicted = predictions(plans, cfg, Path(plan_dir))
         reference = reference_weights(cfg, warmup + steps)
         spec = {"cfg": asdict(cfg), "plans": plan_dir, "warmup": warmup, "steps": steps}
         runs: dict[str, list[dict]] = {n: [] for n in names}
@@ -449,17 +487,20 @@ def main(argv: list[str] | None = None) -> dict:
 
 def _print_table(doc: dict) -> None:
     c = doc["contenders"]
-    print("| contender | processes | s/step (median) | samples/s | predicted samples/s | vs one device | weights |")
-    print("|---|---|---|---|---|---|---|")
+    print("| contender | processes | s/step (median) | samples/s | planner's samples/s | simulated samples/s | "
+          "vs one device | weights |")
+    print("|---|---|---|---|---|---|---|---|")
     for name in CONTENDERS:
         if name in c:
             r = c[name]
+            speedup = r.get("speedup_vs_one_device", float("nan"))
             print(f"| {name} | {r['processes']} | {r['seconds_per_step']:.4f} | {r['samples_per_s']:.0f} | "
-                  f"{r['predicted_samples_per_s']:.0f} | {r.get('speedup_vs_one_device', float('nan')):.2f} | "
+                  f"{r['predicted_samples_per_s']:.0f} | {r['simulated_samples_per_s']:.0f} | {speedup:.2f} | "
                   f"{'agree' if r['weights_agree'] else 'DIFFER'} ({r['max_abs_diff_vs_one_process']:.1e}) |")
     for n, rk in doc["ranking"].items():
-        print(f"{n} processes: measured {' > '.join(rk['measured'])}; predicted {' > '.join(rk['predicted'])}; "
-              f"{'agree' if rk['agree'] else 'disagree'}")
+        print(f"{n} processes: measured {' > '.join(rk['measured'])}; planner {' > '.join(rk['predicted'])} "
+              f"({'agree' if rk['agree'] else 'disagree'}); simulator {' > '.join(rk['simulated'])} "
+              f"({'agree' if rk['simulated_agrees'] else 'disagree'})")
     m = doc["machine"]["loadavg_1m_during"]
     print(f"load average (1 min) during the runs: median {m['median']:.2f}, {m['min']:.2f} - {m['max']:.2f}")
 
@@ -482,7 +523,9 @@ def plot(doc: dict, path: Path) -> None:
     for i, n in enumerate(order):
         ax.scatter([i] * len(c[n]["runs"]), [batch / r for r in c[n]["runs"]], color="k", s=8, zorder=3)
     ax.scatter(range(len(order)), [c[n]["predicted_samples_per_s"] for n in order], marker="_", s=400,
-               color="tab:orange", zorder=4, label="planner's prediction")
+               color="tab:orange", zorder=4, label="planner's prediction (per minibatch, asynchronous)")
+    ax.scatter(range(len(order)), [c[n]["simulated_samples_per_s"] for n in order], marker="x", s=40,
+               color="tab:purple", zorder=4, label="schedule simulator (flush per batch)")
     ax.set_xticks(range(len(order)), [f"{n}\n({c[n]['processes']} proc.)" for n in order])
     ax.set_ylabel("samples / s")
     load = doc["machine"]["loadavg_1m_during"]
