@@ -263,6 +263,17 @@ def test_bad_arguments_are_rejected_before_any_communication():
         Pipeline(layers, loss_fn=nn.functional.mse_loss, optimizer=sgd, schedule="pipedream", chunks=4)
     with pytest.raises(TypeError, match="Pipeline needs an nn.Sequential"):
         Pipeline(nn.Linear(2, 2), loss_fn=nn.functional.mse_loss, optimizer=sgd)
+    with pytest.raises(ValueError, match="virtual_stages=2 applies to schedule='interleaved' only"):
+        Pipeline(layers, loss_fn=nn.functional.mse_loss, optimizer=sgd, virtual_stages=2)
+    with pytest.raises(ValueError, match="schedule='2bw' does not support replicas yet; use replicas=None"):
+        Pipeline(layers, loss_fn=nn.functional.mse_loss, optimizer=sgd, schedule="2bw", replicas=[2, 1])
+    with pytest.raises(ValueError, match="Prebuilt stage modules run one stage per process; use virtual_stages=1"):
+        Pipeline([layers], loss_fn=nn.functional.mse_loss, optimizer=sgd, schedule="interleaved", virtual_stages=2)
+    from lightning_pipedream.runtime.engine import PipelineEngine
+
+    with pytest.raises(ValueError, match=r"schedule='interleaved' with virtual_stages=2 needs that many model chunks "
+                                         "on each rank, got 1"):
+        PipelineEngine(layers, 0, 2, None, schedule="interleaved", chunks=2, virtual_stages=2)
 
 
 def test_stage_output_that_is_not_a_tensor_tree():

@@ -70,13 +70,13 @@ class Pipeline:
         if not isinstance(layers, nn.Sequential) and not prebuilt:
             raise TypeError(f"Pipeline needs an nn.Sequential of layers, got {type(layers).__name__}.")
         check_schedule_options(schedule, chunks, vertical_sync, virtual_stages=virtual_stages, recompute=recompute)
-        self.rank = dist.get_rank(group)
-        self.num_stages = dist.get_world_size(group)
-        self.virtual_stages = virtual_stages
         if replicas is not None and schedule not in REPLICATED_SCHEDULES:
             raise ValueError(f"schedule={schedule!r} does not support replicas yet; use replicas=None.")
         if prebuilt and virtual_stages != 1:
             raise ValueError("Prebuilt stage modules run one stage per process; use virtual_stages=1 with them.")
+        self.rank = dist.get_rank(group)
+        self.num_stages = dist.get_world_size(group)
+        self.virtual_stages = virtual_stages
         self.layout = None
         if replicas is not None:
             self.layout = Layout(tuple(replicas))
