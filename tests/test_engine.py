@@ -398,3 +398,54 @@ def test_recompute_gives_the_same_weights_and_stores_less(schedule, chunks):
         # from what autograd saves: the recomputing stage keeps only its inputs (and the loss's on the last).
         assert inputs_only < full / 3, (full, inputs_only)
         assert inputs_only > 0
+
+
+class TiedTwice(nn.Module):
+    """One Linear used twice on the inputs' path: its weights are reached along the path itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+
+    def forward(self, x):
+        return self.linear(torch.tanh(self.linear(x)))
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("case", ["mlp", "lstm", "layernorm", "tied"])
+def test_split_backward_equals_the_whole_backward(case, recompute):
+    from lightning_pipedream.runtime.stage import Stage
+
+    torch.manual_seed(0)
+    module, shape = {
+        "mlp": (nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 6)), (4, 6)),
+        "lstm": (nn.Sequential(LSTMLayer6(), nn.Linear(6, 6)), (3, 5, 6)),
+        "layernorm": (nn.Sequential(nn.Linear(6, 6), nn.LayerNorm(6), nn.GELU(), nn.Linear(6, 6)), (4, 6)),
+        "tied": (TiedTwice(), (4, 6)),
+    }[case]
+    stage = Stage(module, 1, 3, recompute=recompute)
+    x, g = torch.randn(*shape, requires_grad=True), torch.randn(*shape)
+    stage.forward(0, x)
+    want_input = stage.backward(0, [g])[0]
+    want = [p.grad.clone() for p in module.parameters()]
+    module.zero_grad(set_to_none=True)
+    stage.forward(1, x.detach().requires_grad_())
+    got_input = stage.backward_input(1, [g])[0]
+    assert all(p.grad is None for p in module.parameters())  # B computes no weight gradient
+    branches = stage._pending_weight[1][2]
+    # From the branch points to the weights; a weight used along the path itself takes the whole backward.
+    assert branches.complete == (case != "tied")
+    stage.backward_weight(1)
+    torch.testing.assert_close(got_input, want_input, rtol=0, atol=0)
+    for p, w in zip(module.parameters(), want):
+        torch.testing.assert_close(p.grad, w, rtol=1e-6, atol=1e-7)
+    assert stage.in_flight() == 0
+
+
+class LSTMLayer6(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(6, 6, batch_first=True)
+
+    def forward(self, x):
+        return self.lstm(x)[0]
