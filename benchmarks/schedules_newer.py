@@ -35,6 +35,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -240,7 +241,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"round {rnd + 1}/{rounds} {name:24s} {run['steps_per_s']:7.3f} steps/s "
                   f"(others using {meter.foreign_cores:.2f} cores)", flush=True)
     doc: dict[str, Any] = {
-        "command": "python -m benchmarks.schedules_newer" + (" --quick" if args.quick else ""),
+        "command": " ".join(["python -m benchmarks.schedules_newer", *(sys.argv[1:] if argv is None else argv)]),
         "config": cfg.__dict__ | {"virtual_stages": VIRTUAL},
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
                     "load_before": load0},
