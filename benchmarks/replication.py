@@ -2,8 +2,8 @@
 
 Run from the repository root (``-m`` only, as ``benchmarks.lightning``)::
 
-    python -m benchmarks.replication                                  # 5 rounds, ~10 min: results/replication.json
-    python -m benchmarks.replication --quick --json /tmp/repl.json    # smoke run: 1 step, shared processes, ~30 s
+    python -m benchmarks.replication --four                           # 5 rounds, ~30 min: results/replication.json
+    python -m benchmarks.replication --quick --json /tmp/repl.json    # smoke run: small model, 3 processes, ~10 s idle
     python -m benchmarks.replication --plot docs/img/replication.png  # the plot, from the JSON
 
 The model is one ``nn.Sequential``: a convolutional feature block (as torchvision's VGG groups its
@@ -19,13 +19,16 @@ samples (SGD, cross-entropy, synthetic images and labels), ``OMP_NUM_THREADS=1``
 * ``hybrid3``: ``PipeDreamStrategy(schedule="1f1b", plan=<the planner's replicated plan for 3>)`` (1F1B-RR);
 * ``straight3``: the same schedule with the planner's straight 3-stage plan;
 * ``ddp3``: ``Trainer(devices=3, strategy="ddp")``, ``batch / 3`` per process;
-* ``straight2`` and ``ddp2``: the same on 2 processes (the planner's choice on 2 is one of them).
+* ``straight2`` and ``ddp2``: the same on 2 processes (the planner's choice on 2 is one of them);
+* with ``--four``, ``hybrid4``, ``straight4`` and ``ddp4`` on 4 processes.
 
 The pipelines' micro-batches all have ``micro`` samples, the profiled size (a replicated first stage
 takes ``batch / replicas`` samples per shard, cut into ``chunks``). Each run is timed from
 ``on_train_batch_end`` of the last warm-up step to that of the last step (earliest rank to latest rank);
-contenders run in interleaved rounds (order rotated each round), each run in fresh processes,
-``os.getloadavg()`` recorded before and after each run; figures are medians over rounds. After each run
+contenders run in interleaved rounds (order rotated each round), each run in fresh processes after a short
+wait for other processes to calm down (``benchmarks.workload.wait_for_quiet``), with ``os.getloadavg()``
+before and after and the cores other processes used during the run (``LoadMeter``); figures are medians
+over rounds, and the JSON says in how many rounds the order within the round was the planner's. After each run
 every parameter is compared with plain one-process training on the same batches (all of these contenders
 compute the same update), so no time is reported for a run that trained something else.
 """
@@ -44,12 +47,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from benchmarks.lightning import _env
+from benchmarks.workload import LoadMeter, wait_for_quiet
 
 ROOT = Path(__file__).resolve().parent.parent
-THREE = ("one_device", "ddp3", "hybrid3", "straight3")
-TWO = ("ddp2", "straight2")
-CONTENDERS = THREE + TWO
-PROCESSES = {"one_device": 1, "ddp3": 3, "hybrid3": 3, "straight3": 3, "ddp2": 2, "straight2": 2}
+# the contenders compared with each other, per process count (4: only with --four)
+GROUPS = {3: ("hybrid3", "straight3", "ddp3"), 2: ("straight2", "ddp2"), 4: ("hybrid4", "straight4", "ddp4")}
+CONTENDERS = ("one_device",) + GROUPS[3] + GROUPS[2]
+PROCESSES = {"one_device": 1} | {name: n for n, group in GROUPS.items() for name in group}
 TOLERANCE = 1e-5  # max |difference| of any parameter from one-process training
 
 
@@ -178,10 +182,11 @@ def predictions(plans: dict, cfg: Config, plan_dir: Path) -> dict:
 
     profile = Profile.load(plan_dir / "profile.json")
     out = {}
-    for n, names in ((3, {"hybrid3": "replicated", "straight3": "straight", "ddp3": None}),
-                     (2, {"straight2": "straight", "ddp2": None})):
+    kinds = {"hybrid": "replicated", "straight": "straight", "ddp": None}
+    for n, group in GROUPS.items():
         entry = plans[str(n)]
-        for name, kind in names.items():
+        for name in group:
+            kind = kinds[name.rstrip("0123456789")]
             t = entry[kind]["time_per_minibatch_s"] if kind else entry["data_parallel_time_per_minibatch_s"]
             if kind:
                 plan = Plan.load(plan_dir / f"{kind}{n}.json")
@@ -234,7 +239,10 @@ def _strategy(name: str, cfg: Config, plan_dir: Path):
         return n, "ddp", cfg.batch // n
     path = plan_dir / f"{'replicated' if name.startswith('hybrid') else 'straight'}{n}.json"
     shards = Plan.load(path).stages[0].replicas  # 1F1B-RR cuts the batch into one shard per first-stage replica
-    chunks = cfg.batch // (shards * cfg.micro)  # so that every micro-batch has `micro` samples
+    chunks, rest = divmod(cfg.batch, shards * cfg.micro)  # so that every micro-batch has `micro` samples
+    if rest or not chunks:
+        raise ValueError(f"{name}: a batch of {cfg.batch} does not split into {shards} shards of micro-batches of "
+                         f"{cfg.micro}; change Config.batch")
     return n, PipeDreamStrategy(schedule="1f1b", chunks=chunks, plan=str(path)), cfg.batch
 
 
@@ -370,6 +378,7 @@ def summarize(runs: dict[str, list[dict]], cfg: Config, predicted: dict) -> dict
             "worst_parameter": rs[0]["worst_parameter"],
             "weights_agree": all(r["weights_agree"] for r in rs),
             "loadavg_1m": [[r["loadavg_before"][0], r["loadavg_after"][0]] for r in rs],
+            "foreign_cores": [r.get("foreign_cores") for r in rs],
             "predicted_samples_per_s": predicted.get(name, {}).get("samples_per_s"),
             "simulated_samples_per_s": predicted.get(name, {}).get("simulated_samples_per_s"),
         }
@@ -379,19 +388,24 @@ def summarize(runs: dict[str, list[dict]], cfg: Config, predicted: dict) -> dict
     return out
 
 
-def rankings(contenders: dict, predicted: dict) -> dict:
-    """Fastest first, measured and predicted, per process count; whether they agree."""
+def rankings(contenders: dict, predicted: dict, runs: dict[str, list[dict]]) -> dict:
+    """Fastest first, measured (medians) and predicted, per process count; whether they agree; and in how many
+    rounds the order measured within the round equals the planner's."""
     result = {}
-    for n, group in ((3, ("hybrid3", "straight3", "ddp3")), (2, ("straight2", "ddp2"))):
+    for n, group in GROUPS.items():
         names = [g for g in group if g in contenders]
         if len(names) < 2:
             continue
         measured = sorted(names, key=lambda g: -contenders[g]["samples_per_s"])
         planned = sorted(names, key=lambda g: -predicted[g]["samples_per_s"])
         simulated = sorted(names, key=lambda g: -predicted[g]["simulated_samples_per_s"])
+        rounds = min(len(runs[g]) for g in names)
+        per_round = [sorted(names, key=lambda g: runs[g][r]["seconds_per_step"]) for r in range(rounds)]
         result[str(n)] = {"measured": measured, "predicted": planned, "agree": measured == planned,
                           "best_agrees": measured[0] == planned[0],
-                          "simulated": simulated, "simulated_agrees": measured == simulated}
+                          "simulated": simulated, "simulated_agrees": measured == simulated,
+                          "rounds_agreeing_with_planner": sum(order == planned for order in per_round),
+                          "rounds": rounds}
     return result
 
 
@@ -405,6 +419,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=None, help="timed batches per run (default 8; quick 1)")
     parser.add_argument("--warmup", type=int, default=None, help="warm-up batches per run, >= 1 (default 2; quick 1)")
     parser.add_argument("--only", default="", help="comma-separated contenders (default all)")
+    parser.add_argument("--four", action="store_true", help="also the 4-process contenders (hybrid4, straight4, ddp4)")
+    parser.add_argument("--max-wait", type=float, default=None,
+                        help="before each run, wait up to this many seconds for other processes to calm down "
+                        "(default 20; quick 0)")
+    parser.add_argument("--wait-budget", type=float, default=600.0, help="total seconds of such waits")
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--plot", type=Path, default=None, help="only draw --json's results into this PNG")
     args = parser.parse_args(argv)
@@ -423,7 +442,9 @@ def main(argv: list[str] | None = None) -> dict:
     rounds = args.rounds or (1 if args.quick else 5)
     steps = args.steps or (1 if args.quick else 8)
     warmup = args.warmup or (1 if args.quick else 2)
-    names = [n for n in (THREE[1:] if args.quick else CONTENDERS) if not args.only or n in args.only.split(",")]
+    everyone = GROUPS[3] if args.quick else CONTENDERS + (GROUPS[4] if args.four else ())
+    names = [n for n in everyone if not args.only or n in args.only.split(",")]
+    max_wait = args.max_wait if args.max_wait is not None else (0.0 if args.quick else 20.0)
     json_path = args.json or Path("benchmarks/results/replication.json")
 
     started = time.time()
@@ -437,16 +458,19 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{e['replicated']['time_per_minibatch_s'] * 1e3:.2f} ms, straight "
                   f"{e['straight']['time_per_minibatch_s'] * 1e3:.2f} ms, data parallel "
                   f"{e['data_parallel_time_per_minibatch_s'] * 1e3:.2f} ms per minibatch of {cfg.micro}", flush=True)
-        if "hybrid3" in names and not runnable_hybrid(plans["3"]):
-            if not args.quick:
-                raise SystemExit(f"the planner chose {plans['3']['replicated']['configuration']} on 3 processes, not a "
-                                 "hybrid with one replica on the last stage: nothing to compare (rerun when quieter)")
-            fallback_hybrid(Path(plan_dir))  # a smoke run still exercises the 2-1 path on a noisy profile
-            plans["3"]["hybrid_run"] = "fallback 2-1 after the features (the planner chose otherwise)"
+        for n in (3, 4):
+            if f"hybrid{n}" in names and not runnable_hybrid(plans[str(n)]):
+                if not args.quick:
+                    raise SystemExit(f"the planner chose {plans[str(n)]['replicated']['configuration']} on {n} "
+                                     "processes, not a hybrid with one replica on the last stage: nothing to compare "
+                                     "(rerun when quieter)")
+                fallback_hybrid(Path(plan_dir))  # a smoke run still exercises the 2-1 path on a noisy profile
+                plans["3"]["hybrid_run"] = "fallback 2-1 after the features (the planner chose otherwise)"
         predicted = predictions(plans, cfg, Path(plan_dir))
         reference = reference_weights(cfg, warmup + steps)
         spec = {"cfg": asdict(cfg), "plans": plan_dir, "warmup": warmup, "steps": steps}
         runs: dict[str, list[dict]] = {n: [] for n in names}
+        waited = 0.0
         if args.quick:  # a smoke run: the contenders with the same process count share their processes
             before, done = os.getloadavg(), {}
             for p in sorted({PROCESSES[n] for n in names}):
@@ -457,14 +481,18 @@ def main(argv: list[str] | None = None) -> dict:
         else:
             for rnd in range(rounds):
                 for name in names[rnd % len(names):] + names[: rnd % len(names)]:
+                    # other engineers' tests come in bursts: wait a little for a quieter moment, within a budget
+                    waited += wait_for_quiet(min(max_wait, max(0.0, args.wait_budget - waited)))
                     before = os.getloadavg()
-                    run = run_many([name], spec, reference, args.timeout)[name]
+                    with LoadMeter() as meter:
+                        run = run_many([name], spec, reference, args.timeout)[name]
                     run["loadavg_before"], run["loadavg_after"] = before, os.getloadavg()
+                    run["foreign_cores"] = meter.foreign_cores  # CPU other processes used during the run
                     runs[name].append(run)
                     print(f"round {rnd + 1}/{rounds} {name:10s} {run['seconds_per_step']:.4f} s/step, weights "
                           f"{'agree' if run['weights_agree'] else 'DIFFER'} "
                           f"({run['max_abs_diff_vs_one_process']:.1e}); load {before[0]:.2f} -> "
-                          f"{run['loadavg_after'][0]:.2f}", flush=True)
+                          f"{run['loadavg_after'][0]:.2f}, others used {meter.foreign_cores:.2f} cores", flush=True)
     contenders = summarize(runs, cfg, predicted)
     loads = [x for rs in runs.values() for r in rs for x in (r["loadavg_before"][0], r["loadavg_after"][0])]
     doc = {
@@ -476,8 +504,9 @@ def main(argv: list[str] | None = None) -> dict:
         "plans": plans,
         "predicted": predicted,
         "contenders": contenders,
-        "ranking": rankings(contenders, predicted),
+        "ranking": rankings(contenders, predicted, runs),
         "seconds": time.time() - started,
+        "seconds_waiting_for_quiet": waited,
     }
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(doc, indent=1))
@@ -490,7 +519,7 @@ def _print_table(doc: dict) -> None:
     print("| contender | processes | s/step (median) | samples/s | planner's samples/s | simulated samples/s | "
           "vs one device | weights |")
     print("|---|---|---|---|---|---|---|---|")
-    for name in CONTENDERS:
+    for name in CONTENDERS + GROUPS[4]:
         if name in c:
             r = c[name]
             speedup = r.get("speedup_vs_one_device", float("nan"))
@@ -498,7 +527,8 @@ def _print_table(doc: dict) -> None:
                   f"{r['predicted_samples_per_s']:.0f} | {r['simulated_samples_per_s']:.0f} | {speedup:.2f} | "
                   f"{'agree' if r['weights_agree'] else 'DIFFER'} ({r['max_abs_diff_vs_one_process']:.1e}) |")
     for n, rk in doc["ranking"].items():
-        print(f"{n} processes: measured {' > '.join(rk['measured'])}; planner {' > '.join(rk['predicted'])} "
+        print(f"{n} processes: the planner's order in {rk['rounds_agreeing_with_planner']} of {rk['rounds']} rounds; "
+              f"measured {' > '.join(rk['measured'])}; planner {' > '.join(rk['predicted'])} "
               f"({'agree' if rk['agree'] else 'disagree'}); simulator {' > '.join(rk['simulated'])} "
               f"({'agree' if rk['simulated_agrees'] else 'disagree'})")
     m = doc["machine"]["loadavg_1m_during"]
@@ -513,12 +543,12 @@ def plot(doc: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     c = doc["contenders"]
-    order = [n for n in CONTENDERS if n in c]
+    order = [n for n in CONTENDERS + GROUPS[4] if n in c]
     batch = doc["config"]["batch"]
     fig, ax = plt.subplots(figsize=(8, 4))
-    colors = {"one_device": "tab:gray", "ddp3": "tab:red", "ddp2": "tab:red", "hybrid3": "tab:blue",
-              "straight3": "tab:green", "straight2": "tab:green"}
-    ax.bar(range(len(order)), [c[n]["samples_per_s"] for n in order], color=[colors[n] for n in order], alpha=0.8,
+    colors = {"one": "tab:gray", "ddp": "tab:red", "hybrid": "tab:blue", "straight": "tab:green"}
+    ax.bar(range(len(order)), [c[n]["samples_per_s"] for n in order],
+           color=[colors[n.rstrip("0123456789").removesuffix("_device")] for n in order], alpha=0.8,
            label="measured (median)")
     for i, n in enumerate(order):
         ax.scatter([i] * len(c[n]["runs"]), [batch / r for r in c[n]["runs"]], color="k", s=8, zorder=3)
