@@ -23,6 +23,9 @@ each, the model split in the middle) with 1 thread each, over gloo on loopback. 
   work PipeDream does (8 optimizer steps per 512 samples), without its pipeline.
 * ``two_threads``: one process, 2 threads (intra-op), the whole batch of 512 at once.
 
+The newer schedules (zb-h1, interleaved, 2bw) and torch's interleaved and zero-bubble schedules
+are compared on the same workload by ``python -m benchmarks.schedules_newer``.
+
 The contenders are interleaved: every round runs each once, the order rotating from round to
 round; the figures are medians over rounds, and over the runs during which the machine was
 quiet. Before each run it waits (within a budget) for other processes to calm down. Before and

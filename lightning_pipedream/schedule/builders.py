@@ -394,7 +394,7 @@ def _receive_in_send_order(actions: list[list[Action]]) -> tuple[tuple[Action, .
     sent: dict[tuple[int, int], list[Action]] = {}
     for rank, rank_actions in enumerate(actions):
         for a in rank_actions:
-            if a.op.is_send:
+            if a.op is Op.SEND_ACT or a.op is Op.SEND_GRAD:
                 sent.setdefault((rank, a.peer), []).append(a)
     out = []
     for rank, rank_actions in enumerate(actions):
@@ -402,7 +402,7 @@ def _receive_in_send_order(actions: list[list[Action]]) -> tuple[tuple[Action, .
         received: set[tuple] = set()
         new: list[Action] = []
         for a in rank_actions:
-            if not a.op.is_recv:
+            if a.op is not Op.RECV_ACT and a.op is not Op.RECV_GRAD:
                 new.append(a)
                 continue
             key = (a.op is Op.RECV_ACT, a.stage, a.microbatch)

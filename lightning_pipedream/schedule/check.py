@@ -23,6 +23,7 @@ class ScheduleError(ValueError):
 OPTIMIZER_POLICY: dict[str, str] = {"pipedream": "per_backward", "2bw": "per_minibatch", "inference": "none"}
 
 _RECV, _SEND = (Op.RECV_ACT, Op.RECV_GRAD), (Op.SEND_ACT, Op.SEND_GRAD)
+_COMPUTE = frozenset((Op.FORWARD, Op.BACKWARD, Op.BACKWARD_WEIGHT))  # a set: the hot loops below test it often
 
 
 # --------------------------------------------------------------------------------------------
@@ -67,7 +68,7 @@ def place(schedule: Schedule) -> Placement:
                 while i < end:
                     action = actions[i]
                     op = action.op
-                    if op.is_compute:
+                    if op in _COMPUTE:
                         if computed[rank]:
                             break
                         computed[rank] = True
@@ -315,7 +316,7 @@ def _check_layout(s: Schedule, fail: _Failer) -> None:
                     f"micro-batch {a.microbatch} of stage {a.stage} belongs to rank {owner} (replicas take "
                     f"micro-batches round robin: replica m % {layout.replicas[a.stage]}).",
                 )
-            if a.op.is_compute:
+            if a.op in _COMPUTE:
                 continue
             to_next = a.op is Op.SEND_ACT or a.op is Op.RECV_GRAD  # talks to the next stage, else the previous
             other = a.stage + 1 if to_next else a.stage - 1
