@@ -8,7 +8,8 @@ import json
 import logging
 import os
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Generator, Mapping
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -54,6 +55,7 @@ from lightning_pipedream.lightning_checks import (
     optimizers_unvalidated,
 )
 from lightning_pipedream.lightning_updates import PipelineDrain, PipelineUpdates
+from lightning_pipedream.meta_init import balance_by_parameters, has_meta_tensors, materialize
 from lightning_pipedream.plan.balance import check_balance, check_stage_count, even_balance, stage_slice
 from lightning_pipedream.runtime.engine import PipelineEngine
 from lightning_pipedream.runtime.graph_stage import CapturedStage
@@ -272,6 +274,14 @@ class PipeDreamStrategy(DDPStrategy):
                 self.balance = self._decide_balance(trainer, module, layers)
                 self._keep_own_stage(module, layers)
             else:
+                if has_meta_tensors(module):
+                    raise ValueError(
+                        f"{type(module).__name__} was built on the meta device (configure_model under "
+                        "PipeDreamStrategy, or torch.device('meta')), which PipeDreamStrategy materializes per stage "
+                        "only for a module whose layers are one nn.Sequential; this one's forward graph must be "
+                        "traced with real weights. Put the layers in one nn.Sequential, or build the model on a "
+                        "real device (in __init__)."
+                    )
                 if self.virtual_stages > 1:
                     raise ValueError(
                         f"schedule='interleaved' with virtual_stages={self.virtual_stages} splits the layers of one "
@@ -340,6 +350,35 @@ class PipeDreamStrategy(DDPStrategy):
                 check(epoch_loop)
 
         epoch_loop._broadcast_sigterm_tensor = every_few_batches  # type: ignore[method-assign]
+
+    @override
+    @contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """Lightning runs ``configure_model`` in here: its layers are built on the meta device (shapes, no
+        storage), and :meth:`setup` gives real weights only to this rank's stage (per-stage construction)."""
+        with torch.device("meta"):
+            yield
+
+    @override
+    def teardown(self) -> None:
+        module = self.lightning_module
+        if module is None or not has_meta_tensors(module):
+            super().teardown()
+            return
+        # Setup stopped before materializing (an error): Lightning's module.cpu() cannot copy meta tensors.
+        module.cpu = lambda: module._apply(lambda t: t if t.is_meta else t.cpu())  # type: ignore[method-assign]
+        try:
+            super().teardown()
+        finally:
+            del module.cpu
+
+    def _shared_seed(self) -> int:
+        """Rank 0's initial seed, from which every layer built on the meta device is initialized (see
+        :func:`materialize`): the weights do not depend on which rank holds a layer."""
+        payload = [torch.initial_seed()]
+        if self.world_size > 1:
+            dist.broadcast_object_list(payload, src=0)
+        return int(payload[0])
 
     def _last_stage_rank(self) -> int:
         """The last stage's rank in the pipeline's group (the one that computes the loss)."""
@@ -554,6 +593,8 @@ class PipeDreamStrategy(DDPStrategy):
             return [len(layers)]
         if trainer.state.fn != TrainerFn.FITTING:
             return even_balance(len(layers), self.num_stages)
+        if has_meta_tensors(layers):  # nothing to run yet: balance the weights, which decide the memory
+            return balance_by_parameters(layers, self.num_stages)
         payload: list[Any] = [None]
         if self.is_global_zero:
             payload = [self._profile_and_partition(trainer, module, layers)]
@@ -622,6 +663,8 @@ class PipeDreamStrategy(DDPStrategy):
         for i, name in enumerate(list(layers._modules)):
             if name not in own._modules:
                 layers._modules[name] = Elsewhere(name, stage_of[i])
+        if has_meta_tensors(module):  # built on the meta device: real weights for this stage only
+            materialize(module, self.root_device, self._shared_seed())
         self._stage_module = own
         prefix = f"{self._layers_name}."
         self._local_names = {id(p): prefix + n for n, p in own.named_parameters()}

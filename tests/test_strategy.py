@@ -81,6 +81,11 @@ RUNS: dict[str, dict] = {
     # pipedream's steps in the middle of an epoch make no collective call: the loss travels point to point.
     "pipedream_async": {"devices": 2, "max_steps": 8, "count_collectives": True,
                         "strategy": {"schedule": "pipedream", "balance": [3, 2]}},
+    # Per-stage construction: the layers built in configure_model (on the meta device under the strategy).
+    "meta_pipe": {"devices": 2, "model": {"build_in_configure_model": True, "width": 32},
+                  "strategy": {"schedule": "1f1b", "chunks": 2}},
+    "meta_one_stage": {"devices": 1, "model": {"build_in_configure_model": True, "width": 32},
+                       "strategy": {"schedule": "1f1b", "chunks": 2}},
     "pipedream_by_name": {"devices": 2, "strategy": "pipedream", "monitor": "val_acc", "predict": True, "test": True,
                           "limit_val_batches": 2, "trainer": {"max_epochs": 4, "max_steps": -1}},
     "resume_pipe": {**RESUME, "devices": 2, "strategy": {"schedule": "1f1b", "chunks": 4}},
@@ -187,6 +192,18 @@ def test_pipedream_steps_make_no_collective_call_and_log_each_minibatch_when_it_
     assert losses[0] == losses[1]
     assert losses[0][0] is None and None not in losses[0][1:5]
     assert losses[0][1] == pytest.approx(rank_info(runs["reference"], 0)["losses"][0], rel=1e-6)  # both at W(0)
+
+
+def test_layers_built_in_configure_model_exist_only_on_their_stage(runs):
+    # Under the strategy configure_model builds on the meta device: no rank allocated any weight then, and
+    # each holds only its stage's afterwards (balanced by parameter bytes: nothing can be profiled on meta).
+    shares = [rank_info(runs["meta_pipe"], r) for r in (0, 1)]
+    assert [s["built_bytes"] for s in shares] == [0, 0]
+    stage_bytes = [4 * (8 * 32 + 32), 4 * (32 * 32 + 32 + 32 * 4 + 4)]  # [Linear(8, 32), Tanh] and the rest
+    assert [s["parameter_bytes"] for s in shares] == stage_bytes
+    # Each layer's weights come from a seed of its name, so 2 stages train exactly like 1 stage.
+    assert rank_info(runs["meta_one_stage"], 0)["parameter_bytes"] == sum(stage_bytes)
+    assert_same_weights(runs["meta_pipe"] / "final.ckpt", runs["meta_one_stage"] / "final.ckpt")
 
 
 @pytest.mark.parametrize("resumed", ["resumed_from_pipe_on_2", "resumed_from_pipe_on_3", "resumed_from_single_on_2"])

@@ -17,16 +17,24 @@ from lightning_pipedream import PipeDreamStrategy
 
 
 class TinyClassifier(L.LightningModule):
-    def __init__(self, width: int = 16, lr: float = 0.1, single_layer: bool = False, scheduler: bool = True):
+    def __init__(self, width: int = 16, lr: float = 0.1, single_layer: bool = False, scheduler: bool = True,
+                 build_in_configure_model: bool = False):
         super().__init__()
         self.save_hyperparameters()
-        if single_layer:
-            self.layers = nn.Sequential(nn.Linear(8, 4))
-        else:
-            self.layers = nn.Sequential(
-                nn.Linear(8, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 4)
-            )
+        self.layers = None if build_in_configure_model else self._build()
         self.val_acc = torchmetrics.Accuracy(task="multiclass", num_classes=4)
+        self.built_bytes = None  # bytes of real (not meta) parameters right after configure_model built the layers
+
+    def _build(self) -> nn.Sequential:
+        if self.hparams.single_layer:
+            return nn.Sequential(nn.Linear(8, 4))
+        width = self.hparams.width
+        return nn.Sequential(nn.Linear(8, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 4))
+
+    def configure_model(self):
+        if self.layers is None:  # Lightning calls this before every fit/validate/...: build once
+            self.layers = self._build()
+            self.built_bytes = sum(p.numel() * p.element_size() for p in self.parameters() if not p.is_meta)
 
     def forward(self, x):
         return self.layers(x)
@@ -111,6 +119,8 @@ class LossRecorder(L.Callback):
                 v.numel() for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0
             ),
             "losses": self.losses,
+            "built_bytes": pl_module.built_bytes,
+            "parameter_bytes": sum(p.numel() * p.element_size() for p in pl_module.parameters() if not p.is_meta),
             # The process groups of data-parallel pipelines: which ranks each rank all-reduces and pipelines with.
             "groups": {name: _members(getattr(trainer.strategy, f"_{name}_group", None)) for name in ("replica", "pipeline")},
         }

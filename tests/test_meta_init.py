@@ -1,0 +1,86 @@
+"""Per-stage construction: layers built on the meta device, materialized where they run, with partition-free seeds."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+from lightning_pipedream import PipeDreamStrategy
+from lightning_pipedream.meta_init import balance_by_parameters, has_meta_tensors, layer_seed, materialize
+
+
+def _layers() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 64), nn.BatchNorm1d(64), nn.Linear(64, 4))
+
+
+def test_a_layer_gets_the_same_weights_whatever_else_is_materialized():
+    with torch.device("meta"):
+        whole, part = _layers(), _layers()
+    materialize(whole, torch.device("cpu"), base_seed=3)
+    allocated = materialize(part[2:], torch.device("cpu"), base_seed=3)  # stage 1 only (a slice keeps names)
+    assert has_meta_tensors(part[:2]) and not has_meta_tensors(part[2:])
+    assert allocated == 4 * (64 * 64 + 64 + 4 * 64 + 64 * 4 + 4) + 8  # BatchNorm: 4 x 64 floats and a counter
+    for key, value in part[2:].state_dict().items():
+        assert torch.equal(value, whole.state_dict()[key]), key
+    assert torch.equal(part[3].running_var, torch.ones(64))  # buffers reset too
+    # The seed depends on the name and the base, not on anything else.
+    assert layer_seed(3, "layers.2") == layer_seed(3, "layers.2") != layer_seed(4, "layers.2")
+    assert layer_seed(3, "layers.2") != layer_seed(3, "layers.3")
+
+
+def test_balance_by_parameters_reads_shapes_only():
+    with torch.device("meta"):
+        layers = nn.Sequential(*[nn.Linear(256, 256) for _ in range(6)], nn.Linear(256, 2))
+    assert balance_by_parameters(layers, 2) == [3, 4]
+    assert has_meta_tensors(layers)  # nothing was allocated
+
+
+class NoReset(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        return x * self.scale
+
+
+def test_a_module_that_cannot_initialize_itself_is_named():
+    with torch.device("meta"):
+        layers = nn.Sequential(nn.Linear(3, 3), NoReset())
+    with pytest.raises(ValueError, match=r"NoReset 'layers.1' was built on the meta device but has no "
+                                         r"reset_parameters\(\), so PipeDreamStrategy cannot initialize its weights"):
+        materialize(layers, torch.device("cpu"), 0, prefix="layers.")
+
+
+class GraphBuiltInConfigureModel(L.LightningModule):
+    """Not one nn.Sequential: the graph path, which must trace real weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = None
+
+    def configure_model(self) -> None:
+        if self.encoder is None:
+            self.encoder, self.head = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.encoder(x)))
+
+    def training_step(self, batch, batch_idx):
+        return self(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_the_graph_path_refuses_a_model_on_the_meta_device():
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=PipeDreamStrategy(schedule="1f1b"), max_steps=1,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=4)
+    with pytest.raises(ValueError, match=r"GraphBuiltInConfigureModel was built on the meta device .* only for a "
+                                         r"module whose layers are one nn.Sequential.*Put the layers in one "
+                                         r"nn.Sequential, or build the model on a real device"):
+        trainer.fit(GraphBuiltInConfigureModel(), data)
