@@ -356,14 +356,13 @@ def _check_rank_order(s: Schedule, rank: int, fail: _Failer) -> None:
     last = s.num_stages - 1
     actions = s.actions[rank]
     done: dict[tuple[int, int], int] = {}
-    first_at: dict[tuple[Op, int, int], int] = {}
     for i, a in enumerate(actions):
         op, stage, mb = a.op, a.stage, a.microbatch
         if op is Op.OPTIMIZER_STEP or op is Op.ALLREDUCE_GRAD:
             continue
         flags, bit = done.get((stage, mb), 0), _FLAG[op]
         if flags & bit:
-            before = first_at[(op, stage, mb)]
+            before = next(j for j, b in enumerate(actions) if (b.op, b.stage, b.microbatch) == (op, stage, mb))
             raise fail(
                 rank, i, f"duplicated {_NAME[op]} of micro-batch {mb} on stage {stage} (already at action {before})."
             )
@@ -382,7 +381,6 @@ def _check_rank_order(s: Schedule, rank: int, fail: _Failer) -> None:
         elif op in _NEEDS and not flags & _NEEDS[op][0]:
             raise fail(rank, i, _NEEDS[op][1].format(mb=mb))
         done[(stage, mb)] = flags | bit
-        first_at[(op, stage, mb)] = i
     required: tuple[Op, ...] = (Op.FORWARD,) if OPTIMIZER_POLICY.get(s.name) == "none" else (Op.FORWARD, Op.BACKWARD)
     if s.splits_backward:
         required += (Op.BACKWARD_WEIGHT,)
