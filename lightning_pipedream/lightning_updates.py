@@ -66,6 +66,7 @@ class PipelineUpdates:
         self._step = step
         self._pending: list[Tensor | None] = [None] * len(params)  # gradients accumulated, kept aside
         self._admitted: dict[int, Admission] = {}
+        self._last: Admission | None = None  # the newest admission
         self._group_sizes: list[list[int]] | None = None
 
     def admit(self, minibatch: int, batch_idx: int, closes_group: bool) -> None:
@@ -81,7 +82,7 @@ class PipelineUpdates:
                 "the start: put them all in configure_optimizers, freeze with requires_grad=False and unfreeze by "
                 "setting requires_grad=True again (a callback may do that); frozen parameters are not updated."
             )
-        self._admitted[minibatch] = Admission(batch_idx, closes_group, hyperparameters_of(optimizers))
+        self._admitted[minibatch] = self._last = Admission(batch_idx, closes_group, hyperparameters_of(optimizers))
 
     @property
     def in_flight(self) -> int:
@@ -103,7 +104,12 @@ class PipelineUpdates:
 
     def apply(self, minibatch: int) -> None:
         """The schedule's OPTIMIZER_STEP after ``minibatch``'s backward (inside :meth:`pipeline_grads`)."""
-        admission = self._admitted.pop(minibatch)
+        admission = self._admitted.pop(minibatch, None)
+        if admission is None:
+            # A replica that joins a drain's last all-reduce round without a minibatch of its own (1F1B-RR): it
+            # updates with the others, with the settings of the last minibatch admitted.
+            assert self._last is not None, f"update for minibatch {minibatch}, which was never admitted"
+            admission = self._last
         if not admission.closes_group:
             return  # gradient accumulation: the group's last minibatch applies them all
         if self._before_step is not None:

@@ -256,8 +256,16 @@ class PipeDreamStrategy(DDPStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             check_training_supported(module, self.precision_plugin)
+
         if self._engine is None or module is not self._module_set_up:
             self._decide_layout()
+            if fitting and self._layout is not None and self.schedule == "pipedream" and (
+                    trainer.accumulate_grad_batches > 1):
+                raise ValueError(
+                    f"PipeDreamStrategy(schedule='pipedream') with replicas {list(self._layout.replicas)} and "
+                    f"accumulate_grad_batches={trainer.accumulate_grad_batches}: PipeDream's 1F1B-RR makes each shard "
+                    "a minibatch of its own and does not accumulate. Use a larger batch instead, or schedule='1f1b'."
+                )
             self._make_groups()
             full_keys = list(module.state_dict())
             # The full model's optimizer layout maps checkpoints (single-device form) to this rank's stage.
@@ -305,7 +313,8 @@ class PipeDreamStrategy(DDPStrategy):
                 last = self._last_stage_rank()
                 self._lagged = LaggedSummaries(
                     self._summary, self._summary_group, source=last,
-                    receivers=[r for r in range(self.num_stages) if r != last], lag=self.num_stages - 1,
+                    receivers=[r for r in range(dist.get_world_size(self._summary_group)) if r != last],
+                    lag=self.num_stages - 1,
                     is_source=self.is_last_stage,
                 )
             self._checkpoint = CheckpointGather(self.global_rank, self.world_size, full_keys)
@@ -403,11 +412,11 @@ class PipeDreamStrategy(DDPStrategy):
         if layout.is_uniform:
             self._stages_arg = layout.num_stages
             return
-        if self.schedule == "pipedream":
+        if self.schedule not in ("pipedream", "gpipe", "1f1b"):
             raise ValueError(
-                f"Stages with unequal replica counts ({list(replicas)}) run with schedule='gpipe' or '1f1b' under "
-                "PipeDreamStrategy; PipeDream's asynchronous 1F1B-RR is not supported through Lightning yet "
-                "(the standalone Pipeline runs it). Use equal replicas (data-parallel pipelines) for 'pipedream'."
+                f"Stages with unequal replica counts ({list(replicas)}) run with schedule='pipedream', 'gpipe' or "
+                f"'1f1b' under PipeDreamStrategy, not {self.schedule!r}. Use one of those, or equal replicas "
+                "(data-parallel pipelines)."
             )
         if replicas[-1] != 1:
             raise ValueError(
@@ -421,6 +430,7 @@ class PipeDreamStrategy(DDPStrategy):
         options = {"backend": self._process_group_backend, "timeout": self._timeout}
         if self._layout is not None:  # 1F1B-RR: ranks talk across the world; each stage's replicas all-reduce
             self._pipeline_group = dist.new_group(**options)
+            self._summary_group = dist.new_group(**options) if self.asynchronous else None
             for s in range(self._layout.num_stages):
                 ranks = list(self._layout.ranks_of(s))
                 group = dist.new_group(ranks, **options) if len(ranks) > 1 else None
@@ -461,7 +471,9 @@ class PipeDreamStrategy(DDPStrategy):
         if self._graph is not None:
             self._graph.before_update()
         if self._reducer is not None:
-            self._reducer.reduce(average=False)  # each pipeline's loss counts 1/pipelines: the sum is the mean
+            # Shares of one batch's loss are summed (each pipeline's counts 1/pipelines); PipeDream's 1F1B-RR averages
+            # its replicas' minibatches (over those that had one, in a drain's last round).
+            self._reducer.reduce(average=self._layout is not None and self.schedule == "pipedream")
 
     def _sequential_layers(self, module: LightningModule) -> nn.Sequential | None:
         """The module's Sequential to split between layers, or None to split its traced forward graph."""
@@ -720,6 +732,9 @@ class PipeDreamStrategy(DDPStrategy):
         # replicas' summed gradient.
         scale = 1.0 / (trainer.accumulate_grad_batches * self.num_pipelines)
         flushed = not self.asynchronous
+        # PipeDream's 1F1B-RR: each of the batch's d shards is a minibatch of its own, and a replicated stage
+        # averages its replicas' gradients (rather than summing shares of one batch's loss).
+        round_robin = self._layout is not None and self.schedule == "pipedream"
         recorder = LogRecorder()
         step_outputs: list[Any] = []
         batch_loss = [0.0]
@@ -738,11 +753,13 @@ class PipeDreamStrategy(DDPStrategy):
             step_outputs.append(step_output)
             share = size / total
             batch_loss[0] += float(value.detach()) * share
-            return value * (share * scale) if share * scale != 1.0 else value
+            weight = scale if round_robin else share * scale
+            return value * weight if weight != 1.0 else value
 
         self._ensure_captured(module, "training_step", parts, batch_idx)
         self._step_context = f"training step {batch_idx} of epoch {trainer.current_epoch}"
-        updates.admit(engine.next_minibatch, batch_idx, closes_group)
+        for minibatch in self._admitted_here(engine.next_minibatch):
+            updates.admit(minibatch, batch_idx, closes_group)
         with self.precision_plugin.train_step_context(), updates.pipeline_grads():
             engine.train_step(inputs, loss, updates.apply)
             if not flushed and (end_of_data or last_step):
@@ -770,6 +787,15 @@ class PipeDreamStrategy(DDPStrategy):
         newest = summaries[-1]
         loss_tensor = torch.tensor(newest.loss, device=self.root_device, requires_grad=True)
         return {"loss": loss_tensor, **newest.extra} if newest.extra else loss_tensor
+
+    def _admitted_here(self, first: int) -> list[int]:
+        """The minibatches of this step whose updates this rank will make: the step's one, or under 1F1B-RR
+        pipedream those of the step's ``d`` minibatches that this rank's replica owns (m % replicas)."""
+        if self._layout is None or self.schedule != "pipedream":
+            return [first]
+        layout, rank = self._layout, self.global_rank
+        r = layout.replicas[layout.stage_of(rank)]
+        return [m for m in range(first, first + layout.input_replicas) if m % r == layout.replica_of(rank)]
 
     def _pieces(self, batch: Any) -> tuple[list[Any], Callable[[int], int]]:
         """A training batch's micro-batches, and which of them the schedule's micro-batch number m is.

@@ -20,6 +20,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
+from pipedream_reference import RoundRobinRule
 from tiny import TinyClassifier, data
 from torch import nn
 
@@ -120,6 +121,8 @@ RUNS: dict[str, dict] = {
     # A 2-1 plan on 3 processes (PipeDream's 1F1B-RR): stage 0's two replicas take the batch's halves round robin.
     "rr_gpipe": {"devices": 3, "strategy": {"schedule": "gpipe", "chunks": 2, "plan": "{runs}/plan21.json"}},
     "rr_1f1b": {"devices": 3, "strategy": {"schedule": "1f1b", "chunks": 1, "replicas": [2, 1], "balance": [3, 2]}},
+    "rr_pipedream": {"devices": 3, "model": {"scheduler": False},
+                     "strategy": {"schedule": "pipedream", "replicas": [2, 1], "balance": [3, 2]}},
     "rr_evaluate": {**EVALUATE, "devices": 3, "strategy": {"schedule": "1f1b", "chunks": 3, "replicas": [2, 1],
                                                             "balance": [3, 2]}},
     # 5 chunks of a batch of 12 are uneven (3, 3, 2, 2, 2); each rank writes its trace.
@@ -276,6 +279,26 @@ def test_a_plan_with_unequal_replicas_equals_one_device(runs, name):
     assert rank_info(runs[name], 0)["losses"] == pytest.approx(rank_info(runs["reference"], 0)["losses"], rel=1e-5)
     groups = [rank_info(runs[name], r)["groups"]["replica"] for r in range(3)]
     assert groups == [[0, 1], [0, 1], None]  # stage 0's replicas all-reduce together; stage 1 has one
+
+
+def test_pipedream_with_unequal_replicas_follows_the_round_robin_rule(runs):
+    # PipeDream's 1F1B-RR on 3 processes: each batch's two halves are minibatches 2t and 2t + 1, taken by stage
+    # 0's replicas in turn (their updates average the pair); stage 1 takes both, updating after each.
+    L.seed_everything(0, verbose=False)
+    model = TinyClassifier(scheduler=False)
+    rule = RoundRobinRule(model.layers, [3, 2], [2, 1], lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+                          nn.functional.cross_entropy)
+    x, y = data().tensors
+    rule.segment([(x[i:i + 6], y[i:i + 6]) for i in range(0, 36, 6)])  # 3 steps of 12, then the last step drains
+    got = weights(runs["rr_pipedream"] / "final.ckpt")
+    want = model.state_dict()
+    assert list(got) == list(want)
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+    # The last step logs its own minibatches' mean loss (the drain delivers it); every rank logged alike.
+    losses = [rank_info(runs["rr_pipedream"], r)["losses"] for r in range(3)]
+    assert losses[0] == losses[1] == losses[2]
+    assert losses[0][-1] == pytest.approx(sum(rule.losses[4:]) / 2, rel=1e-5)
 
 
 def test_a_plan_with_unequal_replicas_validates_and_predicts_like_one_device(runs):

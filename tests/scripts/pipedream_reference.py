@@ -212,3 +212,69 @@ class PipeDreamRule:
             for k, v in module.state_dict().items():
                 out[f"{prefix}{name}.{k}"] = v.detach().clone()
         return out
+
+
+class RoundRobinRule:
+    """PipeDream's 1F1B-RR in one process: stage ``s`` has ``replicas[s]`` replicas with identical weights.
+
+    Minibatch m goes to replica ``m % r`` of a stage with r replicas, which keeps
+    ``ceil(sum(replicas[s:]) / r)`` minibatches in flight (the paper's NOAM on the input stage, ``S - s``
+    in a straight pipeline). So the stage's forward of m, its ``m // r``-th on that replica, runs at the
+    stage's weights after ``max(0, m // r - in_flight + 1)`` updates; update u averages the gradients of
+    minibatches ``u*r .. u*r + r - 1`` (those that exist: a drain's last round may be partial), each
+    computed at the weights of its own forward (stashing), and applies to the newest weights. One copy
+    of each stage stands for all its replicas. A segment ends in a drain.
+    """
+
+    def __init__(self, layers: nn.Sequential, balance: Sequence[int], replicas: Sequence[int],
+                 make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+                 loss_fn: Callable[[Tensor, Tensor], Tensor]) -> None:
+        names = list(layers._modules)
+        self.stages: list[nn.Sequential] = []
+        start = 0
+        for count in balance:
+            self.stages.append(nn.Sequential(*[layers._modules[n] for n in names[start : start + count]]))
+            start += count
+        self.replicas = list(replicas)
+        self.optimizers = [make_optimizer(list(stage.parameters())) for stage in self.stages]
+        self.loss_fn = loss_fn
+        self.losses: list[float] = []
+
+    def segment(self, minibatches: list[tuple[Tensor, Tensor]]) -> None:
+        S, r = len(self.stages), self.replicas
+        in_flight = [-(-sum(r[s:]) // r[s]) for s in range(S)]
+        history = [[{n: p.detach().clone() for n, p in stage.named_parameters()}] for stage in self.stages]
+        grads: list[dict[int, dict[str, Tensor]]] = [{} for _ in range(S)]
+
+        def update(s: int, final: bool) -> bool:
+            u = len(history[s]) - 1
+            members = [m for m in range(u * r[s], (u + 1) * r[s]) if m < len(minibatches)]
+            have = [grads[s].pop(m) for m in members if m in grads[s]] if final or all(
+                m in grads[s] for m in members) and members else []
+            if not have:
+                return False
+            params = dict(self.stages[s].named_parameters())
+            for n, p in params.items():
+                p.grad = sum(g[n] for g in have) / len(have)
+            self.optimizers[s].step()
+            self.optimizers[s].zero_grad(set_to_none=True)
+            history[s].append({n: p.detach().clone() for n, p in params.items()})
+            return True
+
+        for m, (x, y) in enumerate(minibatches):
+            h, leaves = x, []
+            for s, stage in enumerate(self.stages):
+                version = max(0, m // r[s] - in_flight[s] + 1)
+                w = {n: t.clone().requires_grad_() for n, t in history[s][version].items()}
+                leaves.append(w)
+                h = functional_call(stage, w, (h,))
+            loss = self.loss_fn(h, y)
+            self.losses.append(float(loss.detach()))
+            loss.backward()
+            for s in range(S):
+                grads[s][m] = {n: t.grad for n, t in leaves[s].items()}
+                while update(s, final=False):
+                    pass
+        for s in range(S):
+            while update(s, final=True):
+                pass
