@@ -102,7 +102,11 @@ class PipeDreamStrategy(DDPStrategy):
             the captured graph there without profiling. Implies the graph path.
         weight_stashing: ``pipedream`` only; ``False`` is the paper's ablation.
         vertical_sync: ``pipedream`` only; every stage uses the weight version stage 0 used.
-        bandwidth: bytes/s between stages, for the partitioner's cost model.
+        bandwidth: bytes/s between processes, for the partitioner's cost model; or ``[within a node,
+            between nodes]`` (the topology is the Trainer's: devices per node x num_nodes).
+        straight: ``True`` (default): one process per stage. ``False``: the automatic path (profile on
+            the first batch) lets PipeDream's optimizer replicate stages, e.g. a 2-1 plan on 3
+            processes or pure data parallelism, when its cost model predicts that faster.
         check_finite: check every stage's layer outputs and gradients for NaN/inf and stop, naming the
             stage, layer and training step (off by default: it costs a reduction per layer and step).
         replicas: replicas per stage, e.g. ``[2, 1]`` on 3 processes (PipeDream's 1F1B-RR, ``gpipe``/``1f1b``):
@@ -125,11 +129,12 @@ class PipeDreamStrategy(DDPStrategy):
         split_points: list[str] | None = None,
         weight_stashing: bool = True,
         vertical_sync: bool = False,
-        bandwidth: float = 1e9,
+        bandwidth: float | list[float] = 1e9,
         trace: str | os.PathLike | None = None,
         stages: int | None = None,
         replicas: list[int] | None = None,
         check_finite: bool = False,
+        straight: bool = True,
         virtual_stages: int = 1,
         recompute: bool = False,
         accelerator: Accelerator | None = None,
@@ -177,6 +182,15 @@ class PipeDreamStrategy(DDPStrategy):
         self.weight_stashing = weight_stashing
         self.vertical_sync = vertical_sync
         self.bandwidth = bandwidth
+        self.straight = straight
+        if not straight:
+            given = [name for name, value in (("plan", plan), ("balance", balance), ("replicas", replicas),
+                                              ("stages", stages), ("split_points", split_points)) if value is not None]
+            if given:
+                raise ValueError(
+                    f"PipeDreamStrategy(straight=False) lets the planner choose stages and replicas, but {given} "
+                    "already decide them. Drop those, or keep straight=True."
+                )
         self.trace_dir = trace
         if stages is not None and (not isinstance(stages, int) or stages < 1):
             raise ValueError(f"stages must be an integer >= 1 (the pipeline's length), got {stages!r}.")
@@ -258,6 +272,8 @@ class PipeDreamStrategy(DDPStrategy):
             check_training_supported(module, self.precision_plugin)
 
         if self._engine is None or module is not self._module_set_up:
+            if fitting and not self.straight and self.world_size > 1:
+                self._plan_with_replication(trainer, module)
             self._decide_layout()
             if fitting and self._layout is not None and self.schedule == "pipedream" and (
                     trainer.accumulate_grad_batches > 1):
@@ -401,6 +417,8 @@ class PipeDreamStrategy(DDPStrategy):
             from lightning_pipedream.plan.partition import Plan
 
             replicas = [stage.replicas for stage in Plan.load(self._plan_path).stages]
+        if replicas is None and not self.straight and self.plan is not None:  # the planner's choice
+            replicas = [stage.replicas for stage in self.plan.stages]
         if replicas is None or all(r == 1 for r in replicas):
             return
         layout = Layout(tuple(replicas))
@@ -514,7 +532,7 @@ class PipeDreamStrategy(DDPStrategy):
 
                 captured = capture(module, args, kwargs)
                 points, plan = choose_split_points(captured, module, args, kwargs, self.num_stages,
-                                                   bandwidth=self.bandwidth)
+                                                   bandwidth=self._link_bandwidth)
                 self.plan = plan
                 log.info("PipeDreamStrategy split points (%d stages, schedule=%s): %s", self.num_stages,
                          self.schedule, points)
@@ -600,6 +618,8 @@ class PipeDreamStrategy(DDPStrategy):
             return self._balance_from_plan_file(layers)
         if self._balance_arg is not None:
             return check_balance(self._balance_arg, len(layers), self.num_stages)
+        if not self.straight and self.plan is not None:
+            return check_balance(self.plan.balance, len(layers), self.num_stages)
         check_stage_count(len(layers), self.num_stages)
         if self.num_stages == 1:
             return [len(layers)]
@@ -643,23 +663,70 @@ class PipeDreamStrategy(DDPStrategy):
     ) -> tuple[dict | None, list[int]]:
         """Rank 0: profile the layers on one training batch, partition with PipeDream's optimizer."""
         from lightning_pipedream.plan.partition import partition
-        from lightning_pipedream.plan.profile import profile_module
         from lightning_pipedream.plan.topology import Topology
 
-        batch = first_batch(trainer.fit_loop)
-        if batch is None:
+        profile = self._profile_layers(trainer, module, layers)
+        if profile is None:
             return None, even_balance(len(layers), self.num_stages)
-        batch = self.batch_to_device(batch)
-        sample = self._call.input_of(module, "training_step", batch, 0)
-        profile = profile_module(layers, sample)
-        plan = partition(profile, Topology.flat(self.num_stages, self.bandwidth), "pipedream", straight=True)
+        topology = Topology.flat(self.num_stages, self._link_bandwidth)
+        plan = partition(profile, topology, "pipedream", straight=True)
         if len(plan.stages) != self.num_stages:
             # The optimizer may leave workers idle when that is faster; a pipeline here uses them all.
-            plan = partition(profile, Topology.flat(self.num_stages, self.bandwidth), "time")
+            plan = partition(profile, topology, "time")
         plan.schedule, plan.chunks = self.schedule, self.chunks
         log.info("PipeDreamStrategy plan (%d stages, schedule=%s):\n%s", self.num_stages, self.schedule,
                  plan.describe())
         return plan.to_json(), plan.balance
+
+    @property
+    def _link_bandwidth(self) -> float:
+        """The bandwidth between two stages of one pipeline (within a node when two are given)."""
+        return float(self.bandwidth[0] if isinstance(self.bandwidth, (list, tuple)) else self.bandwidth)
+
+    def _profile_layers(self, trainer: Trainer, module: LightningModule, layers: nn.Sequential) -> Any:
+        """Rank 0: the layers' Profile on the first training batch (None without a batch)."""
+        from lightning_pipedream.plan.profile import profile_module
+
+        batch = first_batch(trainer.fit_loop)
+        if batch is None:
+            return None
+        sample = self._call.input_of(module, "training_step", self.batch_to_device(batch), 0)
+        return profile_module(layers, sample)
+
+    def _plan_with_replication(self, trainer: Trainer, module: LightningModule) -> None:
+        """``straight=False``: rank 0 profiles the layers and plans for every process with replication allowed,
+        on the Trainer's topology; every rank then runs that plan (its replicas decide the layout)."""
+        from lightning_pipedream.plan.partition import Plan, partition
+        from lightning_pipedream.plan.topology import Topology
+
+        layers = self._sequential_layers(module)
+        if layers is None:
+            raise ValueError(
+                f"PipeDreamStrategy(straight=False) plans replicated stages for a module whose layers are one "
+                f"nn.Sequential; {type(module).__name__}'s are not. Use straight=True (the default) for the graph "
+                "path, or put the layers in one nn.Sequential."
+            )
+        self._call = SequentialCall(self._layers_name)
+        payload: list[Any] = [None]
+        if self.is_global_zero:
+            topology = Topology.of_cluster(len(self.parallel_devices or [None]), self.num_nodes, self.bandwidth)
+            profile = self._profile_layers(trainer, module, layers)
+            plan = None
+            if profile is not None:
+                plan = partition(profile, topology, "pipedream", straight=False)
+                replicas = [stage.replicas for stage in plan.stages]
+                if replicas[-1] > 1 and len(set(replicas)) > 1:  # the strategy runs one copy of an unequal last stage
+                    log.info("PipeDreamStrategy: the planner replicated the last stage (%s), which runs with one "
+                             "replica here; planning a straight pipeline instead.", replicas)
+                    plan = partition(profile, topology, "pipedream", straight=True)
+                if sum(stage.replicas for stage in plan.stages) != self.world_size:  # it left processes idle
+                    plan = partition(profile, Topology.flat(self.world_size, self._link_bandwidth), "time")
+                plan.schedule, plan.chunks = self.schedule, self.chunks
+                log.info("PipeDreamStrategy plan (%d processes, replication allowed, schedule=%s):\n%s",
+                         self.world_size, self.schedule, plan.describe())
+            payload = [None if plan is None else plan.to_json()]
+        dist.broadcast_object_list(payload, src=0)
+        self.plan = None if payload[0] is None else Plan.from_json(payload[0])
 
     def _keep_own_stage(self, module: LightningModule, layers: nn.Sequential) -> None:
         """Replace the other stages' layers by placeholders so this rank holds only its own."""

@@ -121,6 +121,9 @@ RUNS: dict[str, dict] = {
     # A 2-1 plan on 3 processes (PipeDream's 1F1B-RR): stage 0's two replicas take the batch's halves round robin.
     "rr_gpipe": {"devices": 3, "strategy": {"schedule": "gpipe", "chunks": 2, "plan": "{runs}/plan21.json"}},
     "rr_1f1b": {"devices": 3, "strategy": {"schedule": "1f1b", "chunks": 1, "replicas": [2, 1], "balance": [3, 2]}},
+    # The automatic path with replication allowed: whatever the planner picks (2 stages, or 1 stage x 2), 1f1b
+    # on the same batches equals one device.
+    "auto_replicated": {"devices": 2, "strategy": {"schedule": "1f1b", "chunks": 2, "straight": False}},
     "rr_pipedream": {"devices": 3, "model": {"scheduler": False},
                      "strategy": {"schedule": "pipedream", "replicas": [2, 1], "balance": [3, 2]}},
     "rr_evaluate": {**EVALUATE, "devices": 3, "strategy": {"schedule": "1f1b", "chunks": 3, "replicas": [2, 1],
@@ -299,6 +302,27 @@ def test_pipedream_with_unequal_replicas_follows_the_round_robin_rule(runs):
     losses = [rank_info(runs["rr_pipedream"], r)["losses"] for r in range(3)]
     assert losses[0] == losses[1] == losses[2]
     assert losses[0][-1] == pytest.approx(sum(rule.losses[4:]) / 2, rel=1e-5)
+
+
+def test_the_automatic_plan_may_replicate_and_still_equals_one_device(runs):
+    assert_same_weights(runs["auto_replicated"] / "final.ckpt", runs["reference"] / "final.ckpt")
+    planned = [rank_info(runs["auto_replicated"], r)["plan_replicas"] for r in (0, 1)]
+    assert planned[0] == planned[1] and planned[0] in ([1, 1], [2])  # a straight pipeline or data parallelism
+
+
+def test_straight_false_leaves_the_choice_to_the_planner():
+    with pytest.raises(ValueError, match=r"straight=False\) lets the planner choose stages and replicas, but "
+                                         r"\['balance', 'replicas'\] already decide them"):
+        PipeDreamStrategy(straight=False, balance=[3, 2], replicas=[2, 1])
+
+
+def test_the_planner_topology_comes_from_the_cluster():
+    from lightning_pipedream.plan.topology import Topology
+
+    assert Topology.of_cluster(4, 1, 1e10).levels == ((4, 1e10),)
+    assert Topology.of_cluster(4, 2, [1e10, 1.25e9]).levels == ((4, 1e10), (2, 1.25e9))
+    with pytest.raises(ValueError, match=r"give one number .* or two \(\[within a node, between nodes\]\)"):
+        Topology.of_cluster(4, 2, [1e10, 1e9, 1e8])
 
 
 def test_a_plan_with_unequal_replicas_validates_and_predicts_like_one_device(runs):

@@ -46,6 +46,21 @@ class Topology:
         return cls([(num_workers, bandwidth)])
 
     @classmethod
+    def of_cluster(cls, processes_per_node: int, nodes: int, bandwidth: float | list[float] | tuple[float, ...]
+                   ) -> Topology:
+        """The processes a Trainer runs: ``nodes`` machines of ``processes_per_node`` each; ``bandwidth`` is
+        bytes/s between processes, or ``[within a node, between nodes]``."""
+        speeds = [float(b) for b in bandwidth] if isinstance(bandwidth, (list, tuple)) else [float(bandwidth)] * 2
+        if len(speeds) != 2:
+            raise ValueError(
+                f"bandwidth={list(bandwidth)}: give one number (bytes/s between any two processes) or two "  # type: ignore[arg-type]
+                "([within a node, between nodes])."
+            )
+        if nodes == 1:
+            return cls.flat(processes_per_node, speeds[0])
+        return cls([(processes_per_node, speeds[0]), (nodes, speeds[1])])
+
+    @classmethod
     def parse(cls, workers: str, bandwidth: str) -> Topology:
         """From the CLI's comma-separated lists, e.g. ``"4,4"`` and ``"1e10,1.25e9"`` (innermost first)."""
         try:

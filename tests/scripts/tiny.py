@@ -120,6 +120,8 @@ class LossRecorder(L.Callback):
             ),
             "losses": self.losses,
             "built_bytes": pl_module.built_bytes,
+            "plan_replicas": [st.replicas for st in plan.stages] if (plan := getattr(trainer.strategy, "plan", None))
+            else None,
             "parameter_bytes": sum(p.numel() * p.element_size() for p in pl_module.parameters() if not p.is_meta),
             # The process groups of data-parallel pipelines: which ranks each rank all-reduces and pipelines with.
             "groups": {name: _members(getattr(trainer.strategy, f"_{name}_group", None)) for name in ("replica", "pipeline")},
