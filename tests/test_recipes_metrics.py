@@ -152,3 +152,34 @@ def test_reproduction_table_means_over_seeds(tmp_path: Path) -> None:
     table = write_reproduction(tmp_path)
     assert "| pipedream | 1/2 | 3 | 0.93 | 0.9 | 0.96 | 3 | 6 | 1 | 6.5 |" in table
     assert (tmp_path / "reproduction.png").stat().st_size > 1000
+
+
+def test_stream_batches_stay_in_order_under_a_multi_process_strategy() -> None:
+    """Lightning shuffles every training loader under a multi-process strategy unless its sampler is already a
+    DistributedSampler; the stream loader brings its own, unshuffled: DDP's rank 1 of 2 reads streams 1, 3, ...
+    of window 0, then of window 1; a pipeline (1 replica) reads every stream in order."""
+    from types import SimpleNamespace
+
+    from torch.utils.data import DistributedSampler
+
+    from recipes.data import build_datamodule
+
+    def batches(replicas: dict | None, batch_size: int, global_batch_size: int) -> list[torch.Tensor]:
+        dm = build_datamodule("shakespeare", "language_model", batch_size=batch_size, bptt=8, streams=True,
+                              global_batch_size=global_batch_size)
+        dm.setup()
+        dm.trainer = SimpleNamespace(distributed_sampler_kwargs=replicas,
+                                     _accelerator_connector=SimpleNamespace(use_distributed_sampler=True))
+        loader = dm.train_dataloader()
+        assert isinstance(loader.sampler, DistributedSampler) == (replicas is not None)
+        return list(loader)
+
+    whole = batches(None, 4, 4)
+    pipeline = batches({"num_replicas": 1, "rank": 0}, 4, 4)
+    rank1 = batches({"num_replicas": 2, "rank": 1}, 2, 4)
+    assert len(whole) == len(pipeline) == len(rank1) > 100
+    for (x, y), (px, py), (rx, ry) in zip(whole, pipeline, rank1):
+        assert torch.equal(x, px) and torch.equal(y, py) and torch.equal(rx, x[1::2]) and torch.equal(ry, y[1::2])
+    # each row continues the text of the same row: the next input starts where the last target ended
+    for (_, y), (x_next, _) in zip(whole, whole[1:]):
+        assert torch.equal(y[:, -1], x_next[:, 0])

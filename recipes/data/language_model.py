@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from recipes.data.common import RecipeDataModule, find_file, require_dir
 from recipes.data.vocab import EOS, UNK, Vocab
@@ -73,9 +73,15 @@ class LanguageModelDataModule(RecipeDataModule):
     def train_dataloader(self) -> DataLoader:
         if not self.streams:
             return super().train_dataloader()
-        # in order: batch k continues batch k-1 row by row (drop_last: every batch has every stream)
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=False, drop_last=True,
-                          num_workers=self.num_workers, collate_fn=self.collate)
+        # In order: batch k continues batch k-1 row by row (drop_last: every batch has every stream). Under a
+        # multi-process strategy Lightning would put in a *shuffling* DistributedSampler for training (whatever
+        # the loader's own sampler); an unshuffled DistributedSampler of our own is left as it is.
+        sampler = None
+        replicas = self.trainer.distributed_sampler_kwargs if self.trainer is not None else None
+        if replicas and self.trainer._accelerator_connector.use_distributed_sampler:
+            sampler = DistributedSampler(self.train_set, shuffle=False, **replicas)
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=False, sampler=sampler,
+                          drop_last=True, num_workers=self.num_workers, collate_fn=self.collate)
 
     def model_kwargs(self) -> dict[str, Any]:
         self.setup()
