@@ -157,6 +157,12 @@ for _p in (2, 3):
         RUNS[f"interleaved-{_p}x{_m}"] = newer("interleaved", INTERLEAVED_BALANCE[_p], _p, chunks=_m, virtual_stages=2)
     RUNS[f"2bw-{_p}x4"] = newer("2bw", TWO if _p == 2 else THREE, _p, chunks=4)
 RUNS["1f1b-recompute-2x4"] = newer("1f1b", TWO, 2, chunks=4, recompute=True)
+# Validation over model chunks (the interleaved layout's forwards only), after batches 2 and 4.
+RUNS["interleaved-validation-2x4"] = {
+    **newer("interleaved", INTERLEAVED_BALANCE[2], 2, chunks=4, virtual_stages=2),
+    "trainer": {"max_epochs": 1, "val_check_interval": 2, "limit_val_batches": 2},
+    "checkpoint": {"monitor": "val_loss", "save_top_k": -1, "filename": "{step}"},
+}
 RUNS["2bw-recompute-2x4"] = newer("2bw", TWO, 2, chunks=4, recompute=True)
 
 
@@ -385,6 +391,18 @@ def test_two_bw_follows_its_rule(runs, stages):
     want = two_bw_rule()
     assert_weights(runs[f"2bw-{stages}x4"], want)
     assert max((want[k] - v).abs().max().item() for k, v in one_device().items()) > 1e-4  # not synchronous
+
+
+def test_interleaved_validation_sees_the_model_of_its_step(runs):
+    out = runs["interleaved-validation-2x4"]
+    assert_weights(out, one_device())
+    logged = result(out)["checkpoints"]
+    assert sorted(logged) == ["step=2.ckpt", "step=4.ckpt"]
+    for name, value in logged.items():
+        model = RuleMLP.load_from_checkpoint(out / name, map_location="cpu")
+        with torch.no_grad():
+            losses = [torch.nn.functional.mse_loss(model(x), y) for x, y in batches(2, seed=9)]
+        assert float(sum(losses) / len(losses)) == pytest.approx(value, rel=1e-5), name
 
 
 def test_recompute_through_the_trainer(runs):
