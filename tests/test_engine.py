@@ -309,18 +309,16 @@ def single_process(n_batches: int = 3) -> tuple[dict, list[float]]:
 
 @pytest.mark.parametrize(
     ("schedule", "stages", "options"),
-    [
-        ("zb-h1", 2, {}),
+    [  # (the Trainer runs 2 and 3 stages x 2, 4, 8 micro-batches of both: tests/test_strategy_exactness.py)
         ("zb-h1", 3, {}),
-        ("interleaved", 2, {"virtual_stages": 2}),
         ("interleaved", 2, {"virtual_stages": 4}),  # 8 stages of one layer each
-        ("interleaved", 3, {"virtual_stages": 2}),  # a batch of 10 in 4 micro-batches: groups of 3 and 1
+        ("interleaved", 3, {"virtual_stages": 2}),  # 8 micro-batches: a first group of 5, then 3
         ("interleaved", 1, {"virtual_stages": 2}),  # both chunks on one process: the message stays in memory
     ],
 )
 def test_zero_bubble_and_interleaved_equal_single_process(schedule, stages, options):
     want, want_losses = single_process()
-    for chunks in (2, 4, 8):
+    for chunks in (2, 8):
         state, losses = gather(run_local(train_pipeline, stages, schedule, chunks, 3, 10, options, timeout=90))
         assert_close_state(state, want)
         assert losses == pytest.approx(want_losses, rel=1e-5)
