@@ -57,6 +57,7 @@ class SummaryChannel:
         replica_group: dist.ProcessGroup | None = None,
         num_pipelines: int = 1,
         source: int | None = None,
+        sources: list[int] | None = None,
     ) -> None:
         self.stage_index = stage_index
         self.num_stages = num_stages
@@ -65,6 +66,8 @@ class SummaryChannel:
         self.replica_group = replica_group  # this rank's stage in every pipeline (data parallelism); None: none
         self.num_pipelines = num_pipelines
         self.source = num_stages - 1 if source is None else source  # the last stage, as a rank of the group
+        # A replicated last stage (1F1B-RR): each replica has part of a step's summary; the first evaluates.
+        self.sources = [self.source] if sources is None else list(sources)
         self._layout: tuple | None = None
 
     def exchange(self, summary: StepSummary | None) -> StepSummary:
@@ -73,6 +76,8 @@ class SummaryChannel:
         if self.num_stages == 1:
             assert summary is not None
             return self._averaged(summary)
+        if len(self.sources) > 1:  # each replica of the last stage holds a part: each sends its own
+            return combine([self.broadcast_object(summary, source) for source in self.sources])
         message = torch.zeros(self.SLOTS, dtype=torch.float64)
         if summary is not None:
             values = summary.numbers()
@@ -119,14 +124,53 @@ class SummaryChannel:
             for i, log in enumerate(logs)
         ]
 
-    def broadcast_object(self, value: Any) -> Any:
-        """A small picklable value from the pipeline's last stage to its other ranks (outputs of evaluation steps)."""
+    def broadcast_object(self, value: Any, source: int | None = None) -> Any:
+        """A small picklable value from the pipeline's last stage (its first replica, or ``source``) to its other
+        ranks (outputs of evaluation steps)."""
         if self.num_stages == 1:
             return value
         box = [value]
         with pipeline_failures(self.stage_index, waiting="a broadcast of evaluation outputs from the last stage"):
-            dist.broadcast_object_list(box, group=self.pipeline_group, group_src=self.source, device=self.device)
+            dist.broadcast_object_list(box, group=self.pipeline_group,
+                                       group_src=self.source if source is None else source, device=self.device)
         return box[0]
+
+
+def combine(parts: list[StepSummary]) -> StepSummary:
+    """One step's summary from the parts of a replicated last stage: the losses (each already its micro-batches'
+    share of the batch's mean) add up; a logged value is the mean of the parts' weighted by their batch sizes."""
+    if len(parts) == 1:
+        return parts[0]
+    sums: dict[str, list[Any]] = {}  # name -> [value x weight, weight, options], in order of first appearance
+    for part in parts:
+        for log in part.logs:
+            weight = float(log.options.get("batch_size", 1))
+            entry = sums.setdefault(log.name, [0.0, 0.0, log.options])
+            entry[0] += log.value * weight
+            entry[1] += weight
+    logs = [LoggedValue(name, total / weight, {**options, "batch_size": int(weight)})
+            for name, (total, weight, options) in sums.items() if weight > 0]
+    extra = next((part.extra for part in reversed(parts) if part.extra), {})
+    return StepSummary(sum(part.loss for part in parts), dict(extra), logs)
+
+
+class LaggedFromSources:
+    """:class:`LaggedSummaries` from each replica of a replicated last stage, combined step by step."""
+
+    def __init__(self, channels: list[LaggedSummaries]) -> None:
+        self.channels = channels
+
+    def step(self, summary: StepSummary | None) -> list[StepSummary]:
+        taken = [channel.step(summary if channel.is_source else None) for channel in self.channels]
+        return [combine(list(parts)) for parts in zip(*taken)]
+
+    def take_all(self) -> list[StepSummary]:
+        taken = [channel.take_all() for channel in self.channels]
+        return [combine(list(parts)) for parts in zip(*taken)]
+
+    def forget(self) -> None:
+        for channel in self.channels:
+            channel.forget()
 
 
 class LaggedSummaries:

@@ -64,7 +64,7 @@ from lightning_pipedream.runtime.replicas import GradientReducer
 from lightning_pipedream.runtime.transport import Transport
 from lightning_pipedream.schedule.actions import Action, Layout
 from lightning_pipedream.schedule.builders import SCHEDULES, check_schedule_options, inference
-from lightning_pipedream.step_summary import LaggedSummaries, StepSummary, SummaryChannel
+from lightning_pipedream.step_summary import LaggedFromSources, LaggedSummaries, StepSummary, SummaryChannel
 from lightning_pipedream.tree import map_tensors
 
 log = logging.getLogger(__name__)
@@ -109,9 +109,10 @@ class PipeDreamStrategy(DDPStrategy):
             processes or pure data parallelism, when its cost model predicts that faster.
         check_finite: check every stage's layer outputs and gradients for NaN/inf and stop, naming the
             stage, layer and training step (off by default: it costs a reduction per layer and step).
-        replicas: replicas per stage, e.g. ``[2, 1]`` on 3 processes (PipeDream's 1F1B-RR, ``gpipe``/``1f1b``):
-            a replicated stage's replicas take micro-batches round robin and sum their gradients. A plan
-            with replicated stages sets it. Equal counts are the same as ``stages=``.
+        replicas: replicas per stage, e.g. ``[2, 1]`` on 3 processes (PipeDream's 1F1B-RR, under ``gpipe``,
+            ``1f1b`` and ``pipedream``): a replicated stage's replicas take micro-batches (minibatches) round
+            robin and combine their gradients. A plan with replicated stages sets it. Equal counts are the
+            same as ``stages=``.
         stages: pipeline stages; on ``stages * d`` processes the strategy runs ``d`` data-parallel
             pipelines (each stage's replicas all-reduce their gradients). Default: one stage per process.
         trace: a directory; each rank writes a Chrome/Perfetto trace of its actions there at the end.
@@ -216,7 +217,7 @@ class PipeDreamStrategy(DDPStrategy):
         self._updates: PipelineUpdates | None = None
         self._summary: SummaryChannel | None = None
         self._summary_group: dist.ProcessGroup | None = None  # pipedream: the summaries' own point-to-point group
-        self._lagged: LaggedSummaries | None = None  # pipedream: summaries used ``stages - 1`` steps late
+        self._lagged: LaggedFromSources | None = None  # pipedream: summaries used ``stages - 1`` steps late
         self._checkpoint: CheckpointGather | None = None
         self._optimizer_layouts: list[OptimizerLayout] = []
         self._local_names: dict[int, str] = {}
@@ -323,16 +324,17 @@ class PipeDreamStrategy(DDPStrategy):
             if self.check_finite:
                 self._finite = FiniteChecks(self._stage_module, self.stage_index, lambda: self._step_context,
                                             per_layer=self._graph is None)
+            sources = self._last_stage_ranks()
             self._summary = SummaryChannel(self.stage_index, self.num_stages, self.root_device, self._pipeline_group,
-                                           self._replica_group, self.num_pipelines, source=self._last_stage_rank())
+                                           self._replica_group, self.num_pipelines, source=sources[0],
+                                           sources=sources)
             if self._summary_group is not None:
-                last = self._last_stage_rank()
-                self._lagged = LaggedSummaries(
-                    self._summary, self._summary_group, source=last,
-                    receivers=[r for r in range(dist.get_world_size(self._summary_group)) if r != last],
-                    lag=self.num_stages - 1,
-                    is_source=self.is_last_stage,
-                )
+                me = dist.get_rank(self._summary_group)
+                self._lagged = LaggedFromSources([LaggedSummaries(
+                    self._summary, self._summary_group, source=source,
+                    receivers=[r for r in range(dist.get_world_size(self._summary_group)) if r != source],
+                    lag=self.num_stages - 1, is_source=me == source,
+                ) for source in sources])
             self._checkpoint = CheckpointGather(self.global_rank, self.world_size, full_keys)
             if self._replica_group is not None:
                 self._reducer = GradientReducer(self._stage_module.parameters(), self._replica_group)
@@ -405,9 +407,12 @@ class PipeDreamStrategy(DDPStrategy):
             dist.broadcast_object_list(payload, src=0)
         return int(payload[0])
 
-    def _last_stage_rank(self) -> int:
-        """The last stage's rank in the pipeline's group (the one that computes the loss)."""
-        return self.world_size - 1 if self._layout is not None else self.num_stages - 1
+    def _last_stage_ranks(self) -> list[int]:
+        """The last stage's ranks in the pipeline's group (those that compute the loss): its replicas under 1F1B-RR,
+        the first of which evaluates."""
+        if self._layout is not None:  # the pipeline's group is the world
+            return list(self._layout.ranks_of(self._layout.num_stages - 1))
+        return [self.num_stages - 1]
 
     def _decide_layout(self) -> None:
         """Replicas per stage from ``replicas=`` or the plan: equal counts are data parallelism (``stages=``),
@@ -435,11 +440,6 @@ class PipeDreamStrategy(DDPStrategy):
                 f"Stages with unequal replica counts ({list(replicas)}) run with schedule='pipedream', 'gpipe' or "
                 f"'1f1b' under PipeDreamStrategy, not {self.schedule!r}. Use one of those, or equal replicas "
                 "(data-parallel pipelines)."
-            )
-        if replicas[-1] != 1:
-            raise ValueError(
-                f"replicas {list(replicas)}: the last stage must have one replica under PipeDreamStrategy (it computes "
-                "the loss that rank 0 logs); replicate earlier stages, or use equal replicas."
             )
         self._layout = layout
 
@@ -673,6 +673,12 @@ class PipeDreamStrategy(DDPStrategy):
         if len(plan.stages) != self.num_stages:
             # The optimizer may leave workers idle when that is faster; a pipeline here uses them all.
             plan = partition(profile, topology, "time")
+        for method in ("time", "parameters"):
+            if _every_stage_trains(profile, plan.balance):
+                break
+            # A stage of parameter-free layers (an activation alone: noisy timings can make it look worth a
+            # stage) cannot have an optimizer.
+            plan = partition(profile, topology, method)
         plan.schedule, plan.chunks = self.schedule, self.chunks
         log.info("PipeDreamStrategy plan (%d stages, schedule=%s):\n%s", self.num_stages, self.schedule,
                  plan.describe())
@@ -714,13 +720,13 @@ class PipeDreamStrategy(DDPStrategy):
             plan = None
             if profile is not None:
                 plan = partition(profile, topology, "pipedream", straight=False)
-                replicas = [stage.replicas for stage in plan.stages]
-                if replicas[-1] > 1 and len(set(replicas)) > 1:  # the strategy runs one copy of an unequal last stage
-                    log.info("PipeDreamStrategy: the planner replicated the last stage (%s), which runs with one "
-                             "replica here; planning a straight pipeline instead.", replicas)
-                    plan = partition(profile, topology, "pipedream", straight=True)
+                flat = Topology.flat(self.world_size, self._link_bandwidth)
                 if sum(stage.replicas for stage in plan.stages) != self.world_size:  # it left processes idle
-                    plan = partition(profile, Topology.flat(self.world_size, self._link_bandwidth), "time")
+                    plan = partition(profile, flat, "time")
+                for method in ("time", "parameters"):
+                    if _every_stage_trains(profile, plan.balance):
+                        break
+                    plan = partition(profile, flat, method)  # a parameter-free stage cannot have an optimizer
                 plan.schedule, plan.chunks = self.schedule, self.chunks
                 log.info("PipeDreamStrategy plan (%d processes, replication allowed, schedule=%s):\n%s",
                          self.world_size, self.schedule, plan.describe())
@@ -834,8 +840,8 @@ class PipeDreamStrategy(DDPStrategy):
                 engine.drain(updates.apply)
 
         summary = None
-        if self.is_last_stage:
-            last = step_outputs[-1]
+        if self.is_last_stage:  # a replica of a replicated last stage may own none of the step's micro-batches
+            last = step_outputs[-1] if step_outputs else None
             extra = {}
             if isinstance(last, Mapping):
                 extra = {k: map_tensors(_to_cpu, v) for k, v in last.items() if k != "loss"}
@@ -1110,6 +1116,16 @@ def _keep_parameters(optimizers: list[torch.optim.Optimizer], keep: set[int]) ->
     for optimizer in optimizers:
         for group in optimizer.param_groups:
             group["params"] = [p for p in group["params"] if id(p) in keep]
+
+
+def _every_stage_trains(profile: Any, balance: list[int]) -> bool:
+    """Whether each stage of ``balance`` holds a layer with parameters, by ``profile``'s parameter bytes."""
+    start = 0
+    for count in balance:
+        if not any(layer.parameter_bytes for layer in profile.layers[start : start + count]):
+            return False
+        start += count
+    return True
 
 
 def _reduced_in_updates(average: bool = False) -> int:

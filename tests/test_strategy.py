@@ -126,6 +126,11 @@ RUNS: dict[str, dict] = {
     "auto_replicated": {"devices": 2, "strategy": {"schedule": "1f1b", "chunks": 2, "straight": False}},
     "rr_pipedream": {"devices": 3, "model": {"scheduler": False},
                      "strategy": {"schedule": "pipedream", "replicas": [2, 1], "balance": [3, 2]}},
+    # The last stage replicated (a 1-2 plan): each replica computes the loss of the micro-batches it owns.
+    "rr_last_gpipe": {"devices": 3, "strategy": {"schedule": "gpipe", "chunks": 2, "replicas": [1, 2],
+                                                 "balance": [3, 2]}},
+    "rr_last_pipedream": {"devices": 3, "model": {"scheduler": False},
+                          "strategy": {"schedule": "pipedream", "replicas": [1, 2], "balance": [3, 2]}},
     "rr_evaluate": {**EVALUATE, "devices": 3, "strategy": {"schedule": "1f1b", "chunks": 3, "replicas": [2, 1],
                                                             "balance": [3, 2]}},
     # 5 chunks of a batch of 12 are uneven (3, 3, 2, 2, 2); each rank writes its trace.
@@ -276,12 +281,14 @@ def test_a_data_parallel_checkpoint_resumes_on_other_shapes(runs, resumed):
     assert_same_weights(runs[resumed] / "final.ckpt", runs["dp_resume_single"] / "final.ckpt")
 
 
-@pytest.mark.parametrize("name", ["rr_gpipe", "rr_1f1b"])
+@pytest.mark.parametrize("name", ["rr_gpipe", "rr_1f1b", "rr_last_gpipe"])
 def test_a_plan_with_unequal_replicas_equals_one_device(runs, name):
     assert_same_weights(runs[name] / "final.ckpt", runs["reference"] / "final.ckpt")
     assert rank_info(runs[name], 0)["losses"] == pytest.approx(rank_info(runs["reference"], 0)["losses"], rel=1e-5)
     groups = [rank_info(runs[name], r)["groups"]["replica"] for r in range(3)]
-    assert groups == [[0, 1], [0, 1], None]  # stage 0's replicas all-reduce together; stage 1 has one
+    # a replicated stage's replicas all-reduce together; a stage with one replica has no group
+    assert groups == ([None, [1, 2], [1, 2]] if name == "rr_last_gpipe" else [[0, 1], [0, 1], None])
+    assert [rank_info(runs[name], r)["losses"] for r in (1, 2)] == [rank_info(runs[name], 0)["losses"]] * 2
 
 
 def test_pipedream_with_unequal_replicas_follows_the_round_robin_rule(runs):
@@ -302,6 +309,26 @@ def test_pipedream_with_unequal_replicas_follows_the_round_robin_rule(runs):
     losses = [rank_info(runs["rr_pipedream"], r)["losses"] for r in range(3)]
     assert losses[0] == losses[1] == losses[2]
     assert losses[0][-1] == pytest.approx(sum(rule.losses[4:]) / 2, rel=1e-5)
+
+
+def test_pipedream_with_a_replicated_last_stage_follows_the_round_robin_rule(runs):
+    # A 1-2 plan: each batch is one minibatch; the last stage's replicas take them in turn and average each pair.
+    L.seed_everything(0, verbose=False)
+    model = TinyClassifier(scheduler=False)
+    rule = RoundRobinRule(model.layers, [3, 2], [1, 2], lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+                          nn.functional.cross_entropy)
+    x, y = data().tensors
+    rule.segment([(x[i:i + 12], y[i:i + 12]) for i in range(0, 36, 12)])
+    assert_close_to(weights(runs["rr_last_pipedream"] / "final.ckpt"), model.state_dict())
+    losses = [rank_info(runs["rr_last_pipedream"], r)["losses"] for r in range(3)]
+    assert losses[0] == losses[1] == losses[2]
+    assert losses[0][-1] == pytest.approx(rule.losses[-1], rel=1e-5)
+
+
+def assert_close_to(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert list(got) == list(want)
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
 
 
 def test_the_automatic_plan_may_replicate_and_still_equals_one_device(runs):
