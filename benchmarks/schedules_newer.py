@@ -170,39 +170,43 @@ def step_windows(events: list[TimedAction], schedule: str, cfg: Config) -> list[
     return windows
 
 
-def measured_costs(events: list[TimedAction]) -> dict[str, float]:
-    """Median seconds of a forward, a backward (B) and a weight-gradient half (W) per stage-chunk, over all ranks."""
-    out = {}
+def measured_costs(events: list[TimedAction]) -> dict[str, list[float]]:
+    """Per rank, the median seconds of a forward, a backward (B), a weight-gradient half (W) and an update."""
+    ranks = sorted({e.rank for e in events})
+    out: dict[str, list[float]] = {}
     for op in (Op.FORWARD, Op.BACKWARD, Op.BACKWARD_WEIGHT, Op.OPTIMIZER_STEP):
-        values = [e.end - e.start for e in events if e.action.op is op]
-        out[op.value] = statistics.median(values) if values else 0.0
+        out[op.value] = []
+        for r in ranks:
+            values = [e.end - e.start for e in events if e.action.op is op and e.rank == r]
+            out[op.value].append(statistics.median(values) if values else 0.0)
     return out
 
 
-def analytic_bubble(schedule: str, cfg: Config, costs: dict[str, float]) -> float | None:
+def analytic_bubble(schedule: str, cfg: Config, costs: dict[str, list[float]]) -> float | None:
+    """Theory for equal stages; for zb-h1 with the ranks' mean F, B and W (on 2 stages stage 0's B is empty)."""
     p, m = cfg.stages, cfg.chunks
     if schedule == "1f1b":
         return (p - 1) / (m + p - 1)
     if schedule == "interleaved":
         return ((p - 1) / VIRTUAL) / (m + (p - 1) / VIRTUAL)
     if schedule == "zb-h1":
-        f, b, w = costs["F"], costs["B"], costs["W"]  # B: the input-gradient half
+        f, b, w = (statistics.mean(costs[k]) for k in "FBW")  # B: the input-gradient half
         idle = (p - 1) * max(0.0, f + b - w)  # W longer than F + B fills the whole bubble
         return idle / (m * (f + b + w) + idle)
     return None  # 2bw: no flush, no bubble in the steady state
 
 
-def simulated(schedule: str, cfg: Config, costs: dict[str, float]) -> Any:
-    """The simulator's step for the measured costs (free links: the measured waits are part of the bubble)."""
+def simulated(schedule: str, cfg: Config, costs: dict[str, list[float]]) -> Any:
+    """The simulator's step for each rank's measured costs (free links: the measured waits are part of the bubble)."""
     v = VIRTUAL if schedule == "interleaved" else 1
-    stages = cfg.stages * v
-    backward = costs["B"] + costs["W"]
-    kwargs: dict[str, Any] = {"weight_s": costs["W"]} if schedule == "zb-h1" else {}
+    per_stage = lambda key: [costs[key][s % cfg.stages] for s in range(cfg.stages * v)]  # noqa: E731
+    backward = [b + w for b, w in zip(per_stage("B"), per_stage("W"))]
+    kwargs: dict[str, Any] = {"weight_s": per_stage("W")} if schedule == "zb-h1" else {}
     if schedule == "2bw":
         sched = build_schedule("2bw", cfg.stages, cfg.chunks, minibatches=6)
     else:
         sched = build_schedule(schedule, cfg.stages, cfg.chunks, **_options(schedule))
-    return simulate(sched, [costs["F"]] * stages, [backward] * stages, optimizer_s=costs["O"], **kwargs)
+    return simulate(sched, per_stage("F"), backward, optimizer_s=max(costs["O"]), **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------
