@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -154,44 +156,30 @@ class Stage:
 
     # ---- stored activations
 
-    def _counting(self, microbatch: int, in_leaves: list[Tensor], weights: Any):
+    @contextmanager
+    def _counting(self, microbatch: int, in_leaves: list[Tensor], weights: Any) -> Iterator[None]:
         """A context that adds up what ``microbatch``'s forward keeps (when :attr:`track_activations` is on)."""
         if not self.track_activations:
-            return _NULL
+            yield
+            return
         params = {p.untyped_storage().data_ptr() for p in weights}
         seen: dict[int, int] = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in in_leaves}
 
-        def pack(t: Tensor) -> Tensor:
+        def pack(t: Tensor) -> Tensor:  # every tensor autograd saves, once per storage, parameters aside
             storage = t.untyped_storage()
-            ptr = storage.data_ptr()
-            if ptr not in params:
-                seen[ptr] = storage.nbytes()
+            if storage.data_ptr() not in params:
+                seen[storage.data_ptr()] = storage.nbytes()
             return t
 
-        stage = self
-
-        class _Count(torch.autograd.graph.saved_tensors_hooks):
-            def __exit__(self, *exc: object) -> None:
-                super().__exit__(*exc)
-                stage._bytes[microbatch] = sum(seen.values())
-                stage.activation_bytes += stage._bytes[microbatch]
-                stage.peak_activation_bytes = max(stage.peak_activation_bytes, stage.activation_bytes)
-
-        return _Count(pack, lambda t: t)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+        self._bytes[microbatch] = sum(seen.values())
+        self.activation_bytes += self._bytes[microbatch]
+        self.peak_activation_bytes = max(self.peak_activation_bytes, self.activation_bytes)
 
     def _release(self, microbatch: int) -> None:
         self.activation_bytes -= self._bytes.pop(microbatch, 0)
 
-
-class _Null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-_NULL = _Null()
 
 
 class _WeightBranches:
@@ -266,21 +254,15 @@ class _WeightBranches:
         self._owners = owners
         self._captured: dict[Any, tuple] = {}
 
-    def capturing(self):
+    @contextmanager
+    def capturing(self) -> Iterator[None]:
         """A context in which the gradients arriving at the branch points are kept."""
-        handles = []
-        stage = self
-
-        class _Hooks:
-            def __enter__(self) -> None:
-                for node, _ in stage.branches:
-                    handles.append(node.register_prehook(stage._keeper(node)))
-
-            def __exit__(self, *exc: object) -> None:
-                for handle in handles:
-                    handle.remove()
-
-        return _Hooks()
+        handles = [node.register_prehook(self._keeper(node)) for node, _ in self.branches]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
 
     def _keeper(self, node: Any):
         def keep(grad_outputs: tuple) -> None:
