@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -315,8 +316,9 @@ def _worker(spec: dict) -> None:
         rank = trainer.global_rank
         # only this rank's parameters: a pipeline stage holds its own layers, placeholders hold none
         torch.save({k: v.detach().clone() for k, v in model.named_parameters()}, out / f"params{rank}.pt")
+        usage = resource.getrusage(resource.RUSAGE_SELF)
         result = {"rank": rank, "ends": timer.ends, "updates": model.updates, "threads": torch.get_num_threads(),
-                  "per_process_batch": per_process}
+                  "per_process_batch": per_process, "cpu_s": usage.ru_utime + usage.ru_stime}
         (out / f"rank{rank}.json").write_text(json.dumps(result))
 
 
@@ -361,6 +363,8 @@ def collect(out: Path, warmup: int, steps: int, reference: dict) -> dict:
         "batches_per_rank": [len(r["ends"]) for r in ranks],
         "per_process_batch": ranks[0]["per_process_batch"],
         "threads": [r["threads"] for r in ranks],
+        # Lightning's launcher does not wait for ranks 1.., so their CPU is not in the parent's children's usage
+        "unwaited_cpu_s": sum(r["cpu_s"] for r in ranks if r["rank"] > 0),
         "max_abs_diff_vs_one_process": diff if not missing else None,
         "worst_parameter": worst,
         "weights_agree": not missing and diff <= TOLERANCE,
@@ -508,7 +512,8 @@ def main(argv: list[str] | None = None) -> dict:
                     with LoadMeter() as meter:
                         run = run_many([name], spec, reference, args.timeout)[name]
                     run["loadavg_before"], run["loadavg_after"] = before, os.getloadavg()
-                    run["foreign_cores"] = meter.foreign_cores  # CPU other processes used during the run
+                    # CPU other processes used during the run (LoadMeter counts our unwaited ranks as others)
+                    run["foreign_cores"] = max(0.0, meter.foreign_cores - run["unwaited_cpu_s"] / meter.wall)
                     runs[name].append(run)
                     print(f"round {rnd + 1}/{rounds} {name:10s} {run['seconds_per_step']:.4f} s/step, weights "
                           f"{'agree' if run['weights_agree'] else 'DIFFER'} "
