@@ -30,7 +30,7 @@ wait for other processes to calm down (``benchmarks.workload.wait_for_quiet``), 
 before and after and the cores other processes used during the run (``LoadMeter``); figures are medians
 over rounds, and the JSON says in how many rounds the order within the round was the planner's. After each run
 every parameter is compared with plain one-process training on the same batches (all of these contenders
-compute the same update), so no time is reported for a run that trained something else.
+compute the same update): a run that trained something else is flagged (``weights_agree`` false, DIFFER).
 """
 
 from __future__ import annotations
@@ -233,7 +233,7 @@ def simulated_step(profile, stages: list[list[int]], replicas: list[int], cfg: C
 
 
 # ---------------------------------------------------------------------------------------------
-# The worker: Lightning runs in a process of their own (Lightning starts the other ranks by re-running
+# The worker: each Lightning run in processes of its own (Lightning starts the other ranks by re-running
 # this module with the same arguments).
 
 
