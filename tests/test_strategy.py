@@ -68,6 +68,7 @@ CLIP = {"max_steps": 2, "batch_size": 6, "trainer": {"gradient_clip_val": 0.05, 
 UNEVEN = {"max_steps": 3, "batch_size": 12, "trainer": {"accumulate_grad_batches": 2}}
 EVALUATE = {"evaluate_only": True, "predict": True, "limit_val_batches": 2}
 SAMPLER = {"max_steps": 7, "batch_size": 12}
+DEEP = {"model": {"hidden": 2}}  # 4 Linear layers: enough for 4 stages
 RUNS: dict[str, dict] = {
     "reference": {},  # single-device training, 3 steps: what the pipelines must reproduce
     "one_device_pipedream": {"devices": 1, "strategy": {"schedule": "pipedream"}},
@@ -108,14 +109,17 @@ RUNS: dict[str, dict] = {
     "dp_1f1b": {"devices": 4, "batch_size": 6, "max_steps": 7, "trainer": {"use_distributed_sampler": True},
                 "strategy": {"schedule": "1f1b", "chunks": 3, "stages": 2, "balance": [3, 2]}},
     "dp_single": {"batch_size": 12, "max_steps": 7, "limit_val_batches": 2, "sampler_of_one_replica": True},
-    # A 2 x 2 checkpoint resumed on 2 x 1 and 3 x 1 (one batch per epoch, as for the resume tests above).
-    "dp_resume_pipe": {**RESUME, "batch_size": 30, "devices": 4, "trainer": {"use_distributed_sampler": True},
+    # A 2 x 2 checkpoint resumed on 2 x 1, 3 x 1 and 4 x 1 (one batch per epoch, as for the resume tests above).
+    "dp_resume_pipe": {**RESUME, **DEEP, "batch_size": 30, "devices": 4, "trainer": {"use_distributed_sampler": True},
                        "strategy": {"schedule": "gpipe", "chunks": 2, "stages": 2}},
-    "dp_resume_single": {**RESUME, "sampler_of_one_replica": True},
-    "dp_resumed_on_2": {**RESUME, "devices": 2, "sampler_of_one_replica": True,
+    "dp_resume_single": {**RESUME, **DEEP, "sampler_of_one_replica": True},
+    "dp_resumed_on_2": {**RESUME, **DEEP, "devices": 2, "sampler_of_one_replica": True,
                         "resume": "{runs}/dp_resume_pipe/epoch=1-step=2.ckpt", "strategy": {"schedule": "gpipe",
                                                                                         "chunks": 2}},
-    "dp_resumed_on_3": {**RESUME, "devices": 3, "sampler_of_one_replica": True,
+    "dp_resumed_on_4": {**RESUME, **DEEP, "devices": 4, "sampler_of_one_replica": True,
+                        "resume": "{runs}/dp_resume_pipe/epoch=1-step=2.ckpt", "strategy": {"schedule": "1f1b",
+                                                                                        "chunks": 2}},
+    "dp_resumed_on_3": {**RESUME, **DEEP, "devices": 3, "sampler_of_one_replica": True,
                         "resume": "{runs}/dp_resume_pipe/epoch=1-step=2.ckpt", "strategy": {"schedule": "1f1b",
                                                                                         "chunks": 2}},
     # A 2-1 plan on 3 processes (PipeDream's 1F1B-RR): stage 0's two replicas take the batch's halves round robin.
@@ -274,9 +278,9 @@ def test_data_parallel_validation_averages_the_shards(runs):
     assert got["val_loss"] == pytest.approx(want["val_loss"], rel=1e-5)
 
 
-@pytest.mark.parametrize("resumed", ["dp_resumed_on_2", "dp_resumed_on_3"])
+@pytest.mark.parametrize("resumed", ["dp_resumed_on_2", "dp_resumed_on_3", "dp_resumed_on_4"])
 def test_a_data_parallel_checkpoint_resumes_on_other_shapes(runs, resumed):
-    # The 2 x 2 checkpoint after 2 epochs, resumed by one pipeline of 2 and of 3 stages on the union batches.
+    # The 2 x 2 checkpoint after 2 epochs, resumed by one pipeline of 2, 3 and 4 stages on the union batches.
     assert_same_weights(runs["dp_resume_pipe"] / "final.ckpt", runs["dp_resume_single"] / "final.ckpt")
     assert_same_weights(runs[resumed] / "final.ckpt", runs["dp_resume_single"] / "final.ckpt")
 

@@ -18,7 +18,7 @@ from lightning_pipedream import PipeDreamStrategy
 
 class TinyClassifier(L.LightningModule):
     def __init__(self, width: int = 16, lr: float = 0.1, single_layer: bool = False, scheduler: bool = True,
-                 build_in_configure_model: bool = False):
+                 build_in_configure_model: bool = False, hidden: int = 1):
         super().__init__()
         self.save_hyperparameters()
         self.layers = None if build_in_configure_model else self._build()
@@ -29,7 +29,8 @@ class TinyClassifier(L.LightningModule):
         if self.hparams.single_layer:
             return nn.Sequential(nn.Linear(8, 4))
         width = self.hparams.width
-        return nn.Sequential(nn.Linear(8, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 4))
+        blocks = [layer for _ in range(self.hparams.hidden) for layer in (nn.Linear(width, width), nn.Tanh())]
+        return nn.Sequential(nn.Linear(8, width), nn.Tanh(), *blocks, nn.Linear(width, 4))
 
     def configure_model(self):
         if self.layers is None:  # Lightning calls this before every fit/validate/...: build once
