@@ -104,14 +104,22 @@ def test_multirun_writes_summary_of_its_runs(smoke_sweep) -> None:
     assert len(table) == 2 + len(TASKS)
 
 
-def test_sweep_over_schedules_and_chunks_equals_one_process(tmp_path: Path) -> None:
+def test_sweep_over_schedules_equals_one_process_and_survives_a_bad_job(tmp_path: Path) -> None:
     """gpipe and 1f1b on 2 processes with 2 micro-batches train exactly as one process does: the same batches
     (the loader's own seeded shuffle: use_distributed_sampler=false), no dropout; every weight of the checkpoint
-    after 2 Adam steps (each moves every weight by ~lr=2e-3) to 1e-5, and the same validation accuracy."""
+    after 2 Adam steps (each moves every weight by ~lr=2e-3) to 1e-5, and the same validation accuracy. The
+    sweep's refused job (pipedream with chunks=2) is named in the summary and the exit status."""
     same = ["experiment=smoke_image", "model.dropout=0.0", "trainer.use_distributed_sampler=false",
             "trainer.enable_checkpointing=true", "trainer.default_root_dir=${hydra:runtime.output_dir}"]
-    proc = train(["-m", *same, "strategy.schedule=1f1b,gpipe", "strategy.chunks=2",
-                  f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=tmp_path)
+    # pipedream with chunks=2 is refused: that job fails and the others still run (the sweep exits with 1).
+    proc = train(["-m", *same, "strategy.schedule=pipedream,1f1b,gpipe", "strategy.chunks=2",
+                  f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=tmp_path, expect_ok=False)
+    assert proc.returncode == 1
+    bad = [d for key, d in job_dirs(tmp_path / "sweep").items() if "strategy.schedule=pipedream," in key]
+    failed = json.loads((bad[0] / "results.json").read_text())
+    assert failed["error"].startswith("ValueError: schedule='pipedream' runs each batch as one PipeDream minibatch")
+    assert (failed["schedule"], failed["chunks"], failed["metric"]) == ("pipedream", 2, None)
+    assert "1 job(s) failed:\n  job 0: ValueError: schedule='pipedream'" in proc.stderr
     train([*same, "strategy=auto", "trainer.devices=1", f"hydra.run.dir={tmp_path / 'one'}"], cwd=tmp_path)
     one = json.loads((tmp_path / "one" / "results.json").read_text())
     assert (one["schedule"], one["stages"]) == ("auto", 1)
@@ -128,7 +136,8 @@ def test_sweep_over_schedules_and_chunks_equals_one_process(tmp_path: Path) -> N
         for key in want:
             torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=lambda m: f"{schedule} {key}: {m}")
     summary = json.loads((tmp_path / "sweep" / "summary.json").read_text())
-    assert [(row["schedule"], row["chunks"]) for row in summary] == [("1f1b", 2), ("gpipe", 2)]
+    assert [(row["schedule"], row["chunks"]) for row in summary] == [("pipedream", 2), ("1f1b", 2), ("gpipe", 2)]
+    assert [row["error"] is None for row in summary] == [False, True, True]
     assert "summary of" in proc.stdout
 
 
@@ -136,8 +145,9 @@ def test_sweep_over_schedules_and_chunks_equals_one_process(tmp_path: Path) -> N
 # over non-padding tokens of each micro-batch, so 2 micro-batches with 63 and 53 such tokens weight them unlike one
 # batch of 116 (~6e-3 apart after 2 steps). language_model too: with 2, one weight whose first gradient (~2e-9) is
 # below Adam's eps=1e-8 turns float rounding of the micro-batch sum into a 2.5e-6 step difference.
+# translation is left out to keep the suite under its 10 minutes: video_captioning has the same encoder-decoder
+# recipe shape (and runs 2 micro-batches); translation's smallest config runs in the smoke sweep above.
 SEQUENCE_RUNS = {
-    "translation": (["model.dropout=0.0"], 1),
     "language_model": (["model.dropoute=0.0", "model.dropouti=0.0", "model.dropouth=0.0", "model.dropout=0.0",
                         "model.wdrop=0.0"], 1),
     "video_captioning": (["model.dropout=0.0"], 2),
@@ -216,23 +226,6 @@ def test_trainer_keys_override_from_the_command_line(tmp_path: Path) -> None:
     assert "`max_steps=2` reached" in proc.stdout + proc.stderr
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     check_results(results, "image", "pipedream", 1)
-
-
-def test_sweep_survives_a_bad_job_and_exits_non_zero(tmp_path: Path) -> None:
-    """pipedream with chunks=2 is refused; the 1f1b job still runs, the summary names the failure, exit status 1."""
-    proc = train(["-m", "experiment=smoke_image", "strategy.schedule=pipedream,1f1b", "strategy.chunks=2",
-                  f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=tmp_path, expect_ok=False)
-    assert proc.returncode == 1
-    runs = job_dirs(tmp_path / "sweep")
-    bad = json.loads((runs["experiment=smoke_image,strategy.schedule=pipedream,strategy.chunks=2"]
-                      / "results.json").read_text())
-    assert bad["error"].startswith("ValueError: schedule='pipedream' runs each batch as one PipeDream minibatch")
-    assert (bad["schedule"], bad["chunks"], bad["metric"]) == ("pipedream", 2, None)
-    good = runs["experiment=smoke_image,strategy.schedule=1f1b,strategy.chunks=2"]
-    check_results(json.loads((good / "results.json").read_text()), "image", "1f1b", 2)
-    assert "1 job(s) failed:\n  job 0: ValueError: schedule='pipedream'" in proc.stderr
-    summary = json.loads((tmp_path / "sweep" / "summary.json").read_text())
-    assert [row["error"] is None for row in summary] == [False, True]
 
 
 def test_reproduction_sweep_writes_curves_and_table(tmp_path: Path) -> None:
