@@ -43,6 +43,9 @@ CASES = {
 }
 
 
+VALIDATED = ("resnet", "transformer")
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
     """Every family on one device and as a pipeline; the runs of one process count share one launch."""
@@ -50,7 +53,9 @@ def trained(tmp_path_factory) -> Path:
     runs: dict[int, list] = {1: [], 2: [], 3: []}
     for case, (processes, strategy, model) in CASES.items():
         family, _, untraceable = case.partition("_")
-        common = {"family": family, "model": model, "limit_val_batches": 1, "untraceable": bool(untraceable)}
+        # Validation (an eval-mode capture) where eval mode changes the graph: BatchNorm, nn.Transformer's masks.
+        validate = 1 if family in VALIDATED else 0
+        common = {"family": family, "model": model, "limit_val_batches": validate, "untraceable": bool(untraceable)}
         runs[1].append([str(base / case / "single"), common])
         runs[processes].append([str(base / case / "pipe"), {**common, "devices": processes, "strategy": strategy}])
     runs[2].append([str(base / "lstm_pipedream"), {"family": "lstm", "devices": 2, "strategy": {
@@ -70,7 +75,8 @@ def test_training_equals_one_device(trained, family):
     for key in want:
         torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-5, msg=lambda m: f"{key}: {m}")
     metrics = [json.loads((d / "metrics.json").read_text()) for d in (pipe, single)]
-    assert metrics[0]["val_loss"] == pytest.approx(metrics[1]["val_loss"], rel=1e-5)  # an eval-mode capture
+    if family in VALIDATED:
+        assert metrics[0]["val_loss"] == pytest.approx(metrics[1]["val_loss"], rel=1e-5)  # an eval-mode capture
     if family == "gpt":  # the output projection tied to the embedding: one tensor under both names
         assert torch.equal(got["model.head.weight"], got["model.tok.weight"])
     # The checkpoint loads without the strategy.
