@@ -231,26 +231,31 @@ class ForwardCall:
     """The pipelined call is the LightningModule's own ``forward`` (``self(...)`` in a step); its input is
     ``(args, kwargs)`` of that call, with any tensors, masks and keyword arguments."""
 
+    def _called(self, module: LightningModule) -> nn.Module:
+        """The module whose call is pipelined."""
+        return module
+
+    def _not_called(self, module: LightningModule, hook: str) -> str:
+        return (f"{type(module).__name__}.{hook} returned without calling self(...). Under PipeDreamStrategy every "
+                "step must call the model's forward exactly once, through self(...), with the inputs to pipeline.")
+
     def input_of(self, module: LightningModule, hook: str, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
-        """Run the user's step until it calls ``self(...)``, and return that call's ``(args, kwargs)``."""
+        """Run the user's step until it makes the pipelined call, and return that call's ``(args, kwargs)``."""
 
         def stop(*call_args: Any, **call_kwargs: Any) -> Any:
             raise InputCaptured((call_args, call_kwargs))
 
         step = getattr(module, hook)
         try:
-            with _forward_replaced(module, stop), LogRecorder().capture(module, 1):
+            with _forward_replaced(self._called(module), stop), LogRecorder().capture(module, 1):
                 step(*args, **kwargs)
         except InputCaptured as captured:
             return captured.value
-        raise RuntimeError(
-            f"{type(module).__name__}.{hook} returned without calling self(...). Under PipeDreamStrategy every "
-            "step must call the model's forward exactly once, through self(...), with the inputs to pipeline."
-        )
+        raise RuntimeError(self._not_called(module, hook))
 
     @contextmanager
     def replaying(self, module: LightningModule, output: Any) -> Iterator[None]:
-        with _forward_replaced(module, lambda *args, **kwargs: output):
+        with _forward_replaced(self._called(module), lambda *args, **kwargs: output):
             yield
 
 
@@ -262,25 +267,12 @@ class SubmoduleCall(ForwardCall):
     def __init__(self, name: str) -> None:
         self.name = name
 
-    def input_of(self, module: LightningModule, hook: str, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
-        def stop(*call_args: Any, **call_kwargs: Any) -> Any:
-            raise InputCaptured((call_args, call_kwargs))
+    def _called(self, module: LightningModule) -> nn.Module:
+        return module.get_submodule(self.name)
 
-        step = getattr(module, hook)
-        try:
-            with _forward_replaced(module.get_submodule(self.name), stop), LogRecorder().capture(module, 1):
-                step(*args, **kwargs)
-        except InputCaptured as captured:
-            return captured.value
-        raise RuntimeError(
-            f"{type(module).__name__}.{hook} returned without calling self.{self.name}. Under PipeDreamStrategy "
-            f"with split points inside {self.name!r}, every step must call it exactly once."
-        )
-
-    @contextmanager
-    def replaying(self, module: LightningModule, output: Any) -> Iterator[None]:
-        with _forward_replaced(module.get_submodule(self.name), lambda *args, **kwargs: output):
-            yield
+    def _not_called(self, module: LightningModule, hook: str) -> str:
+        return (f"{type(module).__name__}.{hook} returned without calling self.{self.name}. Under PipeDreamStrategy "
+                f"with split points inside {self.name!r}, every step must call it exactly once.")
 
 
 def innermost_called_module(module: LightningModule, split_points: list[str], hook: str, *args: Any,

@@ -40,6 +40,15 @@ class Minibatch:
     closes_group: bool = True
 
 
+def stages_of(layers: nn.Sequential, balance: Sequence[int]) -> list[nn.Sequential]:
+    """The Sequential's layers cut into stages of ``balance[s]`` layers (the same module objects)."""
+    names, stages, start = list(layers._modules), [], 0
+    for count in balance:
+        stages.append(nn.Sequential(*[layers._modules[n] for n in names[start : start + count]]))
+        start += count
+    return stages
+
+
 class PipeDreamRule:
     """Stages of an ``nn.Sequential`` (each with its own optimizer), trained segment by segment; a segment ends in a drain."""
 
@@ -63,12 +72,7 @@ class PipeDreamRule:
         if ties and not stashing:
             raise ValueError("the no-stashing reference knows no ties")
         self.ties = [list(tie) for tie in ties]  # each: the (stage, parameter name in the stage) holding a copy
-        names = list(layers._modules)
-        self.stages: list[nn.Sequential] = []
-        start = 0
-        for count in balance:
-            self.stages.append(nn.Sequential(*[layers._modules[n] for n in names[start : start + count]]))
-            start += count
+        self.stages = stages_of(layers, balance)
         self.optimizers = [make_optimizer(list(stage.parameters())) for stage in self.stages]
         self.loss_fn = loss_fn
         self.hyperparameters = hyperparameters
@@ -229,12 +233,7 @@ class RoundRobinRule:
     def __init__(self, layers: nn.Sequential, balance: Sequence[int], replicas: Sequence[int],
                  make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
                  loss_fn: Callable[[Tensor, Tensor], Tensor]) -> None:
-        names = list(layers._modules)
-        self.stages: list[nn.Sequential] = []
-        start = 0
-        for count in balance:
-            self.stages.append(nn.Sequential(*[layers._modules[n] for n in names[start : start + count]]))
-            start += count
+        self.stages = stages_of(layers, balance)
         self.replicas = list(replicas)
         self.optimizers = [make_optimizer(list(stage.parameters())) for stage in self.stages]
         self.loss_fn = loss_fn
