@@ -324,6 +324,48 @@ def test_zero_bubble_and_interleaved_equal_single_process(schedule, stages, opti
         assert losses == pytest.approx(want_losses, rel=1e-5)
 
 
+def narrowing_mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    widths = [8, 6, 5, 7, 8]  # each of the 4 chunks' inputs and outputs has a shape of its own
+    return nn.Sequential(*[m for a, b in zip(widths, widths[1:]) for m in (nn.Linear(a, b), nn.Tanh())])
+
+
+def count_messages(rank, world, chunks):
+    sent = []
+    isend = torch.distributed.isend
+
+    def counting_isend(tensor, *args, **kwargs):
+        sent[-1] += 1
+        return isend(tensor, *args, **kwargs)
+
+    torch.distributed.isend = counting_isend
+    pipe = Pipeline(narrowing_mlp(), loss_fn=nn.functional.mse_loss, optimizer=sgd, schedule="interleaved",
+                    chunks=chunks, virtual_stages=2)
+    for x, y in batches(3):
+        sent.append(0)
+        pipe.step(x, y)
+    torch.distributed.isend = isend
+    return pipe.state_dict(), sent
+
+
+def test_interleaved_link_sends_one_message_per_tree():
+    # Two chunks per process: the link between the two processes carries activations and gradients of
+    # three model edges, each of its own shape. Each edge keeps its own message layout, so after the
+    # first step (which describes each edge once) every tree is one message: per process and step,
+    # 3 edges out of 6 leave it, once per micro-batch.
+    model = narrowing_mlp()
+    opt = sgd(model.parameters())
+    for x, y in batches(3):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    results = run_local(count_messages, 2, 5, timeout=90)
+    assert_close_state(gather(results)[0], model.state_dict())
+    for _, sent in results:
+        assert sent[1:] == [3 * 5, 3 * 5]
+        assert sent[0] > 3 * 5
+
+
 def two_bw_reference(n_batches: int) -> tuple[dict, list[float]]:
     """PipeDream-2BW's rule in one process: W(t+1) = W(t) - lr * grad f_t(W(t-1)), W(-1) = W(0); the
     gradient of minibatch t is that of its whole batch (micro-batch gradients coalesced)."""

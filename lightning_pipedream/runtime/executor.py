@@ -82,10 +82,14 @@ class Executor:
         # Every receive is posted ahead, one per peer at a time: the first from each peer now, the
         # next one as soon as the previous one from that peer has arrived. Only receives of these
         # actions are posted, so none is left waiting when the list is done.
-        post_next = _next_receive_peers(actions) if self.post_receives else [False] * len(actions)
+        post_next = _next_receives(actions) if self.post_receives else [None] * len(actions)
         if self.post_receives:
-            for peer in dict.fromkeys(a.peer for a in actions if a.op.is_recv and a.peer != local):
-                transport.post_recv(peer)
+            first: dict[int | None, Action] = {}
+            for a in actions:
+                if a.op.is_recv and a.peer != local:
+                    first.setdefault(a.peer, a)
+            for peer, a in first.items():
+                transport.post_recv(peer, channel_of(a))
         flight = recorder()
         for i, action in enumerate(actions):
             op, mb = action.op, action.microbatch
@@ -96,9 +100,10 @@ class Executor:
             start = time.perf_counter()
             if op is Op.RECV_ACT or op is Op.RECV_GRAD:
                 if remote:
-                    value = transport.recv(action.peer)
-                    if post_next[i]:
-                        transport.post_recv(action.peer)
+                    value = transport.recv(action.peer, channel_of(action))
+                    following = post_next[i]
+                    if following is not None:
+                        transport.post_recv(action.peer, channel_of(following))
                 else:
                     value = self._local.popleft()
                 (self._inputs if op is Op.RECV_ACT else self._grads)[key] = value
@@ -118,7 +123,7 @@ class Executor:
                 if not stage.is_last:
                     self._outputs[key] = out
             elif op is Op.SEND_ACT:
-                self._send(self._outputs.pop(key), action.peer, f"output of stage {stage.index}")
+                self._send(self._outputs.pop(key), action, f"output of stage {stage.index}")
             elif op is Op.BACKWARD:
                 output_grads = self._grads.pop(key, None)
                 if key in split:
@@ -131,7 +136,7 @@ class Executor:
             elif op is Op.BACKWARD_WEIGHT:
                 stage.backward_weight(mb)
             elif op is Op.SEND_GRAD:
-                self._send(self._input_grads.pop(key), action.peer, "input gradients")
+                self._send(self._input_grads.pop(key), action, "input gradients")
             elif op is Op.OPTIMIZER_STEP:
                 optimizer_step(action)
             elif op is Op.ALLREDUCE_GRAD:
@@ -147,14 +152,14 @@ class Executor:
                 self.records.append((action, start, end))
         return losses
 
-    def _send(self, tree: Any, peer: int, where: str) -> None:
-        if peer == self.rank:
+    def _send(self, tree: Any, action: Action, where: str) -> None:
+        if action.peer == self.rank:
             # The other stage lives here too: no copy and no message, but a graph of its own (detached
             # leaves, as a received tree), so each stage's backward stops at its inputs.
             leaves, spec = flatten(tree, where)
             self._local.append(unflatten([t.detach().requires_grad_(t.requires_grad) for t in leaves], spec))
         else:
-            self.transport.send(tree, peer, where)
+            self.transport.send(tree, action.peer, where, channel_of(action))
 
     def events(self, rank: int, origin: float = 0.0) -> list:
         """The :attr:`records` as ``TimedAction`` events (seconds from ``origin``)."""
@@ -163,14 +168,25 @@ class Executor:
         return [TimedAction(rank, a, s - origin, e - origin) for a, s, e in self.records]
 
 
-def _next_receive_peers(actions: Sequence[Action]) -> list[bool]:
-    """For each action: whether it is a receive followed, later in ``actions``, by another receive
-    from the same peer."""
-    later: set[int | None] = set()
-    out = [False] * len(actions)  # (a receive from this rank itself is never posted: it is local)
+def channel_of(action: Action) -> tuple[str, int]:
+    """The transport channel of a send or receive: the model edge it crosses, named by what it
+    carries and the stage it goes into. Each edge keeps its own message layout, so a link that
+    carries two edges (interleaved chunks) does not re-describe its trees at every switch."""
+    op = action.op
+    if op is Op.SEND_ACT:
+        return ("act", action.stage + 1)
+    if op is Op.SEND_GRAD:
+        return ("grad", action.stage - 1)
+    return ("act" if op is Op.RECV_ACT else "grad", action.stage)
+
+
+def _next_receives(actions: Sequence[Action]) -> list[Action | None]:
+    """For each receive: the next receive from the same peer later in ``actions`` (None if none)."""
+    later: dict[int | None, Action] = {}
+    out: list[Action | None] = [None] * len(actions)  # (a receive from this rank itself is never posted)
     for i in range(len(actions) - 1, -1, -1):
         a = actions[i]
         if a.op.is_recv:
-            out[i] = a.peer in later
-            later.add(a.peer)
+            out[i] = later.get(a.peer)
+            later[a.peer] = a
     return out

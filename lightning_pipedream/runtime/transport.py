@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import pickle
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -123,7 +124,11 @@ class Transport:
     carries instead the length of a pickled description, and the description itself if it fits;
     otherwise the description follows in its own message; then the data comes in a message of
     the new size. So static shapes cost one message per tree, and a sequence whose length
-    changes every batch still works. (Two dependent messages per tree, header then data, cost
+    changes every batch still works. A peer's messages may travel on several named channels (the
+    executor names each edge of the model: activations into stage s, gradients into stage s), each
+    with its own remembered layout, so a link that alternates trees of different shapes (two model
+    chunks per rank, interleaved) still sends one message per tree; the two ends must use the
+    channels in the same order. (Two dependent messages per tree, header then data, cost
     gloo a few milliseconds each on a busy machine: a send queued before its receive is posted
     waits for the receiver's notification.) Sends are asynchronous; every handle is waited on,
     at the latest in :meth:`wait_all` (gloo has hung on unwaited batched p2p).
@@ -131,10 +136,12 @@ class Transport:
 
     group: Any = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    _send_channels: dict[int, _Channel] = field(default_factory=dict)
-    _recv_channels: dict[int, _Channel] = field(default_factory=dict)
+    _send_channels: dict[tuple[int, Hashable], _Channel] = field(default_factory=dict)
+    _recv_channels: dict[tuple[int, Hashable], _Channel] = field(default_factory=dict)
     _pending: list[tuple[Any, list[Tensor]]] = field(default_factory=list)
-    _posted: dict[int, tuple[Any, Tensor]] = field(default_factory=dict)  # peer -> receive posted ahead
+    # peer -> (channel, receive posted ahead, its buffer): at most one per peer, so the order of
+    # messages between two ranks is the order of the calls (NCCL matches p2p by order alone)
+    _posted: dict[int, tuple[Hashable, Any, Tensor]] = field(default_factory=dict)
     _timeout: timedelta | None = None  # what a wait may last: the world's timeout (see _world_timeout)
 
     def _global(self, peer: int) -> int:
@@ -145,8 +152,8 @@ class Transport:
         """``peer`` (a rank of ``group``) as a global rank; None stays None."""
         return None if peer is None else self._global(peer)
 
-    def send(self, tree: Any, peer: int, where: str = "stage output") -> None:
-        """Send ``tree`` to ``peer`` without waiting for it to be received."""
+    def send(self, tree: Any, peer: int, where: str = "stage output", channel: Hashable = None) -> None:
+        """Send ``tree`` to ``peer`` on ``channel`` without waiting for it to be received."""
         leaves, spec = flatten(tree, where)
         meta = _Meta(
             spec,
@@ -154,7 +161,7 @@ class Transport:
             [_dtype_name(t.dtype) for t in leaves],
             [t.requires_grad for t in leaves],
         )
-        channel = self._send_channels.setdefault(peer, _Channel())
+        channel = self._send_channels.setdefault((peer, channel), _Channel())
         dst = self._global(peer)
         if meta != channel.last_meta:
             # The receiver expects a message of the old layout's size: it says what changed.
@@ -177,16 +184,22 @@ class Transport:
         self._isend(message, dst)
         self._reap()
 
-    def recv(self, peer: int) -> Any:
-        """Receive the next tree from ``peer`` (blocking); float tensors that required grad at the sender do here too.
+    def recv(self, peer: int, channel: Hashable = None) -> Any:
+        """Receive the next tree from ``peer`` on ``channel`` (blocking); float tensors that required
+        grad at the sender do here too.
 
         The tensors are views of the received message's buffer.
         """
         src = self._global(peer)
-        channel = self._recv_channels.setdefault(peer, _Channel())
+        name, channel = channel, self._recv_channels.setdefault((peer, channel), _Channel())
         posted = self._posted.pop(peer, None)
         if posted is not None:
-            work, message = posted
+            posted_name, work, message = posted
+            if posted_name != name:
+                raise RuntimeError(
+                    f"A receive from rank {peer} on channel {posted_name!r} was posted but one on {name!r} "
+                    "was asked for; post receives in the order they are made."
+                )
             self._wait(work)
         else:
             message = torch.empty(channel.size, dtype=torch.uint8, device=self.device)
@@ -216,8 +229,9 @@ class Transport:
             leaves.append(t)
         return unflatten(leaves, meta.spec)
 
-    def post_recv(self, peer: int) -> None:
-        """Post the receive of the next message from ``peer`` now, for a later :meth:`recv` to wait on.
+    def post_recv(self, peer: int, channel: Hashable = None) -> None:
+        """Post the receive of the next message from ``peer`` on ``channel`` now, for a later
+        :meth:`recv` to wait on.
 
         Call it only when a :meth:`recv` from ``peer`` is certain to follow (the executor does, for
         the receives of the actions it is running). A receive posted before the peer sends lets the
@@ -228,9 +242,9 @@ class Transport:
         """
         if peer in self._posted:
             return
-        channel = self._recv_channels.setdefault(peer, _Channel())
-        message = torch.empty(channel.size, dtype=torch.uint8, device=self.device)
-        self._posted[peer] = (self._call(dist.irecv, message, self._global(peer)), message)
+        size = self._recv_channels.setdefault((peer, channel), _Channel()).size
+        message = torch.empty(size, dtype=torch.uint8, device=self.device)
+        self._posted[peer] = (channel, self._call(dist.irecv, message, self._global(peer)), message)
 
     def _isend(self, tensor: Tensor, dst: int) -> None:
         self._pending.append((self._call(dist.isend, tensor, dst), [tensor]))
