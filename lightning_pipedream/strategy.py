@@ -175,6 +175,12 @@ class PipeDreamStrategy(DDPStrategy):
         self._plan_path = plan
         self._layers_arg = layers
         self._split_points = list(split_points) if split_points is not None else None
+        if plan is not None and virtual_stages > 1:
+            raise ValueError(
+                "PipeDreamStrategy(plan=...) gives one layer range per process; schedule='interleaved' with "
+                f"virtual_stages={virtual_stages} needs processes x {virtual_stages} of them. Give balance= with that "
+                "many layer counts, or drop plan= for an even split."
+            )
         if split_points is not None and layers is not None:
             raise ValueError(
                 "PipeDreamStrategy takes layers= (split an nn.Sequential between its layers) or split_points= (split "
@@ -605,12 +611,6 @@ class PipeDreamStrategy(DDPStrategy):
     def _decide_balance(self, trainer: Trainer, module: LightningModule, layers: nn.Sequential) -> list[int]:
         if self.virtual_stages > 1:  # interleaved: processes x virtual_stages stages, evenly unless balance= says
             total = self.num_stages * self.virtual_stages
-            if self._plan_path is not None:
-                raise ValueError(
-                    "PipeDreamStrategy(plan=...) gives one layer range per process; schedule='interleaved' with "
-                    f"virtual_stages={self.virtual_stages} needs {total} (processes x virtual_stages). Give "
-                    f"balance= with {total} layer counts, or drop plan= for an even split."
-                )
             if self._balance_arg is not None:
                 return check_balance(self._balance_arg, len(layers), total)
             return even_balance(len(layers), total)

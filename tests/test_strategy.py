@@ -467,6 +467,10 @@ def test_bad_strategy_arguments():
         PipeDreamStrategy(schedule="pipedream", chunks=4)
     with pytest.raises(ValueError, match="start_method='spawn'. is not supported: those launchers return only"):
         PipeDreamStrategy(start_method="spawn")
+    with pytest.raises(ValueError, match=r"PipeDreamStrategy\(plan=...\) gives one layer range per process; "
+                                         r"schedule='interleaved' with virtual_stages=2 needs processes x 2 of them. "
+                                         r"Give balance= with that many layer counts, or drop plan="):
+        PipeDreamStrategy(schedule="interleaved", virtual_stages=2, plan="plan.json")
 
 
 def test_gpu_requested_without_gpu():

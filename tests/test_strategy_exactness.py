@@ -309,8 +309,9 @@ class AddsParamGroup(L.Callback):
             trainer.optimizers[0].add_param_group({"params": [torch.nn.Parameter(torch.zeros(1))]})
 
 
-def _fit_one_device(model: L.LightningModule, **trainer_args: Any) -> None:
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=PipeDreamStrategy(schedule="pipedream"), max_epochs=1,
+def _fit_one_device(model: L.LightningModule, strategy: PipeDreamStrategy | None = None, **trainer_args: Any) -> None:
+    strategy = strategy if strategy is not None else PipeDreamStrategy(schedule="pipedream")
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_epochs=1,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, **trainer_args)
     trainer.fit(model, ResumableBatches(batches(4)))
@@ -355,6 +356,26 @@ def test_several_optimizers_are_refused():
 
 
 # ------------------------------------------------------------------ the newer schedules (issue 13)
+class NotSequential(RuleMLP):
+    """RuleMLP's layers called one by one from two attributes: the strategy would split its traced graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.front, self.back = self.layers[:4], self.layers[4:]
+        del self.layers
+
+    def forward(self, x):
+        return self.back(self.front(x))
+
+
+def test_interleaved_needs_one_sequential():
+    with pytest.raises(ValueError, match=r"schedule='interleaved' with virtual_stages=2 splits the layers of one "
+                                         r"nn.Sequential into model chunks, but NotSequential's are not one "
+                                         r"nn.Sequential. Put the layers in one nn.Sequential \(layers= names it\), "
+                                         r"or use virtual_stages=1"):
+        _fit_one_device(NotSequential(), PipeDreamStrategy(schedule="interleaved", chunks=2, virtual_stages=2))
+
+
 def one_device(num_batches: int = NEWER_BATCHES) -> dict[str, torch.Tensor]:
     """One epoch of plain SGD on one device (the pipeline rule with one stage is synchronous training)."""
     return reference(balance=[7], epochs=[list(range(num_batches))], num_batches=num_batches)
