@@ -177,6 +177,29 @@ def test_live_storage_is_updated_in_place_once_its_last_user_is_done():
     assert versions.num_updates == 2
 
 
+def test_a_finished_stash_is_reused_by_the_next_copy():
+    # PipeDream's steady state on a first stage: minibatch t+1's forward uses the live weights when
+    # minibatch t's update comes, so each update copies; the storage of the stash whose backward is
+    # done is written into instead of allocating a new one.
+    layer = _linear()
+    versions = WeightVersions(layer)
+    x = torch.ones(1, 2)
+    outs = {0: torch.func.functional_call(layer, versions.forward_params(0), (x,))}
+    storages = [layer.weight.detach()]  # kept alive here: a fresh allocation cannot land at its address
+    for t in range(4):
+        outs[t + 1] = torch.func.functional_call(layer, versions.forward_params(t + 1), (x,))
+        outs.pop(t).sum().backward()
+        versions.collect_grads(t)
+        _sgd_step(layer, versions)
+        storages.append(layer.weight.detach())
+        assert versions.stored_versions() == 2
+    pointers = [s.data_ptr() for s in storages]
+    assert len(set(pointers[:2])) == 2  # the first copy allocates (no stash has finished yet)
+    assert pointers[2:] == [pointers[0], pointers[1], pointers[0]], "later copies reuse the finished stashes"
+    # d(w . x)/dw = x at any weights: four updates of 0.5 x, copied forward through the reused storages
+    torch.testing.assert_close(layer.weight.detach(), _linear().weight.detach() - 4 * 0.5 * x)
+
+
 def test_collect_grads_skips_frozen_parameters_and_keeps_the_rest():
     torch.manual_seed(0)
     layer = nn.Linear(2, 1)

@@ -13,7 +13,11 @@ class WeightVersions:
     leaves (then move to the parameters' ``.grad``). Before an optimizer step, if an in-flight
     minibatch still uses the live storage, the parameters move to a copy (``p.data = clone``) and
     the old storage stays with that minibatch: the update never writes into a tensor autograd
-    saved. A version lives exactly as long as a minibatch (or vertical sync) needs it.
+    saved. A version lives exactly as long as a minibatch (or vertical sync) needs it; then its
+    storage becomes the spare that the next such copy writes into (``copy_`` into memory already
+    touched, not a fresh allocation: glibc returns large freed blocks to the OS, and faulting 16
+    MiB of pages back in cost more than the copy itself in the benchmark), so a stage's memory
+    peak is unchanged.
 
     With ``stashing=False`` (the paper's ablation) updates go into the live storage in place, so
     a backward sees the newest weights, as PipeDream without stashing does.
@@ -40,6 +44,7 @@ class WeightVersions:
         self._history: dict[int, dict[str, Tensor]] = {}  # version -> storage, for vertical sync
         self._leaves: dict[int, dict[str, Tensor]] = {}  # minibatch -> the leaves its forward used
         self._version_of: dict[int, int] = {}
+        self._spare: dict[str, Tensor] | None = None  # a finished version's storage, for the next copy
 
     def forward_params(self, microbatch: int, version: int | None = None) -> dict[str, Tensor]:
         """Leaves to run ``microbatch``'s forward on: the live weights, or an older ``version`` (vertical sync)."""
@@ -62,13 +67,26 @@ class WeightVersions:
     def collect_grads(self, microbatch: int) -> None:
         """After ``microbatch``'s backward: add the gradients its leaves received to the parameters' ``.grad``."""
         leaves = self._leaves.pop(microbatch)
-        self._version_of.pop(microbatch)
+        version = self._version_of.pop(microbatch)
         self._live_users.discard(microbatch)
         for name, leaf in leaves.items():
             if leaf.grad is None:
                 continue
             p = self.params[name]
             p.grad = leaf.grad if p.grad is None else p.grad + leaf.grad
+            leaf.grad = None
+        if self._is_finished_copy(version, leaves):
+            self._spare = {name: leaf.detach() for name, leaf in leaves.items()}
+
+    def _is_finished_copy(self, version: int, leaves: dict[str, Tensor]) -> bool:
+        """Whether ``leaves`` hold a stashed copy that nothing needs any more (its backward is done)."""
+        if not self.stashing or self.two_versions or self.vertical_sync or not leaves:
+            return False
+        name = next(iter(leaves))
+        return (
+            leaves[name].data_ptr() != self.params[name].data.data_ptr()  # not the live storage
+            and version not in self._version_of.values()  # no other minibatch in flight reads it
+        )
 
     def before_update(self) -> None:
         """Call right before the optimizer writes into the parameters."""
@@ -78,10 +96,10 @@ class WeightVersions:
         # Only a minibatch still in flight needs the old storage (on the last stage none is: its
         # forward and backward both come before the update, so it updates in place).
         if self.stashing and (self._live_users or self.vertical_sync):
-            old = {}
+            old, spare, self._spare = {}, self._spare, None
             for name, p in self.params.items():
                 old[name] = p.data
-                p.data = p.data.clone()
+                p.data = p.data.clone() if spare is None else spare[name].copy_(p.data)
             if self.vertical_sync:
                 self._history[self.num_updates] = old
         self._live_users.clear()
@@ -116,6 +134,7 @@ class WeightVersions:
             raise RuntimeError(f"Minibatches {sorted(self._leaves)} are still in flight; drain the pipeline first.")
         self._history.clear()
         self._live_users.clear()
+        self._spare = None
 
     def forward_version(self, microbatch: int) -> int | None:
         """The version ``microbatch``'s forward used (None once its backward is done)."""
