@@ -52,6 +52,7 @@ from benchmarks.workload import (
     idle_load,
     make_batch,
     sgd,
+    torch_step,
     wait_for_quiet,
 )
 from lightning_pipedream.plan.balance import even_balance, stage_slice
@@ -107,21 +108,7 @@ def torch_worker(rank: int, world: int, cfg: Config, schedule: str, warmup: int,
         cls = ScheduleInterleaved1F1B if schedule == "interleaved" else ScheduleInterleavedZeroBubble
         sched = cls(stages, n_microbatches=cfg.chunks, loss_fn=nn.functional.mse_loss)
     opt = sgd([p for m in modules for p in m.parameters()])
-    first, last = rank == 0, rank == world - 1
-
-    def step() -> float | None:
-        losses: list = []
-        if first:
-            sched.step(x, return_outputs=False)
-        elif last:
-            sched.step(target=y, losses=losses, return_outputs=False)
-        else:
-            sched.step(return_outputs=False)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return float(sum(loss.detach() for loss in losses) / len(losses)) if losses else None
-
-    return _timed(step, warmup, steps)
+    return _timed(torch_step(sched, opt, x, y, rank, world), warmup, steps)
 
 
 def contenders(trace: bool = True) -> list[str]:

@@ -10,12 +10,13 @@ import os
 import resource
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_pipedream.plan.balance import even_balance, stage_slice
 from lightning_pipedream.runtime.launch import run_local
@@ -150,10 +151,15 @@ def torch_worker(rank: int, world: int, cfg: Config, schedule: str, warmup: int,
     # loss_fn is mean-reduced; scale_grads (default True) divides by the micro-batch count, so
     # the gradient is that of the mean over the batch, as in our Pipeline and in one process.
     sched = cls(stage, n_microbatches=cfg.chunks, loss_fn=nn.functional.mse_loss)
-    opt = sgd(module.parameters())
+    return _timed(torch_step(sched, sgd(module.parameters()), x, y, rank, world), warmup, steps)
+
+
+def torch_step(sched: Any, opt: torch.optim.Optimizer, x: Tensor, y: Tensor, rank: int, world: int) -> Callable:
+    """One training step of a torch.distributed.pipelining schedule and an SGD step; returns the mean loss
+    on the last rank."""
     first, last = rank == 0, rank == world - 1
 
-    def step():
+    def step() -> float | None:
         losses: list = []
         if first:
             sched.step(x, return_outputs=False)
@@ -163,9 +169,9 @@ def torch_worker(rank: int, world: int, cfg: Config, schedule: str, warmup: int,
             sched.step(return_outputs=False)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return float(sum(l.detach() for l in losses) / len(losses)) if losses else None
+        return float(sum(loss.detach() for loss in losses) / len(losses)) if losses else None
 
-    return _timed(step, warmup, steps)
+    return step
 
 
 def single_worker(
