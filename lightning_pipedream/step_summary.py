@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from lightning_pipedream.runtime.failures import pipeline_failures
 
@@ -186,7 +187,11 @@ class LaggedSummaries:
     backward of t, which precedes its summary. :meth:`take_all` collects what is pending at a drain.
 
     The summaries travel on their own process group, so that they never interleave with the
-    pipeline's activations (NCCL matches point-to-point messages by order, not by tag).
+    pipeline's activations (NCCL matches point-to-point messages by order, not by tag). A receiver
+    posts the receive of the next summary it expects as soon as it knows one will come (one at a
+    time, so the order of the messages stays that of the calls): gloo holds a send until its
+    receive is posted, and a receive posted only when the summary is needed cost rank 0 about
+    2.5 ms per step, waiting for the last stage's busy process to answer.
     """
 
     def __init__(self, channel: SummaryChannel, group: dist.ProcessGroup, source: int, receivers: list[int],
@@ -201,6 +206,7 @@ class LaggedSummaries:
         self._sends: deque[tuple[int, list[Any]]] = deque()  # (step, the sends' works) on the last stage
         self._steps = 0
         self._layout: tuple | None = None  # sender and receivers each follow the message order
+        self._posted: tuple[Any, Tensor] | None = None  # the next summary's header, being received
 
     def step(self, summary: StepSummary | None) -> list[StepSummary]:
         """Call at the end of every training step (``summary`` given on the last stage). Returns the
@@ -211,6 +217,7 @@ class LaggedSummaries:
             self._pending.append(summary)
         else:
             self._pending.append(None)
+            self._post_next()
         self._steps += 1
         out = []
         while len(self._pending) > self.lag:
@@ -228,12 +235,20 @@ class LaggedSummaries:
         """After a failure: nothing pending will arrive or be logged."""
         self._pending.clear()
         self._sends.clear()
+        self._posted = None
 
     def _take_oldest(self) -> StepSummary:
         summary = self._pending.popleft()
         if summary is None:
             summary = self._receive()
+            self._post_next()
         return self.channel._averaged(summary)
+
+    def _post_next(self) -> None:
+        """Post the receive of the oldest summary still on its way, unless one is posted already."""
+        if self._posted is None and None in self._pending:
+            header = torch.zeros(SummaryChannel.SLOTS, dtype=torch.float64, device=self.channel.device)
+            self._posted = (dist.irecv(header, group=self.group, group_src=self.source), header)
 
     def _send(self, summary: StepSummary) -> None:
         values = summary.numbers()
@@ -264,9 +279,11 @@ class LaggedSummaries:
 
     def _receive(self) -> StepSummary:
         device = self.channel.device
-        header = torch.zeros(SummaryChannel.SLOTS, dtype=torch.float64, device=device)
+        assert self._posted is not None  # posted when the step that sends it began here
+        work, header = self._posted
+        self._posted = None
         with pipeline_failures(self.channel.stage_index, waiting="a step summary from the last stage"):
-            dist.recv(header, group=self.group, group_src=self.source)
+            work.wait()
             header = header.cpu()
             if header[0] == 0.0:  # something new: it travels pickled, and its layout is remembered
                 payload = torch.empty(int(header[2]), dtype=torch.uint8, device=device)
