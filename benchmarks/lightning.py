@@ -6,7 +6,9 @@ Run from the repository root (``-m`` only: run as a file, ``import lightning`` w
     python -m benchmarks.lightning --quick --json /tmp/quick.json    # smoke run, tiny sizes, ~25 s
 
 The workload is that of ``benchmarks/workload.py``: 8 x (Linear(1024, 1024) + ReLU), MSE, plain SGD
-(lr 1e-3), ``OMP_NUM_THREADS=1`` and one thread per process. Every contender trains on the same
+(lr 1e-3), ``OMP_NUM_THREADS=1`` and one thread per process; every contender runs with glibc keeping
+freed memory (``--malloc keep``, PipeDreamStrategy's default ``keep_freed_memory=True``) or none does
+(``--malloc default``). Every contender trains on the same
 samples, in the same order; two groups do the same number of updates:
 
 * **minibatch 64** (one update per 64 samples): ``one_device_64`` (one process), ``ddp`` (2 processes
@@ -55,9 +57,13 @@ def _worker(spec: dict) -> None:
 
     from benchmarks.workload import LR, Config, build_model
     from lightning_pipedream import PipeDreamStrategy
+    from lightning_pipedream.runtime.allocator import keep_freed_memory
 
     torch.set_num_threads(1)
     cfg = Config(**spec["cfg"])
+    keep = spec.get("malloc", "keep") == "keep"
+    if keep:  # every contender under the same allocator setting as the strategy's default
+        keep_freed_memory()
 
     class MLP(L.LightningModule):
         def __init__(self) -> None:
@@ -111,7 +117,8 @@ def _worker(spec: dict) -> None:
         elif name in ("pipedream", "gpipe", "1f1b"):
             chunks = 1 if name == "pipedream" else cfg.chunks
             half = cfg.layers  # the Sequential has 2 * layers modules (Linear, ReLU): [8, 8]
-            devices, strategy = 2, PipeDreamStrategy(schedule=name, chunks=chunks, balance=[half, half])
+            devices, strategy = 2, PipeDreamStrategy(schedule=name, chunks=chunks, balance=[half, half],
+                                                        keep_freed_memory=keep)
         else:
             strategy = "auto"
         profiler = None
@@ -162,13 +169,14 @@ def _env() -> dict:
 
 
 def run_lightning_many(names: list[str], cfg_dict: dict, units: dict, timeout: float, profile: bool = False,
-                       profile_dir: Path | None = None) -> dict[str, dict]:
+                       profile_dir: Path | None = None, malloc: str = "keep") -> dict[str, dict]:
     """Run ``names`` one after the other in the same processes (2 ranks, or 1 for the one-device contenders)."""
     with tempfile.TemporaryDirectory(prefix="bench_lightning_") as tmp:
         out = Path(profile_dir) if profile_dir is not None else Path(tmp)
         out.mkdir(parents=True, exist_ok=True)
         spec = {"names": names, "cfg": cfg_dict, "warmup": {n: units[n][0] for n in names},
-                "steps": {n: units[n][1] for n in names}, "out": str(out), "profile": profile}
+                "steps": {n: units[n][1] for n in names}, "out": str(out), "profile": profile,
+                "malloc": malloc}
         proc = subprocess.run(
             [sys.executable, "-m", "benchmarks.lightning", "--worker", json.dumps(spec)],
             check=False, cwd=tmp, env=_env(), capture_output=True, text=True, timeout=timeout,
@@ -178,8 +186,8 @@ def run_lightning_many(names: list[str], cfg_dict: dict, units: dict, timeout: f
         return {n: _collect(n, out / n, *units[n]) for n in names}
 
 
-def run_lightning(name: str, cfg_dict: dict, units: dict, timeout: float) -> dict:
-    return run_lightning_many([name], cfg_dict, units, timeout)[name]
+def run_lightning(name: str, cfg_dict: dict, units: dict, timeout: float, malloc: str = "keep") -> dict:
+    return run_lightning_many([name], cfg_dict, units, timeout, malloc=malloc)[name]
 
 
 def _collect(name: str, out: Path, warmup: int, steps: int) -> dict:
@@ -276,6 +284,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--only", default="", help="comma-separated contenders (default all)")
     parser.add_argument("--profile", type=Path, default=None,
                         help="cProfile the timed steps of each of --only's contenders, per rank, into this folder")
+    parser.add_argument("--malloc", choices=("keep", "default"), default="keep",
+                        help="keep (default, as PipeDreamStrategy's keep_freed_memory=True): glibc keeps freed memory "
+                        "for reuse in every contender; default: glibc's own behaviour everywhere")
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--plot", type=Path, default=None, help="only draw --json's results into this PNG")
     args = parser.parse_args(argv)
@@ -287,6 +298,7 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
 
     from benchmarks.workload import Config
+    from lightning_pipedream.runtime.allocator import keep_freed_memory
 
     if args.quick:
         cfg = Config(layers=2, width=32, batch=16, chunks=4)
@@ -304,10 +316,13 @@ def main(argv: list[str] | None = None) -> dict:
     # (warm-up, timed) Lightning steps per contender: a step is a batch of 64 or of 512
     units = {n: (warmup * cfg.chunks, steps * cfg.chunks) if n in GROUP_64 else (warmup, steps) for n in CONTENDERS}
     shared = args.shared or args.quick
+    if args.malloc == "keep" and not keep_freed_memory():  # here too: the engine's runs fork from this process
+        parser.error("--malloc keep needs glibc; use --malloc default")
 
     if args.profile:
         for name in names:
-            run_lightning_many([name], cfg_dict, units, args.timeout, profile=True, profile_dir=args.profile)
+            run_lightning_many([name], cfg_dict, units, args.timeout, profile=True, profile_dir=args.profile,
+                               malloc=args.malloc)
             print(f"profiled {name} into {args.profile / name}", flush=True)
         return {}
 
@@ -322,7 +337,8 @@ def main(argv: list[str] | None = None) -> dict:
         sets = [[n for n in names if n in LIGHTNING and n.startswith("one_device")],
                 [n for n in names if n in LIGHTNING and not n.startswith("one_device")]]
         with ThreadPoolExecutor(2) as pool:
-            futures = [pool.submit(run_lightning_many, ns, cfg_dict, units, args.timeout) for ns in sets if ns]
+            futures = [pool.submit(run_lightning_many, ns, cfg_dict, units, args.timeout, malloc=args.malloc)
+                       for ns in sets if ns]
             done = {n: r for f in futures for n, r in f.result().items()}
         for n in names:
             run = done[n] if n in done else run_engine(n, cfg, warmup, steps, args.timeout)
@@ -336,7 +352,7 @@ def main(argv: list[str] | None = None) -> dict:
             if name in ENGINE:
                 run = run_engine(name, cfg, warmup, steps, args.timeout)
             else:
-                run = run_lightning(name, cfg_dict, units, args.timeout)
+                run = run_lightning(name, cfg_dict, units, args.timeout, args.malloc)
             run["loadavg_before"], run["loadavg_after"] = before, os.getloadavg()
             runs[name].append(run)
             print(f"round {rnd + 1}/{rounds} {name:18s} {run['seconds_per_step']:.4f} s/step "
@@ -348,7 +364,7 @@ def main(argv: list[str] | None = None) -> dict:
         "config": {**cfg_dict, "micro": cfg.micro, "stages": cfg.stages, "threads_per_process": 1,
                    "rounds": rounds, "shared_processes": shared,
                    "warmup_batches_of_512": warmup, "timed_batches_of_512": steps,
-                   "quick": args.quick},
+                   "quick": args.quick, "malloc": args.malloc},
         "machine": {"cpus": os.cpu_count(), "loadavg_start": load0, "loadavg_end": os.getloadavg(),
                     "loadavg_1m_during": {"median": _median(loads), "min": min(loads), "max": max(loads)}},
         "contenders": contenders,

@@ -64,7 +64,6 @@ from benchmarks.workload import (
     Config,
     LoadMeter,
     idle_load,
-    keep_freed_memory,
     link_worker,
     ours_worker,
     profile,
@@ -72,6 +71,7 @@ from benchmarks.workload import (
     torch_worker,
     wait_for_quiet,
 )
+from lightning_pipedream.runtime.allocator import keep_freed_memory
 from lightning_pipedream.runtime.launch import run_local
 from lightning_pipedream.schedule.actions import Op
 from lightning_pipedream.schedule.builders import build_schedule

@@ -355,26 +355,6 @@ class LoadMeter:
         return False
 
 
-def keep_freed_memory() -> bool:
-    """Tell glibc's malloc to keep freed memory for reuse rather than give it back to the OS.
-
-    By default glibc returns large freed blocks (``munmap``, heap trimming), so the next
-    allocation of a tensor that size faults its pages in again; on this VM a page fault costs
-    about a microsecond, so a 4 MiB gradient or weight copy costs ~1 ms more each time. The
-    PyTorch CPU tuning guide's advice (jemalloc, tcmalloc) aims at the same. Applies to this
-    process and the processes it forks afterwards; returns False where it cannot (not glibc).
-    """
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    # 32 MiB is the largest mmap threshold glibc accepts; fixing it also stops its dynamic adjustment.
-    return bool(libc.mallopt(m_mmap_threshold, 32 << 20)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
-
-
 BUSY_CORES = 0.25  # other processes using more than this many cores: the machine is busy
 
 

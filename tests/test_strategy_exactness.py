@@ -332,6 +332,17 @@ def test_what_is_refused_says_what_to_use_instead():
         _fit_one_device(RuleMLP(), callbacks=[AddsParamGroup()])
 
 
+def test_cpu_ranks_keep_freed_memory_unless_told_not_to(monkeypatch):
+    from lightning_pipedream.runtime import allocator
+
+    calls = []
+    monkeypatch.setattr(allocator, "keep_freed_memory", lambda: calls.append(True) or True)
+    _fit_one_device(RuleMLP())
+    assert calls == [True]
+    _fit_one_device(RuleMLP(), PipeDreamStrategy(schedule="pipedream", keep_freed_memory=False))
+    assert calls == [True]
+
+
 class TwoOptimizers(RuleMLP):
     """One optimizer per half of the model (what a GAN or a per-part learning rate would do)."""
 
