@@ -30,13 +30,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from benchmarks.worker_process import run_worker
+
 GROUP_64 = ("one_device_64", "ddp", "pipedream")
 GROUP_512 = ("one_device_512", "gpipe", "1f1b")
 LIGHTNING = GROUP_64 + GROUP_512
@@ -162,12 +161,6 @@ def _worker(spec: dict) -> None:
 # The parent: runs contenders in fresh processes and summarises.
 
 
-def _env() -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
-    return env
-
-
 def run_lightning_many(names: list[str], cfg_dict: dict, units: dict, timeout: float, profile: bool = False,
                        profile_dir: Path | None = None, malloc: str = "keep") -> dict[str, dict]:
     """Run ``names`` one after the other in the same processes (2 ranks, or 1 for the one-device contenders)."""
@@ -177,10 +170,7 @@ def run_lightning_many(names: list[str], cfg_dict: dict, units: dict, timeout: f
         spec = {"names": names, "cfg": cfg_dict, "warmup": {n: units[n][0] for n in names},
                 "steps": {n: units[n][1] for n in names}, "out": str(out), "profile": profile,
                 "malloc": malloc}
-        proc = subprocess.run(
-            [sys.executable, "-m", "benchmarks.lightning", "--worker", json.dumps(spec)],
-            check=False, cwd=tmp, env=_env(), capture_output=True, text=True, timeout=timeout,
-        )
+        proc = run_worker("benchmarks.lightning", spec, tmp, timeout)
         if proc.returncode != 0:
             raise RuntimeError(f"{names} failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
         return {n: _collect(n, out / n, *units[n]) for n in names}

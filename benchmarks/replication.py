@@ -40,14 +40,12 @@ import json
 import os
 import resource
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from benchmarks.lightning import _env
+from benchmarks.worker_process import run_worker
 from benchmarks.workload import LoadMeter, wait_for_quiet
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -330,10 +328,7 @@ def run_many(names: list[str], spec: dict, reference: dict, timeout: float) -> d
     """Run ``names`` one after the other in the same processes (all need the same process count)."""
     with tempfile.TemporaryDirectory(prefix="bench_replication_") as tmp:
         spec = dict(spec, names=names, out=tmp)
-        proc = subprocess.run(
-            [sys.executable, "-m", "benchmarks.replication", "--worker", json.dumps(spec)],
-            check=False, cwd=tmp, env=_env(), capture_output=True, text=True, timeout=timeout,
-        )
+        proc = run_worker("benchmarks.replication", spec, tmp, timeout)
         if proc.returncode != 0:  # the first rank's error, not only the peers' "connection closed" after it
             errors = [line for line in proc.stderr.splitlines() if "Error" in line and "closed by peer" not in line]
             raise RuntimeError(f"{names} failed (rc {proc.returncode}): {errors[:3]}\n{proc.stderr[-3000:]}")

@@ -6,7 +6,7 @@ import time
 
 import pytest
 import torch
-from pipedream_reference import Minibatch, PipeDreamRule
+from pipedream_reference import Minibatch, PipeDreamRule, train_one_process
 from torch import nn
 from torch.func import functional_call
 
@@ -58,17 +58,10 @@ def assert_close_state(got: dict, want: dict) -> None:
 @pytest.mark.parametrize("stages", [2, 3, 4])
 def test_flushed_schedules_equal_single_process(schedule, stages):
     reference = mlp()
-    opt = sgd(reference.parameters())
-    want_losses = []
-    for x, y in batches(3):
-        loss = nn.functional.mse_loss(reference(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        want_losses.append(loss.item())
+    want, want_losses = train_one_process(reference, sgd(reference.parameters()), batches(3))
     for chunks in (1, 3, 8):  # a batch of 10 does not divide into 3 or 8 micro-batches
         state, losses = gather(run_local(train_pipeline, stages, schedule, chunks, 3, 10, {}, timeout=90))
-        assert_close_state(state, reference.state_dict())
+        assert_close_state(state, want)
         assert losses == pytest.approx(want_losses, rel=1e-5)
 
 
@@ -190,15 +183,10 @@ def train_sequence(rank, world, schedule, chunks, lr=LR):
 
 def test_sequence_lengths_change_every_step():
     reference = sequence_model()
-    opt = sgd(reference.parameters())
-    for x, y in sequence_batches():
-        loss = sequence_loss(reference(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    want, _ = train_one_process(reference, sgd(reference.parameters()), sequence_batches(), sequence_loss)
     state, losses = gather(run_local(train_sequence, 2, "1f1b", 2, timeout=90))
     assert len(losses) == 5 and all(loss > 0 for loss in losses)
-    assert_close_state(state, reference.state_dict())
+    assert_close_state(state, want)
     # pipedream: PipeDream's rule (weight stashing) in one process, losses and weights; at lr 1.0 stage 0's
     # staleness moves the weights ~1e-4..1e-3 away from synchronous training (at lr 0.1 only ~1e-6).
     model = sequence_model()
@@ -208,11 +196,7 @@ def test_sequence_lengths_change_every_step():
     assert losses == pytest.approx(rule.losses, rel=1e-5)
     assert_close_state(state, model.state_dict())
     synchronous = sequence_model()
-    opt = sequence_sgd(1.0)(synchronous.parameters())
-    for x, y in sequence_batches():
-        opt.zero_grad()
-        sequence_loss(synchronous(x), y).backward()
-        opt.step()
+    train_one_process(synchronous, sequence_sgd(1.0)(synchronous.parameters()), sequence_batches(), sequence_loss)
     assert max((state[k] - v).abs().max().item() for k, v in synchronous.state_dict().items()) > 1e-4
 
 
@@ -296,15 +280,7 @@ def test_stage_output_that_is_not_a_tensor_tree():
 
 def single_process(n_batches: int = 3) -> tuple[dict, list[float]]:
     model = mlp()
-    opt = sgd(model.parameters())
-    losses = []
-    for x, y in batches(n_batches):
-        loss = nn.functional.mse_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return model.state_dict(), losses
+    return train_one_process(model, sgd(model.parameters()), batches(n_batches))
 
 
 @pytest.mark.parametrize(
@@ -354,13 +330,9 @@ def test_interleaved_link_sends_one_message_per_tree():
     # first step (which describes each edge once) every tree is one message: per process and step,
     # 3 edges out of 6 leave it, once per micro-batch.
     model = narrowing_mlp()
-    opt = sgd(model.parameters())
-    for x, y in batches(3):
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
+    want, _ = train_one_process(model, sgd(model.parameters()), batches(3))
     results = run_local(count_messages, 2, 5, timeout=90)
-    assert_close_state(gather(results)[0], model.state_dict())
+    assert_close_state(gather(results)[0], want)
     for _, sent in results:
         assert sent[1:] == [3 * 5, 3 * 5]
         assert sent[0] > 3 * 5

@@ -5,8 +5,6 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -16,6 +14,7 @@ import lightning as L
 import pytest
 import torch
 from pipedream_reference import Minibatch, PipeDreamRule
+from script_runs import run_killable
 
 from recipes.data import build_datamodule
 from recipes.models import build_model
@@ -36,16 +35,10 @@ RESULT_KEYS = {"task", "model", "schedule", "stages", "chunks", "metric_name", "
 def train(args: list[str], cwd: Path, timeout: float = 240, expect_ok: bool = True) -> subprocess.CompletedProcess:
     """Run recipes/train.py in a subprocess (Lightning re-runs sys.argv for rank 1, which must not be pytest).
     On timeout the whole process group goes, rank 1 included, so a hung run fails instead of lingering."""
-    proc = subprocess.Popen([sys.executable, str(TRAIN), *args], cwd=cwd, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"train.py {' '.join(args)} did not finish in {timeout} s:\n{stdout[-3000:]}\n{stderr[-3000:]}")
-    assert (proc.returncode == 0) == expect_ok, f"train.py {' '.join(args)} failed:\n{stdout[-3000:]}\n{stderr[-3000:]}"
-    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    proc = run_killable([sys.executable, str(TRAIN), *args], cwd, timeout)
+    assert (proc.returncode == 0) == expect_ok, (
+        f"train.py {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
 
 
 def job_dirs(sweep: Path) -> dict[str, Path]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from pipedream_reference import train_one_process
 from torch import nn
 
 from lightning_pipedream.runtime.launch import run_local
@@ -43,15 +44,7 @@ def train_replicated(rank: int, world: int, replicas: list[int], schedules: list
 
 def single_process(steps: int) -> tuple[dict, list[float]]:
     model = mlp()
-    opt = sgd(model.parameters())
-    losses = []
-    for x, y in batches(steps):
-        loss = nn.functional.mse_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return model.state_dict(), losses
+    return train_one_process(model, sgd(model.parameters()), batches(steps))
 
 
 def check_equal_to_one_process(results: list[dict], replicas: list[int], schedule: str, steps: int) -> None:

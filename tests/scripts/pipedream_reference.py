@@ -32,6 +32,21 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 
+def train_one_process(
+    model: nn.Module, optimizer: torch.optim.Optimizer, batches: Any, loss_fn: Callable = nn.functional.mse_loss
+) -> tuple[dict[str, Tensor], list[float]]:
+    """Synchronous training in one process, an update per batch of ``(inputs, targets)``: the final
+    weights and each batch's loss. The reference for every flushed schedule."""
+    losses = []
+    for x, y in batches:
+        loss = loss_fn(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return model.state_dict(), losses
+
+
 @dataclass
 class Minibatch:
     index: int  # global number over the whole run (for its hyperparameters)

@@ -28,19 +28,26 @@ def run_script(script: Path, out: Path, options: dict, timeout: float, expect_ok
                ) -> subprocess.CompletedProcess:
     """Train with ``script`` in a subprocess (Lightning's launcher re-runs sys.argv, which inside pytest would re-run
     pytest); ``{"--runs": path}`` runs a batch. A hung run is killed with its ranks and fails the test."""
+    out.mkdir(parents=True, exist_ok=True)
+    args = ["--runs", options["--runs"]] if "--runs" in options else [str(out), json.dumps(options)]
+    proc = run_killable([sys.executable, str(script), *args], out, timeout, {**os.environ, "PYTHONWARNINGS": "ignore"})
+    if expect_ok:
+        assert proc.returncode == 0, f"{script.name} failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+    return proc
+
+
+def run_killable(argv: list[str], cwd: Path, timeout: float, env: dict[str, str] | None = None
+                 ) -> subprocess.CompletedProcess:
+    """Run ``argv`` in a session of its own; past ``timeout`` the whole process group goes (the ranks a launcher
+    started included) and the test fails, so that a hung run neither lingers nor passes."""
     import pytest
 
-    out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    args = ["--runs", options["--runs"]] if "--runs" in options else [str(out), json.dumps(options)]
-    proc = subprocess.Popen([sys.executable, str(script), *args], cwd=out, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
-        pytest.fail(f"{script.name} did not finish in {timeout} s:\n{stderr[-4000:]}")
-    if expect_ok:
-        assert proc.returncode == 0, f"{script.name} failed ({proc.returncode}):\n{stderr[-4000:]}"
+        pytest.fail(f"{' '.join(argv[1:3])} did not finish in {timeout} s:\n{stdout[-3000:]}\n{stderr[-4000:]}")
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
