@@ -32,18 +32,12 @@ from lightning_pipedream.lightning_adapter import (
     ForwardCall,
     LogRecorder,
     SequentialCall,
-    SubmoduleCall,
     find_layers,
-    innermost_called_module,
     loss_of,
 )
 from lightning_pipedream.lightning_batches import (
-    EVALUATION_LOOP,
-    STEP_OF,
     batch_args,
-    batch_shapes,
     fingerprint,
-    first_batch,
     merge_outputs,
 )
 from lightning_pipedream.lightning_checks import (
@@ -54,9 +48,11 @@ from lightning_pipedream.lightning_checks import (
     check_training_supported,
     optimizers_unvalidated,
 )
+from lightning_pipedream.lightning_graph_path import GraphPath
+from lightning_pipedream.lightning_placement import StagePlacement
 from lightning_pipedream.lightning_updates import PipelineDrain, PipelineUpdates
-from lightning_pipedream.meta_init import balance_by_parameters, has_meta_tensors, materialize
-from lightning_pipedream.plan.balance import check_balance, check_stage_count, even_balance, stage_slice
+from lightning_pipedream.meta_init import has_meta_tensors, materialize
+from lightning_pipedream.plan.balance import stage_slice
 from lightning_pipedream.runtime import allocator
 from lightning_pipedream.runtime.engine import PipelineEngine
 from lightning_pipedream.runtime.graph_stage import CapturedStage
@@ -76,7 +72,7 @@ SIGTERM_CHECK_EVERY = 32
 _CPU = torch.device("cpu")  # where a step's extra outputs go before they travel pickled
 
 
-class PipeDreamStrategy(DDPStrategy):
+class PipeDreamStrategy(StagePlacement, GraphPath, DDPStrategy):
     """Train a LightningModule as a pipeline, one stage per process.
 
     A module whose layers are one ``nn.Sequential`` is split between those layers; any other module
@@ -423,81 +419,6 @@ class PipeDreamStrategy(DDPStrategy):
             dist.broadcast_object_list(payload, src=0)
         return int(payload[0])
 
-    def _last_stage_ranks(self) -> list[int]:
-        """The last stage's ranks in the pipeline's group (those that compute the loss): its replicas under 1F1B-RR,
-        the first of which evaluates."""
-        if self._layout is not None:  # the pipeline's group is the world
-            return list(self._layout.ranks_of(self._layout.num_stages - 1))
-        return [self.num_stages - 1]
-
-    def _decide_layout(self) -> None:
-        """Replicas per stage from ``replicas=`` or the plan: equal counts are data parallelism (``stages=``),
-        unequal ones PipeDream's 1F1B-RR."""
-        replicas = self._replicas_arg
-        if replicas is None and self._plan_path is not None:
-            from lightning_pipedream.plan.partition import Plan
-
-            replicas = [stage.replicas for stage in Plan.load(self._plan_path).stages]
-        if replicas is None and not self.straight and self.plan is not None:  # the planner's choice
-            replicas = [stage.replicas for stage in self.plan.stages]
-        if replicas is None or all(r == 1 for r in replicas):
-            return
-        layout = Layout(tuple(replicas))
-        if layout.num_ranks != self.world_size:
-            raise ValueError(
-                f"replicas {list(replicas)} need {layout.num_ranks} processes but the Trainer runs {self.world_size}; "
-                f"set devices x num_nodes to {layout.num_ranks}, or change the replicas."
-            )
-        if layout.is_uniform:
-            self._stages_arg = layout.num_stages
-            return
-        if self.schedule not in ("pipedream", "gpipe", "1f1b"):
-            raise ValueError(
-                f"Stages with unequal replica counts ({list(replicas)}) run with schedule='pipedream', 'gpipe' or "
-                f"'1f1b' under PipeDreamStrategy, not {self.schedule!r}. Use one of those, or equal replicas "
-                "(data-parallel pipelines)."
-            )
-        self._layout = layout
-
-    def _make_groups(self) -> None:
-        """The process groups: each pipeline's (its point-to-point traffic) and each stage's replicas'."""
-        options = {"backend": self._process_group_backend, "timeout": self._timeout}
-        if self._layout is not None:  # 1F1B-RR: ranks talk across the world; each stage's replicas all-reduce
-            self._pipeline_group = dist.new_group(**options)
-            self._summary_group = dist.new_group(**options) if self.asynchronous else None
-            for s in range(self._layout.num_stages):
-                ranks = list(self._layout.ranks_of(s))
-                group = dist.new_group(ranks, **options) if len(ranks) > 1 else None
-                if s == self.stage_index:
-                    self._replica_group = group
-            return
-        p, world = self.num_stages, self.world_size
-        if world % p != 0:
-            raise ValueError(
-                f"PipeDreamStrategy(stages={p}) runs on {world} processes: the processes must be a multiple of the "
-                f"stages (d data-parallel pipelines of {p} stages). Use devices x num_nodes = {p} x d, or stages "
-                f"dividing {world}."
-            )
-        d = self.num_pipelines
-        # Groups made here carry the strategy's timeout (a DeviceMesh's would wait torch's default 30 minutes).
-        lagged = self.asynchronous and p > 1  # summaries travel on a group of their own
-        if d == 1:
-            self._pipeline_group = dist.new_group(**options) if p > 1 else None
-            self._summary_group = dist.new_group(**options) if lagged else None
-            return
-        # The rows and columns of a (p, d) mesh of stage-major ranks (see ReplicaGroups). new_group is collective:
-        # every rank makes every group, in the same order.
-        for k in range(d):
-            ranks = [s * d + k for s in range(p)]
-            group = dist.new_group(ranks, **options)
-            summaries = dist.new_group(ranks, **options) if lagged else None
-            if k == self.pipeline_index:
-                self._pipeline_group, self._summary_group = group, summaries
-        for s in range(p):
-            group = dist.new_group([s * d + k for k in range(d)], **options)
-            if s == self.stage_index:
-                self._replica_group = group
-
     def _before_update(self, batch_idx: int) -> None:
         """Right before each of the pipeline's updates: sum tied copies, then the stage's replicas' gradients."""
         if self._finite is not None:
@@ -524,225 +445,6 @@ class PipeDreamStrategy(DDPStrategy):
                          "call instead.", type(module).__name__, str(not_sequential).split(";")[0])
             return None
         return layers
-
-    def _split_captured_graph(self, trainer: Trainer, module: LightningModule) -> None:
-        """The graph path: capture the forward call on a first batch, choose split points, keep this rank's stage."""
-        fitting = trainer.state.fn == TrainerFn.FITTING
-        batch = first_batch(trainer.fit_loop) if fitting else first_batch(EVALUATION_LOOP[trainer.state.fn](trainer))
-        if batch is None:
-            raise ValueError(
-                f"PipeDreamStrategy splits {type(module).__name__} from its traced forward call, which needs a batch "
-                "before the first step, but the dataloader gave none. Give a dataloader with at least one batch, or "
-                "put the layers in one nn.Sequential."
-            )
-        batch = self.batch_to_device(batch)
-        part = split(batch, self.chunks)[0] if self.chunks > 1 else batch
-        hook = STEP_OF[trainer.state.fn]
-        args, kwargs = self._call.input_of(module, hook, part, 0)
-        points, captured = self._split_points, None
-        if points is None:
-            payload: list[Any] = [None]
-            if self.is_global_zero:
-                from lightning_pipedream.graph import capture
-                from lightning_pipedream.graph.profile import choose_split_points
-
-                captured = capture(module, args, kwargs)
-                points, plan = choose_split_points(captured, module, args, kwargs, self.num_stages,
-                                                   bandwidth=self._link_bandwidth)
-                self.plan = plan
-                log.info("PipeDreamStrategy split points (%d stages, schedule=%s): %s", self.num_stages,
-                         self.schedule, points)
-                payload = [points]
-            if self.num_stages > 1:
-                dist.broadcast_object_list(payload, src=0)
-            points = payload[0]
-        if self._split_points is None:
-            self._graph = CapturedStage(module, self.stage_index, self.num_stages, points, args, kwargs, captured)
-        else:
-            self._graph = self._stage_of_split_points(module, hook, part, args, kwargs)
-        self._graph_inputs_seen = {(module.training, batch_shapes(part))}
-        if self._graph.ties and self.num_pipelines > 1:
-            raise ValueError(
-                f"Parameters {sorted(self._graph.ties)} are used on several stages (tied weights), which "
-                "PipeDreamStrategy does not combine with data-parallel pipelines yet. Run one pipeline (stages = "
-                "processes), or split points that keep each tied parameter's users in one stage."
-            )
-        if self._graph.ties and self.schedule == "2bw":
-            raise ValueError(
-                f"Parameters {sorted(self._graph.ties)} are used on several stages (tied weights), which "
-                "schedule='2bw' does not support yet (pipedream, 1f1b and gpipe do). Use one of those, or "
-                "split_points that keep each tied parameter's users in one stage."
-            )
-        self._stage_module = self._graph.stage
-        self._local_names = {id(p): n for n, p in self._stage_module.named_parameters()}
-
-    def _stage_of_split_points(self, module: LightningModule, hook: str, part: Any, args: tuple,
-                               kwargs: dict) -> CapturedStage:
-        """split_points given: trace the module's forward; if that cannot be traced, the innermost module holding
-        the split points that the step calls (every rank decides alike: the same model, batch and failure)."""
-        from lightning_pipedream.graph import GraphCaptureError
-
-        assert self._split_points is not None
-        points = self._split_points
-        try:
-            return CapturedStage(module, self.stage_index, self.num_stages, points, args, kwargs)
-        except GraphCaptureError as untraceable:
-            through = innermost_called_module(module, points, hook, part, 0)
-            if through is None:
-                raise
-            outside = [n for n, p in module.named_parameters() if p.requires_grad and not n.startswith(through + ".")]
-            if outside:
-                raise ValueError(
-                    f"{type(module).__name__}.forward cannot be traced, so PipeDreamStrategy pipelines "
-                    f"self.{through} (the innermost module holding split_points={points} that the step calls), "
-                    f"but parameters {outside[:4]} are outside it and would not train. Move them into "
-                    f"self.{through}, or make forward traceable ({untraceable})."
-                ) from untraceable
-            if self.is_global_zero:
-                log.info("PipeDreamStrategy: %s.forward cannot be traced; pipelining self.%s, split at %s.",
-                         type(module).__name__, through, points)
-            self._call = SubmoduleCall(through)
-            args, kwargs = self._call.input_of(module, hook, part, 0)
-            return CapturedStage(module, self.stage_index, self.num_stages, points, args, kwargs, through=through)
-
-    def _ensure_captured(self, module: LightningModule, hook: str, parts: list[Any], *step_args: Any,
-                         **step_kwargs: Any) -> None:
-        """The graph path: capture the forward call for micro-batch shapes (or a mode) not seen yet, on every rank."""
-        if self._graph is None:
-            return
-        self._stage_module.train(module.training)  # type: ignore[union-attr]
-        for part in parts:
-            key = (module.training, batch_shapes(part))
-            if key not in self._graph_inputs_seen:
-                args, kwargs = self._call.input_of(module, hook, part, *step_args, **step_kwargs)
-                self._graph.ensure(module, args, kwargs)
-                self._graph_inputs_seen.add(key)
-
-    def _decide_balance(self, trainer: Trainer, module: LightningModule, layers: nn.Sequential) -> list[int]:
-        if self.virtual_stages > 1:  # interleaved: processes x virtual_stages stages, evenly unless balance= says
-            total = self.num_stages * self.virtual_stages
-            if self._balance_arg is not None:
-                return check_balance(self._balance_arg, len(layers), total)
-            return even_balance(len(layers), total)
-        if self._plan_path is not None:
-            return self._balance_from_plan_file(layers)
-        if self._balance_arg is not None:
-            return check_balance(self._balance_arg, len(layers), self.num_stages)
-        if not self.straight and self.plan is not None:
-            return check_balance(self.plan.balance, len(layers), self.num_stages)
-        check_stage_count(len(layers), self.num_stages)
-        if self.num_stages == 1:
-            return [len(layers)]
-        if trainer.state.fn != TrainerFn.FITTING:
-            return even_balance(len(layers), self.num_stages)
-        if has_meta_tensors(layers):  # nothing to run yet: balance the weights, which decide the memory
-            return balance_by_parameters(layers, self.num_stages)
-        payload: list[Any] = [None]
-        if self.is_global_zero:
-            payload = [self._profile_and_partition(trainer, module, layers)]
-        dist.broadcast_object_list(payload, src=0)
-        plan_json, balance = payload[0]
-        if plan_json is not None:
-            from lightning_pipedream.plan.partition import Plan
-
-            self.plan = Plan.from_json(plan_json)
-        return check_balance(balance, len(layers), self.num_stages)
-
-    def _balance_from_plan_file(self, layers: nn.Sequential) -> list[int]:
-        from lightning_pipedream.plan.partition import Plan
-
-        assert self._plan_path is not None
-        self.plan = Plan.load(self._plan_path)
-        if len(self.plan.stages) != self.num_stages:
-            raise ValueError(
-                f"The plan {self._plan_path} has {len(self.plan.stages)} stages but the Trainer runs "
-                f"{self.num_stages} processes. Make a plan for {self.num_stages} workers, or set "
-                f"devices/num_nodes to give {len(self.plan.stages)} processes."
-            )
-        names = list(layers._modules)
-        planned = [name for stage in self.plan.stages for name in stage.layers]
-        if planned != names:
-            raise ValueError(
-                f"The plan {self._plan_path} lists layers {planned[:6]}... but the model's "
-                f"{self._layers_name} has {names[:6]}...; profile this model to make its plan."
-            )
-        return check_balance(self.plan.balance, len(layers), self.num_stages)
-
-    def _profile_and_partition(
-        self, trainer: Trainer, module: LightningModule, layers: nn.Sequential
-    ) -> tuple[dict | None, list[int]]:
-        """Rank 0: profile the layers on one training batch, partition with PipeDream's optimizer."""
-        from lightning_pipedream.plan.partition import partition
-        from lightning_pipedream.plan.topology import Topology
-
-        profile = self._profile_layers(trainer, module, layers)
-        if profile is None:
-            return None, even_balance(len(layers), self.num_stages)
-        topology = Topology.flat(self.num_stages, self._link_bandwidth)
-        plan = partition(profile, topology, "pipedream", straight=True)
-        if len(plan.stages) != self.num_stages:
-            # The optimizer may leave workers idle when that is faster; a pipeline here uses them all.
-            plan = partition(profile, topology, "time")
-        for method in ("time", "parameters"):
-            if _every_stage_trains(profile, plan.balance):
-                break
-            # A stage of parameter-free layers (an activation alone: noisy timings can make it look worth a
-            # stage) cannot have an optimizer.
-            plan = partition(profile, topology, method)
-        plan.schedule, plan.chunks = self.schedule, self.chunks
-        log.info("PipeDreamStrategy plan (%d stages, schedule=%s):\n%s", self.num_stages, self.schedule,
-                 plan.describe())
-        return plan.to_json(), plan.balance
-
-    @property
-    def _link_bandwidth(self) -> float:
-        """The bandwidth between two stages of one pipeline (within a node when two are given)."""
-        return float(self.bandwidth[0] if isinstance(self.bandwidth, (list, tuple)) else self.bandwidth)
-
-    def _profile_layers(self, trainer: Trainer, module: LightningModule, layers: nn.Sequential) -> Any:
-        """Rank 0: the layers' Profile on the first training batch (None without a batch)."""
-        from lightning_pipedream.plan.profile import profile_module
-
-        batch = first_batch(trainer.fit_loop)
-        if batch is None:
-            return None
-        sample = self._call.input_of(module, "training_step", self.batch_to_device(batch), 0)
-        return profile_module(layers, sample)
-
-    def _plan_with_replication(self, trainer: Trainer, module: LightningModule) -> None:
-        """``straight=False``: rank 0 profiles the layers and plans for every process with replication allowed,
-        on the Trainer's topology; every rank then runs that plan (its replicas decide the layout)."""
-        from lightning_pipedream.plan.partition import Plan, partition
-        from lightning_pipedream.plan.topology import Topology
-
-        layers = self._sequential_layers(module)
-        if layers is None:
-            raise ValueError(
-                f"PipeDreamStrategy(straight=False) plans replicated stages for a module whose layers are one "
-                f"nn.Sequential; {type(module).__name__}'s are not. Use straight=True (the default) for the graph "
-                "path, or put the layers in one nn.Sequential."
-            )
-        self._call = SequentialCall(self._layers_name)
-        payload: list[Any] = [None]
-        if self.is_global_zero:
-            topology = Topology.of_cluster(len(self.parallel_devices or [None]), self.num_nodes, self.bandwidth)
-            profile = self._profile_layers(trainer, module, layers)
-            plan = None
-            if profile is not None:
-                plan = partition(profile, topology, "pipedream", straight=False)
-                flat = Topology.flat(self.world_size, self._link_bandwidth)
-                if sum(stage.replicas for stage in plan.stages) != self.world_size:  # it left processes idle
-                    plan = partition(profile, flat, "time")
-                for method in ("time", "parameters"):
-                    if _every_stage_trains(profile, plan.balance):
-                        break
-                    plan = partition(profile, flat, method)  # a parameter-free stage cannot have an optimizer
-                plan.schedule, plan.chunks = self.schedule, self.chunks
-                log.info("PipeDreamStrategy plan (%d processes, replication allowed, schedule=%s):\n%s",
-                         self.world_size, self.schedule, plan.describe())
-            payload = [None if plan is None else plan.to_json()]
-        dist.broadcast_object_list(payload, src=0)
-        self.plan = None if payload[0] is None else Plan.from_json(payload[0])
 
     def _keep_own_stage(self, module: LightningModule, layers: nn.Sequential) -> None:
         """Replace the other stages' layers by placeholders so this rank holds only its own."""
@@ -1128,14 +830,6 @@ def _keep_parameters(optimizers: list[torch.optim.Optimizer], keep: set[int]) ->
             group["params"] = [p for p in group["params"] if id(p) in keep]
 
 
-def _every_stage_trains(profile: Any, balance: list[int]) -> bool:
-    """Whether each stage of ``balance`` holds a layer with parameters, by ``profile``'s parameter bytes."""
-    start = 0
-    for count in balance:
-        if not any(layer.parameter_bytes for layer in profile.layers[start : start + count]):
-            return False
-        start += count
-    return True
 
 
 def _reduced_in_updates(average: bool = False) -> int:
