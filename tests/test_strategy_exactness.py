@@ -164,6 +164,14 @@ RUNS["interleaved-validation-2x4"] = {
     "checkpoint": {"monitor": "val_loss", "save_top_k": -1, "filename": "{step}"},
 }
 RUNS["2bw-recompute-2x4"] = newer("2bw", TWO, 2, chunks=4, recompute=True)
+# Two epochs with momentum, a per-step StepLR and logging on (each epoch ends in a drain for 2bw).
+for _name, _schedule, _p, _balance, _options in (
+    ("zb-h1", "zb-h1", 2, TWO, {}),
+    ("interleaved", "interleaved", 3, INTERLEAVED_BALANCE[3], {"virtual_stages": 2}),
+    ("2bw", "2bw", 3, THREE, {}),
+):
+    RUNS[f"{_name}-two-epochs-{_p}x4"] = {**newer(_schedule, _balance, _p, chunks=4, **_options),
+                                          "model": SCHEDULED, "trainer": {"max_epochs": 2}}
 
 
 @pytest.fixture(scope="module")
@@ -392,20 +400,30 @@ def one_device(num_batches: int = NEWER_BATCHES) -> dict[str, torch.Tensor]:
     return reference(balance=[7], epochs=[list(range(num_batches))], num_batches=num_batches)
 
 
-def two_bw_rule(num_batches: int = NEWER_BATCHES, lr: float = 0.2) -> dict[str, torch.Tensor]:
-    """PipeDream-2BW's rule in one process, one epoch (a drain at its end): W(t+1) = W(t) - lr * grad f_t(W(t-1)),
-    with W(-1) = W(0); every stage uses the same delay, so the stages need no separate treatment."""
+def two_bw_rule(num_batches: int = NEWER_BATCHES, epochs: int = 1, model: dict | None = None) -> dict[str, torch.Tensor]:
+    """PipeDream-2BW's rule in one process: W(t+1) = W(t) - lr_t * grad f_t(W(t-1)) (through the optimizer, with
+    the rate minibatch t was admitted with), W(-1) = W(0) after every drain (each epoch ends in one); every
+    stage uses the same delay, so the stages need no separate treatment."""
+    model = model or {}
+    kind, lr = model.get("optimizer", "sgd"), model.get("lr", 0.2)
     L.seed_everything(0, verbose=False)
-    module = RuleMLP()
-    before = {k: p.detach().clone() for k, p in module.named_parameters()}
-    for x, y in batches(num_batches):
-        params = {k: w.clone().requires_grad_() for k, w in before.items()}
-        loss = torch.nn.functional.mse_loss(torch.func.functional_call(module, params, (x,)), y)
-        grads = torch.autograd.grad(loss, list(params.values()))
-        before = {k: p.detach().clone() for k, p in module.named_parameters()}
-        with torch.no_grad():
+    module = RuleMLP(**model)
+    optimizer = make_optimizer(kind, lr, list(module.parameters()))
+    rates = _learning_rates(kind, lr, model.get("scheduler"), [True] * (num_batches * epochs))
+    t = 0
+    for _ in range(epochs):
+        before = {k: p.detach().clone() for k, p in module.named_parameters()}  # after a drain: no delay yet
+        for x, y in batches(num_batches):
+            params = {k: w.clone().requires_grad_() for k, w in before.items()}
+            loss = torch.nn.functional.mse_loss(torch.func.functional_call(module, params, (x,)), y)
+            grads = torch.autograd.grad(loss, list(params.values()))
+            before = {k: p.detach().clone() for k, p in module.named_parameters()}
+            for group in optimizer.param_groups:
+                group["lr"] = rates[t]
             for p, g in zip(module.parameters(), grads):
-                p -= lr * g
+                p.grad = g
+            optimizer.step()
+            t += 1
     return module.state_dict()
 
 
@@ -435,6 +453,19 @@ def test_interleaved_validation_sees_the_model_of_its_step(runs):
         with torch.no_grad():
             losses = [torch.nn.functional.mse_loss(model(x), y) for x, y in batches(2, seed=9)]
         assert float(sum(losses) / len(losses)) == pytest.approx(value, rel=1e-5), name
+
+
+@pytest.mark.parametrize("name", ["zb-h1-two-epochs-2x4", "interleaved-two-epochs-3x4"])
+def test_zero_bubble_and_interleaved_over_two_epochs_with_a_scheduler(runs, name):
+    want = reference(balance=[7], model=SCHEDULED, epochs=[list(range(NEWER_BATCHES))] * 2,
+                     num_batches=NEWER_BATCHES)
+    assert_weights(runs[name], want)
+    assert result(runs[name])["global_step"] == 2 * NEWER_BATCHES
+
+
+def test_two_bw_over_two_epochs_with_a_scheduler(runs):
+    assert_weights(runs["2bw-two-epochs-3x4"], two_bw_rule(epochs=2, model=SCHEDULED))
+    assert result(runs["2bw-two-epochs-3x4"])["global_step"] == 2 * NEWER_BATCHES
 
 
 def test_recompute_through_the_trainer(runs):
