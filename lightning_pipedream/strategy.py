@@ -16,6 +16,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
@@ -485,6 +486,17 @@ class PipeDreamStrategy(StagePlacement, GraphPath, DDPStrategy):
             recompute=self.recompute,
             virtual_stages=self.virtual_stages,
         )
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Keep the order of a custom sampler: Lightning wraps it for distributed training with ``shuffle=True``,
+        which permutes the order it gives (a language model's contiguous streams, for instance), although the
+        wrapper's own documentation leaves the order to the wrapped sampler. The wrapper then only shards it
+        between data-parallel pipelines; every stage of a pipeline still reads the same batches."""
+        sampler = getattr(dataloader, "sampler", None)
+        if isinstance(sampler, DistributedSamplerWrapper) and sampler.shuffle:
+            sampler.shuffle = False
+        return dataloader
 
     @override
     def configure_ddp(self) -> None:  # no DistributedDataParallel wrapper: stages don't share weights

@@ -351,6 +351,40 @@ def test_cpu_ranks_keep_freed_memory_unless_told_not_to(monkeypatch):
     assert calls == [True]
 
 
+class Backwards(torch.utils.data.Sampler):
+    """A custom order (what a language model's stream sampler gives): the dataset back to front."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        return iter(range(self.n - 1, -1, -1))
+
+
+class RecordsBatches(RuleMLP):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[float] = []
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.seen.append(float(batch[0][0, 0]))
+
+
+def test_a_custom_sampler_keeps_its_order():
+    # Lightning wraps a custom sampler in a DistributedSamplerWrapper with shuffle=True, which permutes its order.
+    x = torch.arange(6.0).repeat_interleave(4).reshape(6, 4)  # sample i's first input is i
+    data = torch.utils.data.TensorDataset(x, torch.zeros(6, 1))
+    model = RecordsBatches()
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=PipeDreamStrategy(schedule="pipedream"), max_epochs=2,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=2, sampler=Backwards(6)))
+    assert model.seen == [5.0, 3.0, 1.0] * 2
+
+
 class TwoOptimizers(RuleMLP):
     """One optimizer per half of the model (what a GAN or a per-part learning rate would do)."""
 
