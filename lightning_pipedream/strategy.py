@@ -118,7 +118,8 @@ class PipeDreamStrategy(StagePlacement, GraphPath, DDPStrategy):
             rather than return them to the OS (:func:`~lightning_pipedream.runtime.allocator.keep_freed_memory`):
             a stage allocates its gradients and activations anew every minibatch, and faulting their
             pages back in cost ``pipedream`` ~10 % of its step time in ``benchmarks/lightning.py``. The
-            ranks' resident memory then stays at its peak. No effect on GPU devices.
+            ranks' resident memory then stays at its peak until ``teardown`` gives the freed memory back.
+            No effect on GPU devices.
     """
 
     strategy_name = "pipedream"
@@ -174,6 +175,7 @@ class PipeDreamStrategy(StagePlacement, GraphPath, DDPStrategy):
         self.virtual_stages = virtual_stages
         self.recompute = recompute
         self.keep_freed_memory = keep_freed_memory
+        self._keeping_freed_memory = False  # set while this process keeps freed memory (from setup to teardown)
         # pipedream and 2bw keep the pipeline full across training steps (a drain empties it).
         self.asynchronous = schedule in ("pipedream", "2bw")
         self._balance_arg = list(balance) if balance is not None else None
@@ -277,8 +279,8 @@ class PipeDreamStrategy(StagePlacement, GraphPath, DDPStrategy):
     def setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
-        if self.keep_freed_memory and self.root_device.type == "cpu":
-            allocator.keep_freed_memory()
+        if self.keep_freed_memory and self.root_device.type == "cpu" and not self._keeping_freed_memory:
+            self._keeping_freed_memory = allocator.keep_freed_memory()
         module = self.lightning_module
         assert module is not None
         fitting = trainer.state.fn == TrainerFn.FITTING
@@ -401,6 +403,14 @@ class PipeDreamStrategy(StagePlacement, GraphPath, DDPStrategy):
 
     @override
     def teardown(self) -> None:
+        try:
+            self._teardown_module()
+        finally:
+            if self._keeping_freed_memory:  # training is over: the process gives its freed memory back
+                allocator.return_freed_memory()
+                self._keeping_freed_memory = False
+
+    def _teardown_module(self) -> None:
         module = self.lightning_module
         if module is None or not has_meta_tensors(module):
             super().teardown()

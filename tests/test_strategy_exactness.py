@@ -344,11 +344,12 @@ def test_cpu_ranks_keep_freed_memory_unless_told_not_to(monkeypatch):
     from lightning_pipedream.runtime import allocator
 
     calls = []
-    monkeypatch.setattr(allocator, "keep_freed_memory", lambda: calls.append(True) or True)
+    monkeypatch.setattr(allocator, "keep_freed_memory", lambda: calls.append("keep") or True)
+    monkeypatch.setattr(allocator, "return_freed_memory", lambda: calls.append("return") or True)
     _fit_one_device(RuleMLP())
-    assert calls == [True]
+    assert calls == ["keep", "return"]  # from setup to teardown
     _fit_one_device(RuleMLP(), PipeDreamStrategy(schedule="pipedream", keep_freed_memory=False))
-    assert calls == [True]
+    assert calls == ["keep", "return"]
 
 
 class Backwards(torch.utils.data.Sampler):
