@@ -145,9 +145,9 @@ class Embed(nn.Module):
 
 
 class LSTMLayer(nn.Module):
-    def __init__(self):
+    def __init__(self, width: int = 8):
         super().__init__()
-        self.lstm = nn.LSTM(8, 8, batch_first=True)
+        self.lstm = nn.LSTM(width, width, batch_first=True)
 
     def forward(self, x):
         return self.lstm(x)[0]
@@ -431,7 +431,7 @@ def test_split_backward_equals_the_whole_backward(case, recompute):
     torch.manual_seed(0)
     module, shape = {
         "mlp": (nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 6)), (4, 6)),
-        "lstm": (nn.Sequential(LSTMLayer6(), nn.Linear(6, 6)), (3, 5, 6)),
+        "lstm": (nn.Sequential(LSTMLayer(6), nn.Linear(6, 6)), (3, 5, 6)),
         "layernorm": (nn.Sequential(nn.Linear(6, 6), nn.LayerNorm(6), nn.GELU(), nn.Linear(6, 6)), (4, 6)),
         "tied": (TiedTwice(), (4, 6)),
     }[case]
@@ -452,12 +452,3 @@ def test_split_backward_equals_the_whole_backward(case, recompute):
     for p, w in zip(module.parameters(), want):
         torch.testing.assert_close(p.grad, w, rtol=1e-6, atol=1e-7)
     assert stage.in_flight() == 0
-
-
-class LSTMLayer6(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lstm = nn.LSTM(6, 6, batch_first=True)
-
-    def forward(self, x):
-        return self.lstm(x)[0]

@@ -295,15 +295,21 @@ def test_a_plan_with_unequal_replicas_equals_one_device(runs, name):
     assert [rank_info(runs[name], r)["losses"] for r in (1, 2)] == [rank_info(runs[name], 0)["losses"]] * 2
 
 
+def round_robin_reference(replicas: list[int], minibatch: int) -> tuple[TinyClassifier, RoundRobinRule]:
+    """The tiny classifier (balance [3, 2]) trained by PipeDream's 1F1B-RR rule on minibatches of the 36 samples."""
+    L.seed_everything(0, verbose=False)
+    model = TinyClassifier(scheduler=False)
+    rule = RoundRobinRule(model.layers, [3, 2], replicas, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+                          nn.functional.cross_entropy)
+    x, y = data().tensors
+    rule.segment([(x[i:i + minibatch], y[i:i + minibatch]) for i in range(0, 36, minibatch)])
+    return model, rule
+
+
 def test_pipedream_with_unequal_replicas_follows_the_round_robin_rule(runs):
     # PipeDream's 1F1B-RR on 3 processes: each batch's two halves are minibatches 2t and 2t + 1, taken by stage
     # 0's replicas in turn (their updates average the pair); stage 1 takes both, updating after each.
-    L.seed_everything(0, verbose=False)
-    model = TinyClassifier(scheduler=False)
-    rule = RoundRobinRule(model.layers, [3, 2], [2, 1], lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
-                          nn.functional.cross_entropy)
-    x, y = data().tensors
-    rule.segment([(x[i:i + 6], y[i:i + 6]) for i in range(0, 36, 6)])  # 3 steps of 12, then the last step drains
+    model, rule = round_robin_reference([2, 1], minibatch=6)  # 3 steps of 12, then the last step drains
     assert_close_to(weights(runs["rr_pipedream"] / "final.ckpt"), model.state_dict())
     # The last step logs its own minibatches' mean loss (the drain delivers it); every rank logged alike.
     losses = [rank_info(runs["rr_pipedream"], r)["losses"] for r in range(3)]
@@ -313,12 +319,7 @@ def test_pipedream_with_unequal_replicas_follows_the_round_robin_rule(runs):
 
 def test_pipedream_with_a_replicated_last_stage_follows_the_round_robin_rule(runs):
     # A 1-2 plan: each batch is one minibatch; the last stage's replicas take them in turn and average each pair.
-    L.seed_everything(0, verbose=False)
-    model = TinyClassifier(scheduler=False)
-    rule = RoundRobinRule(model.layers, [3, 2], [1, 2], lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
-                          nn.functional.cross_entropy)
-    x, y = data().tensors
-    rule.segment([(x[i:i + 12], y[i:i + 12]) for i in range(0, 36, 12)])
+    model, rule = round_robin_reference([1, 2], minibatch=12)
     assert_close_to(weights(runs["rr_last_pipedream"] / "final.ckpt"), model.state_dict())
     losses = [rank_info(runs["rr_last_pipedream"], r)["losses"] for r in range(3)]
     assert losses[0] == losses[1] == losses[2]

@@ -82,13 +82,11 @@ class Executor:
         # Every receive is posted ahead, one per peer at a time: the first from each peer now, the
         # next one as soon as the previous one from that peer has arrived. Only receives of these
         # actions are posted, so none is left waiting when the list is done.
-        post_next = _next_receives(actions) if self.post_receives else [None] * len(actions)
-        if self.post_receives:
-            first: dict[int | None, Action] = {}
-            for a in actions:
-                if a.op.is_recv and a.peer != local:
-                    first.setdefault(a.peer, a)
-            for peer, a in first.items():
+        first, post_next = _receive_chains(actions)
+        if not self.post_receives:
+            first, post_next = {}, [None] * len(actions)
+        for peer, a in first.items():
+            if peer != local:
                 transport.post_recv(peer, channel_of(a))
         flight = recorder()
         for i, action in enumerate(actions):
@@ -180,13 +178,14 @@ def channel_of(action: Action) -> tuple[str, int]:
     return ("act" if op is Op.RECV_ACT else "grad", action.stage)
 
 
-def _next_receives(actions: Sequence[Action]) -> list[Action | None]:
-    """For each receive: the next receive from the same peer later in ``actions`` (None if none)."""
+def _receive_chains(actions: Sequence[Action]) -> tuple[dict[int | None, Action], list[Action | None]]:
+    """Each peer's first receive in ``actions``, and for each receive the next one from the same peer
+    (None if none). (A receive from this rank itself is never posted: the caller skips it.)"""
     later: dict[int | None, Action] = {}
-    out: list[Action | None] = [None] * len(actions)  # (a receive from this rank itself is never posted)
+    out: list[Action | None] = [None] * len(actions)
     for i in range(len(actions) - 1, -1, -1):
         a = actions[i]
         if a.op.is_recv:
             out[i] = later.get(a.peer)
             later[a.peer] = a
-    return out
+    return later, out

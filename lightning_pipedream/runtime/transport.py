@@ -161,12 +161,12 @@ class Transport:
             [_dtype_name(t.dtype) for t in leaves],
             [t.requires_grad for t in leaves],
         )
-        channel = self._send_channels.setdefault((peer, channel), _Channel())
+        layout = self._send_channels.setdefault((peer, channel), _Channel())
         dst = self._global(peer)
-        if meta != channel.last_meta:
+        if meta != layout.last_meta:
             # The receiver expects a message of the old layout's size: it says what changed.
             blob = pickle.dumps(meta)
-            notice = torch.zeros(channel.size, dtype=torch.uint8, device=self.device)
+            notice = torch.zeros(layout.size, dtype=torch.uint8, device=self.device)
             notice[:_HEADER].view(torch.int64).fill_(len(blob))
             fits = _HEADER + len(blob) <= notice.numel()
             blob_tensor = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(self.device)
@@ -175,10 +175,10 @@ class Transport:
             self._isend(notice, dst)
             if not fits:
                 self._isend(blob_tensor, dst)
-            channel.set_meta(meta)
-        message = torch.empty(channel.size, dtype=torch.uint8, device=self.device)
+            layout.set_meta(meta)
+        message = torch.empty(layout.size, dtype=torch.uint8, device=self.device)
         message[:_HEADER].zero_()
-        for t, offset, nbytes in zip(leaves, channel.offsets, channel.sizes):
+        for t, offset, nbytes in zip(leaves, layout.offsets, layout.sizes):
             if nbytes:
                 message[offset : offset + nbytes].view(t.dtype).view(t.shape).copy_(t.detach())
         self._isend(message, dst)
@@ -191,18 +191,18 @@ class Transport:
         The tensors are views of the received message's buffer.
         """
         src = self._global(peer)
-        name, channel = channel, self._recv_channels.setdefault((peer, channel), _Channel())
+        layout = self._recv_channels.setdefault((peer, channel), _Channel())
         posted = self._posted.pop(peer, None)
         if posted is not None:
             posted_name, work, message = posted
-            if posted_name != name:
+            if posted_name != channel:
                 raise RuntimeError(
-                    f"A receive from rank {peer} on channel {posted_name!r} was posted but one on {name!r} "
+                    f"A receive from rank {peer} on channel {posted_name!r} was posted but one on {channel!r} "
                     "was asked for; post receives in the order they are made."
                 )
             self._wait(work)
         else:
-            message = torch.empty(channel.size, dtype=torch.uint8, device=self.device)
+            message = torch.empty(layout.size, dtype=torch.uint8, device=self.device)
             self._recv_into(message, src)
         blob_size = int(message[:_HEADER].view(torch.int64).item())
         if blob_size > 0:
@@ -211,17 +211,17 @@ class Transport:
             else:
                 blob = torch.empty(blob_size, dtype=torch.uint8, device=self.device)
                 self._recv_into(blob, src)
-            channel.set_meta(pickle.loads(blob.cpu().numpy().tobytes()))
-            message = torch.empty(channel.size, dtype=torch.uint8, device=self.device)
+            layout.set_meta(pickle.loads(blob.cpu().numpy().tobytes()))
+            message = torch.empty(layout.size, dtype=torch.uint8, device=self.device)
             self._recv_into(message, src)
             if int(message[:_HEADER].view(torch.int64).item()) != 0:
                 raise PeerFailedError(f"Rank {peer} sent a second description in a row; the peers disagree.")
-        meta = channel.last_meta
+        meta = layout.last_meta
         if meta is None:
             raise PeerFailedError(f"The first message from rank {peer} carried no description; the peers disagree.")
         leaves = []
         for shape, dtype, needs_grad, offset, nbytes in zip(
-            meta.shapes, channel.dtypes, meta.requires_grad, channel.offsets, channel.sizes
+            meta.shapes, layout.dtypes, meta.requires_grad, layout.offsets, layout.sizes
         ):
             t = message[offset : offset + nbytes].view(dtype).view(shape).detach()
             if needs_grad:
