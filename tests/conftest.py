@@ -1,4 +1,4 @@
-"""Shared test set-up: the `multiprocess` marker, Hypothesis without a database in the checkout, CI strictness."""
+"""Shared test set-up: the `multiprocess` marker (set by each file that starts processes), Hypothesis without a database in the checkout, CI strictness."""
 
 from __future__ import annotations
 
@@ -17,23 +17,6 @@ settings.load_profile("lightning_pipedream")
 os.environ.setdefault("LIGHTNING_PIPEDREAM_FLIGHT_RECORDER",
                       os.path.join(tempfile.gettempdir(), f"lightning_pipedream_flight_{os.getpid()}"))
 
-# Modules whose tests start several processes (forked ranks, or a Trainer/recipe in a subprocess).
-# Marked here, not in the files: `pytest -m "not multiprocess"` is the fast suite.
-MULTIPROCESS_MODULES = {
-    "test_benchmarks_smoke.py",
-    "test_docs_examples.py",
-    "test_engine.py",
-    "test_faults.py",
-    "test_graph_pipeline.py",
-    "test_graph_split.py",
-    "test_recipes_errors.py",
-    "test_recipes_runs.py",
-    "test_replicated_engine.py",
-    "test_strategy.py",
-    "test_strategy_exactness.py",
-    "test_strategy_graph.py",
-}
-
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 PIPEDREAM_PROFILES = SHARED / "pipedream-profiles"
@@ -41,12 +24,6 @@ PIPEDREAM_PROFILES = SHARED / "pipedream-profiles"
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "multiprocess: starts several processes (slow); CI runs them all")
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        if item.path.name in MULTIPROCESS_MODULES:
-            item.add_marker(pytest.mark.multiprocess)
 
 
 @pytest.fixture(autouse=True)

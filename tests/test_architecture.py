@@ -23,7 +23,7 @@ FORBIDDEN = {
     # torch only: capture, profile and split a model's graph; the runtime runs its stages, the strategy wires it.
     "graph": ("lightning_pipedream.runtime", "lightning_pipedream.strategy", "lightning_pipedream.cli", "lightning"),
     # the pieces the strategy uses that need no Lightning themselves
-    "step_summary": ("lightning_pipedream.strategy", "lightning_pipedream.cli", "lightning"),
+    "strategy/summaries": ("lightning_pipedream.cli", "lightning"),
 }
 
 

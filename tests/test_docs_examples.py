@@ -5,7 +5,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 import torch
+
+pytestmark = pytest.mark.multiprocess  # starts several processes: not in the fast suite
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 

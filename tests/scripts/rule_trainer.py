@@ -17,7 +17,7 @@ from script_runs import main_runs
 from torch import nn
 
 from lightning_pipedream import PipeDreamStrategy
-from lightning_pipedream.checkpointing import AtomicCheckpointIO
+from lightning_pipedream.strategy.checkpoint import AtomicCheckpointIO
 
 INPUTS, WIDTH, OUTPUTS = 4, 8, 2
 

@@ -7,6 +7,8 @@ import json
 
 import pytest
 
+pytestmark = pytest.mark.multiprocess  # starts several processes: not in the fast suite
+
 TINY = ["--layers", "2", "--width", "32", "--batch", "16", "--chunks", "4"]
 
 

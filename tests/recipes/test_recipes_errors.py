@@ -9,9 +9,11 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 from recipes.data import build_datamodule  # noqa: E402
+
+pytestmark = pytest.mark.multiprocess  # starts several processes: not in the fast suite
 
 TRAIN = ROOT / "recipes" / "train.py"
 

@@ -22,8 +22,10 @@ from lightning_pipedream.graph import (
     consolidate_state_dict,
     split_graph,
 )
-from lightning_pipedream.graph.profile import choose_split_points, profile_graph
+from lightning_pipedream.graph.split_points import choose_split_points, profile_graph
 from lightning_pipedream.runtime.launch import run_local
+
+pytestmark = pytest.mark.multiprocess  # starts several processes: not in the fast suite
 
 FAMILIES = ["transformer", "resnet", "gpt", "lstm"]
 

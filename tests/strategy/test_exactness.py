@@ -23,7 +23,9 @@ from script_runs import run_script
 
 from lightning_pipedream import PipeDreamStrategy
 
-SCRIPT = Path(__file__).parent / "scripts" / "rule_trainer.py"
+pytestmark = pytest.mark.multiprocess  # starts several processes: not in the fast suite
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "rule_trainer.py"
 
 
 def run(out: Path, options: dict, timeout: float = 180, expect_ok: bool = True) -> subprocess.CompletedProcess:

@@ -13,6 +13,8 @@ from lightning_pipedream.runtime.launch import run_local
 from lightning_pipedream.runtime.pipeline import Pipeline
 from lightning_pipedream.runtime.ties import TiedParameters
 
+pytestmark = pytest.mark.multiprocess  # starts several processes: not in the fast suite
+
 STEPS, BATCH = 3, 4
 SPLIT_POINTS = {"gpt": ["blocks.2"], "resnet": ["layer2.0.conv2"]}  # resnet: cut inside a residual block
 

@@ -8,7 +8,7 @@ import pytest
 
 from lightning_pipedream.plan import Topology, load_pipedream_graph, partition
 
-PROFILES = Path(__file__).resolve().parents[1] / ".." / "shared" / "pipedream-profiles"
+PROFILES = Path(__file__).resolve().parents[2] / ".." / "shared" / "pipedream-profiles"
 # Every test needs the profiles: skipped without them, failed in CI (see conftest.py).
 pytestmark = pytest.mark.usefixtures("pipedream_profiles")
 

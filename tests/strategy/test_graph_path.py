@@ -21,7 +21,9 @@ from torch import nn
 
 from lightning_pipedream import PipeDreamStrategy
 
-SCRIPT = Path(__file__).parent / "scripts" / "graph_trainer.py"
+pytestmark = pytest.mark.multiprocess  # starts several processes: not in the fast suite
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "graph_trainer.py"
 
 
 def run(out: Path, options: dict, expect_ok: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:

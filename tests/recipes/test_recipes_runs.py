@@ -19,7 +19,9 @@ from script_runs import run_killable
 from recipes.data import build_datamodule
 from recipes.models import build_model
 
-ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.multiprocess  # starts several processes: not in the fast suite
+
+ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "recipes" / "train.py"
 # task -> (default model, metric name, metric range)
 TASKS = {

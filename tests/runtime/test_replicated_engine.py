@@ -11,6 +11,8 @@ from lightning_pipedream.runtime.launch import run_local
 from lightning_pipedream.runtime.pipeline import Pipeline
 from lightning_pipedream.runtime.replicas import GradientReducer
 
+pytestmark = pytest.mark.multiprocess  # starts several processes: not in the fast suite
+
 LR, MOMENTUM, WIDTH = 0.1, 0.9, 6
 
 

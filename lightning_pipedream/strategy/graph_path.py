@@ -10,10 +10,10 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 
-from lightning_pipedream.lightning_adapter import SubmoduleCall, innermost_called_module
-from lightning_pipedream.lightning_batches import EVALUATION_LOOP, STEP_OF, batch_shapes, first_batch
 from lightning_pipedream.runtime.graph_stage import CapturedStage
 from lightning_pipedream.runtime.microbatch import split
+from lightning_pipedream.strategy.batches import EVALUATION_LOOP, STEP_OF, batch_shapes, first_batch
+from lightning_pipedream.strategy.calls import SubmoduleCall, innermost_called_module
 
 log = logging.getLogger("lightning_pipedream.strategy")
 
@@ -41,7 +41,7 @@ class GraphPath:
             payload: list[Any] = [None]
             if self.is_global_zero:
                 from lightning_pipedream.graph import capture
-                from lightning_pipedream.graph.profile import choose_split_points
+                from lightning_pipedream.graph.split_points import choose_split_points
 
                 captured = capture(module, args, kwargs)
                 points, plan = choose_split_points(captured, module, args, kwargs, self.num_stages,

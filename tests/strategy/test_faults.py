@@ -25,6 +25,8 @@ from lightning_pipedream.runtime.flight import PipelineTimeoutError
 from lightning_pipedream.runtime.pipeline import Pipeline
 from lightning_pipedream.schedule.timeline import from_chrome_trace
 
+pytestmark = pytest.mark.multiprocess  # starts several processes: not in the fast suite
+
 TIMEOUT = 10.0  # the process group's timeout, seconds
 
 
@@ -128,7 +130,7 @@ def test_stopped_rank_is_named_by_every_other_rank(tmp_path, capsys):
     assert "rank 0" in shown and "rank 2" in shown and "unfinished" in shown
 
 
-HANG_TRAINER = Path(__file__).parent / "scripts" / "hang_trainer.py"
+HANG_TRAINER = Path(__file__).resolve().parents[1] / "scripts" / "hang_trainer.py"
 
 
 def test_stopped_rank_of_a_trainer_is_named(tmp_path):

@@ -27,8 +27,22 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_pipedream.checkpointing import AtomicCheckpointIO, CheckpointGather, OptimizerLayout, load_own_share
-from lightning_pipedream.lightning_adapter import (
+from lightning_pipedream.plan.balance import stage_slice
+from lightning_pipedream.runtime import allocator
+from lightning_pipedream.runtime.engine import PipelineEngine
+from lightning_pipedream.runtime.graph_stage import CapturedStage
+from lightning_pipedream.runtime.materialize import has_meta_tensors, materialize
+from lightning_pipedream.runtime.microbatch import batch_size, flatten, split
+from lightning_pipedream.runtime.replicas import GradientReducer
+from lightning_pipedream.runtime.transport import Transport
+from lightning_pipedream.schedule.actions import Action, Layout
+from lightning_pipedream.schedule.builders import SCHEDULES, check_schedule_options, inference
+from lightning_pipedream.strategy.batches import (
+    batch_args,
+    fingerprint,
+    merge_outputs,
+)
+from lightning_pipedream.strategy.calls import (
     Elsewhere,
     ForwardCall,
     LogRecorder,
@@ -36,12 +50,13 @@ from lightning_pipedream.lightning_adapter import (
     find_layers,
     loss_of,
 )
-from lightning_pipedream.lightning_batches import (
-    batch_args,
-    fingerprint,
-    merge_outputs,
+from lightning_pipedream.strategy.checkpoint import (
+    AtomicCheckpointIO,
+    CheckpointGather,
+    OptimizerLayout,
+    load_own_share,
 )
-from lightning_pipedream.lightning_checks import (
+from lightning_pipedream.strategy.checks import (
     FiniteChecks,
     NonFiniteError,
     check_optimizers,
@@ -49,20 +64,10 @@ from lightning_pipedream.lightning_checks import (
     check_training_supported,
     optimizers_unvalidated,
 )
-from lightning_pipedream.lightning_graph_path import GraphPath
-from lightning_pipedream.lightning_placement import StagePlacement
-from lightning_pipedream.lightning_updates import PipelineDrain, PipelineUpdates
-from lightning_pipedream.meta_init import has_meta_tensors, materialize
-from lightning_pipedream.plan.balance import stage_slice
-from lightning_pipedream.runtime import allocator
-from lightning_pipedream.runtime.engine import PipelineEngine
-from lightning_pipedream.runtime.graph_stage import CapturedStage
-from lightning_pipedream.runtime.microbatch import batch_size, flatten, split
-from lightning_pipedream.runtime.replicas import GradientReducer
-from lightning_pipedream.runtime.transport import Transport
-from lightning_pipedream.schedule.actions import Action, Layout
-from lightning_pipedream.schedule.builders import SCHEDULES, check_schedule_options, inference
-from lightning_pipedream.step_summary import LaggedFromSources, LaggedSummaries, StepSummary, SummaryChannel
+from lightning_pipedream.strategy.graph_path import GraphPath
+from lightning_pipedream.strategy.placement import StagePlacement
+from lightning_pipedream.strategy.summaries import LaggedFromSources, LaggedSummaries, StepSummary, SummaryChannel
+from lightning_pipedream.strategy.updates import PipelineDrain, PipelineUpdates
 from lightning_pipedream.tree import map_tensors
 
 log = logging.getLogger(__name__)

@@ -11,11 +11,11 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
-from lightning_pipedream.lightning_adapter import SequentialCall
-from lightning_pipedream.lightning_batches import first_batch
-from lightning_pipedream.meta_init import balance_by_parameters, has_meta_tensors
 from lightning_pipedream.plan.balance import check_balance, check_stage_count, even_balance
+from lightning_pipedream.runtime.materialize import balance_by_parameters, has_meta_tensors
 from lightning_pipedream.schedule.actions import Layout
+from lightning_pipedream.strategy.batches import first_batch
+from lightning_pipedream.strategy.calls import SequentialCall
 
 log = logging.getLogger("lightning_pipedream.strategy")
 

@@ -14,6 +14,8 @@ from lightning_pipedream.plan.balance import stage_slice
 from lightning_pipedream.runtime.launch import RankFailedError, run_local
 from lightning_pipedream.runtime.pipeline import Pipeline
 
+pytestmark = pytest.mark.multiprocess  # starts several processes: not in the fast suite
+
 LR, MOMENTUM = 0.1, 0.9
 
 
