@@ -74,8 +74,6 @@ class GraphSplit:
         return {name: stages for name, stages in self.owners.items()
                 if len(stages) > 1 and kinds.get(name) == "parameter"}
 
-    def stage_layers(self) -> list[list[str]]:
-        return [p.layers for p in self.programs]
 
 
 def input_signature(tree: Any, first: bool) -> tuple:
@@ -187,7 +185,7 @@ def split_graph(captured: CapturedGraph, split_points: Sequence[str]) -> GraphSp
         is_last = s == num_stages - 1
         outputs: list[Any] = list(captured.outputs) if is_last else crossing[s + 1]
         mutations = [name for name, stage in mutation_stage.items() if stage == s]
-        program = _program(captured, nodes, inputs, outputs, [captured.mutations[m] for m in mutations])
+        program = stage_program(captured, nodes, inputs, outputs, [captured.mutations[m] for m in mutations])
         state_nodes = [p for p in captured.state if any(stage_of.get(u) == s for u in p.users)]
         signature = (call_signature(*_example_call(captured)) if s == 0
                      else tuple(_value_signature(n.name, n) for n in inputs))
@@ -220,7 +218,7 @@ def _example_call(captured: CapturedGraph) -> tuple[tuple, dict]:
     return args, kwargs
 
 
-def _program(captured: CapturedGraph, nodes: list[Node], inputs: list[Node], outputs: list[Any],
+def stage_program(captured: CapturedGraph, nodes: list[Node], inputs: list[Node], outputs: list[Any],
              mutations: list[Node]) -> GraphModule:
     """A GraphModule running ``nodes``: arguments are the state they read, then ``inputs``; it returns
     ``mutations`` then ``outputs`` (nodes, or constants returned as they are)."""
@@ -240,7 +238,7 @@ def _program(captured: CapturedGraph, nodes: list[Node], inputs: list[Node], out
     return GraphModule(nn.Module(), graph)
 
 
-def _get_path(root: nn.Module, path: str) -> Any:
+def get_path(root: nn.Module, path: str) -> Any:
     obj: Any = root
     for part in path.split("."):
         obj = getattr(obj, part)
@@ -272,7 +270,7 @@ class GraphStage(nn.Module):
         values: dict[str, Tensor] = {}
         for alias, name in entries:
             if name not in values:
-                tensor = _get_path(module, name)
+                tensor = get_path(module, name)
                 # A tied parameter gets a copy per stage, as separate ranks would hold; the rest stay shared.
                 if isinstance(tensor, nn.Parameter) and name in split.ties:
                     tensor = nn.Parameter(tensor.detach().clone(), tensor.requires_grad)
@@ -297,7 +295,7 @@ class GraphStage(nn.Module):
 
     def canonical_parameters(self) -> dict[str, nn.Parameter]:
         """This stage's parameters under their canonical names (a tied parameter's first name in the model)."""
-        return {name: _get_path(self, name) for name in self.owned if isinstance(_get_path(self, name), nn.Parameter)}
+        return {name: get_path(self, name) for name in self.owned if isinstance(get_path(self, name), nn.Parameter)}
 
     def add_split(self, split: GraphSplit) -> None:
         """Add this stage's program of another capture (another input signature or mode) of the same model."""
@@ -323,7 +321,7 @@ class GraphStage(nn.Module):
                 f"it knows {len(self._programs)} other(s). Capture the model for this batch shape and mode "
                 "(capture + split_graph with the same split_points) and add it with add_split."
             )
-        state = [program.constants[name] if kind == "constant" else _get_path(self, name)
+        state = [program.constants[name] if kind == "constant" else get_path(self, name)
                  for kind, name in program.state]
         if program.is_first:
             args, kwargs = inputs
@@ -337,7 +335,7 @@ class GraphStage(nn.Module):
         # version counter is not the one autograd checks: the op's backward saved the old buffer but never reads it.
         with torch.no_grad():
             for name, value in zip(program.mutations, results[:count]):
-                _get_path(self, name).data.copy_(value)
+                get_path(self, name).data.copy_(value)
         outputs = list(results[count:])
         if program.is_last:
             return pytree.tree_unflatten(outputs, program.out_spec)

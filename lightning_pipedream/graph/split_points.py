@@ -13,7 +13,7 @@ from torch.fx import Node
 from torch.utils import _pytree as pytree
 
 from lightning_pipedream.graph.capture import CapturedGraph
-from lightning_pipedream.graph.split import _get_path, _program
+from lightning_pipedream.graph.split import get_path, stage_program
 from lightning_pipedream.plan.partition import Plan, partition
 from lightning_pipedream.plan.profile import LayerProfile, Profile
 from lightning_pipedream.plan.topology import Topology
@@ -57,7 +57,7 @@ def profile_graph(captured: CapturedGraph, module: nn.Module, args: tuple = (), 
     }
     state: dict[Node, Tensor] = {}
     for node, (kind, name) in captured.state.items():
-        value = captured.constants[name] if kind == "constant" else _get_path(module, name)
+        value = captured.constants[name] if kind == "constant" else get_path(module, name)
         state[node] = value.detach().requires_grad_(value.requires_grad) if kind == "parameter" else value.detach()
     layer_of = captured.layer_of
     outputs = {v for v in captured.outputs if isinstance(v, Node)}
@@ -70,7 +70,7 @@ def profile_graph(captured: CapturedGraph, module: nn.Module, args: tuple = (), 
             edges |= {(layer_of[a], index) for a in inputs if a in layer_of}
             produced = [n for n in layer.nodes if n in outputs or any(u not in members and u.op != "output"
                                                                         for u in n.users)]
-            program = _program(captured, layer.nodes, inputs, produced, [])
+            program = stage_program(captured, layer.nodes, inputs, produced, [])
             used_state = [p for p in captured.state if any(u in members for u in p.users)]
             state_args = [state[p] for p in used_state]
             in_args = [_fresh(*env[a]) for a in inputs]

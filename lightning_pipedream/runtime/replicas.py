@@ -60,11 +60,6 @@ class ReplicaGroups:
                     groups[stage] = made
         self.data_group = groups.get(self.stage)
 
-    @property
-    def stage_ranks(self) -> list[int]:
-        """The global ranks that all-reduce with this rank: its stage's replicas, itself included."""
-        return [self._globals[r] for r in self.layout.ranks_of(self.stage)]
-
     def group_members(self) -> list[int]:
         """The global ranks of :attr:`data_group` as torch.distributed sees them (a check of the group itself)."""
         if self.data_group is None:
@@ -74,25 +69,6 @@ class ReplicaGroups:
     def reducer(self, params: Iterable[nn.Parameter], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> GradientReducer:
         """A :class:`GradientReducer` of ``params`` over this stage's replicas."""
         return GradientReducer(params, self.data_group, bucket_bytes=bucket_bytes)
-
-    def sampler_kwargs(self) -> dict[str, int]:
-        """``num_replicas`` and ``rank`` for a ``DistributedSampler`` on this rank (the data shards).
-
-        Every rank gets a sampler of ``replicas[0]`` shards (so all ranks see the same number of
-        batches): the input stage's replica k reads shard k, a last-stage rank the one shard whose
-        targets it needs. A rank that needs several shards (the single last stage of a 2-1 plan)
-        raises: it needs every shard's batch of the step (load the union, ``num_replicas=1``).
-        """
-        shards = self.layout.shards_of(self.rank)
-        d = self.layout.input_replicas
-        if len(shards) > 1:
-            raise ValueError(
-                f"rank {self.rank} (stage {self.stage}) computes on the micro-batches of shards {list(shards)}: one "
-                "sampler shard cannot feed it. Give every rank the union of the step's shards (num_replicas=1) and "
-                "let the engine pick micro-batches by shard (micro-batch m comes from shard m % replicas[0])."
-            )
-        shard = shards[0] if shards else self.layout.replica_of(self.rank) % d
-        return {"num_replicas": d, "rank": shard}
 
 
 def _has_device_mesh() -> bool:

@@ -6,14 +6,9 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import nn
 
-
-def _get_path(root: nn.Module, path: str) -> Tensor:
-    obj = root
-    for part in path.split("."):
-        obj = getattr(obj, part)
-    return obj  # type: ignore[return-value]
+from lightning_pipedream.graph.split import get_path
 
 
 class TiedParameters:
@@ -53,7 +48,7 @@ class TiedParameters:
     def allreduce_grads(self) -> None:
         """Sum each tied parameter's gradient over its copies (a copy without a gradient counts as zero)."""
         for name, tie_group in self._groups:
-            param = _get_path(self.module, name)
+            param = get_path(self.module, name)
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=tie_group)
@@ -63,7 +58,7 @@ class TiedParameters:
         a check that costs one broadcast per tie."""
         worst = 0.0
         for name, tie_group in self._groups:
-            param = _get_path(self.module, name).detach()
+            param = get_path(self.module, name).detach()
             first = param.clone()
             dist.broadcast(first, group_src=0, group=tie_group)
             worst = max(worst, float((param - first).abs().max()))

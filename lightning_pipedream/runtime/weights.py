@@ -136,10 +136,6 @@ class WeightVersions:
         self._live_users.clear()
         self._spare = None
 
-    def forward_version(self, microbatch: int) -> int | None:
-        """The version ``microbatch``'s forward used (None once its backward is done)."""
-        return self._version_of.get(microbatch)
-
     def stored_versions(self) -> int:
         """How many distinct weight versions are alive: the live one plus stashed and kept ones."""
         if not self.params:

@@ -11,8 +11,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-HELPERS = Path(__file__).resolve().parent  # tests/helpers
-
 
 def main_runs(train: Callable[[str, dict[str, Any]], None]) -> None:
     """`SCRIPT OUT_DIR JSON_OPTIONS`, or `SCRIPT --runs RUNS.json` with a list of [OUT_DIR, OPTIONS] run one after
@@ -44,9 +42,6 @@ def run_killable(argv: list[str], cwd: Path, timeout: float, env: dict[str, str]
     started included) and the test fails, so that a hung run neither lingers nor passes."""
     import pytest
 
-    # The scripts import the shared helpers (tests/helpers) as top-level modules, whatever their working directory.
-    env = dict(os.environ if env is None else env)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HELPERS), env.get("PYTHONPATH", "")) if p)
     proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
-from graph_models import batches, loss_fn, make
-from script_runs import main_runs
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))  # the libraries the tests share
+from graph_models import batches, loss_fn, make  # noqa: E402
+from script_runs import main_runs  # noqa: E402
 
 from lightning_pipedream import PipeDreamStrategy
 

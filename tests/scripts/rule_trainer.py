@@ -9,11 +9,15 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
+from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
-from script_runs import main_runs
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))  # the libraries the tests share
+from script_runs import main_runs  # noqa: E402
 from torch import nn
 
 from lightning_pipedream import PipeDreamStrategy

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+from pathlib import Path
 
 import lightning as L
 import torch
 import torchmetrics
-from script_runs import main_runs
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))  # the libraries the tests share
+from script_runs import main_runs  # noqa: E402
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
