@@ -13,8 +13,9 @@ import numpy as np
 from lightning_pipedream.plan.errors import PlanFormatError, is_number, is_whole
 from lightning_pipedream.plan.profile import Profile
 from lightning_pipedream.plan.topology import Topology
-from lightning_pipedream.schedule.builders import SCHEDULES, build_schedule
+from lightning_pipedream.schedule.builders import build_schedule
 from lightning_pipedream.schedule.simulate import simulate
+from lightning_pipedream.schedule.specs import SCHEDULES, spec_of
 
 METHODS = ("uniform", "parameters", "time", "pipedream")
 COST_MODELS = ("code", "paper")
@@ -84,20 +85,12 @@ class Plan:
         # extra={"recompute": true} replays each forward in its backward; {"virtual_stages": v} (interleaved)
         # splits each stage's layers into v chunks of equal cost, chunk c of rank r being stage c * p + r.
         recompute = bool(self.extra.get("recompute", False))
-        if self.schedule == "pipedream":
-            result = simulate(
-                build_schedule("pipedream", len(self.stages), minibatches=minibatches),
-                forward,
-                backward,
-                activation_bytes=[stage.output_bytes for stage in self.stages],
-                bandwidth=bandwidth,
-                recompute=recompute,
-            )
-            return result.step_time
-        chunks = max(1, self.chunks)
-        v = int(self.extra.get("virtual_stages", 1)) if self.schedule == "interleaved" else 1
-        if self.schedule == "2bw":
-            schedule = build_schedule("2bw", len(self.stages), chunks, minibatches=minibatches)
+        spec = spec_of(self.schedule)
+        # pipedream runs each batch whole; the others split it into `chunks` micro-batches of equal cost.
+        chunks = max(1, self.chunks) if spec.microbatches else 1
+        v = int(self.extra.get("virtual_stages", 1)) if spec.virtual_stages else 1
+        if spec.asynchronous:
+            schedule = build_schedule(self.schedule, len(self.stages), chunks, minibatches=minibatches)
         else:
             schedule = build_schedule(self.schedule, len(self.stages), chunks, virtual_stages=v)
         result = simulate(

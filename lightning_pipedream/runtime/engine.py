@@ -16,7 +16,6 @@ from lightning_pipedream.runtime.transport import Transport
 from lightning_pipedream.runtime.weights import WeightVersions
 from lightning_pipedream.schedule.actions import Action, Layout, Op
 from lightning_pipedream.schedule.builders import (
-    REPLICATED_SCHEDULES,
     build_schedule,
     check_schedule_options,
     pipedream_drain,
@@ -26,6 +25,7 @@ from lightning_pipedream.schedule.builders import (
     two_bw_drain,
     two_bw_step,
 )
+from lightning_pipedream.schedule.specs import spec_of
 
 # Applies the gradients now in the parameters' .grad; receives the minibatch they belong to (for
 # ``pipedream`` the minibatch whose backward just ran, for flushed schedules the step's minibatch).
@@ -97,17 +97,18 @@ class PipelineEngine:
                 raise ValueError("Replicated stages need allreduce= (e.g. ReplicaGroups(...).reducer(params).reduce).")
             if vertical_sync:
                 raise ValueError("vertical_sync=True is not supported with replicated stages yet; use replicas=None.")
-            if schedule not in REPLICATED_SCHEDULES:
+            if not spec_of(schedule).unequal_replicas:
                 raise ValueError(
                     f"schedule={schedule!r} does not support replicated stages yet; use gpipe, 1f1b or pipedream."
                 )
         self.rank = stage_index if rank is None else rank
         self.allreduce = allreduce
         self.schedule = schedule
+        self.spec = spec_of(schedule)
         self.num_stages = num_stages
         self.chunks = chunks
-        self.asynchronous = schedule in ("pipedream", "2bw")
-        if schedule == "interleaved":
+        self.asynchronous = self.spec.asynchronous
+        if self.spec.virtual_stages:
             chunk_modules = list(module) if isinstance(module, (list, tuple, nn.ModuleList)) else [module]
             if len(chunk_modules) != virtual_stages:
                 raise ValueError(
@@ -117,9 +118,8 @@ class PipelineEngine:
         else:
             chunk_modules = [module]
         self.weights = (
-            WeightVersions(
-                module, stashing=weight_stashing, vertical_sync=vertical_sync, two_versions=schedule == "2bw"
-            )
+            WeightVersions(module, stashing=weight_stashing, vertical_sync=vertical_sync,
+                           two_versions=self.spec.two_weight_versions)
             if self.asynchronous
             else None
         )
@@ -168,7 +168,7 @@ class PipelineEngine:
         """This rank's actions for the next training step."""
         if self._flushed is not None:
             return list(self._flushed.actions[self.rank if self.layout is not None else self.stage.index])
-        if self.schedule == "2bw":
+        if self.spec.two_weight_versions:
             return two_bw_step(self.num_stages, self.stage.index, self.chunks, self._admitted)
         if self.layout is not None:
             return replicated_pipedream_step(self.layout, self.rank, self._admitted)
@@ -193,7 +193,7 @@ class PipelineEngine:
         """Finish every minibatch in flight (pipedream), so that all weights are final."""
         if self._flushed is not None or self._admitted == 0:
             return StepResult()
-        if self.schedule == "2bw":
+        if self.spec.two_weight_versions:
             actions = two_bw_drain(self.num_stages, self.stage.index, self.chunks, self._admitted)
         elif self.layout is not None:
             actions = replicated_pipedream_drain(self.layout, self.rank, self._admitted)
@@ -214,7 +214,7 @@ class PipelineEngine:
     def version_for(self, minibatch: int) -> int:
         """Vertical sync: the version stage 0 used for ``minibatch`` (it has made ``t - stages + 1`` updates).
         2BW: the version before the newest when micro-batch ``minibatch``'s minibatch t starts, t - 1."""
-        if self.schedule == "2bw":
+        if self.spec.two_weight_versions:
             return self._base_version + max(0, minibatch // self.chunks - 1)
         return self._base_version + max(0, minibatch - self.num_stages + 1)
 
@@ -225,7 +225,7 @@ class PipelineEngine:
         weights = self.weights
         # Which minibatch each optimizer step applies: pipedream's follows that minibatch's backward,
         # 2bw's the backwards of a minibatch's micro-batches.
-        per = self.chunks if self.schedule == "2bw" else 1
+        per = self.chunks if self.spec.two_weight_versions else 1
         applies = iter([mb // per for mb in _minibatch_of_each_update(actions)] if self._flushed is None else [])
         # A rank with several stages (interleaved) has one OPTIMIZER_STEP per stage; its one optimizer
         # steps at the last of them, when every stage's gradients are in.
@@ -243,7 +243,7 @@ class PipelineEngine:
             update(minibatch)
             if weights is not None:
                 # The next forward here admits minibatch step+1; vertical sync needs versions from its one on.
-                keep = None if self.schedule == "2bw" else self.version_for(action.step + 1)
+                keep = None if self.spec.two_weight_versions else self.version_for(action.step + 1)
                 weights.after_update(keep_from=keep)
 
         def allreduce(action: Action) -> None:

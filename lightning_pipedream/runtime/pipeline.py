@@ -11,11 +11,12 @@ from torch import Tensor, nn
 
 from lightning_pipedream.plan.balance import check_balance, even_balance, stage_slice
 from lightning_pipedream.runtime.engine import PipelineEngine, StepResult
-from lightning_pipedream.runtime.microbatch import batch_size, split
 from lightning_pipedream.runtime.replicas import ReplicaGroups
+from lightning_pipedream.runtime.shares import BatchShares
 from lightning_pipedream.runtime.transport import Transport
 from lightning_pipedream.schedule.actions import Layout
-from lightning_pipedream.schedule.builders import REPLICATED_SCHEDULES, check_schedule_options
+from lightning_pipedream.schedule.builders import check_schedule_options
+from lightning_pipedream.schedule.specs import spec_of
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -70,7 +71,7 @@ class Pipeline:
         if not isinstance(layers, nn.Sequential) and not prebuilt:
             raise TypeError(f"Pipeline needs an nn.Sequential of layers, got {type(layers).__name__}.")
         check_schedule_options(schedule, chunks, vertical_sync, virtual_stages=virtual_stages, recompute=recompute)
-        if replicas is not None and schedule not in REPLICATED_SCHEDULES:
+        if replicas is not None and not spec_of(schedule).unequal_replicas:
             raise ValueError(f"schedule={schedule!r} does not support replicas yet; use replicas=None.")
         if prebuilt and virtual_stages != 1:
             raise ValueError("Prebuilt stage modules run one stage per process; use virtual_stages=1 with them.")
@@ -152,55 +153,24 @@ class Pipeline:
         finishes on the last stage within the step; its backward on earlier stages, and their
         updates, happen over the next steps.
         """
-        if self.layout is not None:
-            return self._replicated_step(inputs, targets)
-        chunks = self.chunks
-        in_parts = split(inputs, chunks) if self.is_first else None
-        tgt_parts = split(targets, chunks) if self.is_last else None
-        total = batch_size(targets) if self.is_last else 1
-        sizes = [batch_size(t) for t in tgt_parts] if tgt_parts is not None else []
-
-        def micro(mb: int) -> int:  # the step's i-th micro-batch (2bw and pipedream number on across steps)
-            return mb % chunks
+        d = 1 if self.layout is None else self.layout.input_replicas
+        minibatch_updates = d > 1 and self.engine.spec.minibatch_updates
+        chunks = 1 if minibatch_updates else self.chunks
+        in_parts = BatchShares.of(inputs, chunks, d, minibatch_updates) if self.is_first else None
+        tgt_parts = BatchShares.of(targets, chunks, d, minibatch_updates) if self.is_last else None
 
         def loss(mb: int, output: Any) -> Tensor:
             assert tgt_parts is not None
-            value = self.loss_fn(output, tgt_parts[micro(mb)])
-            return value * (sizes[micro(mb)] / total) if chunks > 1 else value
+            value = self.loss_fn(output, tgt_parts.part(mb))
+            weight = tgt_parts.weight(mb)
+            return value * weight if weight != 1.0 else value
 
-        result = self.engine.train_step(lambda mb: in_parts[micro(mb)], loss, self._update)  # type: ignore[index]
-        return float(sum(result.losses.values())) if self.is_last else None
-
-    def _replicated_step(self, inputs: Any, targets: Any) -> float | None:
-        """A step of replicated stages: micro-batch m is chunk ``m // d`` of shard ``m % d`` (d: input replicas)."""
-        assert self.layout is not None
-        d, pipedream = self.layout.input_replicas, self.schedule == "pipedream"
-        chunks = 1 if pipedream else self.chunks
-
-        def pieces(tree: Any) -> list[Any]:
-            return [part for shard in split(tree, d) for part in split(shard, chunks)]  # shard-major
-
-        in_parts = pieces(inputs) if self.is_first else None
-        tgt_parts = pieces(targets) if self.is_last else None
-        total = batch_size(targets) if self.is_last else 1
-
-        def piece(mb: int) -> int:
-            index = mb % (d * chunks) if not pipedream else mb % d
-            return (index % d) * chunks + index // d
-
-        def loss(mb: int, output: Any) -> Tensor:
-            assert tgt_parts is not None
-            target = tgt_parts[piece(mb)]
-            value = self.loss_fn(output, target)
-            # Flushed: the replicas' gradients are summed, so each micro-batch counts by its share of
-            # the whole batch. Pipedream: each shard is a minibatch; its replicas average per round.
-            return value if pipedream else value * (batch_size(target) / total)
-
-        result = self.engine.train_step(lambda mb: in_parts[piece(mb)], loss, self._update)  # type: ignore[index]
+        result = self.engine.train_step(lambda mb: in_parts.part(mb), loss, self._update)  # type: ignore[union-attr]
         if not self.is_last:
             return None
         losses = result.losses.values()
-        return float(sum(losses) / len(losses)) if pipedream and losses else float(sum(losses))
+        # A replicated pipedream stage's shards are minibatches of their own: the step's loss is their mean.
+        return float(sum(losses) / len(losses)) if minibatch_updates and losses else float(sum(losses))
 
     def drain(self) -> StepResult:
         """Finish the minibatches still in flight (``pipedream``); a no-op for flushed schedules."""

@@ -6,11 +6,12 @@ from collections.abc import Callable, Iterable, Sequence
 
 from lightning_pipedream.schedule.actions import Action, Layout, Op, Schedule
 
+# The names and their properties live in the spec table; re-exported here, where they were first defined.
+from lightning_pipedream.schedule.specs import ASYNCHRONOUS, REPLICATED_SCHEDULES, SCHEDULES, spec_of  # noqa: F401
+
 # A compute order for one stage: ("F" | "B" | "W", microbatch) pairs, and "O" for an optimizer step.
 ComputeOrder = list[tuple[str, int] | str]
 
-SCHEDULES = ("gpipe", "1f1b", "pipedream", "2bw", "interleaved", "zb-h1")
-REPLICATED_SCHEDULES = ("gpipe", "1f1b", "pipedream")  # those that run replicated stages (1F1B-RR)
 
 
 def check_chunks(chunks: object) -> None:
@@ -509,15 +510,9 @@ _BUILDERS: dict[str, Callable[..., Schedule]] = {
     "zb-h1": zero_bubble_h1,
 }
 
-# Schedules that keep the pipeline full across training steps (several steps, then a drain).
-ASYNCHRONOUS = ("pipedream", "2bw")
-
-
 def check_schedule_name(name: str) -> str:
     """Return ``name`` if it is a known schedule, else raise an error that lists them."""
-    if name not in _BUILDERS:
-        raise ValueError(f"Unknown schedule {name!r}. Choose one of: {', '.join(SCHEDULES)}.")
-    return name
+    return spec_of(name).name
 
 
 def check_schedule_options(
@@ -525,17 +520,17 @@ def check_schedule_options(
 ) -> None:
     """Validate a training configuration (schedule, micro-batches, vertical sync, model chunks per rank,
     recomputation) as a user gives it."""
-    check_schedule_name(schedule)
+    spec = spec_of(schedule)
     check_chunks(chunks)
-    if schedule == "pipedream" and chunks != 1:
+    if not spec.microbatches and chunks != 1:
         raise ValueError(
             f"schedule='pipedream' runs each batch as one PipeDream minibatch; chunks={chunks} is not "
             "supported. Use chunks=1, or schedule='1f1b'/'gpipe' to split batches into micro-batches."
         )
-    if vertical_sync and schedule != "pipedream":
+    if vertical_sync and spec.weight_versions is not None:  # only weight stashing keeps every version
         raise ValueError("vertical_sync=True only applies to schedule='pipedream'.")
     _check_virtual_stages(virtual_stages)
-    if virtual_stages != 1 and schedule != "interleaved":
+    if virtual_stages != 1 and not spec.virtual_stages:
         raise ValueError(
             f"virtual_stages={virtual_stages} applies to schedule='interleaved' only (model chunks per rank); "
             f"schedule={schedule!r} runs one chunk per rank: drop virtual_stages or use schedule='interleaved'."
@@ -564,13 +559,14 @@ def build_schedule(
     model chunks (``num_stages * virtual_stages`` stages in all).
     """
     check_schedule_options(name, chunks, virtual_stages=virtual_stages)
-    if name in ASYNCHRONOUS:
+    spec = spec_of(name)
+    if spec.asynchronous:
         if minibatches is None:
             raise ValueError(
                 f"build_schedule({name!r}, ...) needs minibatches=N: the number of minibatches "
                 "(training steps) to run before the drain."
             )
-        if name == "2bw":
+        if spec.two_weight_versions:
             if replicas is not None and _replicated(num_stages, replicas) is not None:
                 raise ValueError("schedule='2bw' does not support replicated stages yet; use replicas=None.")
             return two_bw(num_stages, chunks, minibatches)
@@ -580,7 +576,7 @@ def build_schedule(
             f"minibatches={minibatches} applies to schedule='pipedream' or '2bw' only; {name!r} covers one "
             "training step of `chunks` micro-batches."
         )
-    if name == "interleaved":
+    if spec.virtual_stages:
         if replicas is not None and _replicated(num_stages, replicas) is not None:
             raise ValueError("schedule='interleaved' does not support replicated stages yet; use replicas=None.")
         return interleaved(num_stages, chunks, virtual_stages)
