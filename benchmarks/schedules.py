@@ -1,44 +1,53 @@
-"""Steps/s of our schedules against torch.distributed.pipelining and one process, on 2 stages.
+"""Steps/s of every schedule against the machine's bound, torch.distributed.pipelining and one process, on 2 stages.
 
 Run from the repository root::
 
-    python -m benchmarks.schedules --json benchmarks/results/schedules.json          # 6-10 minutes
-    python -m benchmarks.schedules --quick --json /tmp/quick.json                     # < 2 minutes
-    python -m benchmarks.schedules --malloc keep --json benchmarks/results/schedules_malloc_keep.json
+    python -m benchmarks.schedules --json benchmarks/results/schedules.json          # 8-12 minutes
+    python -m benchmarks.schedules --quick --json /tmp/quick.json                     # < 3 minutes
+    python -m benchmarks.schedules --only ours_pipedream,ours_pipedream_trace --malloc keep   # a few contenders
 
 The model is 8 x (Linear(1024, 1024) + ReLU) with MSE loss and plain SGD; a step is a batch of
 512 samples in 8 micro-batches of 64. Every multi-process contender runs 2 processes (one stage
 each, the model split in the middle) with 1 thread each, over gloo on loopback. Contenders:
 
-* ``ours_gpipe``, ``ours_1f1b``: our ``Pipeline``, one ``step()`` per batch of 512.
-* ``ours_pipedream``: our ``Pipeline(schedule="pipedream")``; PipeDream takes one minibatch per
-  ``step()`` and keeps the pipeline full, so one "step" here is 8 calls of 64 samples (8
-  optimizer steps per stage), and the timed run ends with ``drain()``.
-* ``ours_*_trace``: the same with ``trace=True`` (the executor records every action).
-* ``torch_gpipe``, ``torch_1f1b``: ``PipelineStage`` + ``ScheduleGPipe``/``Schedule1F1B`` on the
-  same split, ``return_outputs=False``.
+* ``bound``: the machine's bound for PipeDream's work: each process runs only its own stage (8
+  forwards and backwards of 64 on stand-in inputs, an SGD step after each), both at once, with no
+  communication. ``bound_batch``: the same with one SGD step per batch (a flushed schedule's work).
+  Every contender's ``share_of_bound`` is its steps/s over that of the bound doing the same updates.
+* ``ours_<schedule>`` for gpipe, 1f1b, pipedream, zb-h1, interleaved (``virtual_stages=2``: process r
+  holds stages r and r + 2) and 2bw: our ``Pipeline``, one ``step()`` per batch of 512; ``pipedream``
+  takes one minibatch per ``step()``, so its step is 8 calls of 64 samples (8 optimizer steps per
+  stage). The asynchronous ones keep the pipeline full and the timed run ends with ``drain()``.
+* ``ours_*_trace``: the same with ``trace=True`` (the executor records every action): the measured
+  bubble, the per-action breakdown of each rank's time and the costs the simulator replays.
+* ``torch_<schedule>``: ``PipelineStage`` + torch's ``ScheduleGPipe``, ``Schedule1F1B``,
+  ``ScheduleInterleavedZeroBubble`` (for zb-h1: torch's zero-bubble schedule on our layout) or
+  ``ScheduleInterleaved1F1B`` (our layout) on the same split, then one SGD step. torch has no 2BW.
 * ``one_thread``: one process, 1 thread, the same 8 micro-batches one after another (gradient
   accumulation), then one SGD step: the work of one step with no parallelism.
 * ``one_thread_per_minibatch``: one process, 1 thread, an SGD step after every 64 samples: the
   work PipeDream does (8 optimizer steps per 512 samples), without its pipeline.
 * ``two_threads``: one process, 2 threads (intra-op), the whole batch of 512 at once.
 
-The newer schedules (zb-h1, interleaved, 2bw) and torch's interleaved and zero-bubble schedules
-are compared on the same workload by ``python -m benchmarks.schedules_newer``.
+The one-process contenders keep their gradients between steps (``zero_grad(set_to_none=False)``), the
+best plain loop; ``--malloc`` applies to every contender alike.
 
 The contenders are interleaved: every round runs each once, the order rotating from round to
 round; the figures are medians over rounds, and over the runs during which the machine was
 quiet. Before each run it waits (within a budget) for other processes to calm down. Before and
 during the runs the machine's load is recorded: ``foreign_cores`` is the CPU time used by
 processes other than the benchmark's, per second of wall time (from /proc/stat minus our
-children's rusage), the best sign of a busy machine.
+children's rusage), the best sign of a busy machine. Every run records the CPU seconds of each
+thread of each process (gloo's included).
 
 Besides steps/s the run measures what the simulator needs (per-stage forward/backward of a
 micro-batch in isolation and with both stages running at once, the optimizer step, the link's
 latency and bandwidth, and the same costs as the traced runs recorded them), predicts every
 schedule's step time with ``lightning_pipedream.schedule.simulate``, and compares it, and the
-bubble measured from the traced runs, with the measurements. Traces (Chrome/Perfetto JSON, one
-step of each schedule, both ranks) go to ``--trace-dir`` for ``benchmarks/timelines.py``.
+bubble measured from the traced runs, with the measurements. ``simulated_bound`` is each flushed
+schedule's bubble-limited bound: the simulator fed the bound's own costs, with free links. Traces
+(Chrome/Perfetto JSON, one step of each schedule, both ranks) go to a temporary folder, or to
+``--trace-dir`` for ``benchmarks/timelines.py``.
 """
 
 from __future__ import annotations
@@ -48,6 +57,7 @@ import json
 import os
 import platform
 import statistics
+import tempfile
 import time
 import warnings
 from dataclasses import asdict
@@ -59,10 +69,14 @@ import torch
 from benchmarks.workload import (
     BUSY_CORES,
     LR,
+    NEWER,
     OURS,
     TORCH,
+    TORCH_NEWER,
+    VIRTUAL,
     Config,
     LoadMeter,
+    bound_worker,
     idle_load,
     link_worker,
     ours_worker,
@@ -76,7 +90,19 @@ from lightning_pipedream.runtime.launch import run_local
 from lightning_pipedream.schedule.actions import Op
 from lightning_pipedream.schedule.builders import build_schedule
 from lightning_pipedream.schedule.simulate import simulate
-from lightning_pipedream.schedule.timeline import TimedAction, bubble_fraction, makespan, to_chrome_trace
+from lightning_pipedream.schedule.timeline import (
+    TimedAction,
+    bubble_fraction,
+    makespan,
+    plot_timeline,
+    to_chrome_trace,
+)
+
+ALL_OURS = OURS + NEWER
+ALL_TORCH = TORCH + TORCH_NEWER
+FLUSHED = ("gpipe", "1f1b", "zb-h1", "interleaved")
+BOUNDS = ("bound", "bound_batch")
+PER_MINIBATCH = ("ours_pipedream", "ours_pipedream_trace", "one_thread_per_minibatch", "bound")
 
 # ---------------------------------------------------------------------------------------------
 # The run
@@ -84,13 +110,18 @@ from lightning_pipedream.schedule.timeline import TimedAction, bubble_fraction, 
 
 def contenders(include_trace: bool = True) -> list[str]:
     names = []
-    for s in OURS:
+    for s in ALL_OURS:
         names.append(f"ours_{s}")
         if include_trace:
             names.append(f"ours_{s}_trace")
-    names += [f"torch_{s}" for s in TORCH]
-    names += ["one_thread", "one_thread_per_minibatch", "two_threads"]
+    names += [f"torch_{s}" for s in ALL_TORCH]
+    names += ["one_thread", "one_thread_per_minibatch", "two_threads", *BOUNDS]
     return names
+
+
+def bound_of(name: str) -> str:
+    """The bound doing the same updates as contender ``name``: one per minibatch, or one per batch."""
+    return "bound" if name in PER_MINIBATCH else "bound_batch"
 
 
 def run_contender(name: str, cfg: Config, warmup: int, steps: int, timeout: float, keep_trace: bool = False) -> dict:
@@ -102,6 +133,8 @@ def run_contender(name: str, cfg: Config, warmup: int, steps: int, timeout: floa
         )
     elif name.startswith("torch_"):
         results = run_local(torch_worker, cfg.stages, cfg, name.removeprefix("torch_"), warmup, steps, timeout=timeout)
+    elif name in BOUNDS:
+        results = run_local(bound_worker, cfg.stages, cfg, name == "bound", warmup, steps, timeout=timeout)
     else:
         threads = 2 if name == "two_threads" else 1
         results = run_local(
@@ -117,9 +150,14 @@ def run_contender(name: str, cfg: Config, warmup: int, steps: int, timeout: floa
         "loss": losses[-1] if losses else None,
         "cpu_s_per_step": sum(r["cpu_s"] for r in results) / steps,
         "page_faults_per_step": sum(r["faults"] for r in results) / steps,
+        # per rank, the CPU seconds of each of its threads per step (main, gloo's, ...)
+        "threads_cpu_s_per_step": [{k: round(v / steps, 5) for k, v in r["threads_cpu_s"].items()} for r in results],
     }
-    if "busy_s" in results[0]:
+    if "op_mean_s" in results[0]:
         run["op_mean_s"] = [r["op_mean_s"] for r in results]
+    if "breakdown_s" in results[0]:
+        run["breakdown_s_per_step"] = [{k: v / steps for k, v in r["breakdown_s"].items()} for r in results]
+    if "busy_s" in results[0]:
         busy = sum(r["busy_s"] for r in results)
         run["bubble_whole_step"] = 1 - busy / (len(results) * (t1 - t0))
         run["actions_per_step_per_rank"] = results[0]["actions"] / steps
@@ -268,7 +306,7 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("--malloc keep needs glibc")
     names = contenders(include_trace=not args.no_trace_contenders)
     if args.only:
-        wanted = set(args.only.split(",")) | {"one_thread"}
+        wanted = set(args.only.split(",")) | {"one_thread", *BOUNDS}
         unknown = wanted - set(contenders())
         if unknown:
             parser.error(f"unknown contenders {sorted(unknown)}; choose from {contenders()}")
@@ -284,7 +322,12 @@ def main(argv: list[str] | None = None) -> dict:
     sim, waited = _simulate(cfg, runs, repeats, args, waited, prof_before, link_before)
     results = _summarize(names, runs, cfg)
     _compare(results, runs, names, cfg, sim)
-    trace_overhead, bubbles = _trace_results(runs, results, kept_events, sim, cfg, steps, args.trace_dir)
+    _shares(results, runs, cfg, sim)
+    # the committed traces (benchmarks/results/traces) change only when asked to
+    trace_dir = args.trace_dir or tempfile.mkdtemp(prefix="bench_traces_")
+    trace_overhead, bubbles = _trace_results(runs, results, kept_events, sim, cfg, steps, trace_dir)
+    print(f"traces of one step per schedule: {trace_dir}", flush=True)
+    bubbles |= _newer_bubbles(kept_events, cfg, args.plots)
     doc = _document(cfg, args, rounds, steps, warmup, load0, runs, results, sim, bubbles, trace_overhead)
     doc["seconds"] = time.time() - started
     doc["seconds_waiting_for_quiet"] = waited
@@ -303,8 +346,11 @@ def _parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpar
     parser.add_argument("--steps", type=int, default=None, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument(
-        "--trace-dir", default="benchmarks/results/traces", help="where the traced runs' Chrome traces go ('' for none)"
+        "--trace-dir", default="",
+        help="where the traced runs' Chrome traces go, e.g. benchmarks/results/traces (default: a temporary folder)",
     )
+    parser.add_argument("--plots", type=Path, default=None,
+                        help="draw one traced step of zb-h1, interleaved and 2bw and the simulator's into this folder")
     parser.add_argument("--no-trace-contenders", action="store_true", help="skip the ours_*_trace contenders")
     parser.add_argument(
         "--malloc",
@@ -312,7 +358,8 @@ def _parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpar
         default="default",
         help="keep: glibc keeps freed memory for reuse (see keep_freed_memory), in every contender",
     )
-    parser.add_argument("--only", default="", help="comma-separated contenders to run (one_thread is always run)")
+    parser.add_argument("--only", default="",
+                        help="comma-separated contenders to run (one_thread, bound and bound_batch always run)")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=512)
@@ -395,7 +442,10 @@ def _simulate(
         costs = trace_costs(runs.get(f"ours_{s}_trace", []))
         if costs is not None:
             replay[s] = {**predict(cfg, costs, link)[s], "costs": costs}
+    bound = simulated_bound(cfg, bound_costs(runs["bound_batch"]) if runs.get("bound_batch") else None,
+                            bound_costs(runs["bound"]) if runs.get("bound") else None)
     sim = {
+        "bound": bound,
         "prof": prof,
         "prof_before": prof_before,
         "prof_after": prof_after,
@@ -439,7 +489,7 @@ def _compare(results: dict[str, Any], runs: dict[str, list[dict]], names: list[s
             results[name]["speedup_vs_one_thread"] = results[name]["steps_per_s"] / one
             continue
         schedule = name.removeprefix("ours_").removesuffix("_trace")
-        ref = f"torch_{schedule}" if schedule in TORCH else "torch_1f1b"
+        ref = f"torch_{schedule}" if schedule in ALL_TORCH else "torch_1f1b"
         r = results[name]
         if ref in results:
             r["ratio_vs_torch"] = r["steps_per_s"] / results[ref]["steps_per_s"]
@@ -460,7 +510,7 @@ def _compare(results: dict[str, Any], runs: dict[str, list[dict]], names: list[s
             r["speedup_vs_one_thread_same_updates"] = (
                 r["steps_per_s"] / results["one_thread_per_minibatch"]["steps_per_s"]
             )
-        if not name.endswith("_trace"):
+        if not name.endswith("_trace") and schedule in pred:
             # against the quiet runs where there are some: the simulator knows nothing of other processes
             measured_step = 1 / (r["steps_per_s_quiet"] or r["steps_per_s"])
             r["measured_step_s"] = measured_step
@@ -472,11 +522,58 @@ def _compare(results: dict[str, Any], runs: dict[str, list[dict]], names: list[s
             if schedule in replay:
                 r["simulated_step_s_trace_costs"] = replay[schedule]["step_time_s"]
                 r["measured_over_simulated_trace_costs"] = measured_step / replay[schedule]["step_time_s"]
-    for s in TORCH:
+    for s in ALL_TORCH:
         if f"torch_{s}" in results:
             results[f"torch_{s}"]["ideal_speedup_fraction"] = (
                 results[f"torch_{s}"]["speedup_vs_one_thread"] / cfg.stages
             )
+
+
+def _shares(results: dict[str, Any], runs: dict[str, list[dict]], cfg: Config, sim: dict) -> None:
+    """Every contender's share of the bound doing the same updates (median, and paired round by round), and a
+    flushed schedule's share of its bubble-limited bound (the simulator on the bound's costs, free links)."""
+    for name, r in results.items():
+        bound = bound_of(name)
+        r["bound"] = bound
+        r["share_of_bound"] = r["steps_per_s"] / results[bound]["steps_per_s"]
+        r["share_of_bound_paired_median"] = statistics.median(
+            a["steps_per_s"] / b["steps_per_s"] for a, b in zip(runs[name], runs[bound])
+        )
+        r["share_of_bound_quiet"] = _ratio(r["steps_per_s_quiet"], results[bound]["steps_per_s_quiet"])
+        schedule = name.removeprefix("ours_").removeprefix("torch_").removesuffix("_trace")
+        if name not in BOUNDS and schedule in sim["bound"]:
+            # measured steps/s over the simulated bound's: simulated step time / measured step time
+            r["share_of_simulated_bound"] = sim["bound"][schedule]["step_time_s"] * r["steps_per_s"]
+
+
+def bound_costs(runs: list[dict]) -> dict[str, list[float]]:
+    """Per stage, the median forward, backward and update seconds that the bound's runs measured."""
+    quiet = [r for r in runs if r["foreign_cores"] < BUSY_CORES] or runs
+    stages = range(len(quiet[0]["op_mean_s"]))
+    return {f"{key}_s": [statistics.median(r["op_mean_s"][s][op] for r in quiet) for s in stages]
+            for key, op in (("forward", "F"), ("backward", "B"), ("optimizer", "O"))}
+
+
+def simulated_bound(cfg: Config, flushed: dict[str, list[float]] | None, per_minibatch: dict[str, list[float]] | None
+                    ) -> dict[str, Any]:
+    """Each schedule's step on the bound's costs with free links: the bubble-limited bound (``interleaved``: each
+    chunk half a stage's cost; ``zb-h1``: the weight-gradient pass half the backward)."""
+    out: dict[str, Any] = {}
+    for name in FLUSHED + ("pipedream",):
+        costs = per_minibatch if name == "pipedream" else flushed
+        if costs is None:
+            continue
+        v = VIRTUAL if name == "interleaved" else 1
+        per_stage = {k: [costs[k][s % cfg.stages] / v for s in range(cfg.stages * v)] for k in costs}
+        if name == "pipedream":
+            sched = build_schedule("pipedream", cfg.stages, minibatches=4 * cfg.chunks)
+        else:
+            sched = build_schedule(name, cfg.stages, cfg.chunks, **({"virtual_stages": v} if v > 1 else {}))
+        r = simulate(sched, per_stage["forward_s"], per_stage["backward_s"], optimizer_s=max(costs["optimizer_s"]))
+        step = r.step_time * cfg.chunks if name == "pipedream" else r.step_time
+        out[name] = {"step_time_s": step, "bubble_fraction": None if name == "pipedream" else r.bubble_fraction,
+                     "costs": costs}
+    return out
 
 
 def _trace_results(
@@ -533,6 +630,98 @@ def _trace_results(
     return trace_overhead, bubbles
 
 
+def step_windows(events: list[TimedAction], schedule: str, cfg: Config) -> list[list[TimedAction]]:
+    """The events of each timed training step of a newer schedule (2bw: each minibatch's window of its
+    micro-batches), each from the step's first forward."""
+    ranks = sorted({e.rank for e in events})
+    if schedule == "2bw":
+        # Minibatch t's actions carry step t; the drain's come last. Full steps only.
+        steps = sorted({e.action.step for e in events})[:-1]
+        return [[e for e in events if e.action.step == t] for t in steps]
+    sched = build_schedule(schedule, cfg.stages, cfg.chunks, **_newer_options(schedule))
+    per_rank = {r: [e for e in events if e.rank == r] for r in ranks}
+    n = [len(sched.actions[r]) for r in ranks]
+    windows = []
+    for k in range(len(per_rank[ranks[0]]) // n[0]):
+        window = [e for r, count in zip(ranks, n) for e in per_rank[r][k * count : (k + 1) * count]]
+        windows.append(_clip_to_first_forward(window))
+    return windows
+
+
+def _newer_options(schedule: str) -> dict[str, Any]:
+    return {"virtual_stages": VIRTUAL} if schedule == "interleaved" else {}
+
+
+def measured_costs(events: list[TimedAction]) -> dict[str, list[float]]:
+    """Per rank, the median seconds of a forward, a backward (B), a weight-gradient half (W) and an update."""
+    ranks = sorted({e.rank for e in events})
+    out: dict[str, list[float]] = {}
+    for op in (Op.FORWARD, Op.BACKWARD, Op.BACKWARD_WEIGHT, Op.OPTIMIZER_STEP):
+        out[op.value] = []
+        for r in ranks:
+            values = [e.end - e.start for e in events if e.action.op is op and e.rank == r]
+            out[op.value].append(statistics.median(values) if values else 0.0)
+    return out
+
+
+def analytic_bubble(schedule: str, cfg: Config, costs: dict[str, list[float]]) -> float | None:
+    """Theory for equal stages: ``(p-1)/(m+p-1)`` for 1f1b; ``((p-1)/v) / (m + (p-1)/v)`` for interleaved;
+    ``(p-1)(F+B-W) / (m(F+B+W) + (p-1)(F+B-W))`` for zb-h1 with the ranks' mean F, B (the input-gradient
+    half) and W; none for 2bw (no flush)."""
+    p, m = cfg.stages, cfg.chunks
+    if schedule == "1f1b":
+        return (p - 1) / (m + p - 1)
+    if schedule == "interleaved":
+        return ((p - 1) / VIRTUAL) / (m + (p - 1) / VIRTUAL)
+    if schedule == "zb-h1":
+        f, b, w = (statistics.mean(costs[k]) for k in "FBW")
+        idle = (p - 1) * max(0.0, f + b - w)  # W longer than F + B fills the whole bubble
+        return idle / (m * (f + b + w) + idle)
+    return None
+
+
+def simulated_newer(schedule: str, cfg: Config, costs: dict[str, list[float]]) -> Any:
+    """The simulator's step for each rank's measured costs (free links: the measured waits are part of the bubble)."""
+    v = VIRTUAL if schedule == "interleaved" else 1
+    per_stage = lambda key: [costs[key][s % cfg.stages] for s in range(cfg.stages * v)]  # noqa: E731
+    backward = [b + w for b, w in zip(per_stage("B"), per_stage("W"))]
+    kwargs: dict[str, Any] = {"weight_s": per_stage("W")} if schedule == "zb-h1" else {}
+    if schedule == "2bw":
+        sched = build_schedule("2bw", cfg.stages, cfg.chunks, minibatches=6)
+    else:
+        sched = build_schedule(schedule, cfg.stages, cfg.chunks, **_newer_options(schedule))
+    return simulate(sched, per_stage("F"), backward, optimizer_s=max(costs["O"]), **kwargs)
+
+
+def _newer_bubbles(kept_events: dict[str, list[TimedAction]], cfg: Config, plots: Path | None) -> dict[str, Any]:
+    """The newer schedules' bubbles from their traces: measured per step, analytic, simulated on the traced
+    costs; with ``plots``, one measured step and the simulator's timeline of each as PNGs."""
+    out: dict[str, Any] = {}
+    for s in NEWER:
+        events = kept_events.get(f"ours_{s}_trace")
+        if not events:
+            continue
+        costs = measured_costs(events)
+        windows = step_windows(events, s, cfg)
+        sim = simulated_newer(s, cfg, costs)
+        out[s] = {
+            "measured_per_step": [round(bubble_fraction(w), 4) for w in windows],
+            "measured_median": statistics.median(bubble_fraction(w) for w in windows) if windows else None,
+            "analytic": analytic_bubble(s, cfg, costs),
+            "simulated": sim.bubble_fraction if s != "2bw" else None,
+            "measured_costs_s": costs,
+        }
+        if plots is not None and windows:
+            window = windows[len(windows) // 2]
+            origin = min(e.start for e in window)
+            chunks = f", {VIRTUAL} chunks each)" if s == "interleaved" else ")"
+            plot_timeline([TimedAction(e.rank, e.action, e.start - origin, e.end - origin) for e in window],
+                          plots / f"newer_real_{s}.png",
+                          title=f"{s}, measured step (2 processes x {cfg.chunks} micro-batches" + chunks)
+            plot_timeline(sim.events, plots / f"newer_sim2_{s}.png", title=f"{s}, simulated with the measured costs")
+    return out
+
+
 def _document(
     cfg: Config,
     args: argparse.Namespace,
@@ -582,6 +771,7 @@ def _document(
         "simulated": sim["pred"],
         "simulated_concurrent_costs": sim["pred_concurrent"],
         "simulated_trace_costs": sim["replay"],
+        "simulated_bound": sim["bound"],
         "bubble": bubbles,
         "trace_overhead": trace_overhead,
         "runs": runs,

@@ -1,5 +1,6 @@
 """The benchmarks' shared parts: the workload (model, data, optimizer, stage split), the workers that
-time it in processes started by ``run_local``, and the meter of what other processes use meanwhile.
+time it in processes started by ``run_local`` (ours, torch's, one process, and the machine's bound: every
+stage alone in its process, all at once, no communication), and the meter of what other processes use.
 
 ``benchmarks/schedules.py`` and ``benchmarks/memory.py`` import it as ``benchmarks.workload``.
 """
@@ -25,7 +26,10 @@ from lightning_pipedream.runtime.transport import Transport
 from lightning_pipedream.schedule.actions import Op
 
 OURS = ("gpipe", "1f1b", "pipedream")
+NEWER = ("zb-h1", "interleaved", "2bw")  # the newer schedules: ours, and torch's where it has one
 TORCH = ("gpipe", "1f1b")
+TORCH_NEWER = ("zb-h1", "interleaved")  # torch's ScheduleInterleavedZeroBubble and ScheduleInterleaved1F1B
+VIRTUAL = 2  # model chunks per process for interleaved
 LR = 1e-3
 
 
@@ -74,13 +78,16 @@ def stage_module(cfg: Config, rank: int) -> nn.Sequential:
 # timed steps.
 
 
-def _timed(step, warmup: int, steps: int, finish=None, barrier: bool = True, after_warmup=None) -> dict:
+def timed(step, warmup: int, steps: int, finish=None, barrier: bool = True, after_warmup=None) -> dict:
+    """Run ``step`` ``warmup`` times, then time ``steps`` calls (and ``finish``): the interval, the CPU
+    seconds of the whole process and of each of its threads, and the page faults."""
     for _ in range(warmup):
         step()
     if after_warmup is not None:
         after_warmup()
     if barrier:
         dist.barrier()
+    threads0 = threads_cpu()
     f0, c0, t0 = _faults(), _cpu_self(), time.perf_counter()
     loss = None
     for _ in range(steps):
@@ -88,7 +95,9 @@ def _timed(step, warmup: int, steps: int, finish=None, barrier: bool = True, aft
     if finish is not None:
         finish()
     t1 = time.perf_counter()
-    return {"t0": t0, "t1": t1, "cpu_s": _cpu_self() - c0, "faults": _faults() - f0, "loss": loss}
+    cpu, faults = _cpu_self() - c0, _faults() - f0
+    return {"t0": t0, "t1": t1, "cpu_s": cpu, "faults": faults, "loss": loss,
+            "threads_cpu_s": threads_cpu_since(threads0)}
 
 
 def _faults() -> int:
@@ -100,14 +109,58 @@ def _cpu_self() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def threads_cpu() -> dict[int, tuple[str, float]]:
+    """Every thread of this process: id -> (name, CPU seconds so far), from /proc (empty where there is none)."""
+    out: dict[int, tuple[str, float]] = {}
+    hz = os.sysconf("SC_CLK_TCK")
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:  # the thread ended meanwhile
+            continue
+        # "tid (name) state ..." - the name may hold spaces; utime and stime are fields 14 and 15
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
+        out[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / hz)
+    return out
+
+
+def threads_cpu_since(before: dict[int, tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds each thread used since ``before`` (a :func:`threads_cpu`), by name: ``main`` for the
+    main thread, the others by their name, numbered in order of creation where names repeat."""
+    now = threads_cpu()
+    main = os.getpid()
+    out: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for tid in sorted(now):
+        name, cpu = now[tid]
+        if tid == main:
+            label = "main"
+        else:
+            counts[name] = counts.get(name, 0) + 1
+            label = f"{name}#{counts[name]}"
+        out[label] = round(cpu - before.get(tid, (name, 0.0))[1], 4)
+    return out
+
+
+def _options(schedule: str) -> dict[str, Any]:
+    return {"virtual_stages": VIRTUAL} if schedule == "interleaved" else {}
+
+
 def ours_worker(
     rank: int, world: int, cfg: Config, schedule: str, trace: bool, warmup: int, steps: int, keep_trace_steps: int = 0
 ) -> dict:
+    """Our ``Pipeline``: a step is one batch (``pipedream``: its 8 minibatches, one ``step()`` each; the
+    asynchronous schedules drain at the end of the timed run)."""
     x, y = make_batch(cfg)
     chunks = 1 if schedule == "pipedream" else cfg.chunks
-    pipe = Pipeline(
-        build_model(cfg), loss_fn=nn.functional.mse_loss, optimizer=sgd, schedule=schedule, chunks=chunks, record=trace
-    )
+    pipe = Pipeline(build_model(cfg), loss_fn=nn.functional.mse_loss, optimizer=sgd, schedule=schedule,
+                    chunks=chunks, record=trace, **_options(schedule))
     if schedule == "pipedream":
         xs, ys = x.split(cfg.micro), y.split(cfg.micro)
 
@@ -116,42 +169,93 @@ def ours_worker(
             for xm, ym in zip(xs, ys):
                 loss = pipe.step(xm, ym)
             return loss
-
-        finish = pipe.drain
     else:
 
         def step():
             return pipe.step(x, y)
 
-        finish = None
+    finish = pipe.drain if schedule in ("pipedream", "2bw") else None
     executor = pipe.engine.executor
-    out = _timed(step, warmup, steps, finish, after_warmup=executor.records.clear)
+    stash = _time_stash_copies(pipe) if trace else None
+    out = timed(step, warmup, steps, finish, after_warmup=lambda: (executor.records.clear(), stash and stash.clear()))
     if trace:
-        out["busy_s"] = sum(
-            e - s for a, s, e in executor.records if a.op in (Op.FORWARD, Op.BACKWARD, Op.OPTIMIZER_STEP)
-        )
+        records = executor.records
+        out["busy_s"] = sum(e - s for a, s, e in records if a.op.is_compute or a.op is Op.OPTIMIZER_STEP)
         # mean seconds of this rank's forwards, backwards and optimizer steps, as the simulator takes them
         out["op_mean_s"] = {
-            op.value: statistics.mean([e - s for a, s, e in executor.records if a.op is op] or [0.0])
-            for op in (Op.FORWARD, Op.BACKWARD, Op.OPTIMIZER_STEP)
+            op.value: statistics.mean([e - s for a, s, e in records if a.op is op] or [0.0])
+            for op in (Op.FORWARD, Op.BACKWARD, Op.BACKWARD_WEIGHT, Op.OPTIMIZER_STEP)
         }
-        out["actions"] = len(executor.records)
+        out["actions"] = len(records)
+        out["breakdown_s"] = breakdown(records, out["t1"] - out["t0"], stash)
         if keep_trace_steps:
-            out["events"] = [(a, s, e) for a, s, e in executor.records]
+            out["events"] = [(a, s, e) for a, s, e in records]
     return out
 
 
+def _time_stash_copies(pipe: Pipeline) -> list[float] | None:
+    """Time every weight-stash copy (``WeightVersions.before_update``) of ``pipe``'s stage: its seconds go
+    into the returned list."""
+    weights = pipe.engine.weights
+    if weights is None:
+        return None
+    times: list[float] = []
+    inner = weights.before_update
+
+    def before_update() -> None:
+        t = time.perf_counter()
+        inner()
+        times.append(time.perf_counter() - t)
+
+    weights.before_update = before_update  # type: ignore[method-assign]
+    return times
+
+
+def breakdown(records: list, seconds: float, stash: list[float] | None = None) -> dict[str, float]:
+    """Where one rank's timed interval went, in seconds: compute (forward, backward, weight-gradient), the
+    optimizer step (the stash copy apart), sends (posting them), receives (waiting for the peer), and the
+    rest: Python between the actions, the steps' own bookkeeping."""
+    out = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0, "stash_copy": sum(stash or []), "send": 0.0,
+           "receive_wait": 0.0, "allreduce": 0.0}
+    key = {Op.FORWARD: "forward", Op.BACKWARD: "backward", Op.BACKWARD_WEIGHT: "backward",
+           Op.OPTIMIZER_STEP: "optimizer", Op.SEND_ACT: "send", Op.SEND_GRAD: "send", Op.RECV_ACT: "receive_wait",
+           Op.RECV_GRAD: "receive_wait", Op.ALLREDUCE_GRAD: "allreduce"}
+    for action, start, end in records:
+        out[key[action.op]] += end - start
+    out["optimizer"] -= out["stash_copy"]  # the copy runs inside the optimizer step's action
+    out["between_actions"] = seconds - sum(out.values())
+    return {k: round(v, 6) for k, v in out.items()}
+
+
 def torch_worker(rank: int, world: int, cfg: Config, schedule: str, warmup: int, steps: int) -> dict:
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    """torch.distributed.pipelining on the same split: ``PipelineStage`` + the schedule, then one SGD step.
+    ``zb-h1`` is torch's ``ScheduleInterleavedZeroBubble`` with one stage per process (torch's zero-bubble
+    schedule on our layout), ``interleaved`` its ``ScheduleInterleaved1F1B`` with our layout."""
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
+    )
 
     x, y = make_batch(cfg)
-    module = stage_module(cfg, rank)
-    stage = PipelineStage(module, rank, world, torch.device("cpu"))
-    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+    model = build_model(cfg)
+    v = VIRTUAL if schedule == "interleaved" else 1
+    balance = even_balance(len(model), world * v)
+    indices = [c * world + rank for c in range(v)]  # process r holds stages r, r + p, ... as ours
+    modules = [stage_slice(model, balance, i) for i in indices]
+    stages = [PipelineStage(m, i, world * v, torch.device("cpu")) for m, i in zip(modules, indices)]
     # loss_fn is mean-reduced; scale_grads (default True) divides by the micro-batch count, so
     # the gradient is that of the mean over the batch, as in our Pipeline and in one process.
-    sched = cls(stage, n_microbatches=cfg.chunks, loss_fn=nn.functional.mse_loss)
-    return _timed(torch_step(sched, sgd(module.parameters()), x, y, rank, world), warmup, steps)
+    if schedule in ("gpipe", "1f1b"):
+        cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+        sched = cls(stages[0], n_microbatches=cfg.chunks, loss_fn=nn.functional.mse_loss)
+    else:
+        cls = ScheduleInterleaved1F1B if schedule == "interleaved" else ScheduleInterleavedZeroBubble
+        sched = cls(stages, n_microbatches=cfg.chunks, loss_fn=nn.functional.mse_loss)
+    opt = sgd([p for m in modules for p in m.parameters()])
+    return timed(torch_step(sched, opt, x, y, rank, world), warmup, steps)
 
 
 def torch_step(sched: Any, opt: torch.optim.Optimizer, x: Tensor, y: Tensor, rank: int, world: int) -> Callable:
@@ -177,6 +281,8 @@ def torch_step(sched: Any, opt: torch.optim.Optimizer, x: Tensor, y: Tensor, ran
 def single_worker(
     rank: int, world: int, cfg: Config, threads: int, warmup: int, steps: int, update_per_minibatch: bool = False
 ) -> dict:
+    """One process, the whole model: the best plain loop (gradients kept between steps, not freed and faulted
+    in again)."""
     torch.set_num_threads(threads)
     x, y = make_batch(cfg)
     model = build_model(cfg)
@@ -190,7 +296,7 @@ def single_worker(
                 loss = nn.functional.mse_loss(model(xm), ym)
                 loss.backward()
                 opt.step()
-                opt.zero_grad(set_to_none=True)
+                opt.zero_grad(set_to_none=False)
                 total += loss.item()
             return total / len(xs)
     elif threads == 1:  # the pipeline's work, micro-batch after micro-batch, on one core
@@ -203,7 +309,7 @@ def single_worker(
                 loss.backward()
                 total += loss.item()
             opt.step()
-            opt.zero_grad(set_to_none=True)
+            opt.zero_grad(set_to_none=False)
             return total
     else:  # the whole batch with intra-op parallelism
 
@@ -211,10 +317,69 @@ def single_worker(
             loss = nn.functional.mse_loss(model(x), y)
             loss.backward()
             opt.step()
-            opt.zero_grad(set_to_none=True)
+            opt.zero_grad(set_to_none=False)
             return loss.item()
 
-    return _timed(step, warmup, steps, barrier=False)
+    return timed(step, warmup, steps, barrier=False)
+
+
+def bound_worker(
+    rank: int, world: int, cfg: Config, update_per_minibatch: bool, warmup: int, steps: int
+) -> dict:
+    """The machine's bound for a pipeline: this rank runs only its own stage, on stand-in inputs, with no
+    communication (a barrier before the timed steps only), while the other ranks run theirs.
+
+    A step is the stage's share of one batch: ``cfg.chunks`` forwards and backwards of a micro-batch, with an
+    SGD step after each (``update_per_minibatch``: PipeDream's work) or one after all (a flushed schedule's).
+    A stage after the first back-propagates into its input, as it would to send that gradient on; the last
+    computes the loss. Gradients are kept between updates (``zero_grad(set_to_none=False)``), the best plain
+    loop. Returns :func:`timed`'s figures and the mean seconds of a forward, a backward and an update.
+    """
+    x, y = make_batch(cfg)
+    module = stage_module(cfg, rank)
+    opt = sgd(module.parameters())
+    last = rank == world - 1
+    inp = x[: cfg.micro].clone().requires_grad_(rank > 0)
+    target = y[: cfg.micro]
+    grad_out = torch.ones(cfg.micro, cfg.width) / cfg.micro
+    scale = 1.0 if update_per_minibatch else 1.0 / cfg.chunks
+    spent = {"F": 0.0, "B": 0.0, "O": 0.0}
+    counts = {"F": 0, "B": 0, "O": 0}
+
+    def update() -> None:
+        t = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        spent["O"] += time.perf_counter() - t
+        counts["O"] += 1
+
+    def step() -> None:
+        for _ in range(cfg.chunks):
+            t0 = time.perf_counter()
+            out = module(inp)
+            if last:
+                out = nn.functional.mse_loss(out, target) * scale
+            t1 = time.perf_counter()
+            out.backward(None if last else grad_out)
+            inp.grad = None  # sent on and freed in a pipeline
+            t2 = time.perf_counter()
+            spent["F"] += t1 - t0
+            spent["B"] += t2 - t1
+            counts["F"] += 1
+            counts["B"] += 1
+            if update_per_minibatch:
+                update()
+        if not update_per_minibatch:
+            update()
+        return None
+
+    def reset() -> None:
+        for k in spent:
+            spent[k], counts[k] = 0.0, 0
+
+    out = timed(step, warmup, steps, after_warmup=reset)
+    out["op_mean_s"] = {k: spent[k] / max(1, counts[k]) for k in spent}
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

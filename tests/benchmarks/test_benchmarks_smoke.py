@@ -16,26 +16,43 @@ def _load(name: str):
     return importlib.import_module(f"benchmarks.{name}")  # the repository root is on pytest's pythonpath
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_schedules_memory_and_timelines_run(tmp_path):
+    """Every schedule (ours and torch's) against the machine's bound; then the timelines and the memory probe."""
     schedules = _load("schedules")
-    out, traces = tmp_path / "schedules.json", tmp_path / "traces"
-    doc = schedules.main(TINY + ["--rounds", "1", "--steps", "2", "--warmup", "0", "--quick",
-                                 "--max-wait", "0", "--wait-budget", "0",
-                                 "--json", str(out), "--trace-dir", str(traces)])
+    out, traces, plots = tmp_path / "schedules.json", tmp_path / "traces", tmp_path / "plots"
+    # 4 blocks: interleaved's 4 stages each hold a Linear
+    doc = schedules.main(["--layers", "4", *TINY[2:], "--rounds", "1", "--steps", "2", "--warmup", "0", "--quick",
+                          "--max-wait", "0", "--wait-budget", "0",
+                          "--json", str(out), "--trace-dir", str(traces), "--plots", str(plots)])
     saved = json.loads(out.read_text())
-    assert saved["contenders"].keys() == doc["contenders"].keys()
+    assert saved["contenders"].keys() == doc["contenders"].keys() == set(schedules.contenders())
     contenders = saved["contenders"]
-    for name in ("ours_gpipe", "ours_1f1b", "ours_pipedream", "torch_gpipe", "torch_1f1b", "one_thread", "two_threads"):
-        assert contenders[name]["steps_per_s"] > 0, name
+    for name, c in contenders.items():
+        assert c["steps_per_s"] > 0 and c["share_of_bound"] > 0, name
+        assert c["bound"] == ("bound" if name in schedules.PER_MINIBATCH else "bound_batch"), name
+        assert c["share_of_bound"] == pytest.approx(c["steps_per_s"] / contenders[c["bound"]]["steps_per_s"])
+        assert all(t["main"] >= 0 for t in saved["runs"][name][0]["threads_cpu_s_per_step"]), name
+    assert contenders["bound"]["share_of_bound"] == contenders["bound_batch"]["share_of_bound"] == 1
+    for s in ("gpipe", "1f1b", "zb-h1", "interleaved"):  # flushed: a share of the bubble-limited bound too
+        assert contenders[f"ours_{s}"]["share_of_simulated_bound"] > 0, s
+        assert contenders[f"ours_{s}"]["ratio_vs_torch_of"] == f"torch_{s}"
     for name in ("ours_gpipe", "ours_1f1b", "ours_pipedream"):
         assert contenders[name]["ratio_vs_torch"] > 0 and contenders[name]["speedup_vs_one_thread"] > 0
         assert contenders[name]["simulated_step_s"] > 0
+    # where the traced pipedream run's time went, per rank: the parts add up to the timed interval
+    breakdown = saved["runs"]["ours_pipedream_trace"][0]["breakdown_s_per_step"]
+    assert len(breakdown) == 2 and breakdown[0]["stash_copy"] > 0 and breakdown[1]["forward"] > 0
     # every contender trains the same model on the same data: the flushed schedules agree on the loss
-    losses = [contenders[n]["loss"] for n in ("ours_gpipe", "ours_1f1b", "torch_gpipe", "torch_1f1b", "one_thread")]
+    flushed = ["ours_gpipe", "ours_1f1b", "ours_zb-h1", "ours_interleaved", "torch_gpipe", "torch_1f1b",
+               "torch_zb-h1", "torch_interleaved", "one_thread"]
+    losses = [contenders[n]["loss"] for n in flushed]
     assert max(losses) == pytest.approx(min(losses), rel=1e-4)
     assert saved["bubble"]["gpipe"]["analytic"] == pytest.approx(1 / 5)
+    assert saved["bubble"]["interleaved"]["analytic"] == pytest.approx(0.5 / 4.5)
     assert {p.name for p in traces.iterdir()} == {"real_gpipe.json", "real_1f1b.json", "real_pipedream.json"}
+    assert {p.name for p in plots.iterdir()} == {f"newer_{k}_{s}.png" for k in ("real", "sim2")
+                                                 for s in ("zb-h1", "interleaved", "2bw")}
 
     timelines = _load("timelines")
     timelines.main(["--results", str(out), "--traces", str(traces), "--out", str(tmp_path / "img")])
