@@ -20,7 +20,15 @@ A step is one Lightning training batch; each run is timed from ``on_train_batch_
 warm-up step to that of the last step (the earliest rank's start to the latest rank's end), in
 seconds per step. The standalone engine (``benchmarks.workload.ours_worker``: ``Pipeline``
 without Lightning) does the same work in the same run, so the JSON holds the strategy/engine ratio per
-schedule. Contenders run in interleaved rounds (the order rotated each round), each run in fresh
+schedule. The machine's bound (``benchmarks.workload.bound_worker``: each process runs only its own
+stage's forwards, backwards and SGD steps on stand-in inputs, both at once, no communication, no
+Lightning) is ``bound_64`` (an update per minibatch) and ``bound_512`` (one per batch): every contender's
+``share_of_bound`` is the bound's seconds per step over its own, for the bound with the same updates.
+The one-device contenders keep their gradients between steps (``zero_grad(set_to_none=False)``). Each
+rank records the CPU seconds of each of its threads over the timed steps; ``pipedream`` runs with
+``trace=`` (the executor's records, ~0.2 µs per action), and each rank's timed steps are split into
+forward, backward, optimizer, send, receive wait and the rest (Lightning's loop and the strategy's own
+work). Contenders run in interleaved rounds (the order rotated each round), each run in fresh
 processes; the figures are medians over rounds. ``os.getloadavg()`` is recorded before and after every run.
 """
 
@@ -40,7 +48,8 @@ GROUP_64 = ("one_device_64", "ddp", "pipedream")
 GROUP_512 = ("one_device_512", "gpipe", "1f1b")
 LIGHTNING = GROUP_64 + GROUP_512
 ENGINE = ("engine_gpipe", "engine_1f1b", "engine_pipedream")
-CONTENDERS = LIGHTNING + ENGINE
+BOUNDS = ("bound_64", "bound_512")  # the machine's bound, an update per minibatch of 64 or per batch of 512
+CONTENDERS = LIGHTNING + ENGINE + BOUNDS
 
 
 # ---------------------------------------------------------------------------------------------
@@ -54,7 +63,7 @@ def _worker(spec: dict) -> None:
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
-    from benchmarks.workload import LR, Config, build_model
+    from benchmarks.workload import LR, Config, build_model, threads_cpu, threads_cpu_since
     from lightning_pipedream import PipeDreamStrategy
     from lightning_pipedream.runtime.allocator import keep_freed_memory
 
@@ -79,6 +88,9 @@ def _worker(spec: dict) -> None:
             self.log("train_loss", loss)
             return loss
 
+        def optimizer_zero_grad(self, epoch, batch_idx, optimizer):
+            optimizer.zero_grad(set_to_none=False)  # keep the gradients' memory: the best plain loop
+
         def configure_optimizers(self):
             opt = torch.optim.SGD(self.parameters(), lr=LR)
 
@@ -89,16 +101,22 @@ def _worker(spec: dict) -> None:
             return opt
 
     class Timer(L.Callback):
-        def __init__(self, warmup: int, profiler=None) -> None:
+        def __init__(self, warmup: int, steps: int, profiler=None) -> None:
             self.ends: list[float] = []
             self.samples = 0
-            self.warmup, self.profiler = warmup, profiler
+            self.warmup, self.steps, self.profiler = warmup, steps, profiler
+            self.threads0: dict = {}
+            self.threads: dict[str, float] = {}
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             self.ends.append(time.perf_counter())
             self.samples += batch[0].shape[0]
-            if self.profiler is not None and len(self.ends) == self.warmup:
-                self.profiler.enable()  # the timed steps only
+            if len(self.ends) == self.warmup:
+                self.threads0 = threads_cpu()
+                if self.profiler is not None:
+                    self.profiler.enable()  # the timed steps only
+            elif len(self.ends) == self.warmup + self.steps:
+                self.threads = threads_cpu_since(self.threads0)
 
     # Several contenders may share the processes (--quick): Lightning launches the second rank for the
     # first Trainer; later Trainers find LOCAL_RANK set and the process group initialized, and reuse both.
@@ -116,8 +134,9 @@ def _worker(spec: dict) -> None:
         elif name in ("pipedream", "gpipe", "1f1b"):
             chunks = 1 if name == "pipedream" else cfg.chunks
             half = cfg.layers  # the Sequential has 2 * layers modules (Linear, ReLU): [8, 8]
+            trace = str(out / "trace") if name == "pipedream" else None  # for the per-action breakdown
             devices, strategy = 2, PipeDreamStrategy(schedule=name, chunks=chunks, balance=[half, half],
-                                                        keep_freed_memory=keep)
+                                                        keep_freed_memory=keep, trace=trace)
         else:
             strategy = "auto"
         profiler = None
@@ -125,7 +144,7 @@ def _worker(spec: dict) -> None:
             import cProfile
 
             profiler = cProfile.Profile()
-        timer = Timer(spec["warmup"][name], profiler)
+        timer = Timer(spec["warmup"][name], spec["steps"][name], profiler)
         model = MLP()
         trainer = L.Trainer(
             accelerator="cpu",
@@ -153,8 +172,23 @@ def _worker(spec: dict) -> None:
             "updates": model.updates,
             "loss": float(loss) if loss is not None else None,
             "threads": torch.get_num_threads(),
+            "threads_cpu_s": timer.threads,
         }
+        trace_file = out / "trace" / f"trace_rank{trainer.global_rank}.json"
+        if trace_file.exists():
+            result["breakdown_s"] = _breakdown(trace_file, timer.ends[timer.warmup - 1], timer.ends[-1])
         (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+
+
+def _breakdown(trace_file: Path, t0: float, t1: float) -> dict[str, float]:
+    """Where a rank's timed interval went, from the strategy's trace: the executor's actions by kind, and the rest
+    (Lightning's loop, the strategy's bookkeeping, Python between the actions)."""
+    from benchmarks.workload import breakdown
+    from lightning_pipedream.schedule.timeline import from_chrome_trace
+
+    events = from_chrome_trace(json.loads(trace_file.read_text()))  # perf_counter seconds, as t0 and t1
+    records = [(e.action, max(e.start, t0), min(e.end, t1)) for e in events if e.end > t0 and e.start < t1]
+    return breakdown(records, t1 - t0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -196,6 +230,9 @@ def _collect(name: str, out: Path, warmup: int, steps: int) -> dict:
         "batches_per_rank": [r["batches"] for r in ranks],
         "loss": next((r["loss"] for r in reversed(ranks) if r["loss"] is not None), None),
         "threads": [r["threads"] for r in ranks],
+        "threads_cpu_s_per_step": [{k: round(v / steps, 5) for k, v in r["threads_cpu_s"].items()} for r in ranks],
+        **({"breakdown_s_per_step": [{k: round(v / steps, 6) for k, v in r["breakdown_s"].items()} for r in ranks]}
+           if "breakdown_s" in ranks[0] else {}),
     }
 
 
@@ -219,6 +256,31 @@ def run_engine(name: str, cfg, warmup: int, steps: int, timeout: float) -> dict:
         "timed_samples": steps * cfg.batch,
         "updates": (warmup + steps) * per_batch,
         "loss": losses[-1] if losses else None,
+        "threads_cpu_s_per_step": [{k: round(v / (steps * per_batch), 5) for k, v in r["threads_cpu_s"].items()}
+                                   for r in results],
+    }
+
+
+def run_bound(name: str, cfg, warmup: int, steps: int, timeout: float) -> dict:
+    """The machine's bound on the same work: each stage alone in its process, both at once, no communication."""
+    from benchmarks.workload import bound_worker
+    from lightning_pipedream.runtime.launch import run_local
+
+    per_minibatch = name == "bound_64"
+    results = run_local(bound_worker, cfg.stages, cfg, per_minibatch, warmup, steps, timeout=timeout)
+    t0, t1 = min(r["t0"] for r in results), max(r["t1"] for r in results)
+    per_batch = cfg.chunks if per_minibatch else 1
+    return {
+        "seconds": t1 - t0,
+        "seconds_per_step": (t1 - t0) / (steps * per_batch),  # a step of 64 (bound_64) or of 512 (bound_512)
+        "timed_steps": steps * per_batch,
+        "samples": (warmup + steps) * cfg.batch,
+        "timed_samples": steps * cfg.batch,
+        "updates": (warmup + steps) * per_batch,
+        "loss": None,
+        "op_mean_s": [r["op_mean_s"] for r in results],
+        "threads_cpu_s_per_step": [{k: round(v / (steps * per_batch), 5) for k, v in r["threads_cpu_s"].items()}
+                                   for r in results],
     }
 
 
@@ -243,6 +305,7 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
             "loss": rs[-1]["loss"],
             "loadavg_1m": [[r["loadavg_before"][0], r["loadavg_after"][0]] for r in rs],
         }
+        out[name] |= _per_rank_medians(rs)
     for name, rs in runs.items():
         c = out[name]
         c["samples_per_s"] = rs[0]["timed_samples"] / (c["seconds_per_step"] * rs[0]["timed_steps"])
@@ -257,7 +320,35 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
         engine = f"engine_{name}"
         if engine in out:
             c["strategy_over_engine"] = c["seconds_per_step"] / out[engine]["seconds_per_step"]
+    _shares(out, runs)
     return out
+
+
+def _per_rank_medians(rs: list[dict]) -> dict:
+    """Per rank, the median over the runs of each thread's CPU seconds and of each part of the breakdown."""
+    out = {}
+    for key in ("threads_cpu_s_per_step", "breakdown_s_per_step"):
+        if key in rs[0]:
+            out[key] = [{k: statistics.median(r[key][rank].get(k, 0.0) for r in rs) for k in rs[0][key][rank]}
+                        for rank in range(len(rs[0][key]))]
+    return out
+
+
+def bound_of(name: str) -> str:
+    """The bound doing the same updates as contender ``name``."""
+    return "bound_64" if name in GROUP_64 or name in ("engine_pipedream", "bound_64") else "bound_512"
+
+
+def _shares(out: dict[str, dict], runs: dict[str, list[dict]]) -> None:
+    """Every contender's share of the bound with the same updates: the median's, and round by round."""
+    for name, c in out.items():
+        bound = bound_of(name)
+        if bound not in out:
+            continue
+        c["bound"] = bound
+        c["share_of_bound"] = out[bound]["seconds_per_step"] / c["seconds_per_step"]
+        c["share_of_bound_per_round"] = [b["seconds_per_step"] / a["seconds_per_step"]
+                                         for a, b in zip(runs[name], runs[bound])]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -331,7 +422,12 @@ def main(argv: list[str] | None = None) -> dict:
                        for ns in sets if ns]
             done = {n: r for f in futures for n, r in f.result().items()}
         for n in names:
-            run = done[n] if n in done else run_engine(n, cfg, warmup, steps, args.timeout)
+            if n in done:
+                run = done[n]
+            elif n in BOUNDS:
+                run = run_bound(n, cfg, warmup, steps, args.timeout)
+            else:
+                run = run_engine(n, cfg, warmup, steps, args.timeout)
             run["loadavg_before"], run["loadavg_after"] = before, os.getloadavg()
             runs[n].append(run)
         rounds = 0
@@ -341,6 +437,8 @@ def main(argv: list[str] | None = None) -> dict:
             before = os.getloadavg()
             if name in ENGINE:
                 run = run_engine(name, cfg, warmup, steps, args.timeout)
+            elif name in BOUNDS:
+                run = run_bound(name, cfg, warmup, steps, args.timeout)
             else:
                 run = run_lightning(name, cfg_dict, units, args.timeout, args.malloc)
             run["loadavg_before"], run["loadavg_after"] = before, os.getloadavg()
@@ -348,7 +446,11 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"round {rnd + 1}/{rounds} {name:18s} {run['seconds_per_step']:.4f} s/step "
                   f"({run['timed_steps']} steps, {run['updates']} updates, {run['samples']} samples; "
                   f"load {before[0]:.2f} -> {run['loadavg_after'][0]:.2f})", flush=True)
-    contenders = summarize(runs) if set(names) >= set(LIGHTNING) else summarize_partial(runs)
+    if set(names) >= set(LIGHTNING):
+        contenders = summarize(runs)
+    else:
+        contenders = summarize_partial(runs)
+        _shares(contenders, runs)
     loads = [x for rs in runs.values() for r in rs for x in (r["loadavg_before"][0], r["loadavg_after"][0])]
     doc = {
         "config": {**cfg_dict, "micro": cfg.micro, "stages": cfg.stages, "threads_per_process": 1,
@@ -400,7 +502,7 @@ def plot(doc: dict, path: Path) -> None:
 def summarize_partial(runs: dict[str, list[dict]]) -> dict:
     return {n: {"seconds_per_step": _median([r["seconds_per_step"] for r in rs]),
                 "runs": [r["seconds_per_step"] for r in rs], "samples": rs[0]["samples"],
-                "updates": rs[0]["updates"]} for n, rs in runs.items()}
+                "updates": rs[0]["updates"], **_per_rank_medians(rs)} for n, rs in runs.items()}
 
 
 def _fmt(v: float | None, spec: str = ".3f") -> str:
@@ -409,17 +511,24 @@ def _fmt(v: float | None, spec: str = ".3f") -> str:
 
 def _print_table(doc: dict) -> None:
     c = doc["contenders"]
-    print("| contender | s/step (median) | min - max | samples/s | vs one device, same updates | vs DDP | "
-          "strategy / engine |")
-    print("|---|---|---|---|---|---|---|")
+    print("| contender | s/step (median) | min - max | samples/s | share of bound | vs one device, same updates | "
+          "vs DDP | strategy / engine |")
+    print("|---|---|---|---|---|---|---|---|")
     for name in CONTENDERS:
         if name not in c:
             continue
         r = c[name]
         print(f"| {name} | {_fmt(r['seconds_per_step'], '.4f')} | {_fmt(r.get('min'), '.4f')} - "
               f"{_fmt(r.get('max'), '.4f')} | {_fmt(r.get('samples_per_s'), '.0f')} | "
-              f"{_fmt(r.get('speedup_vs_one_device'), '.2f')} | {_fmt(r.get('speedup_vs_ddp'), '.2f')} | "
+              f"{_fmt(r.get('share_of_bound'), '.2f')} | {_fmt(r.get('speedup_vs_one_device'), '.2f')} | "
+              f"{_fmt(r.get('speedup_vs_ddp'), '.2f')} | "
               f"{_fmt(r.get('strategy_over_engine'), '.2f')} |")
+    for name in ("pipedream", "engine_pipedream", "bound_64"):
+        for rank, parts in enumerate(c.get(name, {}).get("breakdown_s_per_step", [])):
+            print(f"{name} rank {rank}, ms per step: " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in parts.items()))
+        for rank, threads in enumerate(c.get(name, {}).get("threads_cpu_s_per_step", [])):
+            print(f"{name} rank {rank}, CPU ms per step by thread: "
+                  + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in threads.items() if v))
     m = doc["machine"]["loadavg_1m_during"]
     print(f"load average (1 min) during the runs: median {m['median']:.2f}, {m['min']:.2f} - {m['max']:.2f}")
 

@@ -86,10 +86,19 @@ def test_lightning_quick_runs(tmp_path):
     assert len({c["samples"] for c in contenders.values()}) == 1  # the same samples for all
     cfg = saved["config"]
     batches = cfg["warmup_batches_of_512"] + cfg["timed_batches_of_512"]
-    for name in ("one_device_64", "ddp", "pipedream", "engine_pipedream"):  # one update per minibatch
+    for name in ("one_device_64", "ddp", "pipedream", "engine_pipedream", "bound_64"):  # one update per minibatch
         assert contenders[name]["updates"] == batches * cfg["chunks"], name
-    for name in ("one_device_512", "gpipe", "1f1b", "engine_gpipe", "engine_1f1b"):  # one update per batch
+        assert contenders[name]["bound"] == "bound_64", name
+    for name in ("one_device_512", "gpipe", "1f1b", "engine_gpipe", "engine_1f1b", "bound_512"):  # one per batch
         assert contenders[name]["updates"] == batches, name
+        assert contenders[name]["bound"] == "bound_512", name
+    for name, c in contenders.items():  # the share of the machine's bound doing the same updates
+        bound = contenders[c["bound"]]
+        assert c["share_of_bound"] == pytest.approx(bound["seconds_per_step"] / c["seconds_per_step"]), name
+        assert all("main" in threads for threads in c["threads_cpu_s_per_step"]), name
+    # the traced pipedream run's time per rank: the executor's actions and the rest (Lightning, the strategy)
+    for parts in contenders["pipedream"]["breakdown_s_per_step"]:
+        assert parts["forward"] > 0 and parts["backward"] > 0 and parts["between_actions"] > 0
     for name in lightning.LIGHTNING:
         assert contenders[name]["speedup_vs_one_device"] > 0 and contenders[name]["speedup_vs_ddp"] > 0
     for name in ("gpipe", "1f1b", "pipedream"):
