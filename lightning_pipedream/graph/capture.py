@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import logging
 import operator
 import os
+import time
 import traceback
 import warnings
-from collections.abc import Iterator
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +20,9 @@ import torch
 from torch import nn
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx import Node
+from torch.utils import _pytree as pytree
+
+log = logging.getLogger("lightning_pipedream.graph")
 
 ROOT = "(forward)"  # the layer name of nodes that run in the model's own forward, outside any child module
 
@@ -58,6 +66,12 @@ class CapturedGraph:
     persistent: set[str]  # buffers that belong in the state dict
     constants: dict[str, torch.Tensor]
     method: str  # "export" or "draft_export"
+    # Rebuilds the call's own output type (a dataclass, an HF ModelOutput) from the traced plain tree; None when the
+    # output was a plain tensor tree already.
+    rebuild_output: Callable[[Any], Any] | None = None
+    capture_s: float = 0.0  # wall time of the trace (0.0 when it came from the cache)
+    cached: bool = False  # whether this capture came from the in-process cache
+    key: tuple | None = None  # the module structure and call it was captured for (see structure_key)
 
     @property
     def graph(self) -> torch.fx.Graph:
@@ -95,7 +109,7 @@ def call_signature(args: tuple, kwargs: dict[str, Any] | None = None) -> tuple:
 
 
 def capture(module: nn.Module, args: tuple = (), kwargs: dict[str, Any] | None = None,
-            through: str | None = None) -> CapturedGraph:
+            through: str | None = None, *, cache: bool = True) -> CapturedGraph:
     """Trace ``module(*args, **kwargs)`` into a functional graph, in the module's current train/eval mode.
 
     ``through``: trace the call of that submodule instead of ``module.forward`` (whose own code may not
@@ -105,10 +119,27 @@ def capture(module: nn.Module, args: tuple = (), kwargs: dict[str, Any] | None =
     (nn.Transformer's test whether a mask is causal), torch.export.draft_export, which keeps the
     example's branch and asserts it at run time. The graph is specialised to the example's shapes:
     capture once per input signature (see :func:`call_signature`) and per mode.
+
+    An output that torch's pytree does not know (a dataclass, an object holding a cache such as Hugging Face's
+    ``DynamicCache``) is traced as a plain tree: its tensors travel, and ``rebuild_output`` makes the call's own
+    type again on the last stage; a value that is neither a tensor, a constant nor a container (a cache object)
+    cannot cross processes and is dropped (None) with a warning that names it.
+
+    ``cache``: a module of the same structure (classes and their forward code, parameter and buffer names,
+    shapes and dtypes, modes, plain attributes) captured for the same call signature before, in this process,
+    is not traced again (see :func:`structure_key`); the graph reads the module's own weights when it runs.
     """
     args, kwargs = tuple(args), dict(kwargs or {})
+    key = structure_key(module, args, kwargs, through) if cache else None
+    hit = _CACHE.get(key) if key is not None else None
+    if hit is not None:
+        _CACHE.move_to_end(key)
+        return dataclasses.replace(hit, constants=_refreshed_constants(module, hit.constants), capture_s=0.0,
+                                   cached=True)
+    started = time.perf_counter()
     method = "export"
-    with warnings.catch_warnings(), _forward_through(module, through):
+    plain = _PlainOutput(type(module).__name__)
+    with warnings.catch_warnings(), _forward_for_export(module, through, plain):
         warnings.simplefilter("ignore")  # export's advice on LSTM flat weights and the like is not the user's concern
         try:
             program = torch.export.export(module, args, kwargs, strict=False)
@@ -120,26 +151,178 @@ def capture(module: nn.Module, args: tuple = (), kwargs: dict[str, Any] | None =
             try:
                 program = torch.export.draft_export(module, args, kwargs, strict=False)
             except Exception as err2:  # noqa: BLE001
-                raise GraphCaptureError(_capture_message(module, err2, _user_frame(err2))) from err2
+                where = _user_frame(err2) or _forward_line(module, through)
+                raise GraphCaptureError(_capture_message(module, err2, where)) from err2
             method = "draft_export"
             _check_draft_report(module, program)
         # Out-of-place ops only: a value that crosses stages must not be changed in place on either side.
         program = program.run_decompositions({})
-    return _describe(module, program, args, kwargs, method)
+    plain.warn_dropped()
+    captured = _describe(module, program, args, kwargs, method)
+    # The stages read the module's own weights; the program's references to them would keep this module's weights
+    # alive as long as the capture is cached.
+    program._state_dict = {k: torch.empty_like(v, device="meta") for k, v in program.state_dict.items()}
+    captured.rebuild_output = plain.rebuild
+    captured.capture_s = time.perf_counter() - started
+    captured.key = key
+    if key is not None:
+        _CACHE[key] = captured
+        while len(_CACHE) > CACHE_SIZE:
+            _CACHE.popitem(last=False)
+    return captured
+
+
+CACHE_SIZE = 16  # captures kept per process (each holds a graph and its shape metadata, not the weights)
+_CACHE: OrderedDict[tuple, CapturedGraph] = OrderedDict()
+
+
+def clear_capture_cache() -> None:
+    """Forget every capture kept in this process (the next :func:`capture` traces again)."""
+    _CACHE.clear()
+
+
+_PLAIN_ATTRIBUTE = (bool, int, float, str, type(None))
+
+
+def structure_key(module: nn.Module, args: tuple, kwargs: dict[str, Any] | None, through: str | None) -> tuple:
+    """What a capture depends on besides the weights' values: each submodule's class (its forward code), mode,
+    plain attributes (flags, rates) and its parameters' and buffers' names, shapes, dtypes and sharing, and the
+    call's signature. Two modules with equal keys trace to the same graph."""
+    parts: list[Any] = [through, call_signature(args, kwargs)]
+    for name, sub in module.named_modules(remove_duplicate=False):
+        attributes = tuple(sorted((k, v) for k, v in vars(sub).items()
+                                  if isinstance(v, _PLAIN_ATTRIBUTE) and not k.startswith("__")))
+        parts.append((name, type(sub), type(sub).forward, sub.training, attributes))
+    seen: dict[int, str] = {}
+    for named in (module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False)):
+        for name, t in named:
+            parts.append((name, tuple(t.shape), str(t.dtype), t.device.type, t.requires_grad,
+                          seen.setdefault(id(t), name)))
+    return tuple(parts)
+
+
+def _refreshed_constants(module: nn.Module, constants: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A cached capture's tensor constants, taken from ``module`` where they are its attributes (a plain tensor
+    attribute, such as a fixed mask, may hold other values in another instance of the same structure)."""
+    fresh = {}
+    for name, value in constants.items():
+        try:
+            current: Any = module
+            for part in name.split("."):
+                current = getattr(current, part)
+        except AttributeError:  # a tensor the forward made (lifted by export): the code, not the instance, fixes it
+            current = None
+        fresh[name] = current if isinstance(current, torch.Tensor) and current.shape == value.shape else value
+    return fresh
 
 
 @contextmanager
-def _forward_through(module: nn.Module, name: str | None) -> Iterator[None]:
-    """While tracing, ``module``'s forward only calls its submodule ``name`` (an instance attribute shadows it)."""
-    if name is None:
-        yield
-        return
-    submodule = module.get_submodule(name)
-    module.forward = lambda *args, **kwargs: submodule(*args, **kwargs)
+def _forward_for_export(module: nn.Module, through: str | None, plain: _PlainOutput) -> Iterator[None]:
+    """While tracing, ``module``'s forward (or only its submodule ``through``'s call) returns a plain tree
+    (an instance attribute shadows the method; it keeps the method's signature for export's argument binding)."""
+    inner: Callable[..., Any] = module.forward if through is None else module.get_submodule(through)
+    signature_of = module.forward
+
+    @functools.wraps(signature_of)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return plain(inner(*args, **kwargs))
+
+    module.forward = forward
     try:
         yield
     finally:
         del module.forward
+
+
+class _PlainOutput:
+    """Turns a call's output into a tree torch.export knows (tensors, constants, tuples, lists, dicts, registered
+    nodes), remembering how to make the original types again; objects that are none of those are dropped."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.rebuild: Callable[[Any], Any] | None = None
+        self.dropped: list[tuple[str, str]] = []  # (where in the output, type name)
+
+    def __call__(self, output: Any) -> Any:
+        self.dropped.clear()
+        if all(isinstance(leaf, torch.Tensor) or _is_constant(leaf) for leaf in pytree.tree_leaves(output)):
+            self.rebuild = None  # torch's pytree knows every part of it
+            return output
+        value, self.rebuild = self._plain(output, "output")
+        return value
+
+    def _plain(self, value: Any, where: str) -> tuple[Any, Callable[[Any], Any]]:
+        if isinstance(value, torch.Tensor) or _is_constant(value):
+            return value, _same
+        if dataclasses.is_dataclass(value) and not isinstance(value, type) and not _registered(value):
+            fields = [f for f in dataclasses.fields(value)]
+            children = {f.name: self._plain(getattr(value, f.name), f"{where}.{f.name}") for f in fields}
+            cls, init = type(value), {f.name for f in fields if f.init}
+
+            def rebuild_dataclass(plain: dict[str, Any]) -> Any:
+                values = {name: rebuild(plain[name]) for name, (_, rebuild) in children.items()}
+                obj = cls(**{k: v for k, v in values.items() if k in init})
+                for k, v in values.items():
+                    if k not in init:
+                        object.__setattr__(obj, k, v)
+                return obj
+
+            return {name: plain for name, (plain, _) in children.items()}, rebuild_dataclass
+        if _registered(value):
+            node = pytree.SUPPORTED_NODES[pytree._get_node_type(value)]
+            items, context = node.flatten_fn(value)
+            keys = _child_names(value, len(items))
+            children = [self._plain(item, f"{where}{key}") for item, key in zip(items, keys)]
+            return (tuple(plain for plain, _ in children),
+                    lambda plain: node.unflatten_fn([rb(p) for (_, rb), p in zip(children, plain)], context))
+        self.dropped.append((where, type(value).__name__))
+        return None, _same
+
+    def warn_dropped(self) -> None:
+        for where, kind in self.dropped:
+            warnings.warn(
+                f"{self.model}'s output holds a {kind} at `{where}`, which is not a tensor and cannot travel between "
+                "pipeline stages: PipeDreamStrategy drops it (it is None in the output your step gets). A cache of "
+                "past keys and values is of no use in training: pass use_cache=False to the model (Hugging Face "
+                "models), or return only tensors, to silence this.",
+                stacklevel=3,
+            )
+        self.dropped.clear()
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+def _is_constant(value: Any) -> bool:
+    return value is None or isinstance(value, (bool, int, float, complex, str, torch.dtype, torch.device))
+
+
+def _registered(value: Any) -> bool:
+    """Whether torch's pytree flattens ``value`` (tuples, lists, dicts, namedtuples, registered classes)."""
+    return not pytree._is_leaf(value) and pytree._get_node_type(value) in pytree.SUPPORTED_NODES
+
+
+def _child_names(value: Any, count: int) -> list[str]:
+    """How the output's children are shown in a warning: `.field`, `['key']` or `[i]`."""
+    if isinstance(value, dict):
+        return [f"[{k!r}]" for k in value][:count] + [f"[{i}]" for i in range(len(value), count)]
+    if hasattr(value, "_fields"):
+        return [f".{f}" for f in value._fields][:count]
+    return [f"[{i}]" for i in range(count)]
+
+
+def _forward_line(module: nn.Module, through: str | None) -> str | None:
+    """Where the traced forward is defined, 'file:line in Class.forward', to name the user's code in an error."""
+    target = module.get_submodule(through) if through else module
+    try:
+        import inspect
+
+        function = inspect.unwrap(type(target).forward)
+        return f"{inspect.getsourcefile(function)}:{inspect.getsourcelines(function)[1]} in " \
+               f"{type(target).__name__}.forward"
+    except (TypeError, OSError):
+        return None
 
 
 def _failing_frame(err: BaseException) -> traceback.FrameSummary | None:
@@ -157,7 +340,7 @@ def _failing_frame(err: BaseException) -> traceback.FrameSummary | None:
 
 
 def _is_model_code(filename: str) -> bool:
-    if "lightning_pipedream" in filename:
+    if "lightning_pipedream" in filename or filename.startswith("<"):  # <string>: code a dataclass or exec made
         return False
     return not filename.startswith(_TORCH_DIR) or filename.startswith(_TORCH_NN_DIR)
 

@@ -43,6 +43,7 @@ class StageProgram:
     constants: dict[str, Tensor] = field(default_factory=dict)
     layers: list[str] = field(default_factory=list)
     input_vals: list[Any] = field(default_factory=list)  # the capture's fake inputs: shapes and strides
+    rebuild_output: Any = None  # last stage: makes the call's own output type (a dataclass) from the plain tree
 
     @property
     def is_first(self) -> bool:
@@ -201,6 +202,7 @@ def split_graph(captured: CapturedGraph, split_points: Sequence[str]) -> GraphSp
             constant_outputs={i: v for i, v in enumerate(outputs) if not isinstance(v, Node)} if is_last else {},
             constants=constants, layers=captured.layer_names[first_layer:end_layer],
             input_vals=[n.meta.get("val") for n in inputs],
+            rebuild_output=captured.rebuild_output if is_last else None,
         ))
     return GraphSplit(list(split_points), starts, programs, owners, captured)
 
@@ -338,7 +340,8 @@ class GraphStage(nn.Module):
                 get_path(self, name).data.copy_(value)
         outputs = list(results[count:])
         if program.is_last:
-            return pytree.tree_unflatten(outputs, program.out_spec)
+            tree = pytree.tree_unflatten(outputs, program.out_spec)
+            return tree if program.rebuild_output is None else program.rebuild_output(tree)
         return dict(zip(program.output_names, outputs))
 
 

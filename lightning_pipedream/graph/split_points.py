@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -23,7 +24,8 @@ def _nbytes(value: Any) -> int:
     return sum(t.numel() * t.element_size() for t in pytree.tree_leaves(value) if isinstance(t, Tensor))
 
 
-def _median(fn: Callable[[], Any], warmup: int, repeats: int) -> float:
+def _fastest(fn: Callable[[], Any], warmup: int, repeats: int) -> float:
+    """The fastest of ``repeats`` timed calls: the least disturbed by other processes, so the steadiest figure."""
     for _ in range(warmup):
         fn()
     samples = []
@@ -31,11 +33,11 @@ def _median(fn: Callable[[], Any], warmup: int, repeats: int) -> float:
         start = time.perf_counter()
         fn()
         samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+    return min(samples)
 
 
 def profile_graph(captured: CapturedGraph, module: nn.Module, args: tuple = (), kwargs: dict[str, Any] | None = None,
-                  *, warmup: int = 1, repeats: int = 3) -> Profile:
+                  *, warmup: int = 1, repeats: int = 5) -> Profile:
     """Time each layer of ``captured`` on the example call (forward, and backward of its outputs to its inputs
     and parameters), with the bytes of the values it hands to later layers and of the parameters it reads.
 
@@ -74,7 +76,7 @@ def profile_graph(captured: CapturedGraph, module: nn.Module, args: tuple = (), 
             used_state = [p for p in captured.state if any(u in members for u in p.users)]
             state_args = [state[p] for p in used_state]
             in_args = [_fresh(*env[a]) for a in inputs]
-            forward_s = _median(lambda: program(*state_args, *in_args), warmup, repeats)
+            forward_s = _fastest(lambda: program(*state_args, *in_args), warmup, repeats)
             values = program(*state_args, *in_args)
             backward_s = _backward_time(program, state_args, in_args, warmup, repeats)
             for node, value in zip(produced, values):
@@ -111,7 +113,7 @@ def _backward_time(program: Callable, state_args: list, in_args: list, warmup: i
         torch.autograd.grad(outs, wrt, grad_outputs=grads, allow_unused=True)
         if attempt >= warmup:
             samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+    return min(samples)
 
 
 def plan_split_points(plan: Plan) -> list[str]:
@@ -125,14 +127,125 @@ def plan_split_points(plan: Plan) -> list[str]:
 
 def choose_split_points(captured: CapturedGraph, module: nn.Module, args: tuple, kwargs: dict[str, Any] | None,
                         num_stages: int, *, bandwidth: float = 10e9, method: str = "pipedream",
-                        profile: Profile | None = None) -> tuple[list[str], Plan]:
+                        profile: Profile | None = None, tolerance: float = 0.1) -> tuple[list[str], Plan]:
     """Profile the graph (unless ``profile`` is given) and partition it into ``num_stages`` straight stages with
-    the existing partitioner; returns the split points (layer names) and the plan."""
-    profile = profile if profile is not None else profile_graph(captured, module, args, kwargs)
+    the existing partitioner; returns the split points (layer names) and the plan.
+
+    The same model and settings get the same split points: a capture of the same module structure reuses its
+    profile in this process, and the measured times are made steady before partitioning (layers that run the
+    same ops on the same shapes, such as a model's repeated blocks, share their median time; every time is
+    rounded to 1/256 of the total). Cuts go between the model's largest modules that still give a plan within
+    ``tolerance`` of the best one (between blocks, not inside one), so timing noise does not move them.
+    """
+    if profile is None:
+        cache_key = (captured.key, id(type(module))) if captured.key is not None else None
+        profile = _PROFILES.get(cache_key) if cache_key is not None else None
+        if profile is None:
+            profile = profile_graph(captured, module, args, kwargs)
+            if cache_key is not None:
+                _PROFILES[cache_key] = profile
+                while len(_PROFILES) > 16:
+                    _PROFILES.pop(next(iter(_PROFILES)))
     if num_stages > len(profile.layers):
         raise ValueError(f"The captured graph has {len(profile.layers)} layers, fewer than the {num_stages} stages "
                          "asked for; use fewer processes.")
     topology = Topology.flat(num_stages, bandwidth)
-    plan = (partition(profile, topology, method, straight=True) if method == "pipedream"
-            else partition(profile, topology, method))
-    return plan_split_points(plan), plan
+
+    def plan_of(steady: Profile) -> Plan:
+        return (partition(steady, topology, method, straight=True) if method == "pipedream"
+                else partition(steady, topology, method))
+
+    steady = steady_profile(profile, captured)
+    best = plan_of(steady)
+    for depth in range(1, _max_depth(module, captured) + 1):
+        allowed = _unit_starts(module, captured, depth)
+        if len(allowed) < num_stages - 1:
+            continue
+        barred = sorted(set(steady.no_cut_after) | {i for i in range(len(steady.layers) - 1) if i + 1 not in allowed})
+        coarse = plan_of(dataclasses.replace(steady, no_cut_after=barred))
+        if coarse.time_per_minibatch <= best.time_per_minibatch * (1 + tolerance):
+            return _module_names(module, captured, plan_split_points(coarse)), coarse
+    return _module_names(module, captured, plan_split_points(best)), best
+
+
+def _module_names(module: nn.Module, captured: CapturedGraph, points: list[str]) -> list[str]:
+    """Each split point as the outermost module that begins there ("blocks.2" rather than "blocks.2.ln1"), which
+    names the same cut (see resolve_split_points), else as the layer name."""
+    index_of = {layer.name: i for i, layer in enumerate(captured.layers)}
+    named = []
+    for point in points:
+        index = index_of[point]
+        path = captured.layers[index].module
+        parts = path.split(".") if path and "#" not in point else []
+        name = point
+        for k in range(1, len(parts) + 1):
+            prefix = ".".join(parts[:k])
+            if isinstance(module.get_submodule(prefix), _CONTAINERS):
+                continue
+            first = next(i for i, layer in enumerate(captured.layers)
+                         if layer.module == prefix or layer.module.startswith(prefix + "."))
+            if first == index:
+                name = prefix
+                break
+        named.append(name)
+    return named
+
+
+_PROFILES: dict[Any, Profile] = {}  # per capture structure: a second fit of the same model profiles nothing
+
+
+def steady_profile(profile: Profile, captured: CapturedGraph, steps: int = 256) -> Profile:
+    """``profile`` with times that noise moves less: layers running the same ops on the same shapes take their
+    median time, and every time is rounded to ``1/steps`` of the total compute."""
+    if len(profile.layers) != len(captured.layers):
+        return profile  # not this capture's profile (given by the caller): leave it as it is
+    groups: dict[tuple, list[int]] = {}
+    for index, layer in enumerate(captured.layers):
+        groups.setdefault(_layer_signature(layer.nodes), []).append(index)
+    forward = [layer.forward_s for layer in profile.layers]
+    backward = [layer.backward_s for layer in profile.layers]
+    for members in groups.values():
+        f, b = statistics.median(forward[i] for i in members), statistics.median(backward[i] for i in members)
+        for i in members:
+            forward[i], backward[i] = f, b
+    quantum = (sum(forward) + sum(backward)) / steps or 1.0
+    layers = [dataclasses.replace(layer, forward_s=round(f / quantum) * quantum,
+                                  backward_s=round(b / quantum) * quantum)
+              for layer, f, b in zip(profile.layers, forward, backward)]
+    return dataclasses.replace(profile, layers=layers)
+
+
+def _layer_signature(nodes: list[Node]) -> tuple:
+    """The ops of a layer and the shapes they produce: equal for a model's repeated blocks."""
+    def shape(node: Node) -> Any:
+        val = node.meta.get("val")
+        return tuple(val.shape) if isinstance(val, Tensor) else None
+
+    return tuple((str(n.target), shape(n)) for n in nodes)
+
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+
+def _unit(module: nn.Module, path: str, depth: int) -> str:
+    """The module at ``depth`` that ``path`` runs in (containers such as ModuleList do not count as a level)."""
+    if not path:
+        return ""
+    parts, level, current = path.split("."), 0, module
+    for k, part in enumerate(parts):
+        current = getattr(current, part, None) if current is not None else None
+        if not isinstance(current, _CONTAINERS):
+            level += 1
+        if level == depth:
+            return ".".join(parts[: k + 1])
+    return path
+
+
+def _max_depth(module: nn.Module, captured: CapturedGraph) -> int:
+    return max((len(layer.module.split(".")) for layer in captured.layers if layer.module), default=1)
+
+
+def _unit_starts(module: nn.Module, captured: CapturedGraph, depth: int) -> set[int]:
+    """Layers where a new module at ``depth`` begins (a cut may go before them)."""
+    units = [(_unit(module, layer.module, depth), layer.module == "") for layer in captured.layers]
+    return {i for i in range(1, len(units)) if units[i] != units[i - 1] or units[i][1]}

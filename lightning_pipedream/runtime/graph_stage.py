@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from torch import nn
 
 from lightning_pipedream.graph import CapturedGraph, GraphStage, build_stages, call_signature, capture, split_graph
 from lightning_pipedream.runtime.ties import TiedParameters
+
+log = logging.getLogger("lightning_pipedream.graph")
 
 
 class CapturedStage:
@@ -32,6 +35,10 @@ class CapturedStage:
     ) -> None:
         self.through = through  # trace this submodule's call rather than the module's forward (see capture)
         captured = captured if captured is not None else capture(module, args, kwargs, through)
+        self.capture_s, self.cached = captured.capture_s, captured.cached  # the first capture's cost, for the log
+        if stage_index == 0:  # once per run, not once per rank
+            log.info("Captured %s's forward call in %.2f s%s.", type(module).__name__, captured.capture_s,
+                     " (same module structure as before: from the cache)" if captured.cached else "")
         split = split_graph(captured, split_points)
         if split.num_stages != num_stages:
             raise ValueError(

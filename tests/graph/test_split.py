@@ -213,7 +213,7 @@ def check_untraceable_model_error_names_the_line_and_the_way_out():
         capture(Branchy(), (torch.randn(2, 4),))
     text = str(info.value)
     assert text.startswith("Could not trace Branchy.forward into a graph at ")
-    assert "test_graph_split.py:" in text and "in forward: if x.sum() > 0:" in text
+    assert "test_split.py:" in text and "in forward: if x.sum() > 0:" in text
     assert ("Move the branch out of forward (into training_step, say); or name where stages begin, "
             "PipeDreamStrategy(split_points=['model.layers.4', ...]): then only the innermost module holding them "
             "that the step calls is traced, and the code around it runs as it is on the first and last stages; "

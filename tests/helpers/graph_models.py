@@ -1,6 +1,8 @@
-"""The four model families of the graph tests: tiny, seeded, with a batch maker and a loss each."""
+"""The model families of the graph tests: tiny, seeded, with a batch maker and a loss each."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torchvision
@@ -78,6 +80,58 @@ class LSTMLM(nn.Module):
         return self.dec(h)
 
 
+class KeyValueCache:
+    """A stand-in for Hugging Face's DynamicCache: a plain object (no pytree node) holding each layer's keys."""
+
+    def __init__(self) -> None:
+        self.keys: list[torch.Tensor] = []
+
+    def update(self, key: torch.Tensor) -> torch.Tensor:
+        self.keys.append(key)
+        return key
+
+
+@dataclass
+class CausalLMOutput:
+    """A stand-in for Hugging Face's ModelOutput: a dataclass torch's pytree does not know, with a cache field."""
+
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    past_key_values: KeyValueCache | None = None
+
+
+class HFStyleLM(nn.Module):
+    """A decoder LM called as Hugging Face's are: ``model(input_ids, labels=labels).loss``, with a cache unless
+    ``use_cache=False``, the output projection tied to the embedding, and a token-mean loss that skips the
+    label -100 (padding)."""
+
+    def __init__(self, vocab: int = 29, d: int = 16, layers: int = 3, context: int = 16) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(context, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(layers))
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                use_cache: bool = True) -> CausalLMOutput:
+        cache = KeyValueCache() if use_cache else None
+        length = input_ids.size(1)
+        x = self.tok(input_ids) + self.pos(torch.arange(length, device=input_ids.device))
+        mask = torch.triu(torch.ones(length, length, dtype=torch.bool, device=input_ids.device), 1)
+        for block in self.blocks:
+            if cache is not None:
+                cache.update(x)
+            x = block(x, mask)
+        logits = self.head(self.ln(x))
+        loss = None
+        if labels is not None:
+            loss = nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1),
+                                               ignore_index=-100)
+        return CausalLMOutput(loss=loss, logits=logits, past_key_values=cache)
+
+
 def make(family: str) -> tuple[nn.Module, tuple]:
     """A seeded model of ``family`` and one example call's arguments."""
     torch.manual_seed(0)
@@ -90,6 +144,8 @@ def make(family: str) -> tuple[nn.Module, tuple]:
         return GPT(), (torch.randint(0, 29, (2, 8), generator=g),)
     if family == "lstm":
         return LSTMLM(), (torch.randint(0, 31, (2, 6), generator=g),)
+    if family == "hf":
+        return HFStyleLM(), (torch.randint(0, 29, (2, 8), generator=g),)
     raise ValueError(family)
 
 
@@ -101,10 +157,22 @@ def batches(family: str, steps: int, size: int) -> list[tuple[tuple, torch.Tenso
         if family == "resnet":
             out.append(((torch.randn(size, 3, 16, 16, generator=g),), torch.randint(0, 10, (size,), generator=g)))
         else:
-            vocab, length = {"gpt": (29, 8), "lstm": (31, 6), "transformer": (23, 5)}[family]
+            vocab, length = {"gpt": (29, 8), "hf": (29, 8), "lstm": (31, 6), "transformer": (23, 5)}[family]
             tokens = torch.randint(1, vocab, (size, length + 1), generator=g)
             args = (tokens[:, :-1],) if family != "transformer" else (tokens[:, 1:], tokens[:, :-1])
             out.append((args, tokens[:, 1:]))
+    return out
+
+
+def padded(items: list[tuple[tuple, torch.Tensor]], seed: int = 3) -> list[tuple[tuple, torch.Tensor]]:
+    """LM batches with right padding: each sample keeps a random number (>= 1) of its tokens; the padding's
+    labels are -100, so a token-mean loss counts unequal numbers of tokens per sample."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for args, labels in items:
+        keep = torch.randint(1, labels.size(1) + 1, (labels.size(0), 1), generator=g)
+        pad = torch.arange(labels.size(1)).expand_as(labels) >= keep
+        out.append(((args[0].masked_fill(pad, 0), *args[1:]), labels.masked_fill(pad, -100)))
     return out
 
 
