@@ -72,3 +72,37 @@ def test_training_equals_one_process(family, chunks, schedule):
     assert [difference for _, _, difference in results] == [0.0, 0.0]
     if family == "gpt":
         assert torch.equal(results[0][0]["tok.weight"], results[1][0]["head.weight"])
+    synchronous = run_local(reference, 1, "gpt", timeout=60)[0][0]
+    assert max((want[k] - v).abs().max().item() for k, v in synchronous.items()) > 1e-4  # the rule is not sync
+
+
+def two_bw_reference(rank, world, family: str) -> dict:
+    """PipeDream-2BW's rule in one process: W(t+1) = W(t) - lr * grad f_t(W(t-1)), W(-1) = W(0). A tied parameter
+    is one tensor here: its gradient is the sum over its uses, which is what the pipeline's copies must each get."""
+    model = copy.deepcopy(make(family)[0])
+    opt = sgd(model.parameters())
+    before = {k: p.detach().clone() for k, p in model.named_parameters()}
+    for args, targets in batches(family, STEPS, BATCH):
+        params = {k: w.clone().requires_grad_() for k, w in before.items()}
+        loss = loss_fn(torch.func.functional_call(model, params, args, tie_weights=True), targets)
+        grads = torch.autograd.grad(loss, [params[k] for k, _ in model.named_parameters()])
+        before = {k: p.detach().clone() for k, p in model.named_parameters()}
+        for p, g in zip(model.parameters(), grads):
+            p.grad = g
+        opt.step()
+    return model.state_dict()
+
+
+def test_two_bw_with_weights_tied_across_stages_follows_its_rule():
+    # The GPT's output projection (stage 1) is tied to its token embedding (stage 0): each stage keeps its copy and
+    # its two weight versions; at every update the copies' gradients are summed, so the copies stay identical and
+    # the model follows 2BW's rule as if the weight were one tensor.
+    results = run_local(train_stage, 2, "gpt", "2bw", 2, timeout=90)
+    want = run_local(two_bw_reference, 1, "gpt", timeout=60)[0]
+    state = consolidate_state_dict([part for part, _, _ in results], list(want))
+    for key, value in want.items():
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-5, msg=key)
+    assert [difference for _, _, difference in results] == [0.0, 0.0]
+    assert torch.equal(results[0][0]["tok.weight"], results[1][0]["head.weight"])
+    synchronous = run_local(reference, 1, "gpt", timeout=60)[0][0]
+    assert max((want[k] - v).abs().max().item() for k, v in synchronous.items()) > 1e-4  # the rule is not sync
