@@ -72,8 +72,6 @@ def test_training_equals_one_process(family, chunks, schedule):
     assert [difference for _, _, difference in results] == [0.0, 0.0]
     if family == "gpt":
         assert torch.equal(results[0][0]["tok.weight"], results[1][0]["head.weight"])
-    synchronous = run_local(reference, 1, "gpt", timeout=60)[0][0]
-    assert max((want[k] - v).abs().max().item() for k, v in synchronous.items()) > 1e-4  # the rule is not sync
 
 
 def two_bw_reference(rank, world, family: str) -> dict:
