@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
 from torch import Tensor, nn
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 
 class WeightVersions:
@@ -19,6 +25,18 @@ class WeightVersions:
     MiB of pages back in cost more than the copy itself in the benchmark), so a stage's memory
     peak is unchanged.
 
+    With ``out_of_place=True`` (the default) the stash costs no copy where the optimizer allows it:
+    the update itself writes the new weights into the spare buffer (``new = old - lr * grad`` read
+    from the old storage, which stays with the minibatches in flight) instead of copying the old
+    weights there and updating in place. That holds for ``torch.optim.SGD`` without momentum (any
+    learning rate, weight decay, ``maximize``), the results equal to the bit; every other optimizer
+    gets the copy, made inside its ``step`` before it writes. The out-of-place update runs inside
+    the optimizer's ``step`` (through torch's optimizer step hooks, as the closure's last act), so
+    whatever runs before it there (Lightning's ``on_before_optimizer_step`` and gradient clipping)
+    still sees and changes the gradients first. An update that bypasses ``torch.optim`` (an
+    in-place write to the parameters) while a minibatch in flight still uses them is refused at
+    :meth:`after_update`; use ``out_of_place=False`` for such updates.
+
     With ``stashing=False`` (the paper's ablation) updates go into the live storage in place, so
     a backward sees the newest weights, as PipeDream without stashing does.
 
@@ -29,7 +47,13 @@ class WeightVersions:
     """
 
     def __init__(
-        self, module: nn.Module, *, stashing: bool = True, vertical_sync: bool = False, two_versions: bool = False
+        self,
+        module: nn.Module,
+        *,
+        stashing: bool = True,
+        vertical_sync: bool = False,
+        two_versions: bool = False,
+        out_of_place: bool = True,
     ) -> None:
         if vertical_sync and not stashing:
             raise ValueError("vertical_sync=True needs weight_stashing=True: it chooses which stashed version to use.")
@@ -44,7 +68,15 @@ class WeightVersions:
         self._history: dict[int, dict[str, Tensor]] = {}  # version -> storage, for vertical sync
         self._leaves: dict[int, dict[str, Tensor]] = {}  # minibatch -> the leaves its forward used
         self._version_of: dict[int, int] = {}
-        self._spare: dict[str, Tensor] | None = None  # a finished version's storage, for the next copy
+        self._spare: dict[str, Tensor] = {}  # finished versions' storage, per parameter, for the next update
+        self.out_of_place = out_of_place
+        # Between before_update and after_update on the out-of-place path: the parameters whose live storage
+        # the update must not write into (name -> their version counter then), and the optimizer hooks.
+        self._pending: dict[str, int] = {}
+        self._names = {id(p): n for n, p in self.params.items()}
+        self._hidden: dict[str, Tensor] = {}  # gradients kept from the optimizer that already applied them
+        self._hooks: list[Any] = []
+        self.copies = 0  # updates that copied a stash (the fallback), for tests and benchmarks
 
     def forward_params(self, microbatch: int, version: int | None = None) -> dict[str, Tensor]:
         """Leaves to run ``microbatch``'s forward on: the live weights, or an older ``version`` (vertical sync)."""
@@ -67,7 +99,7 @@ class WeightVersions:
     def collect_grads(self, microbatch: int) -> None:
         """After ``microbatch``'s backward: add the gradients its leaves received to the parameters' ``.grad``."""
         leaves = self._leaves.pop(microbatch)
-        version = self._version_of.pop(microbatch)
+        del self._version_of[microbatch]
         self._live_users.discard(microbatch)
         for name, leaf in leaves.items():
             if leaf.grad is None:
@@ -75,18 +107,19 @@ class WeightVersions:
             p = self.params[name]
             p.grad = leaf.grad if p.grad is None else p.grad + leaf.grad
             leaf.grad = None
-        if self._is_finished_copy(version, leaves):
-            self._spare = {name: leaf.detach() for name, leaf in leaves.items()}
+        if self.stashing and not self.two_versions and not self.vertical_sync:
+            self._keep_finished(leaves)
 
-    def _is_finished_copy(self, version: int, leaves: dict[str, Tensor]) -> bool:
-        """Whether ``leaves`` hold a stashed copy that nothing needs any more (its backward is done)."""
-        if not self.stashing or self.two_versions or self.vertical_sync or not leaves:
-            return False
-        name = next(iter(leaves))
-        return (
-            leaves[name].data_ptr() != self.params[name].data.data_ptr()  # not the live storage
-            and version not in self._version_of.values()  # no other minibatch in flight reads it
-        )
+    def _keep_finished(self, leaves: dict[str, Tensor]) -> None:
+        """Keep as spares the storages of ``leaves`` that nothing needs any more: not the live weights, and
+        read by no other minibatch in flight (its backward is done)."""
+        for name, leaf in leaves.items():
+            ptr = leaf.data_ptr()
+            if ptr == self.params[name].data.data_ptr():
+                continue
+            if any(other[name].data_ptr() == ptr for other in self._leaves.values()):
+                continue
+            self._spare[name] = leaf.detach()
 
     def before_update(self) -> None:
         """Call right before the optimizer writes into the parameters."""
@@ -95,14 +128,117 @@ class WeightVersions:
             return
         # Only a minibatch still in flight needs the old storage (on the last stage none is: its
         # forward and backward both come before the update, so it updates in place).
-        if self.stashing and (self._live_users or self.vertical_sync):
-            old, spare, self._spare = {}, self._spare, None
-            for name, p in self.params.items():
-                old[name] = p.data
-                p.data = p.data.clone() if spare is None else spare[name].copy_(p.data)
-            if self.vertical_sync:
-                self._history[self.num_updates] = old
+        if not (self.stashing and (self._live_users or self.vertical_sync)):
+            self._live_users.clear()
+            return
+        if self.vertical_sync:
+            # Neither path below ever writes into the storage a version leaves behind.
+            self._history[self.num_updates] = {n: p.data for n, p in self.params.items()}
+        if self.out_of_place:
+            self._arm()
+            return
+        self._stash_by_copy(list(self.params))
         self._live_users.clear()
+
+    def _target(self, name: str) -> Tensor:
+        """Where parameter ``name``'s next version goes: a finished version's storage, else new memory."""
+        spare = self._spare.pop(name, None)
+        return spare if spare is not None else torch.empty_like(self.params[name].data)
+
+    def _stash_by_copy(self, names: list[str]) -> None:
+        """The parameters move to a copy of their weights; the old storage stays with its minibatches."""
+        for name in names:
+            p = self.params[name]
+            p.data = self._target(name).copy_(p.data)
+        self.copies += 1
+
+    # ----------------------------------------------------------------------- out-of-place updates
+    def _arm(self) -> None:
+        """The next optimizer step that holds these parameters writes their new versions elsewhere."""
+        self._disarm()
+        self._pending = {name: p._version for name, p in self.params.items()}
+        me = weakref.ref(self)
+
+        def pre_hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+            versions = me()
+            return None if versions is None else versions._before_step(optimizer, args, kwargs)
+
+        def post_hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+            versions = me()
+            if versions is not None:
+                versions._after_step()
+
+        self._hooks = [register_optimizer_step_pre_hook(pre_hook), register_optimizer_step_post_hook(post_hook)]
+
+    def _disarm(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """Inside ``optimizer.step``, before it writes: copy the stash (the fallback), or have the step's closure
+        end with the out-of-place update of these parameters."""
+        mine = [self._names[id(p)] for group in optimizer.param_groups for p in group["params"]
+                if self._names.get(id(p)) in self._pending]
+        if not mine:
+            return None
+        if not _plain_sgd(optimizer):
+            self._stash_by_copy(mine)
+            for name in mine:
+                del self._pending[name]
+            return None
+        # torch hands the hooks ``step``'s arguments with the optimizer first: (optimizer, [closure])
+        closure: Callable[[], Any] | None = args[1] if len(args) > 1 else kwargs.get("closure")
+
+        def closure_then_update() -> Any:
+            loss = closure() if closure is not None else None  # Lightning's hooks and clipping run in here
+            self._update_out_of_place(optimizer)
+            return loss
+
+        if len(args) > 1:
+            return (args[0], closure_then_update, *args[2:]), kwargs
+        return args, {**kwargs, "closure": closure_then_update}
+
+    def _update_out_of_place(self, optimizer: torch.optim.Optimizer) -> None:
+        """SGD's update, ``new = old - lr * (grad [+ weight_decay * old])``, written into the spare buffer;
+        the optimizer then finds no gradient on these parameters (they are given back after its step)."""
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                lr = float(group["lr"])
+                weight_decay, maximize = group["weight_decay"], group["maximize"]
+                for p in group["params"]:
+                    name = self._names.get(id(p))
+                    if name not in self._pending or p.grad is None:
+                        continue
+                    grad = -p.grad if maximize else p.grad
+                    if weight_decay != 0:
+                        grad = grad.add(p.data, alpha=weight_decay)
+                    p.data = torch.add(p.data, grad, alpha=-lr, out=self._target(name))
+                    del self._pending[name]
+                    self._hidden[name] = p.grad
+                    p.grad = None
+
+    def _after_step(self) -> None:
+        for name, grad in self._hidden.items():
+            self.params[name].grad = grad
+        self._hidden = {}
+
+    def _finish_out_of_place(self) -> None:
+        """After the update: every parameter the optimizer did not move is still the live storage that minibatches
+        in flight read; it must not have been written into."""
+        self._disarm()
+        self._after_step()
+        written = [name for name, seen in self._pending.items() if self.params[name]._version != seen]
+        unmoved = bool(self._pending)
+        self._pending = {}
+        if written:
+            raise RuntimeError(
+                f"Parameters {written} were updated in place outside a torch.optim optimizer's step while a "
+                "minibatch in flight still uses their weights (weight stashing). Update them through a "
+                "torch.optim.Optimizer, or build WeightVersions(..., out_of_place=False) to copy before every update."
+            )
+        if not unmoved:  # every parameter moved: no minibatch in flight shares the live weights any more
+            self._live_users.clear()
 
     def _swap_buffers(self) -> None:
         """2BW: keep the live version for the minibatch that runs on it (the next one, t+1 on version t,
@@ -122,6 +258,8 @@ class WeightVersions:
 
     def after_update(self, keep_from: int | None = None) -> None:
         """Call right after the optimizer step; ``keep_from`` is the oldest version a future forward may need."""
+        if self._hooks:
+            self._finish_out_of_place()
         self.num_updates += 1
         if keep_from is not None:
             needed = set(self._version_of.values())
@@ -132,9 +270,12 @@ class WeightVersions:
         """Forget everything stashed (after a drain)."""
         if self._leaves:
             raise RuntimeError(f"Minibatches {sorted(self._leaves)} are still in flight; drain the pipeline first.")
+        self._disarm()
+        self._after_step()
+        self._pending = {}
         self._history.clear()
         self._live_users.clear()
-        self._spare = None
+        self._spare = {}
 
     def stored_versions(self) -> int:
         """How many distinct weight versions are alive: the live one plus stashed and kept ones."""
@@ -145,3 +286,11 @@ class WeightVersions:
         ptrs |= {leaves[name].data_ptr() for leaves in self._leaves.values()}
         ptrs |= {version[name].data_ptr() for version in self._history.values()}
         return len(ptrs)
+
+
+def _plain_sgd(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer``'s update can be written out of place exactly as it would write it in place:
+    ``torch.optim.SGD`` itself, without momentum (whose buffer it would update), fused or differentiable kernels."""
+    return type(optimizer) is torch.optim.SGD and all(
+        g["momentum"] == 0 and not g.get("fused") and not g.get("differentiable") for g in optimizer.param_groups
+    )

@@ -85,8 +85,7 @@ def _linear() -> nn.Linear:
 
 def _sgd_step(layer: nn.Linear, versions: WeightVersions, lr: float = 0.5) -> None:
     versions.before_update()
-    with torch.no_grad():
-        layer.weight -= lr * layer.weight.grad  # in place: stashing must have moved the live storage away
+    torch.optim.SGD([layer.weight], lr=lr).step()  # in place, or out of place where a stash needs the storage
     layer.weight.grad = None
     versions.after_update()
 
@@ -227,3 +226,77 @@ def test_vertical_sync_serves_the_live_version_by_number_and_keeps_keep_from():
 
 def test_a_module_without_parameters_has_no_stored_versions():
     assert WeightVersions(nn.ReLU()).stored_versions() == 0
+
+
+def _first_stage_steady_state(
+    out_of_place: bool, make_optimizer, steps: int = 5, closure=None
+) -> tuple[nn.Sequential, WeightVersions, list[list[int]]]:
+    """PipeDream's first stage: minibatch t+1's forward runs on the live weights before minibatch t's update,
+    so every update needs the old weights kept. Returns the model, its versions and each update's storages."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    versions = WeightVersions(model, out_of_place=out_of_place)
+    optimizer = make_optimizer(model.parameters())
+    xs = torch.randn(steps + 1, 2, 4, generator=torch.Generator().manual_seed(1))
+    outs = {0: torch.func.functional_call(model, versions.forward_params(0), (xs[0],))}
+    storages = []
+    for t in range(steps):
+        outs[t + 1] = torch.func.functional_call(model, versions.forward_params(t + 1), (xs[t + 1],))
+        (outs.pop(t) ** 2).sum().backward()
+        versions.collect_grads(t)
+        versions.before_update()
+        optimizer.step() if closure is None else optimizer.step(lambda: closure(model))
+        optimizer.zero_grad(set_to_none=True)
+        versions.after_update()
+        storages.append([p.data_ptr() for p in model.parameters()])
+    return model, versions, storages
+
+
+@pytest.mark.parametrize("settings", [{}, {"weight_decay": 0.1}, {"maximize": True}, {"lr": torch.tensor(0.05)}])
+def test_out_of_place_sgd_stashes_without_a_copy_and_equals_the_copy_path(settings):
+    # the update writes the new weights into the finished stash's storage: no copy, the same values to the bit
+    make = lambda params: torch.optim.SGD(params, **{"lr": 0.1, **settings})  # noqa: E731
+    model, versions, storages = _first_stage_steady_state(True, make)
+    reference, copied, copy_storages = _first_stage_steady_state(False, make)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p, q), name
+    assert versions.copies == 0 and copied.copies == 5
+    # two storages per parameter in turn (the live one, and the stash of the minibatch in flight), as the copy's
+    assert len({tuple(s) for s in storages[1:]}) == 2 and storages[1] == storages[3] != storages[2]
+    assert versions.stored_versions() == 2
+
+
+def test_out_of_place_update_runs_after_the_closure_and_falls_back_to_the_copy_elsewhere():
+    # Lightning clips gradients inside the closure that the optimizer's step calls: the update sees them clipped
+    def clip(model: nn.Module) -> None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+
+    sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
+    model, versions, _ = _first_stage_steady_state(True, sgd, closure=clip)
+    reference, _, _ = _first_stage_steady_state(False, sgd, closure=clip)
+    assert versions.copies == 0 and all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
+    # momentum has a buffer that the step updates: the stash is copied first, as without out_of_place
+    momentum = lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)  # noqa: E731
+    model, versions, _ = _first_stage_steady_state(True, momentum)
+    reference, _, _ = _first_stage_steady_state(False, momentum)
+    assert versions.copies == 5 and all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
+
+
+def test_an_in_place_update_outside_an_optimizer_is_refused_while_a_stash_needs_the_weights():
+    layer = _linear()
+    versions = WeightVersions(layer)
+    torch.func.functional_call(layer, versions.forward_params(0), (torch.ones(1, 2),))  # minibatch 0 in flight
+    versions.before_update()
+    with torch.no_grad():
+        layer.weight -= 0.5  # no optimizer: nothing moved the live weights away first
+    with pytest.raises(RuntimeError, match=r"Parameters \['weight'\] were updated in place outside a torch.optim "
+                       r"optimizer's step .* or build WeightVersions\(\.\.\., out_of_place=False\)"):
+        versions.after_update()
+    copying = WeightVersions(layer, out_of_place=False)
+    leaves = copying.forward_params(0)
+    kept = leaves["weight"].detach().clone()
+    copying.before_update()
+    with torch.no_grad():
+        layer.weight -= 0.5
+    copying.after_update()
+    assert torch.equal(leaves["weight"], kept)  # the copy path protected minibatch 0's weights
