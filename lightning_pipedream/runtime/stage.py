@@ -13,6 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_pipedream.runtime.microbatch import flatten
 from lightning_pipedream.runtime.weights import WeightVersions
+from lightning_pipedream.tree import tensors
 
 
 class Stage:
@@ -85,7 +86,9 @@ class Stage:
                 output = checkpoint(run, inputs, use_reentrant=False, preserve_rng_state=True)
             else:
                 output = run(inputs)
-        out_leaves, _ = flatten(output, f"output of stage {self.index}")
+        # The last stage's output stays in this process (the loss reads it), so it may be any object, such as a model's
+        # output dataclass; an earlier stage's crosses to the next and must be a tensor tree.
+        out_leaves = tensors(output) if self.is_last else flatten(output, f"output of stage {self.index}")[0]
         self._saved[microbatch] = (in_leaves, out_leaves)
         return output
 
