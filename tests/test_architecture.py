@@ -1,4 +1,6 @@
-"""The layers import one way: schedule <- plan, schedule <- runtime, and only strategy/cli on top know more."""
+"""The layers import one way (strategy -> runtime -> graph -> plan -> schedule; cli -> plan, schedule), Lightning
+only under strategy/, no private names across modules, and no schedule names compared outside schedule/ and cli/.
+Every rule is checked over every file of the package, and each checker is shown to catch a planted violation."""
 
 from __future__ import annotations
 
@@ -10,21 +12,25 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "lightning_pipedream"
+from lightning_pipedream.schedule.specs import SCHEDULES
 
-# layer -> module prefixes it must never import (at any depth of the file, lazy imports included)
-FORBIDDEN = {
-    "schedule": ("lightning_pipedream.plan", "lightning_pipedream.runtime", "lightning_pipedream.strategy",
-                 "lightning_pipedream.cli", "lightning", "torch"),
-    "plan": ("lightning_pipedream.runtime", "lightning_pipedream.strategy", "lightning_pipedream.cli", "lightning"),
-    "runtime": ("lightning_pipedream.strategy", "lightning_pipedream.cli", "lightning"),
-    "cli": ("lightning_pipedream.strategy", "lightning_pipedream.runtime", "lightning"),
-    "tree": ("lightning_pipedream.", "lightning"),
-    # torch only: capture, profile and split a model's graph; the runtime runs its stages, the strategy wires it.
-    "graph": ("lightning_pipedream.runtime", "lightning_pipedream.strategy", "lightning_pipedream.cli", "lightning"),
-    # the pieces the strategy uses that need no Lightning themselves
-    "strategy/summaries": ("lightning_pipedream.cli", "lightning"),
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "lightning_pipedream"
+OURS = ("lightning_pipedream", "benchmarks", "recipes")
+
+LAYERS = ("schedule", "plan", "graph", "runtime", "strategy", "cli")
+# layer -> the package's layers it may import (besides itself and the `tree` utility, which imports only torch)
+MAY_IMPORT = {
+    "schedule": set(),
+    "plan": {"schedule"},
+    "graph": {"plan", "schedule"},
+    "runtime": {"graph", "plan", "schedule"},
+    "strategy": {"runtime", "graph", "plan", "schedule"},
+    "cli": {"plan", "schedule"},
 }
+NO_TORCH = {"schedule"}  # pure Python: the validator, simulator and renderer run without torch
+LIGHTNING = ("lightning", "pytorch_lightning")
+LIGHTNING_ALLOWED = {"strategy"}  # and lightning_pipedream/__init__.py, which only hooks the strategy's registration
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -44,31 +50,112 @@ def imported_modules(path: Path) -> set[str]:
     return found
 
 
-def _violates(module: str, prefix: str) -> bool:
-    return module == prefix.rstrip(".") or module.startswith(prefix if prefix.endswith(".") else prefix + ".")
+def layer_of(path: Path) -> str | None:
+    parts = path.relative_to(PACKAGE).parts
+    return parts[0] if len(parts) > 1 and parts[0] in LAYERS else None
 
 
-def layer_files(layer: str) -> list[Path]:
-    return [PACKAGE / f"{layer}.py"] if (PACKAGE / f"{layer}.py").exists() else sorted((PACKAGE / layer).rglob("*.py"))
+def package_files() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
 
 
-@pytest.mark.parametrize("layer", sorted(FORBIDDEN))
-def test_layer_imports_only_downwards(layer: str) -> None:
-    files = layer_files(layer)
-    assert files, f"no files for layer {layer}"
-    bad = [f"{path.relative_to(PACKAGE.parent)} imports {module}"
-           for path in files for module in sorted(imported_modules(path))
-           for prefix in FORBIDDEN[layer] if _violates(module, prefix)]
+def layering_violations(path: Path) -> list[str]:
+    """What ``path`` imports against the layering."""
+    layer = layer_of(path)
+    bad = []
+    for module in sorted(imported_modules(path)):
+        top = module.split(".")[0]
+        where = f"{path.relative_to(ROOT)} imports {module}"
+        if top in LIGHTNING and layer not in LIGHTNING_ALLOWED and path != PACKAGE / "__init__.py":
+            bad.append(f"{where}: Lightning is known only under strategy/")
+        if top == "torch" and layer in NO_TORCH:
+            bad.append(f"{where}: {layer}/ is pure Python")
+        if top == "lightning_pipedream" and layer is not None:
+            parts = module.split(".")
+            other = parts[1] if len(parts) > 1 else ""
+            if other in LAYERS and other != layer and other not in MAY_IMPORT[layer]:
+                bad.append(f"{where}: {layer}/ may import only {sorted(MAY_IMPORT[layer]) or 'no other layer'}")
+            if other == "tree" and layer in NO_TORCH:
+                bad.append(f"{where}: {layer}/ is pure Python")
+        if path.name == "tree.py" and path.parent == PACKAGE and top in OURS + LIGHTNING:
+            bad.append(f"{where}: tree.py is the bottom utility (torch only)")
+    return bad
+
+
+def private_imports(path: Path) -> list[str]:
+    """Private names (``_x``) that ``path`` imports from another module of ours."""
+    tree = ast.parse(path.read_text(), str(path))
+    return [f"{path.relative_to(ROOT)} imports {node.module}.{alias.name}"
+            for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module
+            and node.module.split(".")[0] in OURS for alias in node.names if alias.name.startswith("_")]
+
+
+def schedule_name_comparisons(path: Path) -> list[str]:
+    """``x == "pipedream"``, ``x in ("pipedream", "2bw")`` and the like: the spec table says what a schedule is."""
+    tree = ast.parse(path.read_text(), str(path))
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Compare):
+            continue
+        if any("method" in ast.unparse(side) for side in [node.left, *node.comparators]):
+            continue  # the partitioner's method "pipedream" (PipeDream's optimizer) is not a schedule
+        for operand in [node.left, *node.comparators]:
+            names = [operand] if isinstance(operand, ast.Constant) else (
+                list(operand.elts) if isinstance(operand, (ast.Tuple, ast.List, ast.Set)) else [])
+            if any(isinstance(n, ast.Constant) and n.value in SCHEDULES for n in names):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} compares with a schedule name")
+                break
+    return found
+
+
+def test_every_file_imports_only_downwards() -> None:
+    bad = [line for path in package_files() for line in layering_violations(path)]
     assert not bad, "imports against the layering (see DESIGN.md):\n" + "\n".join(bad)
 
 
-def test_the_import_checker_sees_lazy_and_relative_imports(tmp_path: Path) -> None:
-    sample = PACKAGE / "schedule" / "_probe_for_test.py"
-    sample.write_text("def f():\n    from lightning_pipedream.runtime import engine\n    import lightning.pytorch\n")
+def test_no_private_names_cross_modules() -> None:
+    files = [p for folder in ("lightning_pipedream", "benchmarks", "recipes", "tests")
+             for p in sorted((ROOT / folder).rglob("*.py"))]
+    bad = [line for path in files for line in private_imports(path)]
+    assert not bad, "private names imported from another module (make them public or keep them local):\n" + \
+        "\n".join(bad)
+
+
+def test_schedule_names_are_compared_only_in_schedule_and_cli() -> None:
+    # cli/ speaks to users by name (its flags and the textbook bubble formulas); every other layer asks the specs.
+    files = [p for p in package_files() if layer_of(p) not in ("schedule", "cli")]
+    bad = [line for path in files for line in schedule_name_comparisons(path)]
+    assert not bad, "ask lightning_pipedream.schedule.specs instead:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize(("layer", "code", "expected"), [
+    ("schedule", "def f():\n    from lightning_pipedream.runtime import engine\n", "schedule/ may import only"),
+    ("schedule", "import torch\n", "schedule/ is pure Python"),
+    ("plan", "from ..graph import capture\n", "plan/ may import only ['schedule']"),
+    ("runtime", "import lightning.pytorch\n", "Lightning is known only under strategy/"),
+    ("runtime", "from lightning_pipedream.strategy import placement\n", "runtime/ may import only"),
+    ("graph", "from lightning_pipedream.runtime.engine import PipelineEngine\n", "graph/ may import only"),
+    ("cli", "from lightning_pipedream.runtime import engine\n", "cli/ may import only ['plan', 'schedule']"),
+])
+def test_the_layering_checker_catches_a_planted_violation(layer: str, code: str, expected: str) -> None:
+    probe = PACKAGE / layer / "_probe_for_test.py"
+    probe.write_text(code)
     try:
-        assert {"lightning_pipedream.runtime", "lightning.pytorch"} <= imported_modules(sample)
+        assert any(expected in line for line in layering_violations(probe)), layering_violations(probe)
     finally:
-        sample.unlink()
+        probe.unlink()
+
+
+def test_the_other_checkers_catch_planted_violations(tmp_path: Path) -> None:
+    probe = PACKAGE / "runtime" / "_probe_for_test.py"
+    probe.write_text("from lightning_pipedream.runtime.engine import _private\n"
+                     "def f(s):\n    return s.schedule == '2bw' or s.name in ('gpipe', 'x')\n")
+    try:
+        assert private_imports(probe) == [
+            "lightning_pipedream/runtime/_probe_for_test.py imports lightning_pipedream.runtime.engine._private"]
+        assert len(schedule_name_comparisons(probe)) == 2
+    finally:
+        probe.unlink()
 
 
 def _fresh(code: str) -> dict:

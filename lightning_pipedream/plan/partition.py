@@ -158,7 +158,8 @@ class Plan:
                     )
                 seen[name] = index
             _check_fields(entry, _STAGE_CHECKS, f"Stage {index} of the plan{where}")
-            stages.append(StagePlan(**{k: int(v) if k in _WHOLE_FIELDS else v for k, v in entry.items()}))
+            stage_fields: dict[str, Any] = {k: int(v) if k in _WHOLE_FIELDS else v for k, v in entry.items()}
+            stages.append(StagePlan(**stage_fields))
         known = {f for f in cls.__dataclass_fields__ if f != "stages"}
         unknown = set(data) - known - {"stages"}
         if unknown:
@@ -175,7 +176,7 @@ class Plan:
                     f"The plan{where} has topology={_short(topology)}: {err} Use [[workers, bytes/s], ...], "
                     "innermost level first."
                 ) from None
-        fields = {k: int(v) if k == "chunks" else v for k, v in data.items() if k != "stages"}
+        fields: dict[str, Any] = {k: int(v) if k == "chunks" else v for k, v in data.items() if k != "stages"}
         return cls(stages=stages, **fields)
 
     def save(self, path: str | Path) -> None:
@@ -560,12 +561,12 @@ def _straight_time(sums: _Sums, topology: Topology, balance: list[int]) -> float
 
 def data_parallel_time(profile: Profile, topology: Topology, cost_model: str = "code") -> float:
     """Time per minibatch of the whole model replicated on every worker (PipeDream's estimate)."""
-    time = sum(l.forward_s + l.backward_s for l in profile.layers)
+    time = float(sum(l.forward_s + l.backward_s for l in profile.layers))
     params = float(sum(l.parameter_bytes for l in profile.layers))
     within = 1
     for workers, bandwidth in topology.levels:
         sync = _allreduce(params, workers, bandwidth)
-        time = (time + sync / within) / workers if cost_model == "code" else max(time, sync) / workers
+        time = float((time + sync / within) / workers if cost_model == "code" else max(time, sync) / workers)
         within = workers
     return time
 

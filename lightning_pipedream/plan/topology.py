@@ -30,7 +30,7 @@ class Topology:
                 raise ValueError(
                     f"Topology level {position} is {level!r}; give (workers, bandwidth in bytes/s)."
                 ) from None
-            if isinstance(workers, float) and workers.is_integer():
+            if isinstance(workers, float) and float(workers).is_integer():
                 workers = int(workers)
             if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
                 raise ValueError(f"Topology level {position} has {workers!r} workers; use a whole number >= 1.")

@@ -45,6 +45,10 @@ class Op(str, Enum):
         return self is Op.ALLREDUCE_GRAD
 
 
+# (source rank, destination rank) of a message, as actions name their peers (None only in a malformed schedule)
+Link = tuple[int | None, int | None]
+
+
 @dataclass(frozen=True)
 class Action:
     """One thing one rank does.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
-from lightning_pipedream.schedule.actions import Action, Layout, Op, Schedule
+from lightning_pipedream.schedule.actions import Action, Layout, Link, Op, Schedule
 
 # The names and their properties live in the spec table; re-exported here, where they were first defined.
 from lightning_pipedream.schedule.specs import ASYNCHRONOUS, REPLICATED_SCHEDULES, SCHEDULES, spec_of  # noqa: F401
@@ -222,7 +222,8 @@ def _with_replicas(layout: Layout, rank: int, order: Iterable, step: int = 0) ->
 
 
 def _gpipe_order(own: list[int]) -> ComputeOrder:
-    return [("F", m) for m in own] + [("B", m) for m in own]
+    order: ComputeOrder = [("F", m) for m in own]
+    return order + [("B", m) for m in own]
 
 
 def _one_f_one_b_order(own: list[int], warmup: int) -> ComputeOrder:
@@ -392,14 +393,14 @@ def _receive_in_send_order(actions: list[list[Action]]) -> tuple[tuple[Action, .
     every message sent before X on that link (they are kept until used). This never waits longer:
     those messages left before X did.
     """
-    sent: dict[tuple[int, int], list[Action]] = {}
+    sent: dict[Link, list[Action]] = {}
     for rank, rank_actions in enumerate(actions):
         for a in rank_actions:
             if a.op is Op.SEND_ACT or a.op is Op.SEND_GRAD:
                 sent.setdefault((rank, a.peer), []).append(a)
     out = []
     for rank, rank_actions in enumerate(actions):
-        taken: dict[int, int] = {}  # peer -> messages received from it so far
+        taken: dict[int | None, int] = {}  # peer -> messages received from it so far
         received: set[tuple] = set()
         new: list[Action] = []
         for a in rank_actions:

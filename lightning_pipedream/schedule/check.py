@@ -6,7 +6,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_pipedream.schedule.actions import Action, Op, Schedule
+from lightning_pipedream.schedule.actions import Action, Link, Op, Schedule
 
 
 class ScheduleError(ValueError):
@@ -52,13 +52,13 @@ def place(schedule: Schedule) -> Placement:
     ranks = schedule.actions
     pos = [0] * len(ranks)
     slot = [[-1] * len(actions) for actions in ranks]
-    sent: Counter = Counter()  # (src, dst) -> messages visible to the receiver
+    sent: Counter[Link] = Counter()  # (src, dst) -> messages visible to the receiver
     taken: Counter = Counter()  # (src, dst) -> messages already received
     collective = _Collectives(schedule)
     tick = 0
     while True:
         progressed = False
-        new_messages = []
+        new_messages: list[Link] = []
         computed = [False] * len(ranks)
         passes = True
         while passes:  # again while an all-reduce completed: its members pass it in this slot too
@@ -73,7 +73,7 @@ def place(schedule: Schedule) -> Placement:
                             break
                         computed[rank] = True
                     elif op in _RECV:
-                        link = (action.peer, rank)
+                        link: Link = (action.peer, rank)
                         if sent[link] <= taken[link]:
                             break
                         taken[link] += 1
@@ -309,11 +309,11 @@ def _check_layout(s: Schedule, fail: _Failer) -> None:
             if not isinstance(a.microbatch, int) or not 0 <= a.microbatch < count:
                 raise fail(rank, i, f"micro-batch {a.microbatch!r} is out of range 0..{count - 1}.")
             if layout is not None and s.owner(a.stage, a.microbatch) != rank:
-                owner = s.owner(a.stage, a.microbatch)
+                holder = s.owner(a.stage, a.microbatch)
                 raise fail(
                     rank,
                     i,
-                    f"micro-batch {a.microbatch} of stage {a.stage} belongs to rank {owner} (replicas take "
+                    f"micro-batch {a.microbatch} of stage {a.stage} belongs to rank {holder} (replicas take "
                     f"micro-batches round robin: replica m % {layout.replicas[a.stage]}).",
                 )
             if a.op in _COMPUTE:
@@ -355,7 +355,7 @@ def _check_rank_order(s: Schedule, rank: int, fail: _Failer) -> None:
     """Each forward and backward exactly once, in order, each after the message it consumes."""
     last = s.num_stages - 1
     actions = s.actions[rank]
-    done: dict[tuple[int, int], int] = {}
+    done: dict[tuple[int, int | None], int] = {}
     for i, a in enumerate(actions):
         op, stage, mb = a.op, a.stage, a.microbatch
         if op is Op.OPTIMIZER_STEP or op is Op.ALLREDUCE_GRAD:
@@ -501,6 +501,7 @@ def _check_minibatch_updates(s: Schedule, rank: int, fail: _Failer) -> None:
                 )
             updates[a.stage] += 1
         elif a.op is Op.BACKWARD:
+            assert a.microbatch is not None  # checked with the micro-batch ranges
             t = a.microbatch // m
             if t != k:
                 raise fail(
@@ -509,6 +510,7 @@ def _check_minibatch_updates(s: Schedule, rank: int, fail: _Failer) -> None:
                 )
             backwards[(a.stage, t)] += 1
         elif a.op is Op.FORWARD:
+            assert a.microbatch is not None
             t = a.microbatch // m
             if not t - 1 <= k <= t:
                 when, which = ("before", t - 1) if k < t - 1 else ("after", t + 1)
@@ -559,8 +561,8 @@ def _describe(message: tuple) -> str:
 
 def _check_links(s: Schedule, fail: _Failer) -> None:
     """Every receive has exactly one send, and the two sides of each link agree on the order."""
-    sends: dict[tuple[int, int], list] = {}
-    recvs: dict[tuple[int, int], list] = {}
+    sends: dict[Link, list] = {}
+    recvs: dict[Link, list] = {}
     for rank, actions in enumerate(s.actions):
         for i, a in enumerate(actions):
             if a.op in _SEND:
@@ -607,6 +609,7 @@ def _check_progress(s: Schedule, fail: _Failer) -> None:
         a = s.actions[r][stuck[r]]
         if a.op is Op.ALLREDUCE_GRAD:
             return collectives.missing(s, r, stuck[r])[0]
+        assert a.peer is not None  # a receive names its peer (checked first)
         return a.peer
 
     def waiting(r: int, i: int) -> str:

@@ -7,7 +7,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from lightning_pipedream.schedule.actions import Op, Schedule
+from lightning_pipedream.schedule.actions import Link, Op, Schedule
 from lightning_pipedream.schedule.check import validate
 from lightning_pipedream.schedule.timeline import TimedAction, bubble_fraction
 
@@ -106,8 +106,8 @@ def simulate(
     ranks = schedule.actions
     clock = [0.0] * len(ranks)
     pos = [0] * len(ranks)
-    arrivals: dict[tuple[int, int], deque[float]] = {}  # (src, dst) -> arrival times, FIFO
-    link_free: dict[tuple[int, int], float] = {}
+    arrivals: dict[Link, deque[float]] = {}  # (src, dst) -> arrival times, FIFO
+    link_free: dict[Link, float] = {}
     layout = schedule.layout
     rounds: dict[tuple[int, int], int] = {}  # (rank, stage) -> all-reduces done
     reached: dict[tuple[int, int], dict[int, float]] = {}  # (stage, round) -> rank -> arrival time

@@ -1,9 +1,9 @@
-"""The graph path: a module that is not one nn.Sequential is split from its captured forward graph.
-A part of :class:`~lightning_pipedream.PipeDreamStrategy`."""
+"""The graph path: a module that is not one nn.Sequential is split from its captured forward graph."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -13,17 +13,41 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning_pipedream.runtime.graph_stage import CapturedStage
 from lightning_pipedream.runtime.microbatch import split
 from lightning_pipedream.strategy.batches import EVALUATION_LOOP, STEP_OF, batch_shapes, first_batch
-from lightning_pipedream.strategy.calls import SubmoduleCall, innermost_called_module
+from lightning_pipedream.strategy.calls import ForwardCall, SubmoduleCall, innermost_called_module
+from lightning_pipedream.strategy.options import PipelineOptions
+from lightning_pipedream.strategy.placement import Placement
 
 log = logging.getLogger("lightning_pipedream.strategy")
 
 
 class GraphPath:
-    """PipeDreamStrategy's graph path: capture the forward call, choose or take split points, keep this rank's
-    stage, and capture again for shapes not seen yet."""
+    """Capture the forward call, choose or take split points, keep this rank's stage, and capture again for
+    shapes (or a train/eval mode) not seen yet. Owned by the strategy for a module that is not one nn.Sequential."""
 
-    def _split_captured_graph(self, trainer: Trainer, module: LightningModule) -> None:
-        """The graph path: capture the forward call on a first batch, choose split points, keep this rank's stage."""
+    def __init__(self, options: PipelineOptions, placement: Placement, is_global_zero: bool,
+                 batch_to_device: Callable[[Any], Any]) -> None:
+        self.options = options
+        self.placement = placement
+        self.is_global_zero = is_global_zero
+        self.batch_to_device = batch_to_device
+        self.call: ForwardCall = ForwardCall()  # SubmoduleCall when only a submodule's forward can be traced
+        self.graph: CapturedStage | None = None
+        self.plan: Any = None  # the partitioner's plan, when split points were chosen by profiling
+        self._inputs_seen: set[tuple] = set()
+
+    @property
+    def stage(self) -> Any:
+        """This rank's stage module (the captured graph's part that it runs)."""
+        assert self.graph is not None
+        return self.graph.stage
+
+    def local_names(self) -> dict[int, str]:
+        """Parameter id -> the module's own name, for this rank's stage."""
+        return {id(p): n for n, p in self.stage.named_parameters()}
+
+    def split(self, trainer: Trainer, module: LightningModule) -> None:
+        """Capture the forward call on a first batch, choose split points, keep this rank's stage."""
+        options, placement = self.options, self.placement
         fitting = trainer.state.fn == TrainerFn.FITTING
         batch = first_batch(trainer.fit_loop) if fitting else first_batch(EVALUATION_LOOP[trainer.state.fn](trainer))
         if batch is None:
@@ -33,10 +57,11 @@ class GraphPath:
                 "put the layers in one nn.Sequential."
             )
         batch = self.batch_to_device(batch)
-        part = split(batch, self.chunks)[0] if self.chunks > 1 else batch
+        part = split(batch, options.chunks)[0] if options.chunks > 1 else batch
         hook = STEP_OF[trainer.state.fn]
-        args, kwargs = self._call.input_of(module, hook, part, 0)
-        points, captured = self._split_points, None
+        args, kwargs = self.call.input_of(module, hook, part, 0)
+        points = list(options.split_points) if options.split_points is not None else None
+        captured = None
         if points is None:
             payload: list[Any] = [None]
             if self.is_global_zero:
@@ -44,34 +69,33 @@ class GraphPath:
                 from lightning_pipedream.graph.split_points import choose_split_points
 
                 captured = capture(module, args, kwargs)
-                points, plan = choose_split_points(captured, module, args, kwargs, self.num_stages,
-                                                   bandwidth=self._link_bandwidth)
+                points, plan = choose_split_points(captured, module, args, kwargs, placement.num_stages,
+                                                   bandwidth=options.link_bandwidth)
                 self.plan = plan
-                log.info("PipeDreamStrategy split points (%d stages, schedule=%s): %s", self.num_stages,
-                         self.schedule, points)
+                log.info("PipeDreamStrategy split points (%d stages, schedule=%s): %s", placement.num_stages,
+                         options.schedule, points)
                 payload = [points]
-            if self.num_stages > 1:
+            if placement.num_stages > 1:
                 dist.broadcast_object_list(payload, src=0)
             points = payload[0]
-        if self._split_points is None:
-            self._graph = CapturedStage(module, self.stage_index, self.num_stages, points, args, kwargs, captured)
+        if options.split_points is None:
+            self.graph = CapturedStage(module, placement.stage_index, placement.num_stages, points, args, kwargs,
+                                       captured)
         else:
-            self._graph = self._stage_of_split_points(module, hook, part, args, kwargs)
-        self._graph_inputs_seen = {(module.training, batch_shapes(part))}
-        if self._graph.ties and self.num_pipelines > 1:
+            self.graph = self._stage_of_split_points(module, hook, part, args, kwargs)
+        self._inputs_seen = {(module.training, batch_shapes(part))}
+        if self.graph.ties and placement.num_pipelines > 1:
             raise ValueError(
-                f"Parameters {sorted(self._graph.ties)} are used on several stages (tied weights), which "
+                f"Parameters {sorted(self.graph.ties)} are used on several stages (tied weights), which "
                 "PipeDreamStrategy does not combine with data-parallel pipelines yet. Run one pipeline (stages = "
                 "processes), or split points that keep each tied parameter's users in one stage."
             )
-        if self._graph.ties and self.schedule == "2bw":
+        if self.graph.ties and options.spec.two_weight_versions:
             raise ValueError(
-                f"Parameters {sorted(self._graph.ties)} are used on several stages (tied weights), which "
+                f"Parameters {sorted(self.graph.ties)} are used on several stages (tied weights), which "
                 "schedule='2bw' does not support yet (pipedream, 1f1b and gpipe do). Use one of those, or "
                 "split_points that keep each tied parameter's users in one stage."
             )
-        self._stage_module = self._graph.stage
-        self._local_names = {id(p): n for n, p in self._stage_module.named_parameters()}
 
     def _stage_of_split_points(self, module: LightningModule, hook: str, part: Any, args: tuple,
                                kwargs: dict) -> CapturedStage:
@@ -79,10 +103,11 @@ class GraphPath:
         the split points that the step calls (every rank decides alike: the same model, batch and failure)."""
         from lightning_pipedream.graph import GraphCaptureError
 
-        assert self._split_points is not None
-        points = self._split_points
+        assert self.options.split_points is not None
+        points = list(self.options.split_points)
+        stage_index, num_stages = self.placement.stage_index, self.placement.num_stages
         try:
-            return CapturedStage(module, self.stage_index, self.num_stages, points, args, kwargs)
+            return CapturedStage(module, stage_index, num_stages, points, args, kwargs)
         except GraphCaptureError as untraceable:
             through = innermost_called_module(module, points, hook, part, 0)
             if through is None:
@@ -98,19 +123,18 @@ class GraphPath:
             if self.is_global_zero:
                 log.info("PipeDreamStrategy: %s.forward cannot be traced; pipelining self.%s, split at %s.",
                          type(module).__name__, through, points)
-            self._call = SubmoduleCall(through)
-            args, kwargs = self._call.input_of(module, hook, part, 0)
-            return CapturedStage(module, self.stage_index, self.num_stages, points, args, kwargs, through=through)
+            self.call = SubmoduleCall(through)
+            args, kwargs = self.call.input_of(module, hook, part, 0)
+            return CapturedStage(module, stage_index, num_stages, points, args, kwargs, through=through)
 
-    def _ensure_captured(self, module: LightningModule, hook: str, parts: list[Any], *step_args: Any,
-                         **step_kwargs: Any) -> None:
-        """The graph path: capture the forward call for micro-batch shapes (or a mode) not seen yet, on every rank."""
-        if self._graph is None:
-            return
-        self._stage_module.train(module.training)  # type: ignore[union-attr]
+    def ensure_captured(self, module: LightningModule, hook: str, parts: list[Any] | tuple[Any, ...],
+                        *step_args: Any, **step_kwargs: Any) -> None:
+        """Capture the forward call for micro-batch shapes (or a mode) not seen yet, on every rank."""
+        assert self.graph is not None
+        self.stage.train(module.training)
         for part in parts:
             key = (module.training, batch_shapes(part))
-            if key not in self._graph_inputs_seen:
-                args, kwargs = self._call.input_of(module, hook, part, *step_args, **step_kwargs)
-                self._graph.ensure(module, args, kwargs)
-                self._graph_inputs_seen.add(key)
+            if key not in self._inputs_seen:
+                args, kwargs = self.call.input_of(module, hook, part, *step_args, **step_kwargs)
+                self.graph.ensure(module, args, kwargs)
+                self._inputs_seen.add(key)

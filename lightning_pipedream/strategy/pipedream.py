@@ -1,4 +1,10 @@
-"""PipeDreamStrategy: the Lightning strategy that trains a LightningModule as a pipeline, one stage per process."""
+"""PipeDreamStrategy: the Lightning strategy that trains a LightningModule as a pipeline, one stage per process.
+
+Its hooks delegate: the user's options are a :class:`PipelineOptions`, where the stages live a :class:`Placement`,
+the layers per stage come from a :class:`LayerPlanner` (or a :class:`GraphPath` for any other module), the
+pipeline's updates from :class:`PipelineUpdates`, and each batch's micro-batches and loss weights from
+:class:`BatchShares`.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ import os
 from collections import OrderedDict
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -28,28 +35,17 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_pipedream.plan.balance import stage_slice
-from lightning_pipedream.runtime import allocator
+from lightning_pipedream.runtime import allocator, flight
 from lightning_pipedream.runtime.engine import PipelineEngine
-from lightning_pipedream.runtime.graph_stage import CapturedStage
 from lightning_pipedream.runtime.materialize import has_meta_tensors, materialize
-from lightning_pipedream.runtime.microbatch import batch_size, flatten, split
 from lightning_pipedream.runtime.replicas import GradientReducer
+from lightning_pipedream.runtime.shares import BatchShares
 from lightning_pipedream.runtime.transport import Transport
-from lightning_pipedream.schedule.actions import Action, Layout
-from lightning_pipedream.schedule.builders import SCHEDULES, check_schedule_options, inference
-from lightning_pipedream.strategy.batches import (
-    batch_args,
-    fingerprint,
-    merge_outputs,
-)
-from lightning_pipedream.strategy.calls import (
-    Elsewhere,
-    ForwardCall,
-    LogRecorder,
-    SequentialCall,
-    find_layers,
-    loss_of,
-)
+from lightning_pipedream.schedule.actions import Action
+from lightning_pipedream.schedule.builders import inference
+from lightning_pipedream.schedule.specs import SCHEDULES
+from lightning_pipedream.strategy.batches import batch_args, fingerprint, merge_outputs
+from lightning_pipedream.strategy.calls import Elsewhere, ForwardCall, SequentialCall, find_layers, loss_of
 from lightning_pipedream.strategy.checkpoint import (
     AtomicCheckpointIO,
     CheckpointGather,
@@ -65,7 +61,10 @@ from lightning_pipedream.strategy.checks import (
     optimizers_unvalidated,
 )
 from lightning_pipedream.strategy.graph_path import GraphPath
-from lightning_pipedream.strategy.placement import StagePlacement
+from lightning_pipedream.strategy.logs import LogRecorder
+from lightning_pipedream.strategy.options import PipelineOptions, tuple_or_none
+from lightning_pipedream.strategy.placement import Placement, ProcessGroups
+from lightning_pipedream.strategy.planning import LayerPlanner
 from lightning_pipedream.strategy.summaries import LaggedFromSources, LaggedSummaries, StepSummary, SummaryChannel
 from lightning_pipedream.strategy.updates import PipelineDrain, PipelineUpdates
 from lightning_pipedream.tree import map_tensors
@@ -78,7 +77,28 @@ SIGTERM_CHECK_EVERY = 32
 _CPU = torch.device("cpu")  # where a step's extra outputs go before they travel pickled
 
 
-class PipeDreamStrategy(StagePlacement, GraphPath, DDPStrategy):
+@dataclass
+class StagePipeline:
+    """What ``setup`` builds for one LightningModule on this rank: its stage, the engine that runs it, and the
+    channels, checks and checkpoint mapping around it. A later fit/validate/test with the same module reuses it."""
+
+    module: LightningModule
+    placement: Placement
+    groups: ProcessGroups
+    call: SequentialCall | ForwardCall  # how the user's step calls the pipelined part
+    stage: nn.Module  # this rank's layers (interleaved: all its model chunks)
+    engine: PipelineEngine
+    summary: SummaryChannel
+    checkpoint: CheckpointGather
+    optimizer_layouts: list[OptimizerLayout]
+    local_names: dict[int, str]  # parameter id -> the module's own name
+    graph: GraphPath | None = None  # the graph path, for a module that is not one nn.Sequential
+    lagged: LaggedFromSources | None = None  # pipedream: summaries used ``stages - 1`` steps late
+    reducer: GradientReducer | None = None  # the stage's replicas' all-reduce
+    finite: FiniteChecks | None = None
+
+
+class PipeDreamStrategy(DDPStrategy):
     """Train a LightningModule as a pipeline, one stage per process.
 
     A module whose layers are one ``nn.Sequential`` is split between those layers; any other module
@@ -157,13 +177,18 @@ class PipeDreamStrategy(StagePlacement, GraphPath, DDPStrategy):
         timeout: timedelta | None = _DEFAULT_TIMEOUT,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
-        check_schedule_options(schedule, chunks, vertical_sync, virtual_stages=virtual_stages, recompute=recompute)
+        self.options = PipelineOptions(
+            schedule, chunks, tuple_or_none(balance), plan, layers, tuple_or_none(split_points), weight_stashing,
+            vertical_sync, tuple(bandwidth) if isinstance(bandwidth, (list, tuple)) else bandwidth, trace, stages,
+            tuple_or_none(replicas), check_finite, straight, virtual_stages, recompute, keep_freed_memory,
+        )
         if start_method != "popen":
             # spawn/fork launchers copy only rank 0's weights back to the main process: wrong for a pipeline.
             raise ValueError(
                 f"PipeDreamStrategy(start_method={start_method!r}) is not supported: those launchers return only "
                 "rank 0's weights, which hold one stage. Use the default start_method='popen' (or torchrun)."
             )
+        # DDPStrategy gives the launcher, the process group and the collectives; its DDP wrapper is not used.
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -175,211 +200,216 @@ class PipeDreamStrategy(StagePlacement, GraphPath, DDPStrategy):
             timeout=timeout,
             start_method="popen",
         )
-        self.schedule = schedule
-        self.chunks = chunks
-        self.virtual_stages = virtual_stages
-        self.recompute = recompute
-        self.keep_freed_memory = keep_freed_memory
-        self._keeping_freed_memory = False  # set while this process keeps freed memory (from setup to teardown)
-        # pipedream and 2bw keep the pipeline full across training steps (a drain empties it).
-        self.asynchronous = schedule in ("pipedream", "2bw")
-        self._balance_arg = list(balance) if balance is not None else None
-        self._plan_path = plan
-        self._layers_arg = layers
-        self._split_points = list(split_points) if split_points is not None else None
-        if plan is not None and virtual_stages > 1:
-            raise ValueError(
-                "PipeDreamStrategy(plan=...) gives one layer range per process; schedule='interleaved' with "
-                f"virtual_stages={virtual_stages} needs processes x {virtual_stages} of them. Give balance= with that "
-                "many layer counts, or drop plan= for an even split."
-            )
-        if split_points is not None and layers is not None:
-            raise ValueError(
-                "PipeDreamStrategy takes layers= (split an nn.Sequential between its layers) or split_points= (split "
-                "the traced forward graph at module names), not both."
-            )
-        self.weight_stashing = weight_stashing
-        self.vertical_sync = vertical_sync
-        self.bandwidth = bandwidth
-        self.straight = straight
-        if not straight:
-            given = [name for name, value in (("plan", plan), ("balance", balance), ("replicas", replicas),
-                                              ("stages", stages), ("split_points", split_points)) if value is not None]
-            if given:
-                raise ValueError(
-                    f"PipeDreamStrategy(straight=False) lets the planner choose stages and replicas, but {given} "
-                    "already decide them. Drop those, or keep straight=True."
-                )
-        self.trace_dir = trace
-        if stages is not None and (not isinstance(stages, int) or stages < 1):
-            raise ValueError(f"stages must be an integer >= 1 (the pipeline's length), got {stages!r}.")
-        self._stages_arg = stages
-        self._replicas_arg = list(replicas) if replicas is not None else None
-        self._layout: Layout | None = None  # replicated stages with different counts (1F1B-RR); None otherwise
-        self.check_finite = check_finite
-        self._finite: FiniteChecks | None = None
-        self._step_context = "setup"  # what the pipeline runs now, for error messages
-        self._pipeline_group: dist.ProcessGroup | None = None  # this rank's pipeline: its ranks are the stages
-        self._replica_group: dist.ProcessGroup | None = None  # this rank's stage in every pipeline
-        self._reducer: GradientReducer | None = None
-        self.plan: Any = None  # the Plan used (from plan.json or the partitioner), if any
-        self.balance: list[int] | None = None
-        self._layers_name = ""
-        self._call: SequentialCall | ForwardCall = ForwardCall()  # SubmoduleCall is a ForwardCall
-        self._graph: CapturedStage | None = None  # the graph path's stage, captures and tied copies
-        self._graph_inputs_seen: set[tuple] = set()
-        self._stage_module: nn.Module | None = None
-        self._chunks: list[nn.Module] = []  # interleaved: this rank's model chunks, stages r, r + p, ...
-        self._module_set_up: LightningModule | None = None
-        self._engine: PipelineEngine | None = None
+        self.plan: Any = self.options.load_plan()  # the Plan used: plan= (read now), the partitioner's, or None
+        self.balance: list[int] | None = None  # the layers per stage used (a module whose layers are one Sequential)
+        self._pipeline: StagePipeline | None = None
         self._updates: PipelineUpdates | None = None
-        self._summary: SummaryChannel | None = None
-        self._summary_group: dist.ProcessGroup | None = None  # pipedream: the summaries' own point-to-point group
-        self._lagged: LaggedFromSources | None = None  # pipedream: summaries used ``stages - 1`` steps late
-        self._checkpoint: CheckpointGather | None = None
-        self._optimizer_layouts: list[OptimizerLayout] = []
-        self._local_names: dict[int, str] = {}
         self._failure: BaseException | None = None
+        self._step_context = "setup"  # what the pipeline runs now, for error messages
+        self._keeping_freed_memory = False  # set while this process keeps freed memory (from setup to teardown)
 
-    # ----------------------------------------------------------------------------------- ranks
+    # -------------------------------------------------------------------------------- options
+    @property
+    def schedule(self) -> str:
+        return self.options.schedule
+
+    @property
+    def chunks(self) -> int:
+        """Micro-batches per batch."""
+        return self.options.chunks
+
+    @property
+    def asynchronous(self) -> bool:
+        """pipedream and 2bw keep the pipeline full across training steps (a drain empties it)."""
+        return self.options.spec.asynchronous
+
+    # ---------------------------------------------------------------------------------- ranks
+    @property
+    def placement(self) -> Placement:
+        """Where the stages live. Before ``setup`` decides it (the planner may replicate stages), the placement
+        the options give."""
+        if self._pipeline is not None:
+            return self._pipeline.placement
+        return self._decide_placement(self.plan)
+
     @property
     def num_stages(self) -> int:
         """Stages of one pipeline (``stages=``, ``replicas=``, or one per process)."""
-        if self._layout is not None:
-            return self._layout.num_stages
-        return self._stages_arg if self._stages_arg is not None else self.world_size
+        return self.placement.num_stages
 
     @property
     def num_pipelines(self) -> int:
         """Data-parallel copies of the pipeline: processes / stages (1 with unequal replicas)."""
-        if self._layout is not None:
-            return 1
-        return max(1, self.world_size // self.num_stages)
+        return self.placement.num_pipelines
 
     @property
     def stage_index(self) -> int:
-        # Stage-major ranks (see ReplicaGroups): stage s of pipeline k is rank s * pipelines + k, so a
-        # stage's replicas are neighbours (on one node when they fit) and all-reduce over fast links.
-        if self._layout is not None:
-            return self._layout.stage_of(self.global_rank)
-        return self.global_rank // self.num_pipelines
+        return self.placement.stage_index
 
     @property
     def pipeline_index(self) -> int:
-        return 0 if self._layout is not None else self.global_rank % self.num_pipelines
+        return self.placement.pipeline_index
 
     @property
     def is_last_stage(self) -> bool:
-        return self.stage_index == self.num_stages - 1
+        return self.placement.is_last_stage
+
+    @property
+    def process_groups(self) -> ProcessGroups:
+        """This rank's process groups (its pipeline's, its summaries', its replicas'), once ``setup`` made them."""
+        return self._pipeline.groups if self._pipeline is not None else ProcessGroups()
 
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Every stage of a pipeline must see the same batches: the data-parallel degree is the number of
-        # pipelines, not the world size; pipeline k reads shard k.
-        return {"num_replicas": self.num_pipelines, "rank": self.pipeline_index}
+        return self.placement.sampler_kwargs
 
-    # ----------------------------------------------------------------------------------- setup
+    def _decide_placement(self, plan: Any, accumulate_grad_batches: int = 1) -> Placement:
+        """Replicas per stage from ``replicas=`` or the plan: equal counts are data-parallel pipelines, unequal ones
+        PipeDream's 1F1B-RR."""
+        options = self.options
+        replicas = options.replicas
+        if replicas is None and plan is not None and (options.plan_path is not None or not options.straight):
+            replicas = tuple(stage.replicas for stage in plan.stages)
+        return Placement.decide(options.schedule, self.world_size, self.global_rank, stages=options.stages,
+                                replicas=replicas, accumulate_grad_batches=accumulate_grad_batches)
+
+    @override
+    def _configure_launcher(self) -> None:
+        # The Trainer knows its devices and nodes now, before any process starts: refuse what cannot run here.
+        world_size = self.num_nodes * self.num_processes
+        placement = Placement.decide(self.options.schedule, world_size, stages=self.options.stages,
+                                     replicas=self._decide_placement_replicas())
+        if self.plan is not None and len(self.plan.stages) != placement.num_stages:
+            raise ValueError(
+                f"The plan {self.options.plan_path} has {len(self.plan.stages)} stages but the Trainer runs "
+                f"{placement.num_stages} processes. Make a plan for {placement.num_stages} workers, or set "
+                f"devices/num_nodes to give {len(self.plan.stages)} processes."
+            )
+        super()._configure_launcher()
+
+    def _decide_placement_replicas(self) -> tuple[int, ...] | None:
+        if self.options.replicas is not None:
+            return self.options.replicas
+        return tuple(stage.replicas for stage in self.plan.stages) if self.plan is not None else None
+
+    # ---------------------------------------------------------------------------------- setup
     @override
     def setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
-        if self.keep_freed_memory and self.root_device.type == "cpu" and not self._keeping_freed_memory:
+        if self.options.keep_freed_memory and self.root_device.type == "cpu" and not self._keeping_freed_memory:
             self._keeping_freed_memory = allocator.keep_freed_memory()
+        # A failing rank writes its flight recorder under the Trainer's root directory (unless the variable says where).
+        os.environ.setdefault(flight.DIRECTORY_ENV, os.path.join(trainer.default_root_dir, flight.DEFAULT_DIRECTORY))
         module = self.lightning_module
         assert module is not None
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             check_training_supported(module, self.precision_plugin)
-
-        if self._engine is None or module is not self._module_set_up:
-            if fitting and not self.straight and self.world_size > 1:
-                self._plan_with_replication(trainer, module)
-            self._decide_layout()
-            if fitting and self._layout is not None and self.schedule == "pipedream" and (
-                    trainer.accumulate_grad_batches > 1):
-                raise ValueError(
-                    f"PipeDreamStrategy(schedule='pipedream') with replicas {list(self._layout.replicas)} and "
-                    f"accumulate_grad_batches={trainer.accumulate_grad_batches}: PipeDream's 1F1B-RR makes each shard "
-                    "a minibatch of its own and does not accumulate. Use a larger batch instead, or schedule='1f1b'."
-                )
-            self._make_groups()
-            full_keys = list(module.state_dict())
-            # The full model's optimizer layout maps checkpoints (single-device form) to this rank's stage.
-            self._optimizer_layouts = OptimizerLayout.of_module(module, optimizers_unvalidated)
-            if fitting and len(self._optimizer_layouts) > 1:
-                raise ValueError(
-                    f"{type(module).__name__}.configure_optimizers returns {len(self._optimizer_layouts)} optimizers; "
-                    "PipeDreamStrategy trains with one (automatic optimization, which takes one). Use one optimizer "
-                    "with a parameter group per part of the model for different learning rates or settings."
-                )
-            layers = self._sequential_layers(module)
-            if layers is not None:
-                self._call = SequentialCall(self._layers_name)
-                self.balance = self._decide_balance(trainer, module, layers)
-                self._keep_own_stage(module, layers)
-            else:
-                if has_meta_tensors(module):
-                    raise ValueError(
-                        f"{type(module).__name__} was built on the meta device (configure_model under "
-                        "PipeDreamStrategy, or torch.device('meta')), which PipeDreamStrategy materializes per stage "
-                        "only for a module whose layers are one nn.Sequential; this one's forward graph must be "
-                        "traced with real weights. Put the layers in one nn.Sequential, or build the model on a "
-                        "real device (in __init__)."
-                    )
-                if self.virtual_stages > 1:
-                    raise ValueError(
-                        f"schedule='interleaved' with virtual_stages={self.virtual_stages} splits the layers of one "
-                        f"nn.Sequential into model chunks, but {type(module).__name__}'s are not one nn.Sequential. "
-                        "Put the layers in one nn.Sequential (layers= names it), or use virtual_stages=1."
-                    )
-                self._call = ForwardCall()
-                self._split_captured_graph(trainer, module)
-            self._module_set_up = module
-            self.precision_plugin.convert_module(self.model)
-            self.model_to_device()
-            assert self._stage_module is not None
-            self._stage_module.to(self.root_device)  # a graph stage is not a child of the module
-            self._build_engine()
-            if self.check_finite:
-                self._finite = FiniteChecks(self._stage_module, self.stage_index, lambda: self._step_context,
-                                            per_layer=self._graph is None)
-            sources = self._last_stage_ranks()
-            self._summary = SummaryChannel(self.stage_index, self.num_stages, self.root_device, self._pipeline_group,
-                                           self._replica_group, self.num_pipelines, source=sources[0],
-                                           sources=sources)
-            if self._summary_group is not None:
-                me = dist.get_rank(self._summary_group)
-                self._lagged = LaggedFromSources([LaggedSummaries(
-                    self._summary, self._summary_group, source=source,
-                    receivers=[r for r in range(dist.get_world_size(self._summary_group)) if r != source],
-                    lag=self.num_stages - 1, is_source=me == source,
-                ) for source in sources])
-            self._checkpoint = CheckpointGather(self.global_rank, self.world_size, full_keys)
-            if self._replica_group is not None:
-                self._reducer = GradientReducer(self._stage_module.parameters(), self._replica_group)
+        if self._pipeline is None or self._pipeline.module is not module:
+            self._pipeline = self._build_pipeline(trainer, module, fitting)
         else:  # a later fit/validate/test/predict with the same model: keep its stages
             self.model_to_device()
         if fitting:
             self.setup_optimizers(trainer)
             check_optimizers(self.optimizers)
-            if self._graph is not None:  # every rank holds the whole module; its optimizer takes its stage's share
-                _keep_parameters(self.optimizers, {id(p) for p in self._stage_module.parameters()})
+            if self._pipeline.graph is not None:  # every rank holds the whole module; its optimizer trains its stage
+                _keep_parameters(self.optimizers, {id(p) for p in self._pipeline.stage.parameters()})
         self.setup_precision_plugin()
         if fitting:
-            _optimizers_to_device(self.optimizers, self.root_device)
-            self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
-            assert self._stage_module is not None
-            self._updates = PipelineUpdates(
-                list(self._stage_module.parameters()), lambda: self.optimizers, self._optimizer_step_now,
-                before_step=self._before_update,
-            )
-            if self._lagged is not None:
-                self._check_sigterm_every_few_batches(trainer)
-            if not any(isinstance(c, PipelineDrain) for c in trainer.callbacks):
-                # First, so that no other callback sees a model with minibatches in flight.
-                trainer.callbacks.insert(0, PipelineDrain(self.drain, self._pipeline_failed))
+            self._setup_training(trainer)
         self._failure = None
+
+    def _build_pipeline(self, trainer: Trainer, module: LightningModule, fitting: bool) -> StagePipeline:
+        """Decide the placement and this rank's stage, and build the engine and channels around it."""
+        options = self.options
+        found = self._sequential_layers(module)
+        call: SequentialCall | ForwardCall = SequentialCall(found[0]) if found is not None else ForwardCall()
+        planner = LayerPlanner(options, trainer, module, call, self.is_global_zero,
+                               self.batch_to_device) if isinstance(call, SequentialCall) else None
+        if fitting and not options.straight and self.world_size > 1:
+            if found is None or planner is None:
+                raise ValueError(
+                    f"PipeDreamStrategy(straight=False) plans replicated stages for a module whose layers are one "
+                    f"nn.Sequential; {type(module).__name__}'s are not. Use straight=True (the default) for the graph "
+                    "path, or put the layers in one nn.Sequential."
+                )
+            self.plan = planner.replicated_plan(found[1], self.world_size, len(self.parallel_devices or [None]),
+                                                self.num_nodes)
+        placement = self._decide_placement(self.plan, trainer.accumulate_grad_batches if fitting else 1)
+        groups = ProcessGroups.make(placement, self._process_group_backend, self._timeout)
+        full_keys = list(module.state_dict())
+        # The full model's optimizer layout maps checkpoints (single-device form) to this rank's stage.
+        optimizer_layouts = OptimizerLayout.of_module(module, optimizers_unvalidated)
+        if fitting and len(optimizer_layouts) > 1:
+            raise ValueError(
+                f"{type(module).__name__}.configure_optimizers returns {len(optimizer_layouts)} optimizers; "
+                "PipeDreamStrategy trains with one (automatic optimization, which takes one). Use one optimizer "
+                "with a parameter group per part of the model for different learning rates or settings."
+            )
+        graph = None
+        if found is not None and planner is not None:
+            name, layers = found
+            self.balance, self.plan = planner.balance(layers, placement.num_stages, self.plan)
+            stage, model_chunks = self._keep_own_stage(module, name, layers, placement)
+            local_names = {id(p): f"{name}.{n}" for n, p in stage.named_parameters()}
+        else:
+            self._check_graph_path_supported(module)
+            graph = GraphPath(options, placement, self.is_global_zero, self.batch_to_device)
+            graph.split(trainer, module)
+            call, stage, local_names = graph.call, graph.stage, graph.local_names()
+            model_chunks = [stage]
+            self.plan = graph.plan if graph.plan is not None else self.plan
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        stage.to(self.root_device)  # a graph stage is not a child of the module
+        pipeline = StagePipeline(
+            module, placement, groups, call, stage,
+            engine=self._make_engine(stage, model_chunks, placement, groups),
+            summary=_summary_channel(placement, groups, self.root_device),
+            checkpoint=CheckpointGather(self.global_rank, self.world_size, full_keys),
+            optimizer_layouts=optimizer_layouts, local_names=local_names, graph=graph,
+        )
+        pipeline.lagged = _lagged_summaries(placement, groups, pipeline.summary)
+        if groups.replicas is not None:
+            pipeline.reducer = GradientReducer(stage.parameters(), groups.replicas)
+        if options.check_finite:
+            pipeline.finite = FiniteChecks(stage, placement.stage_index, lambda: self._step_context,
+                                           per_layer=graph is None)
+        return pipeline
+
+    def _check_graph_path_supported(self, module: LightningModule) -> None:
+        if has_meta_tensors(module):
+            raise ValueError(
+                f"{type(module).__name__} was built on the meta device (configure_model under "
+                "PipeDreamStrategy, or torch.device('meta')), which PipeDreamStrategy materializes per stage "
+                "only for a module whose layers are one nn.Sequential; this one's forward graph must be "
+                "traced with real weights. Put the layers in one nn.Sequential, or build the model on a "
+                "real device (in __init__)."
+            )
+        if self.options.virtual_stages > 1:
+            raise ValueError(
+                f"schedule='interleaved' with virtual_stages={self.options.virtual_stages} splits the layers of one "
+                f"nn.Sequential into model chunks, but {type(module).__name__}'s are not one nn.Sequential. "
+                "Put the layers in one nn.Sequential (layers= names it), or use virtual_stages=1."
+            )
+
+    def _setup_training(self, trainer: Trainer) -> None:
+        """The pipeline's updates, clipping over the whole model, and the callback that drains before others look."""
+        pipeline = self._pipeline
+        assert pipeline is not None
+        _optimizers_to_device(self.optimizers, self.root_device)
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+        self._updates = PipelineUpdates(
+            list(pipeline.stage.parameters()), lambda: self.optimizers, self._optimizer_step_now,
+            before_step=self._before_update,
+        )
+        if pipeline.lagged is not None:
+            self._check_sigterm_every_few_batches(trainer)
+        if not any(isinstance(c, PipelineDrain) for c in trainer.callbacks):
+            # First, so that no other callback sees a model with minibatches in flight.
+            trainer.callbacks.insert(0, PipelineDrain(self.drain, self._pipeline_failed))
 
     def _check_sigterm_every_few_batches(self, trainer: Trainer) -> None:
         """Lightning broadcasts rank 0's SIGTERM flag before every training batch: a collective over all ranks,
@@ -398,34 +428,60 @@ class PipeDreamStrategy(StagePlacement, GraphPath, DDPStrategy):
 
         epoch_loop._broadcast_sigterm_tensor = every_few_batches  # type: ignore[method-assign]
 
-    @override
-    @contextmanager
-    def model_sharded_context(self) -> Generator[None, None, None]:
-        """Lightning runs ``configure_model`` in here: its layers are built on the meta device (shapes, no
-        storage), and :meth:`setup` gives real weights only to this rank's stage (per-stage construction)."""
-        with torch.device("meta"):
-            yield
-
-    @override
-    def teardown(self) -> None:
+    def _sequential_layers(self, module: LightningModule) -> tuple[str, nn.Sequential] | None:
+        """The module's Sequential to split between layers (its attribute name too), or None to split its traced
+        forward graph."""
+        if self.options.split_points is not None:
+            return None
+        if self.options.layers is not None:  # asked for by name: its errors are the user's to see
+            return find_layers(module, self.options.layers)
         try:
-            self._teardown_module()
-        finally:
-            if self._keeping_freed_memory:  # training is over: the process gives its freed memory back
-                allocator.return_freed_memory()
-                self._keeping_freed_memory = False
+            return find_layers(module, None)
+        except ValueError as not_sequential:
+            if self.is_global_zero:
+                log.info("PipeDreamStrategy: %s is not one nn.Sequential (%s); it splits the graph of its forward "
+                         "call instead.", type(module).__name__, str(not_sequential).split(";")[0])
+            return None
 
-    def _teardown_module(self) -> None:
-        module = self.lightning_module
-        if module is None or not has_meta_tensors(module):
-            super().teardown()
-            return
-        # Setup stopped before materializing (an error): Lightning's module.cpu() cannot copy meta tensors.
-        module.cpu = lambda: module._apply(lambda t: t if t.is_meta else t.cpu())  # type: ignore[method-assign]
-        try:
-            super().teardown()
-        finally:
-            del module.cpu
+    def _keep_own_stage(self, module: LightningModule, name: str, layers: nn.Sequential,
+                        placement: Placement) -> tuple[nn.Module, list[nn.Module]]:
+        """Replace the other stages' layers by placeholders so this rank holds only its own; returns the stage and
+        its model chunks (interleaved: stages r, r + p, ...; one otherwise)."""
+        assert self.balance is not None
+        mine = [c * placement.num_stages + placement.stage_index for c in range(self.options.virtual_stages)]
+        model_chunks = [stage_slice(layers, self.balance, s) for s in mine]
+        own = model_chunks[0] if len(mine) == 1 else nn.Sequential(
+            OrderedDict((layer_name, layer) for chunk in model_chunks for layer_name, layer in chunk.named_children())
+        )
+        check_stage_trains(own, placement.stage_index, self.balance)
+        stage_of = [s for s, count in enumerate(self.balance) for _ in range(count)]
+        for i, layer_name in enumerate(list(layers._modules)):
+            if layer_name not in own._modules:
+                layers._modules[layer_name] = Elsewhere(layer_name, stage_of[i])
+        if has_meta_tensors(module):  # built on the meta device: real weights for this stage only
+            materialize(module, self.root_device, self._shared_seed())
+        return own, model_chunks
+
+    def _make_engine(self, stage: nn.Module, model_chunks: list[nn.Module], placement: Placement,
+                     groups: ProcessGroups) -> PipelineEngine:
+        options = self.options
+        return PipelineEngine(
+            model_chunks if options.virtual_stages > 1 else stage,
+            placement.stage_index,
+            placement.num_stages,
+            Transport(group=groups.pipeline, device=self.root_device),
+            schedule=options.schedule,
+            chunks=options.chunks,
+            weight_stashing=options.weight_stashing,
+            vertical_sync=options.vertical_sync,
+            record=options.trace_dir is not None,
+            # 1F1B-RR: the engine runs the replicated schedule; the replicas' all-reduce happens in our updates.
+            replicas=placement.layout.replicas if placement.layout is not None else None,
+            rank=placement.rank if placement.layout is not None else None,
+            allreduce=_reduced_in_updates if placement.layout is not None else None,
+            recompute=options.recompute,
+            virtual_stages=options.virtual_stages,
+        )
 
     def _shared_seed(self) -> int:
         """Rank 0's initial seed, from which every layer built on the meta device is initialized (see
@@ -435,72 +491,13 @@ class PipeDreamStrategy(StagePlacement, GraphPath, DDPStrategy):
             dist.broadcast_object_list(payload, src=0)
         return int(payload[0])
 
-    def _before_update(self, batch_idx: int) -> None:
-        """Right before each of the pipeline's updates: sum tied copies, then the stage's replicas' gradients."""
-        if self._finite is not None:
-            self._finite.check_gradients(batch_idx)
-        if self._graph is not None:
-            self._graph.before_update()
-        if self._reducer is not None:
-            # Shares of one batch's loss are summed (each pipeline's counts 1/pipelines); PipeDream's 1F1B-RR averages
-            # its replicas' minibatches (over those that had one, in a drain's last round).
-            self._reducer.reduce(average=self._layout is not None and self.schedule == "pipedream")
-
-    def _sequential_layers(self, module: LightningModule) -> nn.Sequential | None:
-        """The module's Sequential to split between layers, or None to split its traced forward graph."""
-        if self._split_points is not None:
-            return None
-        if self._layers_arg is not None:  # asked for by name: its errors are the user's to see
-            self._layers_name, layers = find_layers(module, self._layers_arg)
-            return layers
-        try:
-            self._layers_name, layers = find_layers(module, None)
-        except ValueError as not_sequential:
-            if self.is_global_zero:
-                log.info("PipeDreamStrategy: %s is not one nn.Sequential (%s); it splits the graph of its forward "
-                         "call instead.", type(module).__name__, str(not_sequential).split(";")[0])
-            return None
-        return layers
-
-    def _keep_own_stage(self, module: LightningModule, layers: nn.Sequential) -> None:
-        """Replace the other stages' layers by placeholders so this rank holds only its own."""
-        assert self.balance is not None
-        # interleaved: this rank's model chunks are stages r, r + p, ... (one stage otherwise)
-        mine = [c * self.num_stages + self.stage_index for c in range(self.virtual_stages)]
-        self._chunks = [stage_slice(layers, self.balance, s) for s in mine]
-        own = self._chunks[0] if len(mine) == 1 else nn.Sequential(
-            OrderedDict((name, layer) for chunk in self._chunks for name, layer in chunk.named_children())
-        )
-        check_stage_trains(own, self.stage_index, self.balance)
-        stage_of = [s for s, count in enumerate(self.balance) for _ in range(count)]
-        for i, name in enumerate(list(layers._modules)):
-            if name not in own._modules:
-                layers._modules[name] = Elsewhere(name, stage_of[i])
-        if has_meta_tensors(module):  # built on the meta device: real weights for this stage only
-            materialize(module, self.root_device, self._shared_seed())
-        self._stage_module = own
-        prefix = f"{self._layers_name}."
-        self._local_names = {id(p): prefix + n for n, p in own.named_parameters()}
-
-    def _build_engine(self) -> None:
-        assert self._stage_module is not None
-        self._engine = PipelineEngine(
-            self._chunks if self.virtual_stages > 1 else self._stage_module,
-            self.stage_index,
-            self.num_stages,
-            Transport(group=self._pipeline_group, device=self.root_device),
-            schedule=self.schedule,
-            chunks=self.chunks,
-            weight_stashing=self.weight_stashing,
-            vertical_sync=self.vertical_sync,
-            record=self.trace_dir is not None,
-            # 1F1B-RR: the engine runs the replicated schedule; the replicas' all-reduce happens in our updates.
-            replicas=self._layout.replicas if self._layout is not None else None,
-            rank=self.global_rank if self._layout is not None else None,
-            allreduce=_reduced_in_updates if self._layout is not None else None,
-            recompute=self.recompute,
-            virtual_stages=self.virtual_stages,
-        )
+    @override
+    @contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """Lightning runs ``configure_model`` in here: its layers are built on the meta device (shapes, no
+        storage), and :meth:`setup` gives real weights only to this rank's stage (per-stage construction)."""
+        with torch.device("meta"):
+            yield
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -517,7 +514,7 @@ class PipeDreamStrategy(StagePlacement, GraphPath, DDPStrategy):
     def configure_ddp(self) -> None:  # no DistributedDataParallel wrapper: stages don't share weights
         pass
 
-    # ---------------------------------------------------------------------------- training step
+    # -------------------------------------------------------------------------- training step
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         """Admit the batch into the pipeline and run this rank's actions of the step.
@@ -525,8 +522,8 @@ class PipeDreamStrategy(StagePlacement, GraphPath, DDPStrategy):
         The pipeline's forwards, backwards and updates all happen here; Lightning's own backward and
         optimizer step that follow only run their hooks (see :class:`PipelineUpdates`).
         """
-        engine, updates = self._engine, self._updates
-        assert engine is not None and updates is not None
+        pipeline, updates = self._pipeline, self._updates
+        assert pipeline is not None and updates is not None
         module = self.lightning_module
         trainer = module.trainer
         batch, batch_idx = batch_args(args, kwargs)
@@ -537,61 +534,64 @@ class PipeDreamStrategy(StagePlacement, GraphPath, DDPStrategy):
         end_of_data = epoch_loop._num_ready_batches_reached()
         last_step = closes_group and 0 < trainer.max_steps <= trainer.global_step + 1
 
-        parts, piece = self._pieces(batch)
-        sizes = [batch_size(p) for p in parts]
-        total = sum(sizes)
+        shares = self._shares(batch)
         # As Lightning divides the loss of each accumulated batch; and each pipeline's loss counts 1/pipelines in the
         # replicas' summed gradient.
-        scale = 1.0 / (trainer.accumulate_grad_batches * self.num_pipelines)
-        flushed = not self.asynchronous
-        # PipeDream's 1F1B-RR: each of the batch's d shards is a minibatch of its own, and a replicated stage
-        # averages its replicas' gradients (rather than summing shares of one batch's loss).
-        round_robin = self._layout is not None and self.schedule == "pipedream"
+        scale = 1.0 / (trainer.accumulate_grad_batches * pipeline.placement.num_pipelines)
         recorder = LogRecorder()
         step_outputs: list[Any] = []
         batch_loss = [0.0]
 
-        def part(mb: int) -> Any:  # pipedream and 2bw number micro-batches on across steps
-            return parts[piece(mb % len(parts))]
-
         def inputs(mb: int) -> Any:
-            return self._call.input_of(module, "training_step", part(mb), batch_idx)
+            return pipeline.call.input_of(module, "training_step", shares.part(mb), batch_idx)
 
         def loss(mb: int, output: Any) -> Tensor:
-            size = sizes[piece(mb % len(parts))]
-            with self._call.replaying(module, output), recorder.capture(module, size):
-                step_output = module.training_step(part(mb), batch_idx)
+            with pipeline.call.replaying(module, output), recorder.capture(module, shares.size(mb)):
+                step_output = module.training_step(shares.part(mb), batch_idx)
             value = loss_of(step_output)
             step_outputs.append(step_output)
-            share = size / total
-            batch_loss[0] += float(value.detach()) * share
-            weight = scale if round_robin else share * scale
+            batch_loss[0] += float(value.detach()) * shares.share(mb)
+            weight = shares.weight(mb) * scale
             return value * weight if weight != 1.0 else value
 
-        self._ensure_captured(module, "training_step", parts, batch_idx)
+        if pipeline.graph is not None:
+            pipeline.graph.ensure_captured(module, "training_step", shares.parts, batch_idx)
         self._step_context = f"training step {batch_idx} of epoch {trainer.current_epoch}"
-        for minibatch in self._admitted_here(engine.next_minibatch):
+        for minibatch in self._admitted_here(pipeline.engine.next_minibatch):
             updates.admit(minibatch, batch_idx, closes_group)
         with self.precision_plugin.train_step_context(), updates.pipeline_grads():
-            engine.train_step(inputs, loss, updates.apply)
-            if not flushed and (end_of_data or last_step):
+            pipeline.engine.train_step(inputs, loss, updates.apply)
+            if self.asynchronous and (end_of_data or last_step):
                 # Every stage finishes its minibatches before the epoch's end hooks, validation and checkpoints.
-                engine.drain(updates.apply)
+                pipeline.engine.drain(updates.apply)
+        return self._step_result(step_outputs, batch_loss[0], recorder, end_of_data or last_step)
 
+    def _shares(self, batch: Any) -> BatchShares:
+        """A training batch's micro-batches and their loss weights (see :class:`BatchShares`)."""
+        placement = self.placement
+        return BatchShares.of(batch, self.options.chunks, placement.input_shards,
+                              minibatch_updates=placement.round_robin and self.options.spec.minibatch_updates)
+
+    def _step_result(self, step_outputs: list[Any], batch_loss: float, recorder: LogRecorder,
+                     last_of_run: bool) -> STEP_OUTPUT:
+        """Share the step's loss, extra outputs and logs from the last stage with every rank (pipedream: the
+        summary of the minibatch that finished), log them, and return what Lightning expects of a step."""
+        pipeline = self._pipeline
+        assert pipeline is not None
+        module = self.lightning_module
         summary = None
-        if self.is_last_stage:  # a replica of a replicated last stage may own none of the step's micro-batches
+        if pipeline.placement.is_last_stage:  # a replica of a replicated last stage may own none of the step's
             last = step_outputs[-1] if step_outputs else None
             extra = {}
             if isinstance(last, Mapping):
                 extra = {k: map_tensors(_to_cpu, v) for k, v in last.items() if k != "loss"}
-            summary = StepSummary(batch_loss[0], extra, recorder.aggregate())
-        assert self._summary is not None
-        if self._lagged is not None:  # pipedream: minibatch t's summary is used at step t + stages - 1
-            summaries = self._lagged.step(summary)
-            if end_of_data or last_step:
-                summaries += self._lagged.take_all()
+            summary = StepSummary(batch_loss, extra, recorder.aggregate())
+        if pipeline.lagged is not None:  # pipedream: minibatch t's summary is used at step t + stages - 1
+            summaries = pipeline.lagged.step(summary)
+            if last_of_run:
+                summaries += pipeline.lagged.take_all()
         else:
-            summaries = [self._summary.exchange(summary)]
+            summaries = [pipeline.summary.exchange(summary)]
         for each in summaries:
             LogRecorder.replay(module, each.logs)
         if not summaries:  # the pipeline is filling: no minibatch has finished since the last drain
@@ -603,34 +603,26 @@ class PipeDreamStrategy(StagePlacement, GraphPath, DDPStrategy):
     def _admitted_here(self, first: int) -> list[int]:
         """The minibatches of this step whose updates this rank will make: the step's one, or under 1F1B-RR
         pipedream those of the step's ``d`` minibatches that this rank's replica owns (m % replicas)."""
-        if self._layout is None or self.schedule != "pipedream":
+        placement = self.placement
+        layout = placement.layout
+        if layout is None or not self.options.spec.minibatch_updates:
             return [first]
-        layout, rank = self._layout, self.global_rank
-        r = layout.replicas[layout.stage_of(rank)]
-        return [m for m in range(first, first + layout.input_replicas) if m % r == layout.replica_of(rank)]
-
-    def _pieces(self, batch: Any) -> tuple[list[Any], Callable[[int], int]]:
-        """A training batch's micro-batches, and which of them the schedule's micro-batch number m is.
-
-        With unequal replicas (1F1B-RR) every rank has the whole batch: it is split into one shard per
-        replica of the first stage and each shard into ``chunks``; micro-batch m is chunk ``m // d`` of
-        shard ``m % d``, and a replica computes only the micro-batches it owns.
-        """
-        if self._layout is None:
-            return (split(batch, self.chunks) if self.chunks > 1 else [batch]), (lambda mb: mb)
-        d, chunks = self._layout.input_replicas, self.chunks
-        parts = [part for shard in split(batch, d) for part in split(shard, chunks)]  # shard-major
-        return parts, lambda mb: (mb % d) * chunks + mb // d
+        r = layout.replicas[placement.stage_index]
+        return [m for m in range(first, first + layout.input_replicas) if m % r == placement.replica_index]
 
     def _check_same_batch(self, batch: Any) -> None:
         """At each epoch's first batch, make sure every stage got the same one (a cheap fingerprint)."""
-        if self.num_stages == 1:
+        pipeline = self._pipeline
+        assert pipeline is not None
+        if pipeline.placement.num_stages == 1:
             return
+        from lightning_pipedream.runtime.microbatch import batch_size, flatten
+
+        group = pipeline.groups.pipeline
         leaves, _ = flatten(batch, "batch")
         mine = torch.tensor([fingerprint(t) for t in leaves[:4]] + [float(batch_size(batch))], dtype=torch.float64)
-        everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size(self._pipeline_group))]
-        dist.all_gather(everyone, mine.to(self.root_device) if self.root_device.type != "cpu" else mine,
-                        group=self._pipeline_group)
+        everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(everyone, mine.to(self.root_device) if self.root_device.type != "cpu" else mine, group=group)
         if any(not torch.equal(everyone[0].cpu(), other.cpu()) for other in everyone[1:]):
             raise RuntimeError(
                 "The pipeline stages received different training batches: every rank must iterate the same data "
@@ -662,6 +654,19 @@ class PipeDreamStrategy(StagePlacement, GraphPath, DDPStrategy):
         """One of the pipeline's updates, through the precision plugin: Lightning's hooks, clipping, the step."""
         self.precision_plugin.optimizer_step(optimizer, model=self.lightning_module, closure=_gradients_ready)
 
+    def _before_update(self, batch_idx: int) -> None:
+        """Right before each of the pipeline's updates: sum tied copies, then the stage's replicas' gradients."""
+        pipeline = self._pipeline
+        assert pipeline is not None
+        if pipeline.finite is not None:
+            pipeline.finite.check_gradients(batch_idx)
+        if pipeline.graph is not None and pipeline.graph.graph is not None:
+            pipeline.graph.graph.before_update()
+        if pipeline.reducer is not None:
+            # Shares of one batch's loss are summed (each pipeline's counts 1/pipelines); PipeDream's 1F1B-RR averages
+            # its replicas' minibatches (over those that had one, in a drain's last round).
+            pipeline.reducer.reduce(average=pipeline.placement.round_robin and self.options.spec.minibatch_updates)
+
     def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
         """Clip by the norm over the whole model: every stage's gradients, summed across ranks.
 
@@ -669,49 +674,53 @@ class PipeDreamStrategy(StagePlacement, GraphPath, DDPStrategy):
         drain updates stages a different number of times), so there each stage clips by its own
         norm, as PipeDream's runtime did.
         """
+        pipeline = self._pipeline
+        assert pipeline is not None
+        placement = pipeline.placement
         # A tied parameter counts once in the whole model's norm: on the first stage that holds a copy.
-        skip = self._graph.tie_copies_held_elsewhere_first() if self._graph is not None else set()
+        captured = pipeline.graph.graph if pipeline.graph is not None else None
+        skip = captured.tie_copies_held_elsewhere_first() if captured is not None else set()
         grads = [p.grad for group in optimizer.param_groups for p in group["params"]
                  if p.grad is not None and id(p) not in skip]
         square = torch.zeros(1, device=self.root_device, dtype=torch.float32)
         for g in grads:
             square += g.detach().float().pow(2).sum()
-        if self.num_stages > 1 and not self.asynchronous:
-            if self._layout is not None and self._layout.replica_of(self.global_rank) != 0:
+        if placement.num_stages > 1 and not self.asynchronous:
+            if placement.round_robin and placement.replica_index != 0:
                 square.zero_()  # a stage's replicas hold the same (summed) gradients: count the stage once
-            dist.all_reduce(square, group=self._pipeline_group)  # replicas hold the same gradients: one pipeline
+            dist.all_reduce(square, group=pipeline.groups.pipeline)  # replicas hold the same gradients: one pipeline
         factor = torch.clamp(clip_val / (square.sqrt() + 1e-6), max=1.0)
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
                     p.grad.mul_(factor.to(p.grad.dtype))
 
-    # ----------------------------------------------------------------------------------- drain
+    # ---------------------------------------------------------------------------------- drain
     def drain(self) -> None:
         """Finish every minibatch in flight (``pipedream``): afterwards all stages hold final weights.
 
         Every rank must call it at the same point (they do: they run the same steps and hooks).
         """
-        engine, updates = self._engine, self._updates
-        if engine is None or updates is None or not self.asynchronous or self._failure is not None:
+        pipeline, updates = self._pipeline, self._updates
+        if pipeline is None or updates is None or not self.asynchronous or self._failure is not None:
             return
         with updates.pipeline_grads():
-            engine.drain(updates.apply)
+            pipeline.engine.drain(updates.apply)
 
     def _pipeline_failed(self, exception: BaseException) -> None:
         """A step raised (on this rank or a peer): the stages stopped at different places; drain nothing more."""
         self._failure = exception
         if self._updates is not None:
             self._updates.forget()
-        if self._lagged is not None:
-            self._lagged.forget()
+        if self._pipeline is not None and self._pipeline.lagged is not None:
+            self._pipeline.lagged.forget()
 
     @override
     def on_exception(self, exception: BaseException) -> None:
         self._pipeline_failed(exception)
         super().on_exception(exception)
 
-    # ------------------------------------------------------------------------------ evaluation
+    # ----------------------------------------------------------------------------- evaluation
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         with self.precision_plugin.val_step_context():
@@ -728,70 +737,74 @@ class PipeDreamStrategy(StagePlacement, GraphPath, DDPStrategy):
             return self._evaluate("predict_step", args, kwargs, send_output=True)
 
     def _evaluate(self, hook: str, args: tuple, kwargs: dict, send_output: bool) -> Any:
-        engine, channel = self._engine, self._summary
-        assert engine is not None and channel is not None
+        pipeline = self._pipeline
+        assert pipeline is not None
+        placement = pipeline.placement
         module = self.lightning_module
         batch, batch_idx = batch_args(args, kwargs)
         extra_args = args[2:]
         step = getattr(module, hook)
-        parts = split(batch, self.chunks) if self.chunks > 1 else [batch]
-        sizes = [batch_size(p) for p in parts]
+        shares = BatchShares.of(batch, self.options.chunks)
         recorder = LogRecorder()
 
         def inputs(mb: int) -> Any:
-            return self._call.input_of(module, hook, parts[mb], batch_idx, *extra_args, **kwargs)
+            return pipeline.call.input_of(module, hook, shares.part(mb), batch_idx, *extra_args, **kwargs)
 
         def output_of(mb: int, output: Any) -> Any:
-            with self._call.replaying(module, output), recorder.capture(module, sizes[mb]):
-                return step(parts[mb], batch_idx, *extra_args, **kwargs)
+            with pipeline.call.replaying(module, output), recorder.capture(module, shares.size(mb)):
+                return step(shares.part(mb), batch_idx, *extra_args, **kwargs)
 
-        self._ensure_captured(module, hook, parts, batch_idx, *extra_args, **kwargs)
-        actions = inference(self.num_stages, len(parts), self.virtual_stages).actions[self.stage_index]
-        if self._layout is not None:  # the first replica of each stage evaluates; the others get the results
-            layout = self._layout
-            first = [layout.ranks_of(s)[0] for s in range(layout.num_stages)]
-            actions = [] if layout.replica_of(self.global_rank) != 0 else [_to_peer_rank(a, first) for a in actions]
-        outputs = engine.executor.run(actions, inputs=inputs, loss=output_of, optimizer_step=_no_update, train=False)
+        if pipeline.graph is not None:
+            pipeline.graph.ensure_captured(module, hook, shares.parts, batch_idx, *extra_args, **kwargs)
+        actions = inference(placement.num_stages, len(shares.parts), self.options.virtual_stages).actions
+        mine = actions[placement.stage_index]
+        if placement.round_robin:  # the first replica of each stage evaluates; the others get the results
+            first = placement.first_replica_ranks()
+            mine = [] if placement.replica_index != 0 else [_to_peer_rank(a, first) for a in mine]
+        outputs = pipeline.engine.executor.run(mine, inputs=inputs, loss=output_of, optimizer_step=_no_update,
+                                               train=False)
         payload = None
-        if self.is_last_stage:
+        if placement.is_last_stage:
             merged = None
             if send_output:
                 values = [outputs[mb] for mb in sorted(outputs)]
                 merged = map_tensors(_to_cpu, values[0] if len(values) == 1 else merge_outputs(values))
             payload = (merged, recorder.aggregate())
-        merged, logs = channel.broadcast_object(payload)
-        LogRecorder.replay(module, channel.averaged_logs(logs))
+        merged, logs = pipeline.summary.broadcast_object(payload)
+        LogRecorder.replay(module, pipeline.summary.averaged_logs(logs))
         if send_output:
             return map_tensors(lambda t: t.to(self.root_device), merged)
         return None
 
-    # ----------------------------------------------------------------------------- checkpoints
+    # ---------------------------------------------------------------------------- checkpoints
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The whole model's state dict, keyed by the module's own names, gathered on rank 0."""
         self._refuse_after_failure()
         self.drain()
-        assert self._checkpoint is not None
-        return self._checkpoint.state_dict(self._checkpoint_share())
+        assert self._pipeline is not None
+        return self._pipeline.checkpoint.state_dict(self._checkpoint_share())
 
     def _checkpoint_share(self) -> dict[str, Tensor]:
         """This rank's part of the model's state dict, under the module's own names."""
         module = self.lightning_module
-        if self._graph is None:
+        graph = self._pipeline.graph if self._pipeline is not None else None
+        if graph is None or graph.graph is None:
             return module.state_dict()
-        share = self._graph.stage.state_dict()
+        share = graph.stage.state_dict()
         if self.is_global_zero:  # state the graph never reads (metrics, unused layers) is the same on every rank
-            share.update({k: v for k, v in module.state_dict().items() if k not in self._graph.graph_state_names})
+            share.update({k: v for k, v in module.state_dict().items() if k not in graph.graph.graph_state_names})
         return share
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Tensor]:
         """The optimizer's state in single-device form (indices over the whole model), on rank 0."""
         self._refuse_after_failure()
-        assert self._checkpoint is not None
+        pipeline = self._pipeline
+        assert pipeline is not None
         index = self.optimizers.index(optimizer) if optimizer in self.optimizers else 0
         raw = getattr(optimizer, "_optimizer", optimizer)
-        return self._checkpoint.optimizer_state(raw, self._optimizer_layouts[index], self._local_names)
+        return pipeline.checkpoint.optimizer_state(raw, pipeline.optimizer_layouts[index], pipeline.local_names)
 
     def _refuse_after_failure(self) -> None:
         if self._failure is not None:
@@ -808,30 +821,55 @@ class PipeDreamStrategy(StagePlacement, GraphPath, DDPStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        pipeline = self._pipeline
+        assert pipeline is not None
         states = checkpoint["optimizer_states"]
         for i, optimizer in enumerate(self.optimizers):
             raw = getattr(optimizer, "_optimizer", optimizer)
-            raw.load_state_dict(self._optimizer_layouts[i].to_local(raw, states[i], self._local_names))
+            raw.load_state_dict(pipeline.optimizer_layouts[i].to_local(raw, states[i], pipeline.local_names))
 
-    # ------------------------------------------------------------------------------------- end
+    # ------------------------------------------------------------------------------------ end
     @override
     def on_train_end(self) -> None:
         self.drain()
-        if self._lagged is not None and self._failure is None:
-            self._lagged.take_all()  # training stopped between drains (should_stop): deliver, too late to log
+        pipeline = self._pipeline
+        if pipeline is not None and pipeline.lagged is not None and self._failure is None:
+            pipeline.lagged.take_all()  # training stopped between drains (should_stop): deliver, too late to log
         self._write_trace()
         super().on_train_end()
 
     def _write_trace(self) -> None:
-        if self.trace_dir is None or self._engine is None:
+        trace_dir = self.options.trace_dir
+        if trace_dir is None or self._pipeline is None:
             return
         from lightning_pipedream.schedule.timeline import to_chrome_trace
 
-        os.makedirs(self.trace_dir, exist_ok=True)
-        events = self._engine.executor.events(self.global_rank)
-        path = os.path.join(self.trace_dir, f"trace_rank{self.global_rank}.json")
+        os.makedirs(trace_dir, exist_ok=True)
+        events = self._pipeline.engine.executor.events(self.global_rank)
+        path = os.path.join(trace_dir, f"trace_rank{self.global_rank}.json")
         with open(path, "w") as f:
             json.dump(to_chrome_trace(events), f)
+
+    @override
+    def teardown(self) -> None:
+        try:
+            self._teardown_module()
+        finally:
+            if self._keeping_freed_memory:  # training is over: the process gives its freed memory back
+                allocator.return_freed_memory()
+                self._keeping_freed_memory = False
+
+    def _teardown_module(self) -> None:
+        module = self.lightning_module
+        if module is None or not has_meta_tensors(module):
+            super().teardown()
+            return
+        # Setup stopped before materializing (an error): Lightning's module.cpu() cannot copy meta tensors.
+        module.cpu = lambda: module._apply(lambda t: t if t.is_meta else t.cpu())  # type: ignore[method-assign]
+        try:
+            super().teardown()
+        finally:
+            del module.cpu
 
     @classmethod
     @override
@@ -850,13 +888,33 @@ class PipeDreamStrategy(StagePlacement, GraphPath, DDPStrategy):
 _StrategyRegistry = type(StrategyRegistry)
 
 
+def _summary_channel(placement: Placement, groups: ProcessGroups, device: torch.device) -> SummaryChannel:
+    """The channel that brings the last stage's step summary (loss, logs) to every rank."""
+    sources = placement.last_stage_ranks()
+    return SummaryChannel(placement.stage_index, placement.num_stages, device, groups.pipeline, groups.replicas,
+                          placement.num_pipelines, source=sources[0], sources=sources)
+
+
+def _lagged_summaries(placement: Placement, groups: ProcessGroups,
+                      channel: SummaryChannel) -> LaggedFromSources | None:
+    """pipedream and 2bw: step summaries sent point to point on their own group and used ``stages - 1`` steps
+    late, so that no rank waits for the last stage within a step."""
+    if groups.summaries is None:
+        return None
+    me = dist.get_rank(groups.summaries)
+    size = dist.get_world_size(groups.summaries)
+    return LaggedFromSources([
+        LaggedSummaries(channel, groups.summaries, source=source, receivers=[r for r in range(size) if r != source],
+                        lag=placement.num_stages - 1, is_source=me == source)
+        for source in placement.last_stage_ranks()
+    ])
+
+
 def _keep_parameters(optimizers: list[torch.optim.Optimizer], keep: set[int]) -> None:
     """Drop from the optimizers' groups the parameters another stage trains."""
     for optimizer in optimizers:
         for group in optimizer.param_groups:
             group["params"] = [p for p in group["params"] if id(p) in keep]
-
-
 
 
 def _reduced_in_updates(average: bool = False) -> int:

@@ -51,5 +51,5 @@ def test_strategy_group_builds_the_strategy() -> None:
 
     strategy = build_strategy(composed("strategy.schedule=gpipe", "strategy.chunks=4", "strategy.balance=[4,6]").strategy)
     assert isinstance(strategy, PipeDreamStrategy)
-    assert (strategy.schedule, strategy.chunks, strategy._balance_arg) == ("gpipe", 4, [4, 6])
+    assert (strategy.schedule, strategy.chunks, strategy.options.balance) == ("gpipe", 4, (4, 6))
     assert build_strategy(composed("strategy=auto").strategy) == "auto"

@@ -175,7 +175,7 @@ def test_sequence_recipe_on_two_processes_equals_one_process(tmp_path: Path, tas
 
 def test_pipedream_recipe_follows_the_rule(tmp_path: Path) -> None:
     """The image recipe under pipedream on 2 processes equals PipeDream's rule in one process
-    (tests/scripts/pipedream_reference.py) on the same model, batches and Adam: every checkpoint weight to 1e-5.
+    (tests/helpers/pipedream_reference.py) on the same model, batches and Adam: every checkpoint weight to 1e-5.
     Stage 0 computes the second minibatch's gradient at stale weights: ~3e-3 away from synchronous training."""
     train(["experiment=smoke_image", "model.dropout=0.0", "trainer.use_distributed_sampler=false",
            "trainer.enable_checkpointing=true", "trainer.default_root_dir=${hydra:runtime.output_dir}",

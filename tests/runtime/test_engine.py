@@ -100,7 +100,7 @@ def test_pipedream_follows_weight_stashing_rule(stages):
     state, _ = gather(run_local(train_pipeline, stages, "pipedream", 1, n, 10, {}, timeout=90))
     assert_close_state(state, want)
     # Without stashing the backward runs at the newest weights on the forward's activations: the rule's ablation
-    # (tests/scripts/pipedream_reference.py), which differs from the stashing rule.
+    # (tests/helpers/pipedream_reference.py), which differs from the stashing rule.
     state, _ = gather(run_local(train_pipeline, stages, "pipedream", 1, n, 10, {"weight_stashing": False}, timeout=90))
     model = mlp()
     balance = [len(model) // stages + (1 if s < len(model) % stages else 0) for s in range(stages)]
@@ -287,7 +287,7 @@ def single_process(n_batches: int = 3) -> tuple[dict, list[float]]:
 
 @pytest.mark.parametrize(
     ("schedule", "stages", "options"),
-    [  # (the Trainer runs 2 and 3 stages x 2, 4, 8 micro-batches of both: tests/test_strategy_exactness.py)
+    [  # (the Trainer runs 2 and 3 stages x 2, 4, 8 micro-batches of both: tests/strategy/test_exactness.py)
         ("zb-h1", 3, {}),
         ("interleaved", 2, {"virtual_stages": 4}),  # 8 stages of one layer each
         ("interleaved", 3, {"virtual_stages": 2}),  # 8 micro-batches: a first group of 5, then 3

@@ -53,7 +53,7 @@ def _build(name: str, stages: int, count: int) -> Schedule:
     return build_schedule(name, stages, count)
 
 
-FIRST_SCHEDULES = ("gpipe", "1f1b", "pipedream")  # the newer ones: tests/test_schedule_more.py
+FIRST_SCHEDULES = ("gpipe", "1f1b", "pipedream")  # the newer ones: tests/schedule/test_newer_schedules.py
 
 
 def test_every_builder_and_size_is_valid_and_fast():

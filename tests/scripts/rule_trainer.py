@@ -1,7 +1,7 @@
 """An MLP trained by a real Trainer (any strategy) for the exactness tests: `python rule_trainer.py OUT_DIR JSON_OPTIONS`.
 
 The same model, data and hyperparameter tables are imported by the tests, which build the
-single-process reference (tests/scripts/pipedream_reference.py) from them.
+single-process reference (tests/helpers/pipedream_reference.py) from them.
 """
 
 from __future__ import annotations

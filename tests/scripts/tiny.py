@@ -129,7 +129,8 @@ class LossRecorder(L.Callback):
             else None,
             "parameter_bytes": sum(p.numel() * p.element_size() for p in pl_module.parameters() if not p.is_meta),
             # The process groups of data-parallel pipelines: which ranks each rank all-reduces and pipelines with.
-            "groups": {name: _members(getattr(trainer.strategy, f"_{name}_group", None)) for name in ("replica", "pipeline")},
+            "groups": {name: _members(getattr(getattr(trainer.strategy, "process_groups", None), field, None))
+                       for name, field in (("replica", "replicas"), ("pipeline", "pipeline"))},
         }
         with open(os.path.join(self.out, f"rank{trainer.global_rank}.json"), "w") as f:
             json.dump(share, f)

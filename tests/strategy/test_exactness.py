@@ -2,7 +2,7 @@
 
 Each test trains tests/scripts/rule_trainer.py in a subprocess on 2 or 3 processes and compares every
 parameter of the consolidated checkpoint with an independent single-process implementation of the
-rule (tests/scripts/pipedream_reference.py), to 1e-5.
+rule (tests/helpers/pipedream_reference.py), to 1e-5.
 """
 
 from __future__ import annotations

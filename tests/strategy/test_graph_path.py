@@ -97,7 +97,7 @@ class LSTMOutput(nn.Module):
 def test_pipedream_with_weights_tied_across_stages_follows_its_rule(trained):
     # The LSTM LM split before rnn2: the embedding on stage 0, the decoder tied to it on stage 1. Under pipedream
     # each stage updates its copy at its own step for minibatch t with the sum of both copies' gradients for t,
-    # each at its own stage's stashed weights (tests/scripts/pipedream_reference.py, untied copies + ties).
+    # each at its own stage's stashed weights (tests/helpers/pipedream_reference.py, untied copies + ties).
     got = weights(trained / "lstm_pipedream" / "final.ckpt")
     model, _ = make("lstm")
     decoder = nn.Linear(16, 31)

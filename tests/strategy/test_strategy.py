@@ -411,7 +411,7 @@ def test_two_pipelines_on_two_nodes_under_torchrun(tmp_path, runs):
 
 
 def test_more_stages_than_layers_is_refused():
-    # Every rank makes this check before any collective (tests/test_engine.py sees it fail on every rank).
+    # Every rank makes this check before any collective (tests/runtime/test_engine.py sees it fail on every rank).
     from lightning_pipedream.plan.balance import check_stage_count
 
     with pytest.raises(ValueError, match=r"The model has 1 layers but 2 stages were asked for; every stage needs at "

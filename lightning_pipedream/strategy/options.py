@@ -1,0 +1,96 @@
+"""PipeDreamStrategy's own arguments as one frozen value, checked when the strategy is built (before any process)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_pipedream.schedule.builders import check_schedule_options
+from lightning_pipedream.schedule.specs import ScheduleSpec, spec_of
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """What the user chose: the schedule and its options, how to split the model, what to check and record.
+
+    Every combination that cannot run is refused here, in the process that builds the Trainer, with the fix.
+    See :class:`~lightning_pipedream.PipeDreamStrategy` for each field's meaning.
+    """
+
+    schedule: str = "pipedream"
+    chunks: int = 1
+    balance: tuple[int, ...] | None = None
+    plan_path: str | os.PathLike | None = None
+    layers: str | None = None
+    split_points: tuple[str, ...] | None = None
+    weight_stashing: bool = True
+    vertical_sync: bool = False
+    bandwidth: float | tuple[float, ...] = 1e9
+    trace_dir: str | os.PathLike | None = None
+    stages: int | None = None
+    replicas: tuple[int, ...] | None = None
+    check_finite: bool = False
+    straight: bool = True
+    virtual_stages: int = 1
+    recompute: bool = False
+    keep_freed_memory: bool = True
+
+    def __post_init__(self) -> None:
+        check_schedule_options(self.schedule, self.chunks, self.vertical_sync, virtual_stages=self.virtual_stages,
+                               recompute=self.recompute)
+        if self.plan_path is not None and self.virtual_stages > 1:
+            raise ValueError(
+                "PipeDreamStrategy(plan=...) gives one layer range per process; schedule='interleaved' with "
+                f"virtual_stages={self.virtual_stages} needs processes x {self.virtual_stages} of them. Give balance= "
+                "with that many layer counts, or drop plan= for an even split."
+            )
+        if self.split_points is not None and self.layers is not None:
+            raise ValueError(
+                "PipeDreamStrategy takes layers= (split an nn.Sequential between its layers) or split_points= (split "
+                "the traced forward graph at module names), not both."
+            )
+        if not self.straight:
+            given = [name for name, value in (("plan", self.plan_path), ("balance", self.balance),
+                                              ("replicas", self.replicas), ("stages", self.stages),
+                                              ("split_points", self.split_points)) if value is not None]
+            if given:
+                raise ValueError(
+                    f"PipeDreamStrategy(straight=False) lets the planner choose stages and replicas, but {given} "
+                    "already decide them. Drop those, or keep straight=True."
+                )
+        if self.stages is not None and (not isinstance(self.stages, int) or isinstance(self.stages, bool)
+                                        or self.stages < 1):
+            raise ValueError(f"stages must be an integer >= 1 (the pipeline's length), got {self.stages!r}.")
+
+    @property
+    def spec(self) -> ScheduleSpec:
+        """The schedule's properties (asynchronous, micro-batches, replicas, ...)."""
+        return spec_of(self.schedule)
+
+    @property
+    def link_bandwidth(self) -> float:
+        """The bandwidth between two stages of one pipeline (within a node when two are given)."""
+        return float(self.bandwidth[0] if isinstance(self.bandwidth, tuple) else self.bandwidth)
+
+    def load_plan(self) -> Any:
+        """The ``plan=`` file as a Plan (None without one); a missing, unreadable or malformed file is named."""
+        if self.plan_path is None:
+            return None
+        from lightning_pipedream.plan.partition import Plan
+
+        if not os.path.isfile(self.plan_path):
+            raise ValueError(
+                f"PipeDreamStrategy(plan={str(self.plan_path)!r}): no such file. Write one with `python -m "
+                "lightning_pipedream plan --profile PROFILE.json --workers N --bandwidth B --straight --save "
+                f"{self.plan_path}`, or drop plan= to profile the model when training starts."
+            )
+        try:
+            return Plan.load(os.fspath(self.plan_path))
+        except OSError as err:
+            raise ValueError(f"PipeDreamStrategy(plan={str(self.plan_path)!r}) cannot be read: {err}.") from None
+
+
+def tuple_or_none(values: Any) -> tuple | None:
+    """A list argument as a tuple (hashable, and the value cannot change under the strategy), or None."""
+    return tuple(values) if values is not None else None

@@ -1,0 +1,162 @@
+"""Which layers each stage holds: a plan file, ``balance=``, or PipeDream's optimizer on rank 0's profile."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
+
+from lightning_pipedream.plan.balance import check_balance, check_stage_count, even_balance
+from lightning_pipedream.runtime.materialize import balance_by_parameters, has_meta_tensors
+from lightning_pipedream.strategy.batches import first_batch
+from lightning_pipedream.strategy.calls import SequentialCall
+from lightning_pipedream.strategy.options import PipelineOptions
+
+log = logging.getLogger("lightning_pipedream.strategy")
+
+
+class LayerPlanner:
+    """Decides the layers per stage of a module whose layers are one ``nn.Sequential``.
+
+    Every rank calls the same methods at the same point of ``setup``; profiling happens on rank 0, whose
+    plan is broadcast, so that every rank splits the model alike.
+    """
+
+    def __init__(self, options: PipelineOptions, trainer: Trainer, module: LightningModule, call: SequentialCall,
+                 is_global_zero: bool, batch_to_device: Callable[[Any], Any]) -> None:
+        self.options = options
+        self.trainer = trainer
+        self.module = module
+        self.call = call
+        self.is_global_zero = is_global_zero
+        self.batch_to_device = batch_to_device
+
+    def balance(self, layers: nn.Sequential, num_stages: int, plan: Any) -> tuple[list[int], Any]:
+        """Layers per stage for ``num_stages`` stages (per process; interleaved: processes x virtual stages), and
+        the Plan behind it (the given one, the partitioner's, or None)."""
+        options = self.options
+        if options.virtual_stages > 1:  # interleaved: processes x virtual_stages stages, evenly unless balance= says
+            total = num_stages * options.virtual_stages
+            if options.balance is not None:
+                return check_balance(options.balance, len(layers), total), plan
+            return even_balance(len(layers), total), plan
+        if options.plan_path is not None:
+            return self._balance_from_plan_file(layers, num_stages, plan), plan
+        if options.balance is not None:
+            return check_balance(options.balance, len(layers), num_stages), plan
+        if not options.straight and plan is not None:  # the replicating planner's choice
+            return check_balance(plan.balance, len(layers), num_stages), plan
+        check_stage_count(len(layers), num_stages)
+        if num_stages == 1:
+            return [len(layers)], plan
+        if self.trainer.state.fn != TrainerFn.FITTING:
+            return even_balance(len(layers), num_stages), plan
+        if has_meta_tensors(layers):  # nothing to run yet: balance the weights, which decide the memory
+            return balance_by_parameters(layers, num_stages), plan
+        payload: list[Any] = [None]
+        if self.is_global_zero:
+            payload = [self._profile_and_partition(layers, num_stages)]
+        dist.broadcast_object_list(payload, src=0)
+        plan_json, balance = payload[0]
+        if plan_json is not None:
+            from lightning_pipedream.plan.partition import Plan
+
+            plan = Plan.from_json(plan_json)
+        return check_balance(balance, len(layers), num_stages), plan
+
+    def _balance_from_plan_file(self, layers: nn.Sequential, num_stages: int, plan: Any) -> list[int]:
+        path = self.options.plan_path
+        if len(plan.stages) != num_stages:
+            raise ValueError(
+                f"The plan {path} has {len(plan.stages)} stages but the Trainer runs {num_stages} processes. Make a "
+                f"plan for {num_stages} workers, or set devices/num_nodes to give {len(plan.stages)} processes."
+            )
+        names = list(layers._modules)
+        planned = [name for stage in plan.stages for name in stage.layers]
+        if planned != names:
+            raise ValueError(
+                f"The plan {path} lists layers {planned[:6]}... but the model's {self.call.name} has "
+                f"{names[:6]}...; profile this model to make its plan."
+            )
+        return check_balance(plan.balance, len(layers), num_stages)
+
+    def _profile_and_partition(self, layers: nn.Sequential, num_stages: int) -> tuple[dict | None, list[int]]:
+        """Rank 0: profile the layers on one training batch, partition with PipeDream's optimizer."""
+        from lightning_pipedream.plan.partition import partition
+        from lightning_pipedream.plan.topology import Topology
+
+        profile = self._profile_layers(layers)
+        if profile is None:
+            return None, even_balance(len(layers), num_stages)
+        topology = Topology.flat(num_stages, self.options.link_bandwidth)
+        plan = partition(profile, topology, "pipedream", straight=True)
+        if len(plan.stages) != num_stages:
+            # The optimizer may leave workers idle when that is faster; a pipeline here uses them all.
+            plan = partition(profile, topology, "time")
+        plan = _every_stage_trains_or_repartition(plan, profile, topology)
+        plan.schedule, plan.chunks = self.options.schedule, self.options.chunks
+        log.info("PipeDreamStrategy plan (%d stages, schedule=%s):\n%s", num_stages, self.options.schedule,
+                 plan.describe())
+        return plan.to_json(), plan.balance
+
+    def _profile_layers(self, layers: nn.Sequential) -> Any:
+        """Rank 0: the layers' Profile on the first training batch (None without a batch)."""
+        from lightning_pipedream.plan.profile import profile_module
+
+        batch = first_batch(self.trainer.fit_loop)
+        if batch is None:
+            return None
+        sample = self.call.input_of(self.module, "training_step", self.batch_to_device(batch), 0)
+        return profile_module(layers, sample)
+
+    def replicated_plan(self, layers: nn.Sequential, world_size: int, processes_per_node: int, num_nodes: int) -> Any:
+        """``straight=False``: rank 0 profiles the layers and plans for every process with replication allowed, on
+        the Trainer's topology; every rank gets that plan (its replicas decide the placement)."""
+        from lightning_pipedream.plan.partition import Plan, partition
+        from lightning_pipedream.plan.topology import Topology
+
+        options = self.options
+        payload: list[Any] = [None]
+        if self.is_global_zero:
+            topology = Topology.of_cluster(processes_per_node, num_nodes, options.bandwidth)
+            profile = self._profile_layers(layers)
+            plan = None
+            if profile is not None:
+                plan = partition(profile, topology, "pipedream", straight=False)
+                flat = Topology.flat(world_size, options.link_bandwidth)
+                if sum(stage.replicas for stage in plan.stages) != world_size:  # it left processes idle
+                    plan = partition(profile, flat, "time")
+                plan = _every_stage_trains_or_repartition(plan, profile, flat)
+                plan.schedule, plan.chunks = options.schedule, options.chunks
+                log.info("PipeDreamStrategy plan (%d processes, replication allowed, schedule=%s):\n%s",
+                         world_size, options.schedule, plan.describe())
+            payload = [None if plan is None else plan.to_json()]
+        dist.broadcast_object_list(payload, src=0)
+        return None if payload[0] is None else Plan.from_json(payload[0])
+
+
+def _every_stage_trains_or_repartition(plan: Any, profile: Any, topology: Any) -> Any:
+    """A stage of parameter-free layers (an activation alone: noisy timings can make it look worth a stage)
+    cannot have an optimizer: partition by time, then by parameters, until every stage trains."""
+    from lightning_pipedream.plan.partition import partition
+
+    for method in ("time", "parameters"):
+        if _every_stage_trains(profile, plan.balance):
+            break
+        plan = partition(profile, topology, method)
+    return plan
+
+
+def _every_stage_trains(profile: Any, balance: list[int]) -> bool:
+    """Whether each stage of ``balance`` holds a layer with parameters, by ``profile``'s parameter bytes."""
+    start = 0
+    for count in balance:
+        if not any(layer.parameter_bytes for layer in profile.layers[start : start + count]):
+            return False
+        start += count
+    return True
