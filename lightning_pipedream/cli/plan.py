@@ -43,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        topology = Topology.parse(args.workers, args.bandwidth)
+        topology = parse_topology(args.workers, args.bandwidth)
         if args.free_side_sources and args.pipedream_graph is None:
             raise ValueError("--free-side-sources applies to --pipedream-graph only.")
         if args.pipedream_graph is not None:
@@ -64,3 +64,25 @@ def run(args: argparse.Namespace) -> int:
         print(f"{profile.source}: {len(profile.layers)} layers; {topology.describe()}")
         print(plan.describe(simulated=True))
     return 0
+
+
+def parse_topology(workers: str, bandwidth: str) -> Topology:
+    """From the CLI's comma-separated lists, e.g. ``"4,4"`` and ``"1e10,1.25e9"`` (innermost first)."""
+    try:
+        counts = [int(w) for w in workers.split(",")]
+    except ValueError:
+        raise ValueError(
+            f"--workers must be whole numbers separated by commas, e.g. 4,4; got {workers!r}."
+        ) from None
+    try:
+        speeds = [float(b) for b in bandwidth.split(",")]
+    except ValueError:
+        raise ValueError(
+            f"--bandwidth must be bytes/s separated by commas, e.g. 1e10,1.25e9; got {bandwidth!r}."
+        ) from None
+    if len(counts) != len(speeds):
+        raise ValueError(
+            f"--workers lists {len(counts)} levels but --bandwidth lists {len(speeds)}; "
+            "give one bandwidth per level, innermost first."
+        )
+    return Topology(list(zip(counts, speeds)))

@@ -60,28 +60,6 @@ class Topology:
             return cls.flat(processes_per_node, speeds[0])
         return cls([(processes_per_node, speeds[0]), (nodes, speeds[1])])
 
-    @classmethod
-    def parse(cls, workers: str, bandwidth: str) -> Topology:
-        """From the CLI's comma-separated lists, e.g. ``"4,4"`` and ``"1e10,1.25e9"`` (innermost first)."""
-        try:
-            counts = [int(w) for w in workers.split(",")]
-        except ValueError:
-            raise ValueError(
-                f"--workers must be whole numbers separated by commas, e.g. 4,4; got {workers!r}."
-            ) from None
-        try:
-            speeds = [float(b) for b in bandwidth.split(",")]
-        except ValueError:
-            raise ValueError(
-                f"--bandwidth must be bytes/s separated by commas, e.g. 1e10,1.25e9; got {bandwidth!r}."
-            ) from None
-        if len(counts) != len(speeds):
-            raise ValueError(
-                f"--workers lists {len(counts)} levels but --bandwidth lists {len(speeds)}; "
-                "give one bandwidth per level, innermost first."
-            )
-        return cls(list(zip(counts, speeds)))
-
     @property
     def num_workers(self) -> int:
         return math.prod(workers for workers, _ in self.levels)

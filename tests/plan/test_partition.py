@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from lightning_pipedream.cli.plan import parse_topology
 from lightning_pipedream.plan import LayerProfile, Plan, Profile, StagePlan, Topology, configuration_time, partition
 
 # ---------------------------------------------------------------------------------------------------------
@@ -292,7 +293,7 @@ def test_topology_must_match_the_processes():
 )
 def test_bad_topology(workers, bandwidth, message):
     with pytest.raises(ValueError, match=message):
-        Topology.parse(workers, bandwidth)
+        parse_topology(workers, bandwidth)
 
 
 def test_bad_arguments():

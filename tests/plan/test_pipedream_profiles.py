@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from lightning_pipedream.cli.plan import parse_topology
 from lightning_pipedream.plan import Topology, load_pipedream_graph, partition
 
 PROFILES = Path(__file__).resolve().parents[2] / ".." / "shared" / "pipedream-profiles"
@@ -45,7 +46,7 @@ def _config(plan):
     ],
 )
 def test_shipped_configurations(model, workers, bandwidth, cost_model, expected):
-    plan = partition(_profile(model), Topology.parse(workers, bandwidth), cost_model=cost_model)
+    plan = partition(_profile(model), parse_topology(workers, bandwidth), cost_model=cost_model)
     got = _config(plan)
     assert got == expected if "@" in expected else got.split(" @")[0] == expected
 
@@ -88,7 +89,7 @@ PIPEDREAM_OPTIMUM = [
 @pytest.mark.parametrize(("model", "workers", "bandwidth", "seconds"), PIPEDREAM_OPTIMUM)
 def test_same_optimum_as_pipedreams_optimizer(model, workers, bandwidth, seconds):
     profile = _profile(model)
-    topology = Topology.parse(workers, bandwidth)
+    topology = parse_topology(workers, bandwidth)
     plan = partition(profile, topology)
     assert plan.time_per_minibatch == pytest.approx(seconds, rel=1e-9)
     assert [name for s in plan.stages for name in s.layers] == profile.names
@@ -98,7 +99,7 @@ def test_same_optimum_as_pipedreams_optimizer(model, workers, bandwidth, seconds
 def test_side_sources_may_move_earlier_when_asked():
     """GNMT-8's decoder embedding (node21) is fed by an input only: PipeDream's optimizer keeps it with the
     attention layer (node23); letting it join the encoder's last stage balances 4 x 3 workers better."""
-    topology = Topology.parse("4,3", "1e10,1.25e9")
+    topology = parse_topology("4,3", "1e10,1.25e9")
     pinned = partition(_profile("gnmt8"), topology)
     free = partition(_profile("gnmt8", attach_side_sources=False), topology)
     assert pinned.time_per_minibatch == pytest.approx(0.011081)
@@ -110,7 +111,7 @@ def test_side_sources_may_move_earlier_when_asked():
 
 
 def test_straight_plans_use_one_worker_per_stage():
-    plan = partition(_profile("gnmt16"), Topology.parse("4,4", "1e10,1.25e9"), straight=True)
+    plan = partition(_profile("gnmt16"), parse_topology("4,4", "1e10,1.25e9"), straight=True)
     assert len(plan.stages) == 16 and all(s.replicas == 1 for s in plan.stages)
     with pytest.raises(ValueError, match="only 41 layers that can form at most 40 stages.*Use at most 40 workers"):
         partition(_profile("vgg16"), Topology.flat(64, 1e9), straight=True)
