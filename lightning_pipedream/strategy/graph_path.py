@@ -10,6 +10,7 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 
+from lightning_pipedream.graph import GraphCaptureError
 from lightning_pipedream.runtime.graph_stage import CapturedStage
 from lightning_pipedream.runtime.microbatch import split
 from lightning_pipedream.strategy.batches import EVALUATION_LOOP, STEP_OF, batch_shapes, first_batch
@@ -57,26 +58,36 @@ class GraphPath:
                 "put the layers in one nn.Sequential."
             )
         batch = self.batch_to_device(batch)
-        part = split(batch, options.chunks)[0] if options.chunks > 1 else batch
+        part = split(batch, options.chunks)[0] if options.chunks > 1 else batch  # the shape of a step's micro-batch
         hook = STEP_OF[trainer.state.fn]
         args, kwargs = self.call.input_of(module, hook, part, 0)
         points = list(options.split_points) if options.split_points is not None else None
         captured = None
         if points is None:
             payload: list[Any] = [None]
+            failure: BaseException | None = None
             if self.is_global_zero:
                 from lightning_pipedream.graph import capture
                 from lightning_pipedream.graph.split_points import choose_split_points
 
-                captured = capture(module, args, kwargs)
-                points, plan = choose_split_points(captured, module, args, kwargs, placement.num_stages,
-                                                   bandwidth=options.link_bandwidth)
-                self.plan = plan
-                log.info("PipeDreamStrategy split points (%d stages, schedule=%s): %s", placement.num_stages,
-                         options.schedule, points)
-                payload = [points]
+                try:
+                    captured = capture(module, args, kwargs)
+                    points, plan = choose_split_points(captured, module, args, kwargs, placement.num_stages,
+                                                       bandwidth=options.link_bandwidth)
+                except Exception as err:  # noqa: BLE001 - every rank must learn why, not only rank 0
+                    failure, payload = err, [("failed", f"{type(err).__name__}: {err}")]
+                else:
+                    self.plan = plan
+                    log.info("PipeDreamStrategy split points (%d stages, schedule=%s): %s", placement.num_stages,
+                             options.schedule, points)
+                    payload = [points]
             if placement.num_stages > 1:
                 dist.broadcast_object_list(payload, src=0)
+            if failure is not None:
+                raise failure
+            if isinstance(payload[0], tuple):  # rank 0 could not capture or profile the model
+                raise GraphCaptureError(f"Rank 0 could not split {type(module).__name__} into stages, so this rank "
+                                        f"stops too. Rank 0's error: {payload[0][1]}")
             points = payload[0]
         if options.split_points is None:
             self.graph = CapturedStage(module, placement.stage_index, placement.num_stages, points, args, kwargs,
@@ -90,19 +101,11 @@ class GraphPath:
                 "PipeDreamStrategy does not combine with data-parallel pipelines yet. Run one pipeline (stages = "
                 "processes), or split points that keep each tied parameter's users in one stage."
             )
-        if self.graph.ties and options.spec.two_weight_versions:
-            raise ValueError(
-                f"Parameters {sorted(self.graph.ties)} are used on several stages (tied weights), which "
-                "schedule='2bw' does not support yet (pipedream, 1f1b and gpipe do). Use one of those, or "
-                "split_points that keep each tied parameter's users in one stage."
-            )
 
     def _stage_of_split_points(self, module: LightningModule, hook: str, part: Any, args: tuple,
                                kwargs: dict) -> CapturedStage:
         """split_points given: trace the module's forward; if that cannot be traced, the innermost module holding
         the split points that the step calls (every rank decides alike: the same model, batch and failure)."""
-        from lightning_pipedream.graph import GraphCaptureError
-
         assert self.options.split_points is not None
         points = list(self.options.split_points)
         stage_index, num_stages = self.placement.stage_index, self.placement.num_stages
