@@ -1,0 +1,72 @@
+"""Configuration errors are raised where the Trainer is built, before any process starts, and say how to fix them."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import lightning as L
+import pytest
+
+from lightning_pipedream import PipeDreamStrategy
+from lightning_pipedream.plan import LayerProfile, Profile, Topology, partition
+
+
+def trainer(strategy: PipeDreamStrategy, devices: int) -> L.Trainer:
+    return L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, logger=False, enable_progress_bar=False,
+                     enable_checkpointing=False, enable_model_summary=False)
+
+
+def saved_plan(tmp_path: Path, workers: int, replicas_allowed: bool = False) -> Path:
+    profile = Profile([LayerProfile(f"{i}", 1.0, 2.0, 100, 1000) for i in range(6)])
+    plan = partition(profile, Topology.flat(workers, 1e12), "pipedream", straight=not replicas_allowed)
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    return path
+
+
+@pytest.mark.parametrize(("make", "devices", "message"), [
+    (lambda tmp: PipeDreamStrategy(schedule="1f1b", chunks=2, stages=3), 4,
+     "PipeDreamStrategy(stages=3) runs on 4 processes: the processes must be a multiple of the stages"),
+    (lambda tmp: PipeDreamStrategy(replicas=[2, 1]), 4,
+     "replicas [2, 1] need 3 processes but the Trainer runs 4; set devices x num_nodes to 3, or change the replicas."),
+    (lambda tmp: PipeDreamStrategy(schedule="2bw", chunks=2, replicas=[2, 1]), 3,
+     "Stages with unequal replica counts ([2, 1]) run with schedule='pipedream', 'gpipe' or '1f1b'"),
+    (lambda tmp: PipeDreamStrategy(plan=saved_plan(tmp, 3)), 2,
+     "has 3 stages but the Trainer runs 2 processes. Make a plan for 2 workers, or set devices/num_nodes to give 3 "
+     "processes."),
+])
+def test_placement_errors_come_when_the_trainer_is_built(tmp_path: Path, make, devices: int, message: str) -> None:
+    strategy = make(tmp_path)
+    start = time.perf_counter()
+    with pytest.raises(ValueError) as err:
+        trainer(strategy, devices)
+    assert message in str(err.value)
+    assert time.perf_counter() - start < 2.0
+
+
+def test_a_missing_plan_file_is_named_when_the_strategy_is_built(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.json"
+    with pytest.raises(ValueError) as err:
+        PipeDreamStrategy(plan=missing)
+    assert str(err.value) == (
+        f"PipeDreamStrategy(plan={str(missing)!r}): no such file. Write one with `python -m lightning_pipedream plan "
+        f"--profile PROFILE.json --workers N --bandwidth B --straight --save {missing}`, or drop plan= to profile the "
+        "model when training starts.")
+
+
+@pytest.mark.parametrize(("text", "words"), [("", "is empty"), ("{not json", "is not valid JSON"),
+                                             (json.dumps({"stages": "x"}), "stages")])
+def test_a_malformed_plan_file_is_named_when_the_strategy_is_built(tmp_path: Path, text: str, words: str) -> None:
+    path = tmp_path / "plan.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=words) as err:
+        PipeDreamStrategy(plan=path)
+    assert str(path) in str(err.value)
+
+
+def test_a_good_configuration_builds_without_starting_anything(tmp_path: Path) -> None:
+    built = trainer(PipeDreamStrategy(plan=saved_plan(tmp_path, 2)), 2)
+    assert built.strategy.plan is not None and len(built.strategy.plan.stages) == 2
+    assert built.strategy.num_stages == 2
