@@ -304,6 +304,7 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
             "updates_per_rank": rs[0].get("updates_per_rank", [rs[0]["updates"]]),
             "loss": rs[-1]["loss"],
             "loadavg_1m": [[r["loadavg_before"][0], r["loadavg_after"][0]] for r in rs],
+            "foreign_cores_before": [r.get("foreign_cores_before") for r in rs],
         }
         out[name] |= _per_rank_medians(rs)
     for name, rs in runs.items():
@@ -369,6 +370,9 @@ def main(argv: list[str] | None = None) -> dict:
                         help="keep (default, as PipeDreamStrategy's keep_freed_memory=True): glibc keeps freed memory "
                         "for reuse in every contender; default: glibc's own behaviour everywhere")
     parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("--max-wait", type=float, default=None,
+                        help="seconds to wait before each run for other processes to use < 0.25 cores (default 20; "
+                        "quick 0)")
     parser.add_argument("--plot", type=Path, default=None, help="only draw --json's results into this PNG")
     args = parser.parse_args(argv)
     if args.plot:  # from an existing JSON
@@ -431,9 +435,14 @@ def main(argv: list[str] | None = None) -> dict:
             run["loadavg_before"], run["loadavg_after"] = before, os.getloadavg()
             runs[n].append(run)
         rounds = 0
+    from benchmarks.workload import idle_load, wait_for_quiet
+
+    max_wait = args.max_wait if args.max_wait is not None else (0.0 if args.quick else 20.0)
     for rnd in range(rounds):
         order = names[rnd % len(names):] + names[: rnd % len(names)]
         for name in order:
+            waited = wait_for_quiet(max_wait)  # other engineers' tests come in bursts
+            others = idle_load(0.5)["foreign_cores"]  # what other processes use just before the run
             before = os.getloadavg()
             if name in ENGINE:
                 run = run_engine(name, cfg, warmup, steps, args.timeout)
@@ -442,10 +451,12 @@ def main(argv: list[str] | None = None) -> dict:
             else:
                 run = run_lightning(name, cfg_dict, units, args.timeout, args.malloc)
             run["loadavg_before"], run["loadavg_after"] = before, os.getloadavg()
+            run["foreign_cores_before"], run["waited_s"] = others, waited
             runs[name].append(run)
             print(f"round {rnd + 1}/{rounds} {name:18s} {run['seconds_per_step']:.4f} s/step "
                   f"({run['timed_steps']} steps, {run['updates']} updates, {run['samples']} samples; "
-                  f"load {before[0]:.2f} -> {run['loadavg_after'][0]:.2f})", flush=True)
+                  f"load {before[0]:.2f} -> {run['loadavg_after'][0]:.2f}, others using {others:.2f} cores before)",
+                  flush=True)
     if set(names) >= set(LIGHTNING):
         contenders = summarize(runs)
     else:
