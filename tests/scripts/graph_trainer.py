@@ -1,7 +1,8 @@
 """Models that are not one nn.Sequential, trained by a Trainer: `python graph_trainer.py OUT_DIR JSON_OPTIONS`.
 
-The LightningModule wraps one of the graph test families (tests/scripts/graph_models.py): an
-nn.Transformer LM with two inputs, a ResNet, a GPT with tied embeddings, an LSTM LM with a tied decoder.
+The LightningModule wraps one of the graph test families (tests/helpers/graph_models.py): an
+nn.Transformer LM with two inputs, a ResNet, a GPT with tied embeddings, an LSTM LM with a tied decoder, and a
+Hugging Face-style LM called as `self(input_ids, labels=labels).loss` whose output dataclass holds a cache.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +18,11 @@ import lightning as L
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))  # the libraries the tests share
-from graph_models import batches, loss_fn, make  # noqa: E402
+from graph_models import batches, loss_fn, make, padded  # noqa: E402
 from script_runs import main_runs  # noqa: E402
 
 from lightning_pipedream import PipeDreamStrategy
+from lightning_pipedream.runtime.graph_stage import CapturedStage
 
 
 class FamilyModule(L.LightningModule):
@@ -43,6 +46,41 @@ class FamilyModule(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+
+
+class HFStyleModule(FamilyModule):
+    """The usual Hugging Face training step: the model computes its own (token-mean) loss from the labels.
+    ``skip_batch``: training_step returns None for that batch (Lightning's way to skip it)."""
+
+    def __init__(self, family: str, lr: float = 0.1, skip_batch: int | None = None) -> None:
+        super().__init__(family, lr)
+        self.save_hyperparameters()  # skip_batch too
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
+        return self.model(input_ids, labels=labels)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
+        (input_ids,), labels = batch
+        loss = self(input_ids, labels=labels).loss
+        if batch_idx == self.hparams.skip_batch:
+            return None
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        (input_ids,), labels = batch
+        self.log("val_loss", self(input_ids, labels=labels).loss)
+
+
+def labelled_tokens(batch: Any) -> torch.Tensor:
+    """What a token-mean loss averages over: the labels that are not padding (-100)."""
+    return (batch[1] != -100).sum()
+
+
+def captured_stage(strategy: Any) -> CapturedStage | None:
+    """The strategy's graph-path stage (this rank's captures), wherever the strategy keeps it."""
+    graph_path = getattr(getattr(strategy, "_pipeline", None), "graph", None)  # StagePipeline.graph: GraphPath
+    return getattr(graph_path, "graph", None)
 
 
 class DataDependent(FamilyModule):
@@ -72,22 +110,41 @@ def train(out: str, options: dict[str, Any]) -> None:
     os.makedirs(out, exist_ok=True)
     family = options.pop("family")
     torch.set_num_threads(1)  # the same kernels' reduction order in every run, whatever the process count
-    module_class = DataDependent if options.pop("untraceable", False) else FamilyModule
+    module_class = {"untraceable": DataDependent, "hf": HFStyleModule}.get(options.pop("module", ""), FamilyModule)
+    if options.pop("untraceable", False):
+        module_class = DataDependent
     model = module_class(family, **options.pop("model", {}))
+    epochs = options.pop("epochs", None)
     trainer_args: dict[str, Any] = dict(
-        accelerator="cpu", devices=options.pop("devices", 1), max_steps=options.pop("steps", 3), logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        limit_val_batches=options.pop("limit_val_batches", 0),
+        accelerator="cpu", devices=options.pop("devices", 1), max_steps=options.pop("steps", 3 if not epochs else -1),
+        max_epochs=epochs, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=options.pop("limit_val_batches", 0),
     )
     strategy = options.pop("strategy", None)
     if strategy is not None:
+        if strategy.get("mean_over") == "labelled_tokens":
+            strategy["mean_over"] = labelled_tokens
         trainer_args["strategy"] = PipeDreamStrategy(**strategy)
     trainer = L.Trainer(**trainer_args)
-    size = options.pop("batch_size", 4)
-    trainer.fit(model, Batches(batches(family, 3, size)), Batches(batches(family, 1, size)))
+    # Batches of these sizes (the last ones may be smaller than chunks), or 3 of batch_size.
+    sizes = options.pop("sizes", [options.pop("batch_size", 4)] * 3)
+    val_sizes = options.pop("val_sizes", [sizes[0]])
+    train_data = [b for n in sizes for b in batches(family, 1, n)] if len(set(sizes)) > 1 else batches(
+        family, len(sizes), sizes[0])
+    val_data = [batches(family, 1, n)[0] for n in val_sizes]
+    if options.pop("padded", False):  # token-mean losses over unequal numbers of tokens per sample
+        train_data, val_data = padded(train_data), padded(val_data, seed=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, Batches(train_data), Batches(val_data))
     trainer.save_checkpoint(os.path.join(out, "final.ckpt"))
     if trainer.is_global_zero:
-        metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        metrics: dict[str, Any] = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        metrics["global_step"] = trainer.global_step
+        graph = captured_stage(trainer.strategy)
+        if graph is not None:  # the first capture of this run: its cost, and whether the cache served it
+            metrics.update(capture_s=graph.capture_s, capture_cached=graph.cached, split_points=graph.split_points)
+        metrics["warnings"] = sorted({str(w.message) for w in caught if "PipeDreamStrategy" in str(w.message)})
         with open(os.path.join(out, "metrics.json"), "w") as f:
             json.dump(metrics, f)
     if options:

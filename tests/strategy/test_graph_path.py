@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from graph_models import batches, loss_fn, make
-from graph_trainer import FamilyModule
+from graph_trainer import FamilyModule, HFStyleModule
 from pipedream_reference import Minibatch, PipeDreamRule
 from script_runs import run_script
 from torch import nn
@@ -42,10 +42,12 @@ CASES = {
     "lstm": (3, {"schedule": "1f1b", "chunks": 2}, {}),  # profiled split points; decoder tied to the embedding
     # A forward with a branch on a value cannot be traced; split points inside self.model make it train.
     "lstm_untraceable": (2, {"schedule": "1f1b", "chunks": 2, "split_points": ["model.rnn2"]}, {}),
+    # Called as Hugging Face models are, `self(input_ids, labels=y).loss`: an output dataclass holding a cache.
+    "hf": (2, {"schedule": "1f1b", "chunks": 2}, {}),
 }
 
 
-VALIDATED = ("resnet", "transformer")
+VALIDATED = ("resnet", "transformer", "hf")
 
 
 @pytest.fixture(scope="module")
@@ -57,11 +59,15 @@ def trained(tmp_path_factory) -> Path:
         family, _, untraceable = case.partition("_")
         # Validation (an eval-mode capture) where eval mode changes the graph: BatchNorm, nn.Transformer's masks.
         validate = 1 if family in VALIDATED else 0
-        common = {"family": family, "model": model, "limit_val_batches": validate, "untraceable": bool(untraceable)}
+        common = {"family": family, "model": model, "limit_val_batches": validate, "untraceable": bool(untraceable),
+                  **({"module": "hf"} if family == "hf" else {})}
         runs[1].append([str(base / case / "single"), common])
         runs[processes].append([str(base / case / "pipe"), {**common, "devices": processes, "strategy": strategy}])
     runs[2].append([str(base / "lstm_pipedream"), {"family": "lstm", "devices": 2, "strategy": {
         "schedule": "pipedream", "split_points": ["model.rnn2"]}}])
+    # The same module structure as the "hf" run before it in this launch: its capture and profile come from the cache.
+    runs[2].append([str(base / "hf_2bw"), {"family": "hf", "module": "hf", "devices": 2, "strategy": {
+        "schedule": "2bw", "chunks": 2}}])
     for processes, group in runs.items():
         if group:
             (base / f"runs{processes}.json").write_text(json.dumps(group))
@@ -81,8 +87,56 @@ def test_training_equals_one_device(trained, family):
         assert metrics[0]["val_loss"] == pytest.approx(metrics[1]["val_loss"], rel=1e-5)  # an eval-mode capture
     if family == "gpt":  # the output projection tied to the embedding: one tensor under both names
         assert torch.equal(got["model.head.weight"], got["model.tok.weight"])
+    if family == "hf":
+        assert torch.equal(got["model.head.weight"], got["model.tok.weight"])
     # The checkpoint loads without the strategy.
-    FamilyModule.load_from_checkpoint(pipe / "final.ckpt", map_location="cpu")
+    (HFStyleModule if family == "hf" else FamilyModule).load_from_checkpoint(pipe / "final.ckpt", map_location="cpu")
+
+
+def test_an_output_dataclass_with_a_cache_trains_and_the_cache_is_named(trained):
+    # test_training_equals_one_device["hf"] checks the weights and the validation loss; here, what the user is told.
+    metrics = json.loads((trained / "hf" / "pipe" / "metrics.json").read_text())
+    assert any("HFStyleModule's output holds a KeyValueCache at `output.past_key_values`" in w and
+               "pass use_cache=False to the model (Hugging Face models)" in w for w in metrics["warnings"])
+    assert metrics["capture_cached"] is False and metrics["capture_s"] > 0
+
+
+def two_bw_rule(family: str, steps: int = 3, size: int = 4) -> dict[str, torch.Tensor]:
+    """PipeDream-2BW's rule in one process, W(t+1) = W(t) - lr * grad f_t(W(t-1)), on the module itself: a tied
+    parameter is one tensor, its gradient the sum over its uses."""
+    module = HFStyleModule(family)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    names = [name for name, _ in module.named_parameters()]
+    before = {k: p.detach().clone() for k, p in module.named_parameters()}
+    for (input_ids,), labels in batches(family, steps, size):
+        params = {k: w.clone().requires_grad_() for k, w in before.items()}
+        loss = torch.func.functional_call(module, params, (input_ids,), {"labels": labels}, tie_weights=True).loss
+        grads = torch.autograd.grad(loss, [params[k] for k in names])
+        before = {k: p.detach().clone() for k, p in module.named_parameters()}
+        for p, g in zip(module.parameters(), grads):
+            p.grad = g
+        optimizer.step()
+    return module.state_dict()
+
+
+def test_two_bw_with_weights_tied_across_stages_follows_its_rule(trained):
+    # The HF-style LM's head (last stage) is tied to its token embedding (stage 0): each stage keeps its copy and
+    # its two versions, and the copies' gradients are summed at every update.
+    got = weights(trained / "hf_2bw" / "final.ckpt")
+    want = two_bw_rule("hf")
+    assert list(got) == list(want)
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+    assert torch.equal(got["model.head.weight"], got["model.tok.weight"])
+    synchronous = weights(trained / "hf" / "single" / "final.ckpt")
+    assert max((synchronous[k] - v).abs().max().item() for k, v in want.items()) > 1e-4  # not the synchronous rule
+
+
+def test_a_second_run_of_the_same_model_captures_from_the_cache(trained):
+    first = json.loads((trained / "hf" / "pipe" / "metrics.json").read_text())
+    again = json.loads((trained / "hf_2bw" / "metrics.json").read_text())
+    assert again["capture_cached"] is True and again["capture_s"] == 0.0
+    assert again["split_points"] == first["split_points"]  # the profile came from the cache too
 
 
 class LSTMOutput(nn.Module):
