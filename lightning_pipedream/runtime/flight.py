@@ -1,12 +1,14 @@
-"""Each rank's flight recorder (its last actions), its heartbeat in the store, and the words for a hung peer."""
+"""Each rank's flight recorder (its last actions), its heartbeat and watchdog, and the words for a hung peer."""
 
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import json
 import logging
 import os
 import re
+import sys
 import threading
 import time
 from collections import deque
@@ -17,6 +19,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from lightning_pipedream.runtime.mailbox import ANSWERED, GONE, SILENT, mailbox
 from lightning_pipedream.runtime.transport import PeerFailedError, post_error
 from lightning_pipedream.schedule.actions import Action, Op
 
@@ -24,8 +27,12 @@ log = logging.getLogger("lightning_pipedream")
 
 DIRECTORY_ENV = "LIGHTNING_PIPEDREAM_FLIGHT_RECORDER"  # where the flight-recorder files go
 NO_PROGRESS_ENV = "LIGHTNING_PIPEDREAM_NO_PROGRESS_WARNING"  # seconds a wait may last before a warning; 0: never
+FROZEN_ENV = "LIGHTNING_PIPEDREAM_FROZEN_PEER"  # seconds of waiting on a frozen peer before the run is ended; 0: never
 DEFAULT_DIRECTORY = "pipedream_flight_recorder"  # under the current working directory
-DEFAULT_NO_PROGRESS = 300.0
+DEFAULT_NO_PROGRESS = 60.0
+DEFAULT_FROZEN = 120.0
+STOP_GRACE = 10.0  # seconds a rank asked to stop has to end by itself (raising its error) before its watchdog ends it
+HUNG_GRACE = 1.0  # the same for the rank the stop request names as hung: it prints why, then ends
 SIZE = 512  # actions each rank keeps
 HEARTBEAT = 1.0  # seconds between a rank's reports in the store
 _REPORT_KEY = "lightning_pipedream/report/"  # + global rank
@@ -91,9 +98,12 @@ class FlightRecorder:
         self.step = 0  # the training step running (set by the engine)
         self.unit = "minibatch"  # what the actions' numbers count: "minibatch" or "micro-batch"
         self._epoch = time.time() - time.perf_counter()
+        self.stage: int | None = None  # this rank's stage (its first, several under interleaved), once known
         self._heartbeat: threading.Thread | None = None
         self._stop = threading.Event()
         self._warned: _Current | None = None
+        self._frozen_checked: _Current | None = None
+        self._stop_seen: float | None = None  # when this rank's watchdog found a stop request in its mailbox
 
     def begin(self, action: Action, peer: int | None = None) -> None:
         """``action`` starts; ``peer`` is the global rank it waits for, if any."""
@@ -157,13 +167,23 @@ class FlightRecorder:
             return None
         return path
 
-    # -- the heartbeat and the no-progress watchdog ----------------------------------------------------
-    def start_heartbeat(self) -> None:
-        """Once per process group (called by every pipeline_failures): report :meth:`doing` to the store every second,
-        and warn when one wait lasts longer than the no-progress limit."""
+    # -- the heartbeat and the watchdog ----------------------------------------------------------------
+    def start_heartbeat(self, stage: int | None = None) -> None:
+        """Once per process group (called by every pipeline_failures): open this rank's mailbox, report :meth:`doing`
+        there and to the store every second, warn when one wait lasts longer than the no-progress limit, end the
+        run when the peer waited for is frozen, and obey a stop request a peer leaves (see :meth:`_watch`)."""
         if not dist.is_initialized():
             return
         self.rank = dist.get_rank()
+        if stage is not None and self.stage is None:
+            self.stage = stage
+        store = _default_store()
+        box = mailbox()
+        if store is not None and not (box.is_open and self._heartbeat is not None and self._heartbeat.is_alive()):
+            try:
+                box.open(self.rank, dist.get_world_size(), store, self.stage)
+            except OSError as err:  # no port to listen on: failures travel through the store only
+                log.warning("lightning_pipedream: rank %d could not open its mailbox (%s).", self.rank, err)
         if self._heartbeat is not None and self._heartbeat.is_alive():
             return
         if self._heartbeat is None:
@@ -173,30 +193,90 @@ class FlightRecorder:
         self._stop.clear()
         self._heartbeat = threading.Thread(target=self._beat, name="lightning_pipedream-heartbeat", daemon=True)
         self._heartbeat.start()
+        threading.Thread(target=self._watch, name="lightning_pipedream-watchdog", daemon=True).start()
 
     def stop_heartbeat(self) -> None:
-        """Stop the heartbeat thread and wait a little for it to leave the store."""
+        """Stop the heartbeat and watchdog threads and wait a little for the heartbeat to leave the store."""
         self._stop.set()
         if self._heartbeat is not None and self._heartbeat.is_alive():
             self._heartbeat.join(timeout=3)
 
+    def report(self) -> dict:
+        return {"time": time.time(), "doing": self.doing(), "stage": self.stage}
+
     def _beat(self) -> None:
-        limit = no_progress_limit()
+        """The report in the process group's store, for peers whose mailbox request finds this rank stopped (a
+        store call may block while the store's host is stopped: the watchdog is another thread)."""
         while not self._stop.is_set():
             store = _default_store()
-            if store is None:
+            if store is None or mailbox().here("stop") is not None:  # the run is ending: its store may be gone
                 return
             try:
-                store.set(_REPORT_KEY + str(self.rank), json.dumps({"time": time.time(), "doing": self.doing()}))
+                store.set(_REPORT_KEY + str(self.rank), json.dumps(self.report()))
             except Exception:  # the store is gone: the run is over
                 return
-            current = self.current
-            if (limit > 0 and current is not None and current.peers and current is not self._warned
-                    and time.perf_counter() - current.start > limit):
-                self._warned = current
-                log.warning("%s", hang_message(current, time.perf_counter() - current.start, warning=True))
             if self._stop.wait(HEARTBEAT):
                 return
+
+    def _watch(self) -> None:
+        """Every second: the report in the mailbox, the peers' addresses, a stop request, the no-progress warning
+        and the frozen-peer check."""
+        box = mailbox()
+        limit, frozen = no_progress_limit(), frozen_limit()
+        while not self._stop.is_set():
+            box.put_here("report", self.report())
+            box.learn_peers()
+            request = box.here("stop")
+            if request is not None:
+                self._obey(request)
+            current = self.current
+            waited = time.perf_counter() - current.start if current is not None else 0.0
+            if (limit > 0 and current is not None and current.peers and current is not self._warned
+                    and waited > limit):
+                self._warned = current
+                log.warning("%s", hang_message(current, waited, warning=True))
+            if frozen > 0 and current is not None and current.peers and waited > frozen and (
+                    current is not self._frozen_checked):
+                self._check_frozen(current, waited)
+            if self._stop.wait(HEARTBEAT):
+                return
+
+    def _check_frozen(self, current: _Current, waited: float) -> None:
+        """The peer this rank waits for is stopped (SIGSTOP, a debugger) or its whole process is frozen: end the run
+        now rather than at the timeout."""
+        from lightning_pipedream.runtime.failures import end_run
+
+        box = mailbox()
+        frozen = [peer for peer in current.peers if (box.local_state(peer) == "T" if box.is_local(peer)
+                                                     else box.ask(peer, "report", 2.0)[0] == SILENT)]
+        if not frozen:
+            return
+        self._frozen_checked = current
+        message = hang_message(current, waited, frozen=frozen)
+        log.error("%s", message)
+        self.dump(message)
+        end_run(message, hung=tuple(frozen), here=True)
+
+    def _obey(self, request: dict) -> None:
+        """A peer asked every rank to stop: give this process a little time to end by itself (its pipeline waits
+        fail and it raises the peer's error), then end it, saying why."""
+        now = time.monotonic()
+        if self._stop_seen is None:
+            self._stop_seen = now
+        hung = self.rank in request.get("hung", ())
+        if now - self._stop_seen < (HUNG_GRACE if hung else STOP_GRACE):
+            return
+        words = (f"lightning_pipedream: rank {self.rank}{_stage_words(self.stage)} ends its process: rank "
+                 f"{request.get('rank')}{_stage_words(request.get('stage'))} stopped the run"
+                 + (", naming this rank as hung" if hung else "") + f". {request.get('message')}")
+        try:
+            path = self.dump(words)
+            sys.stderr.write(f"{words}\nThis rank was {self.doing()}; its last actions are in {path}. Its threads:\n")
+            sys.stderr.flush()
+            faulthandler.dump_traceback(sys.stderr, all_threads=True)
+            sys.stderr.flush()
+        finally:
+            os._exit(1)
 
 
 _RECORDER = FlightRecorder()
@@ -217,6 +297,16 @@ def no_progress_limit() -> float:
         return DEFAULT_NO_PROGRESS
 
 
+def frozen_limit() -> float:
+    """Seconds a wait on a stopped or frozen peer lasts before the watchdog ends the run
+    (``LIGHTNING_PIPEDREAM_FROZEN_PEER``; 0: only the timeout ends it)."""
+    try:
+        return float(os.environ.get(FROZEN_ENV, DEFAULT_FROZEN))
+    except ValueError:
+        log.warning("%s=%r is not a number of seconds; using %s.", FROZEN_ENV, os.environ[FROZEN_ENV], DEFAULT_FROZEN)
+        return DEFAULT_FROZEN
+
+
 def _default_store() -> Any:
     try:
         return dist.distributed_c10d._get_default_store()
@@ -231,43 +321,81 @@ def post_error_soon(message: str) -> None:
     poster.join(_STORE_WAIT)
 
 
-def peer_reports(ranks: list[int]) -> dict[int, dict]:
-    """The last report of each of ``ranks`` from the store, waiting at most a few seconds (the store's host may be
-    the stopped rank); a rank missing from the result did not report or could not be read."""
-    reports: dict[int, dict] = {}
+def peer_reports(ranks: list[int]) -> dict[int, tuple[str, dict | None]]:
+    """What each of ``ranks`` last reported, asked of its mailbox, with what the mailbox did (``ANSWERED``,
+    ``SILENT``: stopped or frozen, ``GONE``: ended); for a rank whose mailbox did not answer, its last report in the
+    process group's store. Waits at most a few seconds (the store's host may be the stopped rank)."""
+    box = mailbox()
+    asked: dict[int, tuple[str, dict | None]] = {}
+
+    def ask(rank: int) -> None:
+        asked[rank] = box.ask(rank, "report")
+
+    askers = [threading.Thread(target=ask, args=(r,), daemon=True) for r in ranks if r in box.peers]
+    for t in askers:
+        t.start()
+    for t in askers:
+        t.join(1.5)
+    missing = [r for r in ranks if asked.get(r, (SILENT, None))[0] != ANSWERED]
+    stored: dict[int, dict] = {}
 
     def read() -> None:
         store = _default_store()
-        for rank in ranks:
+        for rank in missing:
             key = _REPORT_KEY + str(rank)
             try:
                 if store is not None and store.check([key]):
-                    reports[rank] = json.loads(store.get(key).decode())
+                    stored[rank] = json.loads(store.get(key).decode())
             except Exception:
                 return
 
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    reader.join(_STORE_WAIT)
-    return dict(reports)
+    if missing:
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        reader.join(_STORE_WAIT)
+    out: dict[int, tuple[str, dict | None]] = {}
+    for rank in ranks:
+        status, report = asked.get(rank, (SILENT, None))
+        out[rank] = (status, report if status == ANSWERED else stored.get(rank))
+    return out
 
 
-def _report_words(rank: int, report: dict | None) -> str:
+def _stage_words(stage: int | None) -> str:
+    return "" if stage is None else f" (stage {stage})"
+
+
+def _peer_stage(rank: int, report: dict | None) -> int | None:
+    if report is not None and report.get("stage") is not None:
+        return report["stage"]
+    peer = mailbox().peers.get(rank)
+    return peer.stage if peer is not None else None
+
+
+def _report_words(rank: int, status: str, report: dict | None) -> str:
+    who = f"rank {rank}{_stage_words(_peer_stage(rank, report))}"
+    if status == GONE:
+        return f"{who} has ended (nothing listens at its mailbox)"
     if report is None:
-        return f"rank {rank} has not reported (it may not have reached the pipeline, or the store did not answer)"
+        return f"{who} has not reported (it may not have reached the pipeline, or the store did not answer)"
     age = time.time() - float(report["time"])
-    text = f"rank {rank} last reported {age:.1f} s ago: {report['doing']}"
-    if age > 3 * HEARTBEAT + 1:
+    text = f"{who} last reported {age:.1f} s ago: {report['doing']}"
+    if status == ANSWERED:
+        text += " - it answers, so it is running (busy, or waiting itself)"
+    elif age > 3 * HEARTBEAT + 1:
         text += " - it has stopped reporting, so it is stopped, frozen or killed (not merely waiting)"
     return text
 
 
-def hang_message(current: _Current | None, waited: float, warning: bool = False, error: str = "") -> str:
-    """Which rank waits for whom, doing what, for how long; what the peers last reported; how to wait longer."""
+def hang_message(current: _Current | None, waited: float, warning: bool = False, error: str = "",
+                 frozen: list[int] | None = None) -> str:
+    """Which rank waits for whom, doing what, for how long; what the peers last reported; how to wait longer.
+    ``frozen``: the peers found stopped or frozen, for which the run ends before its timeout."""
     rec = _RECORDER
     head = f"rank {rec.rank}, {current.what}" if current is not None else f"rank {rec.rank}: {rec.doing()}"
     if warning:
         text = f"No progress: {head} has waited {waited:.0f} s"
+    elif frozen:
+        text = f"Pipeline stopped: {head} has waited {waited:.0f} s"
     else:
         text = f"Pipeline timeout: {head} got no answer within {waited:.1f} s"
         if error:
@@ -282,12 +410,28 @@ def hang_message(current: _Current | None, waited: float, warning: bool = False,
         text += ", in a collective of the pipeline's ranks."
     if peers:
         reports = peer_reports(peers)
-        words = "; ".join(_report_words(r, reports.get(r)) for r in peers)
+        words = "; ".join(_report_words(r, *reports[r]) for r in peers)
         text += " " + words[:1].upper() + words[1:] + "."
     if warning:
-        text += (f" The hard timeout will end the run; this warning comes after {no_progress_limit():.0f} s "
-                 f"({NO_PROGRESS_ENV}=seconds, 0 to turn it off).")
+        text += (f" The watchdog ends the run if that rank is stopped or frozen after {frozen_limit():.0f} s "
+                 f"({FROZEN_ENV}=seconds), the hard timeout otherwise; this warning comes after "
+                 f"{no_progress_limit():.0f} s ({NO_PROGRESS_ENV}=seconds, 0 to turn it off).")
+    elif frozen:
+        text += (f" Rank{'s' if len(frozen) > 1 else ''} {', '.join(map(str, frozen))} "
+                 f"{'are' if len(frozen) > 1 else 'is'} stopped (SIGSTOP, a debugger) or frozen (not even its "
+                 f"mailbox answers), so the run is ended now rather than at the timeout ({FROZEN_ENV}=seconds, "
+                 "0 to wait for the timeout).")
     return text
+
+
+def hung_peers(current: _Current | None, reports: dict[int, tuple[str, dict | None]] | None = None) -> tuple[int, ...]:
+    """The peers a timed-out wait blames: those it waited for, or in a collective those that do not answer."""
+    if current is not None and current.peers:
+        return tuple(current.peers)
+    if reports is None:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        reports = peer_reports([r for r in range(world) if r != _RECORDER.rank])
+    return tuple(r for r, (status, _) in reports.items() if status != ANSWERED)
 
 
 def timeout_error(err: BaseException, current: _Current | None) -> PipelineTimeoutError:

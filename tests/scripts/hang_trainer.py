@@ -1,8 +1,10 @@
-"""A 2-process Trainer whose rank STOP_RANK stops itself (SIGSTOP) at batch STOP_AT: `python hang_trainer.py OUT STOP_RANK STOP_AT`."""
+"""A multi-process Trainer one of whose ranks stops itself (SIGSTOP), spins in Python or raises at a given batch:
+`python hang_trainer.py OUT JSON_OPTIONS` (rank, at, how: stop|spin|raise, schedule, chunks, devices, timeout)."""
 
 from __future__ import annotations
 
 import faulthandler
+import json
 import os
 import signal
 import sys
@@ -21,7 +23,7 @@ from lightning_pipedream import PipeDreamStrategy
 class Model(L.LightningModule):
     def __init__(self) -> None:
         super().__init__()
-        self.layers = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+        self.layers = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.layers(x)
@@ -34,29 +36,46 @@ class Model(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-class StopAt(L.Callback):
-    """Stops this process (as a debugger or a frozen machine would) at the start of batch ``at`` on rank ``rank``."""
+class Fault(L.Callback):
+    """At the start of batch ``at`` on rank ``rank``: stop this process (as a debugger or a frozen machine would),
+    spin in a Python loop (a livelock), or make the rank's first layer raise in the batch's forward."""
 
-    def __init__(self, rank: int, at: int) -> None:
-        self.rank, self.at = rank, at
+    def __init__(self, rank: int, at: int, how: str, out: str) -> None:
+        self.rank, self.at, self.how, self.out = rank, at, how, out
 
-    def on_train_batch_start(self, trainer: L.Trainer, *args: object) -> None:
-        if trainer.global_rank == self.rank and trainer.global_step == self.at:
-            time.sleep(1.5)  # its heartbeat (one a second) reports the last action first
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: object) -> None:
+        if trainer.global_rank != self.rank or trainer.global_step != self.at:
+            return
+        with open(os.path.join(self.out, "fault_time"), "w") as f:  # when the fault began, for the test's clock
+            f.write(str(time.time() + (0 if self.how == "raise" else 1.5)))
+        if self.how == "raise":
+            def fail(module: nn.Module, inputs: tuple) -> None:
+                raise ValueError(f"bad input on rank {self.rank}")
+
+            first = next(m for m in pl_module.layers if sum(p.numel() for p in m.parameters()))
+            first.register_forward_pre_hook(fail)
+            return
+        time.sleep(1.5)  # its heartbeat (one a second) reports the last action first
+        if self.how == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
+        while self.how == "spin":
+            sum(range(1000))
 
 
 def main() -> None:
-    out, stop_rank, stop_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    out, options = sys.argv[1], json.loads(sys.argv[2])
     faulthandler.register(signal.SIGUSR1)  # the test dumps every thread's stack with it before killing a hang
     os.environ.setdefault("LIGHTNING_PIPEDREAM_FLIGHT_RECORDER", os.path.join(out, "flight"))
     g = torch.Generator().manual_seed(3)
     x = torch.randn(64, 8, generator=g)
     data = DataLoader(TensorDataset(x, x[:, :4].argmax(-1)), batch_size=4)
+    schedule = options.get("schedule", "1f1b")
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, max_steps=12, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[StopAt(stop_rank, stop_at)],
-        strategy=PipeDreamStrategy(schedule="1f1b", chunks=2, timeout=timedelta(seconds=10)),
+        accelerator="cpu", devices=options.get("devices", 2), max_steps=12, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[Fault(options.get("rank", 1), options.get("at", 3), options.get("how", "stop"), out)],
+        strategy=PipeDreamStrategy(schedule=schedule, chunks=options.get("chunks", 1 if schedule == "pipedream" else 2),
+                                   timeout=timedelta(seconds=options.get("timeout", 10))),
     )
     trainer.fit(Model(), data)
 

@@ -1,4 +1,5 @@
-"""Faults a pipeline meets: a stopped (SIGSTOP) rank is named by every other rank, and each leaves a flight recorder."""
+"""Faults a pipeline meets: a stopped (SIGSTOP) or spinning rank is named by every other rank and ended with them, a
+failing rank's reason reaches every rank (rank 0's included), and each leaves a flight recorder."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ pytestmark = pytest.mark.multiprocess  # starts several processes: not in the fa
 TIMEOUT = 10.0  # the process group's timeout, seconds
 
 
-def stop_at_step(rank: int, world: int, stopped: int, step: int) -> None:
+def stop_at_step(rank: int, world: int, stopped: int, step: int, how: str = "stop") -> None:
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(world)])
     pipe = Pipeline(model, loss_fn=nn.functional.mse_loss, optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
@@ -38,7 +39,11 @@ def stop_at_step(rank: int, world: int, stopped: int, step: int) -> None:
     for t in range(step + 3):
         if rank == stopped and t == step:
             time.sleep(1.5)  # a heartbeat (one a second) reports the last action first
-            os.kill(os.getpid(), signal.SIGSTOP)
+            Path(os.environ["TEST_FAULT_FILE"]).write_text(str(time.time()))
+            if how == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            while how == "spin":  # a livelock in Python: its threads still run
+                sum(range(1000))
         pipe.step(torch.randn(4, 8), torch.randn(4, 8))
 
 
@@ -49,7 +54,8 @@ def _child(rank: int, world: int, store_path: str, queue, args: tuple, env: dict
     try:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         store = dist.FileStore(store_path, world)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=TIMEOUT))
+        timeout = timedelta(seconds=float(env.get("TEST_TIMEOUT", TIMEOUT)))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
         stop_at_step(rank, world, *args)
         queue.put((rank, time.time(), "finished without an error"))
     except BaseException as err:
@@ -61,22 +67,23 @@ def _child(rank: int, world: int, store_path: str, queue, args: tuple, env: dict
     os._exit(code)
 
 
-def run_with_stopped_rank(tmp_path: Path, world: int, stopped: int, step: int, env: dict) -> tuple[dict, float]:
-    """Every rank but ``stopped`` has to end within 30 s; the stopped one is killed at the end. Returns each
-    surviving rank's error text and the seconds from the stop to the last one's exit."""
+def run_with_stopped_rank(tmp_path: Path, world: int, stopped: int, step: int, env: dict, how: str = "stop"
+                          ) -> tuple[dict, float, list]:
+    """Every rank but ``stopped`` has to end within 30 s, and ``stopped`` too (its peers end it). Returns each surviving
+    rank's error text, the seconds from the stop to the last one's exit and every process's exit code."""
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_child, args=(r, world, str(tmp_path / "store"), queue, (stopped, step), env),
+    procs = [ctx.Process(target=_child, args=(r, world, str(tmp_path / "store"), queue, (stopped, step, how), env),
                          daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     texts: dict[int, str] = {}
     try:
         deadline = time.monotonic() + 60
-        while procs[stopped].exitcode is None and not _is_stopped(procs[stopped].pid):
+        while not (tmp_path / "fault_time").exists() and procs[stopped].exitcode is None:
             assert time.monotonic() < deadline, "the rank never stopped itself"
             time.sleep(0.05)
-        stopped_at = time.time()
+        stopped_at = float((tmp_path / "fault_time").read_text())
         deadline = time.monotonic() + 30
         while len(texts) < world - 1 and time.monotonic() < deadline:
             try:
@@ -84,34 +91,48 @@ def run_with_stopped_rank(tmp_path: Path, world: int, stopped: int, step: int, e
             except queue_module.Empty:
                 continue
             texts[rank] = text
-            last = when
+        for p in procs:  # the stopped (or spinning) rank too: its peers end it
+            p.join(max(0.1, deadline - time.monotonic()))
+        last = time.time()
     finally:
         for p in procs:
             if p.is_alive():
                 p.kill()
             p.join(5)
     assert sorted(texts) == [r for r in range(world) if r != stopped], f"ranks that ended in 30 s: {sorted(texts)}"
-    return texts, last - stopped_at
+    return texts, last - stopped_at, [p.exitcode for p in procs]
 
 
-def _is_stopped(pid: int) -> bool:
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+def test_a_rank_spinning_in_python_is_named_and_ended(tmp_path, capfd):
+    # The spinning rank's threads run: its watchdog obeys the stop request its peer leaves, saying why.
+    env = {"LIGHTNING_PIPEDREAM_FLIGHT_RECORDER": str(tmp_path / "flight"), "TEST_TIMEOUT": "5",
+           "TEST_FAULT_FILE": str(tmp_path / "fault_time")}
+    texts, seconds, codes = run_with_stopped_rank(tmp_path, world=2, stopped=1, step=2, env=env, how="spin")
+    assert seconds < 5 + 10 and codes == [1, 1], (seconds, codes)
+    assert texts[0].startswith("PipelineTimeoutError: Pipeline timeout: rank 0, step 2: RECV_GRAD of micro-batch 0 "
+                               "from stage 1 (rank 1) got no answer within 5"), texts[0]
+    assert "it answers, so it is running (busy, or waiting itself)" in texts[0]
+    err = capfd.readouterr().err
+    assert ("lightning_pipedream: rank 1 (stage 1) ends its process: rank 0 (stage 0) stopped the run, naming this "
+            "rank as hung. Pipeline timeout: rank 0, step 2:") in err, err[-3000:]
+    assert "in stop_at_step" in err  # where it spun: its main thread's stack
 
 
-def test_stopped_rank_is_named_by_every_other_rank(tmp_path, capsys):
+def test_stopped_rank_is_named_by_every_other_rank_and_ended(tmp_path, capsys):
     if not sys.platform.startswith("linux"):
         pytest.skip("reads process states from /proc")
     recorder_dir = tmp_path / "flight"
-    env = {"LIGHTNING_PIPEDREAM_FLIGHT_RECORDER": str(recorder_dir), "LIGHTNING_PIPEDREAM_NO_PROGRESS_WARNING": "4"}
-    texts, seconds = run_with_stopped_rank(tmp_path, world=3, stopped=1, step=2, env=env)
-    assert seconds < 30
+    env = {"LIGHTNING_PIPEDREAM_FLIGHT_RECORDER": str(recorder_dir), "LIGHTNING_PIPEDREAM_NO_PROGRESS_WARNING": "4",
+           "TEST_FAULT_FILE": str(tmp_path / "fault_time")}
+    texts, seconds, codes = run_with_stopped_rank(tmp_path, world=3, stopped=1, step=2, env=env)
+    # Every process is gone within the timeout and a few seconds: the stopped one was ended by its peers.
+    assert seconds < TIMEOUT + 10 and codes[1] == -signal.SIGKILL and codes[0] == codes[2] == 1, (seconds, codes)
     for rank, text in texts.items():
         first = text.splitlines()[0]
         assert first.startswith(f"PipelineTimeoutError: Pipeline timeout: rank {rank}, step 2: "), text
         assert "from stage 1 (rank 1) got no answer within 1" in first, text
         assert "(Timed out waiting 10000ms for recv operation to complete)" in first, text
-        assert "Rank 1 last reported" in first and "it has stopped reporting" in first, text
+        assert "Rank 1 (stage 1) last reported" in first and "it has stopped reporting" in first, text
         assert "its last, in step 1: OPTIMIZER_STEP" in first, text
         assert "PipeDreamStrategy(timeout=timedelta(minutes=60))" in first, text
         assert f"{recorder_dir / f'rank{rank}.json'}" in first, text
@@ -133,30 +154,80 @@ def test_stopped_rank_is_named_by_every_other_rank(tmp_path, capsys):
 HANG_TRAINER = Path(__file__).resolve().parents[1] / "scripts" / "hang_trainer.py"
 
 
-def test_stopped_rank_of_a_trainer_is_named(tmp_path):
+def run_hang_trainer(tmp_path: Path, options: dict) -> tuple[str, int, float]:
+    """hang_trainer.py with ``options``; returns its stderr, the launcher's (rank 0's) exit code, and the seconds from
+    the fault to the end of the last process the launcher started (all of them must end by themselves in 60 s)."""
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "LIGHTNING_PIPEDREAM_FLIGHT_RECORDER": str(tmp_path / "flight")}
     log = tmp_path / "stderr.txt"
-    with log.open("w") as err:  # a file, not a pipe: the stopped rank would hold a pipe open
-        proc = subprocess.Popen([sys.executable, str(HANG_TRAINER), str(tmp_path), "1", "3"], cwd=tmp_path, env=env,
-                                stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
-        start = time.monotonic()
+    with log.open("w") as err:  # a file, not a pipe: a stopped rank would hold a pipe open
+        proc = subprocess.Popen([sys.executable, str(HANG_TRAINER), str(tmp_path), json.dumps(options)], cwd=tmp_path,
+                                env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
         try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.kill(proc.pid, signal.SIGUSR1)  # hang_trainer.py dumps its stacks on it
-            time.sleep(1)
+            deadline = time.monotonic() + 150
+            while _session_processes(proc.pid) and time.monotonic() < deadline:
+                proc.poll()  # reaps the launcher; the ranks it started are reaped by init
+                time.sleep(0.1)
+            ended = time.time()
+            if _session_processes(proc.pid):
+                os.kill(proc.pid, signal.SIGUSR1)  # hang_trainer.py dumps its stacks on it
+                time.sleep(1)
         finally:
-            os.killpg(proc.pid, signal.SIGKILL)  # the stopped rank too, and anything else the launcher started
+            left = _session_processes(proc.pid)
+            os.killpg(proc.pid, signal.SIGKILL) if left else None  # anything still there fails the test below
             proc.wait()
-    err = log.read_text()
-    assert proc.returncode not in (0, -signal.SIGKILL), err[-4000:]
-    assert time.monotonic() - start < 90
+    text = log.read_text()
+    assert not left, f"processes left: {left}\n{text[-4000:]}"
+    return text, proc.returncode, ended - float((tmp_path / "fault_time").read_text())
+
+
+def _session_processes(session: int) -> list[int]:
+    """The live (not ended) processes of ``session``: the launcher and the ranks it started."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == session and fields[0] != "Z":  # field 6 of stat: the session id
+                found.append(int(entry))
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads process states from /proc")
+def test_a_stopped_rank_of_a_trainer_is_named_and_every_process_ends(tmp_path):
+    err, code, seconds = run_hang_trainer(tmp_path, {"rank": 1, "at": 3, "how": "stop", "timeout": 10})
+    assert code not in (0, -signal.SIGKILL), err[-4000:]
+    assert seconds < 10 + 10, seconds
     assert "PipelineTimeoutError: Pipeline timeout: rank 0, step 3: " in err, err[-4000:]
     message = err[err.index("PipelineTimeoutError: Pipeline timeout: rank 0"):].splitlines()[0]
     assert "from stage 1 (rank 1) got no answer within 1" in message, message
-    assert "Rank 1 last reported" in message and "it has stopped reporting" in message, message
+    assert "Rank 1 (stage 1) last reported" in message and "it has stopped reporting" in message, message
     assert "PipeDreamStrategy(timeout=timedelta(minutes=60))" in message
+    assert "lightning_pipedream: rank 0 ends rank 1 (process " in err and "it is stopped or frozen" in err
     assert from_chrome_trace(json.loads((tmp_path / "flight" / "rank0.json").read_text()))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads process states from /proc")
+def test_a_failure_on_rank_0_reaches_rank_1(tmp_path):
+    # Rank 0 hosts the store torch's process group uses: its reason travels through rank 1's own mailbox.
+    err, code, seconds = run_hang_trainer(tmp_path, {"rank": 0, "at": 3, "how": "raise", "schedule": "pipedream"})
+    assert code == 1 and seconds < 10, (code, seconds, err[-4000:])
+    assert "[rank0]: ValueError: bad input on rank 0" in err
+    assert ("[rank1]: lightning_pipedream.runtime.transport.PeerFailedError: Pipeline stage 0 failed with ValueError: "
+            "bad input on rank 0 (on rank 0) (this rank, 1, stage 1, stopped because of it)") in err, err[-4000:]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads process states from /proc")
+def test_rank_0_spinning_under_pipedream_is_named_and_ended(tmp_path):
+    err, code, seconds = run_hang_trainer(tmp_path, {"rank": 0, "at": 3, "how": "spin", "schedule": "pipedream",
+                                                     "timeout": 10})
+    assert code == 1 and seconds < 10 + 10, (code, seconds, err[-4000:])
+    assert ("[rank1]: lightning_pipedream.runtime.flight.PipelineTimeoutError: Pipeline timeout: rank 1, step 3: "
+            "RECV_ACT of minibatch 3 from stage 0 (rank 0) got no answer within 1") in err, err[-4000:]
+    assert ("lightning_pipedream: rank 0 (stage 0) ends its process: rank 1 (stage 1) stopped the run, naming this "
+            "rank as hung. Pipeline timeout: rank 1, step 3: RECV_ACT of minibatch 3 from stage 0 (rank 0)") in err
 
 
 def test_show_trace_of_a_file_that_is_not_a_trace_says_so(tmp_path, capsys):
