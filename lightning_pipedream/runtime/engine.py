@@ -107,6 +107,7 @@ class PipelineEngine:
         self.spec = spec_of(schedule)
         self.num_stages = num_stages
         self.chunks = chunks
+        self.virtual_stages = virtual_stages
         self.asynchronous = self.spec.asynchronous
         if self.spec.virtual_stages:
             chunk_modules = list(module) if isinstance(module, (list, tuple, nn.ModuleList)) else [module]
@@ -137,6 +138,7 @@ class PipelineEngine:
             if self.asynchronous
             else build_schedule(schedule, num_stages, chunks, replicas=replicated, virtual_stages=virtual_stages)
         )
+        self._shorter: dict[int, Any] = {}  # flushed schedules of fewer micro-batches (a batch smaller than chunks)
         self._admitted = 0  # pipedream: minibatches admitted since the last drain
         self._steps = 0  # flushed schedules: training steps run so far
         self._train_steps = 0  # every schedule: training steps run so far (the flight recorder's step)
@@ -164,23 +166,39 @@ class PipelineEngine:
         for stage in self.stages.values():
             stage.track_activations = on
 
-    def step_actions(self) -> list[Action]:
-        """This rank's actions for the next training step."""
+    def step_actions(self, micro_batches: int | None = None) -> list[Action]:
+        """This rank's actions for the next training step; ``micro_batches`` fewer than ``chunks``: a flushed step
+        of that many (a batch with fewer samples than ``chunks``, such as an epoch's last)."""
         if self._flushed is not None:
-            return list(self._flushed.actions[self.rank if self.layout is not None else self.stage.index])
+            schedule = self._flushed
+            if micro_batches is not None and micro_batches != self.chunks:
+                if micro_batches not in self._shorter:
+                    self._shorter[micro_batches] = build_schedule(
+                        self.schedule, self.num_stages, micro_batches, virtual_stages=self.virtual_stages,
+                        replicas=None if self.layout is None else self.layout.replicas)
+                schedule = self._shorter[micro_batches]
+            return list(schedule.actions[self.rank if self.layout is not None else self.stage.index])
+        if micro_batches is not None and micro_batches != self.chunks:
+            raise ValueError(
+                f"schedule={self.schedule!r} keeps the pipeline full across steps, each admitting chunks={self.chunks} "
+                f"micro-batches, so a batch of {micro_batches} cannot run. Drop the smaller last batch "
+                "(DataLoader(drop_last=True)), or use a synchronous schedule (1f1b, gpipe, zb-h1, interleaved)."
+            )
         if self.spec.two_weight_versions:
             return two_bw_step(self.num_stages, self.stage.index, self.chunks, self._admitted)
         if self.layout is not None:
             return replicated_pipedream_step(self.layout, self.rank, self._admitted)
         return pipedream_step(self.num_stages, self.stage.index, self._admitted)
 
-    def train_step(self, inputs: InputFn, loss: LossFn, update: UpdateFn) -> StepResult:
+    def train_step(self, inputs: InputFn, loss: LossFn, update: UpdateFn,
+                   micro_batches: int | None = None) -> StepResult:
         """Run one training step. ``inputs``/``loss`` receive the micro-batch number (for
         ``pipedream``: the minibatch number since the last drain, which is also the step's; for
-        ``2bw``: ``step * chunks + i`` for the step's i-th micro-batch, counted since the last drain)."""
+        ``2bw``: ``step * chunks + i`` for the step's i-th micro-batch, counted since the last drain).
+        ``micro_batches``: this step's count when it has fewer than ``chunks`` (flushed schedules only)."""
         flight = recorder()
         flight.step, flight.unit = self._train_steps, "micro-batch" if self._flushed is not None else "minibatch"
-        result = self._run(self.step_actions(), inputs, loss, update, self.next_minibatch)
+        result = self._run(self.step_actions(micro_batches), inputs, loss, update, self.next_minibatch)
         self._train_steps += 1
         if self._flushed is None:
             self._admitted += 1

@@ -245,9 +245,15 @@ def _forward_replaced(module: nn.Module, forward: Any) -> Iterator[None]:
 def loss_of(step_output: Any) -> Tensor:
     value = step_output.get("loss") if isinstance(step_output, Mapping) else step_output
     if not isinstance(value, Tensor) or value.dim() != 0:
+        if step_output is None:
+            raise TypeError(
+                "training_step returned None, which Lightning takes as 'skip this batch'. PipeDreamStrategy cannot "
+                "skip a batch from the last stage's training_step: the other stages have already run its forward "
+                "(and, asynchronously, later batches). Leave such batches out before they reach the Trainer (filter "
+                "them in the dataset, sampler or collate_fn), or return the loss."
+            )
         raise TypeError(
             "Under PipeDreamStrategy training_step must return the loss as a scalar tensor (or a dict with a "
-            f"'loss' scalar); it returned {type(step_output).__name__}. Skipping a step by returning None is "
-            "not supported: the other stages have already run it."
+            f"'loss' scalar); it returned {type(step_output).__name__}."
         )
     return value

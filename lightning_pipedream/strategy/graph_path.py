@@ -12,7 +12,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_pipedream.graph import GraphCaptureError
 from lightning_pipedream.runtime.graph_stage import CapturedStage
-from lightning_pipedream.runtime.microbatch import split
+from lightning_pipedream.runtime.microbatch import batch_size, split
 from lightning_pipedream.strategy.batches import EVALUATION_LOOP, STEP_OF, batch_shapes, first_batch
 from lightning_pipedream.strategy.calls import ForwardCall, SubmoduleCall, innermost_called_module
 from lightning_pipedream.strategy.options import PipelineOptions
@@ -58,7 +58,8 @@ class GraphPath:
                 "put the layers in one nn.Sequential."
             )
         batch = self.batch_to_device(batch)
-        part = split(batch, options.chunks)[0] if options.chunks > 1 else batch  # the shape of a step's micro-batch
+        chunks = min(options.chunks, batch_size(batch))  # a batch smaller than chunks runs a micro-batch per sample
+        part = split(batch, chunks)[0] if chunks > 1 else batch  # the shape of a step's micro-batch
         hook = STEP_OF[trainer.state.fn]
         args, kwargs = self.call.input_of(module, hook, part, 0)
         points = list(options.split_points) if options.split_points is not None else None

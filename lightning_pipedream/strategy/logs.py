@@ -20,7 +20,8 @@ _LOG_SIGNATURE = inspect.signature(LightningModule.log)
 @dataclass
 class _Record:
     value: float
-    weight: float
+    weight: float  # how much the value counts in the step's (its micro-batch's samples, or mean_over count)
+    samples: float  # the micro-batch's samples: the batch size Lightning averages the step's value with
     options: dict[str, Any]
 
 
@@ -36,13 +37,16 @@ class LogRecorder:
         self.records: dict[str, list[_Record]] = {}
 
     @contextmanager
-    def capture(self, module: LightningModule, weight: float) -> Iterator[None]:
+    def capture(self, module: LightningModule, weight: float, samples: float | None = None) -> Iterator[None]:
+        """Record the module's ``self.log`` calls of one micro-batch, counting ``weight`` in the step's value
+        (``samples``, its batch size, by default)."""
         def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
             bound = _LOG_SIGNATURE.bind(module, name, value, *args, **kwargs)
             options = {k: v for k, v in bound.arguments.items() if k not in ("self", "name", "value")}
             options.update(options.pop("kwargs", {}) or {})
-            w = float(options.pop("batch_size", None) or weight)
-            self.records.setdefault(name, []).append(_Record(_as_float(value, name), w, options))
+            given = options.pop("batch_size", None)
+            w, n = (float(given), float(given)) if given else (weight, weight if samples is None else samples)
+            self.records.setdefault(name, []).append(_Record(_as_float(value, name), w, n, options))
 
         module.log = log  # type: ignore[method-assign]  # an instance attribute shadows the method
         try:
@@ -55,10 +59,11 @@ class LogRecorder:
         out = []
         for name, records in self.records.items():
             total = sum(r.weight for r in records)
-            value = sum(r.value * r.weight for r in records) / total
+            value = (sum(r.value * r.weight for r in records) / total if total
+                     else sum(r.value for r in records) / len(records))
             options = dict(records[-1].options)
             options["sync_dist"] = False  # every rank logs the same value: nothing to reduce
-            options["batch_size"] = int(total)
+            options["batch_size"] = int(sum(r.samples for r in records))
             out.append(LoggedValue(name, value, options))
         return out
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,7 @@ class PipelineOptions:
     virtual_stages: int = 1
     recompute: bool = False
     keep_freed_memory: bool = True
+    mean_over: Callable[[Any], Any] | None = None  # what the loss is a mean over, counted in a piece of a batch
 
     def __post_init__(self) -> None:
         check_schedule_options(self.schedule, self.chunks, self.vertical_sync, virtual_stages=self.virtual_stages,
@@ -59,6 +61,11 @@ class PipelineOptions:
                     f"PipeDreamStrategy(straight=False) lets the planner choose stages and replicas, but {given} "
                     "already decide them. Drop those, or keep straight=True."
                 )
+        if self.mean_over is not None and not callable(self.mean_over):
+            raise ValueError(
+                f"mean_over must be a function of a batch (or micro-batch) returning what the loss averages over in "
+                f"it, e.g. mean_over=lambda batch: (batch['labels'] != -100).sum(); got {self.mean_over!r}."
+            )
         if self.stages is not None and (not isinstance(self.stages, int) or isinstance(self.stages, bool)
                                         or self.stages < 1):
             raise ValueError(f"stages must be an integer >= 1 (the pipeline's length), got {self.stages!r}.")

@@ -30,6 +30,7 @@ from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor, nn
 from typing_extensions import override
@@ -145,6 +146,10 @@ class PipeDreamStrategy(DDPStrategy):
             pages back in cost ``pipedream`` ~10 % of its step time in ``benchmarks/lightning.py``. The
             ranks' resident memory then stays at its peak until ``teardown`` gives the freed memory back.
             No effect on GPU devices.
+        mean_over: for a loss that is a mean over something other than the batch's samples, a function
+            counting it in a batch or micro-batch, e.g. ``lambda batch: (batch["labels"] != -100).sum()`` for a
+            token-mean language-model loss with padding: each micro-batch's loss then counts by its count over
+            the whole batch's, and the result equals one device exactly (docs/strategy.md, "Losses").
     """
 
     strategy_name = "pipedream"
@@ -168,6 +173,7 @@ class PipeDreamStrategy(DDPStrategy):
         virtual_stages: int = 1,
         recompute: bool = False,
         keep_freed_memory: bool = True,
+        mean_over: Callable[[Any], Any] | None = None,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -180,7 +186,7 @@ class PipeDreamStrategy(DDPStrategy):
         self.options = PipelineOptions(
             schedule, chunks, tuple_or_none(balance), plan, layers, tuple_or_none(split_points), weight_stashing,
             vertical_sync, tuple(bandwidth) if isinstance(bandwidth, (list, tuple)) else bandwidth, trace, stages,
-            tuple_or_none(replicas), check_finite, straight, virtual_stages, recompute, keep_freed_memory,
+            tuple_or_none(replicas), check_finite, straight, virtual_stages, recompute, keep_freed_memory, mean_over,
         )
         if start_method != "popen":
             # spawn/fork launchers copy only rank 0's weights back to the main process: wrong for a pipeline.
@@ -207,6 +213,7 @@ class PipeDreamStrategy(DDPStrategy):
         self._failure: BaseException | None = None
         self._step_context = "setup"  # what the pipeline runs now, for error messages
         self._keeping_freed_memory = False  # set while this process keeps freed memory (from setup to teardown)
+        self._warned_token_mean = False  # the warning that micro-batches' token means weigh tokens unequally, once
 
     # -------------------------------------------------------------------------------- options
     @property
@@ -546,7 +553,8 @@ class PipeDreamStrategy(DDPStrategy):
             return pipeline.call.input_of(module, "training_step", shares.part(mb), batch_idx)
 
         def loss(mb: int, output: Any) -> Tensor:
-            with pipeline.call.replaying(module, output), recorder.capture(module, shares.size(mb)):
+            logged = recorder.capture(module, shares.log_weight(mb), shares.size(mb))
+            with pipeline.call.replaying(module, output), logged:
                 step_output = module.training_step(shares.part(mb), batch_idx)
             value = loss_of(step_output)
             step_outputs.append(step_output)
@@ -559,8 +567,10 @@ class PipeDreamStrategy(DDPStrategy):
         self._step_context = f"training step {batch_idx} of epoch {trainer.current_epoch}"
         for minibatch in self._admitted_here(pipeline.engine.next_minibatch):
             updates.admit(minibatch, batch_idx, closes_group)
+        # A batch with fewer samples than chunks (an epoch's last) runs one micro-batch per sample.
+        micro_batches = len(shares.parts) if shares.shards == 1 else None
         with self.precision_plugin.train_step_context(), updates.pipeline_grads():
-            pipeline.engine.train_step(inputs, loss, updates.apply)
+            pipeline.engine.train_step(inputs, loss, updates.apply, micro_batches)
             if self.asynchronous and (end_of_data or last_step):
                 # Every stage finishes its minibatches before the epoch's end hooks, validation and checkpoints.
                 pipeline.engine.drain(updates.apply)
@@ -569,8 +579,23 @@ class PipeDreamStrategy(DDPStrategy):
     def _shares(self, batch: Any) -> BatchShares:
         """A training batch's micro-batches and their loss weights (see :class:`BatchShares`)."""
         placement = self.placement
-        return BatchShares.of(batch, self.options.chunks, placement.input_shards,
-                              minibatch_updates=placement.round_robin and self.options.spec.minibatch_updates)
+        shares = BatchShares.of(batch, self.options.chunks, placement.input_shards,
+                                minibatch_updates=placement.round_robin and self.options.spec.minibatch_updates,
+                                fewer_if_small=True, mean_over=self.options.mean_over)
+        if not self._warned_token_mean and self.is_global_zero:
+            counts = shares.unequal_labelled_tokens()
+            if counts is not None:
+                self._warned_token_mean = True
+                rank_zero_warn(
+                    f"PipeDreamStrategy: this batch's labels leave out padding (-100) unevenly: its micro-batches "
+                    f"hold {list(counts)} labelled tokens for {list(shares.sizes)} samples. A loss that is a mean "
+                    "over each micro-batch's tokens (cross_entropy with ignore_index=-100, Hugging Face models) "
+                    "then weighs tokens unequally and differs from one device. Pass PipeDreamStrategy(mean_over=...) "
+                    "a function counting a batch's labelled tokens, e.g. mean_over=lambda batch: "
+                    "(batch['labels'] != -100).sum(), to weigh each micro-batch by its tokens (exact). A loss that "
+                    "is a mean over samples needs nothing."
+                )
+        return shares
 
     def _step_result(self, step_outputs: list[Any], batch_loss: float, recorder: LogRecorder,
                      last_of_run: bool) -> STEP_OUTPUT:
@@ -744,14 +769,15 @@ class PipeDreamStrategy(DDPStrategy):
         batch, batch_idx = batch_args(args, kwargs)
         extra_args = args[2:]
         step = getattr(module, hook)
-        shares = BatchShares.of(batch, self.options.chunks)
+        shares = BatchShares.of(batch, self.options.chunks, fewer_if_small=True, mean_over=self.options.mean_over)
         recorder = LogRecorder()
 
         def inputs(mb: int) -> Any:
             return pipeline.call.input_of(module, hook, shares.part(mb), batch_idx, *extra_args, **kwargs)
 
         def output_of(mb: int, output: Any) -> Any:
-            with pipeline.call.replaying(module, output), recorder.capture(module, shares.size(mb)):
+            logged = recorder.capture(module, shares.log_weight(mb), shares.size(mb))
+            with pipeline.call.replaying(module, output), logged:
                 return step(shares.part(mb), batch_idx, *extra_args, **kwargs)
 
         if pipeline.graph is not None:
