@@ -84,7 +84,13 @@ class Plan:
         backward = [stage.compute_s - stage.forward_s + stage.allreduce_s for stage in self.stages]
         # extra={"recompute": true} replays each forward in its backward; {"virtual_stages": v} (interleaved)
         # splits each stage's layers into v chunks of equal cost, chunk c of rank r being stage c * p + r.
-        recompute = bool(self.extra.get("recompute", False))
+        # {"recompute": [...]} (the auto planner) names the stages that recompute: their backward replays the forward.
+        flags = self.extra.get("recompute", False)
+        if isinstance(flags, list):
+            backward = [b + (f if flag else 0.0) for b, f, flag in zip(backward, forward, flags)]
+            recompute = False
+        else:
+            recompute = bool(flags)
         spec = spec_of(self.schedule)
         # pipedream runs each batch whole; the others split it into `chunks` micro-batches of equal cost.
         chunks = max(1, self.chunks) if spec.microbatches else 1

@@ -1,0 +1,647 @@
+"""The auto planner: split, replicas, schedule, micro-batches and recompute within a memory limit, simulator-timed."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from lightning_pipedream.plan.memory import (
+    StageBytes,
+    StageMemory,
+    flight_schedule,
+    in_flight,
+    optimizer_state_ratio,
+    predict_memory,
+    stage_bytes,
+)
+from lightning_pipedream.plan.partition import Plan, StagePlan, partition
+from lightning_pipedream.plan.profile import Profile
+from lightning_pipedream.plan.topology import Topology
+from lightning_pipedream.schedule.actions import Layout, Schedule
+from lightning_pipedream.schedule.builders import build_schedule
+from lightning_pipedream.schedule.simulate import simulate
+from lightning_pipedream.schedule.specs import SCHEDULES, spec_of
+
+_INF = math.inf
+INTERLEAVED_VIRTUAL_STAGES = 2  # model chunks per rank the planner tries under the interleaved schedule
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration the planner timed: what it runs, its predicted time per minibatch and memory per worker.
+
+    ``balance`` lists layers per model stage (interleaved: ``stages x virtual_stages`` chunks, chunk c of rank r
+    being stage ``c * stages + r``); ``replicas`` and ``memory`` have one entry per pipeline stage (per rank).
+    A minibatch is the profile's batch: one data shard's batch of a training step.
+    """
+
+    schedule: str
+    balance: tuple[int, ...]
+    replicas: tuple[int, ...]
+    chunks: int
+    virtual_stages: int
+    recompute: tuple[bool, ...]  # per model stage
+    time_per_minibatch: float
+    memory: tuple[StageMemory, ...]
+
+    @property
+    def peak_bytes(self) -> int:
+        """The most any worker needs."""
+        return max(m.predicted_peak_bytes for m in self.memory)
+
+    @property
+    def shape(self) -> tuple[str, tuple[int, ...], int]:
+        """What makes two candidates different configurations (not just another micro-batch count or split)."""
+        return self.schedule, self.replicas, self.virtual_stages
+
+    def label(self) -> str:
+        """``1f1b, 4 stages (1-1-1-1), 8 micro-batches, recompute on stages 0, 1``."""
+        stages = len(self.replicas)
+        text = f"{self.schedule}, {stages} stage{'s' if stages > 1 else ''} ({'-'.join(map(str, self.replicas))})"
+        if self.virtual_stages > 1:
+            text += f" x {self.virtual_stages} chunks"
+        if spec_of(self.schedule).microbatches:
+            text += f", {self.chunks} micro-batch{'es' if self.chunks > 1 else ''}"
+        rc = [str(s) for s, flag in enumerate(self.recompute) if flag]
+        if rc:
+            text += ", recompute " + ("everywhere" if len(rc) == len(self.recompute) else "on stages " + ", ".join(rc))
+        return text
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schedule": self.schedule,
+            "balance": list(self.balance),
+            "replicas": list(self.replicas),
+            "chunks": self.chunks,
+            "virtual_stages": self.virtual_stages,
+            "recompute": list(self.recompute),
+            "time_per_minibatch": self.time_per_minibatch,
+            "predicted_peak_bytes": [m.predicted_peak_bytes for m in self.memory],
+            "memory": [m.to_json() for m in self.memory],
+        }
+
+
+class NoPlanFitsError(ValueError):
+    """No configuration keeps every worker within the memory limit; ``smallest_limit`` is the least that fits."""
+
+    def __init__(self, message: str, smallest_limit: int, candidate: Candidate | None) -> None:
+        super().__init__(message)
+        self.smallest_limit = smallest_limit
+        self.candidate = candidate
+
+
+@dataclass
+class AutoPlan:
+    """The planner's choice (``plan``, ``chosen``), the best configuration of another shape (``runner_up``), and
+    how many candidates it weighed and simulated."""
+
+    plan: Plan
+    chosen: Candidate
+    runner_up: Candidate | None
+    memory_limit: float | None
+    exact: bool
+    optimizer: str
+    considered: int
+    simulated: int
+    batch_size: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def _per(self, seconds: float) -> str:
+        text = f"{seconds * 1e3:.3f} ms per minibatch"
+        if self.batch_size:
+            text += f" ({seconds / self.batch_size * 1e6:.2f} us per sample)"
+        return text
+
+    def describe(self) -> str:
+        """The chosen plan, each worker's predicted memory and its terms, and why (the runner-up)."""
+        c = self.chosen
+        limit = "no memory limit"
+        if self.memory_limit is not None:
+            limit = f"memory limit {_bytes(self.memory_limit)} per worker"
+        lines = [
+            f"auto plan ({'exact schedules only' if self.exact else 'every schedule'}, {limit}, "
+            f"optimizer {self.optimizer}): {c.label()}",
+            f"predicted time {self._per(c.time_per_minibatch)} (schedule simulator)",
+            "",
+        ]
+        header = ("stage", "layers", "replicas", "recompute", "weights", "grads", "optimizer", "stashed", "activations",
+                  "held", "replay", "peak")
+        rows = [header]
+        names = self.plan.stages
+        for m in c.memory:
+            layers = [name for s in m.chunks for name in names[s].layers]
+            span = layers[0] if len(layers) == 1 else f"{layers[0]} .. {layers[-1]} ({len(layers)})"
+            rows.append((
+                str(m.stage), span, str(m.replicas), "yes" if m.recompute else "no", _bytes(m.parameters),
+                _bytes(m.gradients), _bytes(m.optimizer_state),
+                _bytes(m.stashed_weights) + (f" ({m.weight_versions - 1}x)" if m.weight_versions > 1 else ""),
+                _bytes(m.activations), str(m.held), _bytes(m.replay), _bytes(m.predicted_peak_bytes),
+            ))
+        widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+        table = ["  ".join(cell.ljust(w) if i == 1 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+                 for row in rows]
+        table.insert(1, "  ".join("-" * w for w in widths))
+        lines += table + [""]
+        if self.runner_up is None:
+            lines.append("why: no configuration of another shape fits")
+        else:
+            r = self.runner_up
+            slower = r.time_per_minibatch / c.time_per_minibatch - 1 if c.time_per_minibatch > 0 else 0.0
+            lines.append(
+                f"why: the runner-up, {r.label()}, takes {self._per(r.time_per_minibatch)} "
+                f"({slower:+.1%}) and needs {_bytes(r.peak_bytes)} on its fullest worker "
+                f"(the choice: {_bytes(c.peak_bytes)})"
+            )
+        lines.append(f"weighed {self.considered} configurations, simulated {self.simulated}")
+        lines += self.notes
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "plan": self.plan.to_json(),
+            "chosen": self.chosen.to_json(),
+            "predicted_peak_bytes": [m.predicted_peak_bytes for m in self.chosen.memory],
+            "runner_up": None if self.runner_up is None else self.runner_up.to_json(),
+            "memory_limit": self.memory_limit,
+            "exact": self.exact,
+            "optimizer": self.optimizer,
+            "considered": self.considered,
+            "simulated": self.simulated,
+        }
+
+
+def _bytes(value: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(value) >= size:
+            return f"{value / size:.2f} {unit}"
+    return f"{value:.0f} B"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Range sums over the layers
+
+
+class _Ranges:
+    """``[i, j]`` tables over layers i..j (inf or 0 where j < i), and what a stage starting or ending there moves."""
+
+    def __init__(self, profile: Profile, input_bytes: float) -> None:
+        layers = profile.layers
+        self.n = len(layers)
+        self.forward = self._table([layer.forward_s for layer in layers])
+        self.backward = self._table([layer.backward_s for layer in layers])
+        self.params = self._table([float(layer.parameter_bytes) for layer in layers])
+        self.acts = self._table([float(layer.activation_bytes) for layer in layers])
+        cuts = [float(c) for c in profile.cut_bytes()]
+        self.input = np.array([float(input_bytes)] + cuts)[:, None]  # what stage i.. receives
+        self.output = np.array(cuts + [0.0])[None, :]  # what stage ..j sends on
+        self.cuttable = np.array(profile.cut_allowed() + [False])  # may a stage end after layer k
+
+    def _table(self, values: list[float]) -> np.ndarray:
+        prefix = np.concatenate([[0.0], np.cumsum(np.array(values, dtype=float))])
+        table = prefix[None, 1:] - prefix[:-1, None]
+        table[np.tril_indices(self.n, -1)] = _INF
+        return table
+
+
+def _minmax_split(stage_costs: Sequence[np.ndarray], cuttable: np.ndarray) -> tuple[float, list[int]] | None:
+    """Contiguous split into ``len(stage_costs)`` stages minimising the largest ``stage_costs[s][first, last]``
+    (later boundaries break ties); None when every split has an infinite stage."""
+    stages, n = len(stage_costs), cuttable.shape[0]
+    best = np.full((stages, n), _INF)
+    arg = np.zeros((stages, n), dtype=int)
+    best[0] = stage_costs[0][0]
+    for s in range(1, stages):
+        for j in range(s, n):
+            ks = np.arange(s, j + 1)  # stage s starts at layer k, after a cut at k - 1
+            cand = np.maximum(best[s - 1, ks - 1], stage_costs[s][ks, j])
+            cand[~cuttable[ks - 1]] = _INF
+            pick = len(ks) - 1 - int(np.argmin(cand[::-1]))
+            best[s, j], arg[s, j] = cand[pick], ks[pick]
+    if not math.isfinite(best[stages - 1, n - 1]):
+        return None
+    balance, j = [], n - 1
+    for s in range(stages - 1, 0, -1):
+        k = int(arg[s, j])
+        balance.append(j - k + 1)
+        j = k - 1
+    balance.append(j + 1)
+    return float(best[stages - 1, n - 1]), balance[::-1]
+
+
+def _ring_allreduce(params: np.ndarray | float, replicas: int, bandwidth: float) -> np.ndarray | float:
+    """Seconds of a ring all-reduce of ``params`` bytes over ``replicas`` workers (the simulator's formula)."""
+    if replicas <= 1:
+        return params * 0.0
+    return 2.0 * (replicas - 1) / replicas * params / bandwidth
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The search
+
+
+@dataclass
+class _Search:
+    profile: Profile
+    topology: Topology
+    memory_limit: float | None
+    optimizer: str
+    overhead: float
+    input_bytes: float
+    ranges: _Ranges
+    flights: dict[tuple, Schedule] = field(default_factory=dict)
+    timed: dict[tuple, Schedule] = field(default_factory=dict)
+    considered: int = 0
+    simulated: int = 0
+
+    @property
+    def limit(self) -> float:
+        return _INF if self.memory_limit is None else self.memory_limit
+
+    # -- where ranks are and how fast they talk
+    def ranks_of(self, replicas: tuple[int, ...]) -> list[list[int]]:
+        """Ranks holding each stage: d equal pipelines put stage s of pipeline k on rank s*d + k, unequal
+        replicas are stage-major too (Layout)."""
+        layout = Layout(replicas)
+        return [list(layout.ranks_of(s)) for s in range(len(replicas))]
+
+    def link(self, ranks: list[list[int]], a: int, b: int) -> float:
+        """The slowest link a stage-a-to-stage-b message may take."""
+        return min(self.topology.bandwidth_between(x, y) for x in ranks[a] for y in ranks[b])
+
+    def group_bandwidth(self, ranks: list[int]) -> float:
+        return min((self.topology.bandwidth_between(ranks[0], y) for y in ranks[1:]), default=_INF)
+
+    # -- in-flight counts from the schedule's own action lists
+    def flight(self, schedule: str, stages: int, chunks: int, replicas: tuple[int, ...], v: int) -> Schedule:
+        key = (schedule, stages, chunks, replicas if len(set(replicas)) > 1 else None, v)
+        if key not in self.flights:
+            self.flights[key] = flight_schedule(schedule, stages, chunks, list(replicas), v)
+        return self.flights[key]
+
+    def held(self, flight: Schedule, stages: int) -> list[int]:
+        counts = in_flight(flight)
+        if flight.replicas is None:
+            return counts
+        layout = flight.layout
+        assert layout is not None
+        return [max(counts[r] for r in layout.ranks_of(s)) for s in range(stages)]
+
+    # -- memory and time of a stage over layers i..j, as tables
+    def memory_tables(self, held: int, versions: int, chunks: int) -> tuple[np.ndarray, np.ndarray]:
+        """Peak bytes of a worker holding layers i..j in stage position with ``held`` micro-batches in flight:
+        without and with recompute (the same terms, rounded alike, as :func:`predict_memory`)."""
+        r = self.ranges
+        ratio = optimizer_state_ratio(self.optimizer)
+        params = np.where(np.isfinite(r.params), r.params, 0.0)
+        weights = 2 * np.round(params) + np.round(ratio * params) + np.round((versions - 1) * params)
+        plain = weights + np.round(held * ((r.input + r.acts) / chunks))
+        kept = weights + np.round(held * ((r.input + r.output) / chunks))
+        replay = np.round(np.maximum(0.0, (r.acts - r.output) / chunks))
+        bad = ~np.isfinite(r.params)
+        return np.where(bad, _INF, plain), np.where(bad, _INF, kept + replay)
+
+    def time_tables(self, replicas: int, allreduce_bw: float, chunks: int) -> tuple[np.ndarray, np.ndarray]:
+        """Seconds per minibatch of a stage over layers i..j with ``replicas``: without and with recompute."""
+        r = self.ranges
+        sync = _ring_allreduce(np.where(np.isfinite(r.params), r.params, 0.0), replicas, allreduce_bw)
+        extra = 2 * chunks * self.overhead
+        plain = (r.forward + r.backward + extra + sync) / replicas
+        again = (2 * r.forward + r.backward + extra + sync) / replicas
+        return plain, again
+
+    # -- one candidate
+    def versions(self, schedule: str, held: int) -> int:
+        spec = spec_of(schedule)
+        return max(1, held) if spec.weight_versions is None else spec.weight_versions
+
+    def split(self, schedule: str, replicas: tuple[int, ...], chunks: int,
+              fixed: list[int] | None) -> tuple[list[int], list[bool]] | None:
+        """The fastest split (bottleneck stage) within the limit, recompute only where a stage needs it."""
+        p = len(replicas)
+        flight = self.flight(schedule, p, chunks, replicas, 1)
+        held = self.held(flight, p)
+        ranks = self.ranks_of(replicas)
+        costs, flags = [], []
+        for s in range(p):
+            mem_plain, mem_rc = self.memory_tables(held[s], self.versions(schedule, held[s]), chunks)
+            t_plain, t_rc = self.time_tables(replicas[s], self.group_bandwidth(ranks[s]), chunks)
+            needs = mem_plain > self.limit
+            cost = np.where(needs, np.where(mem_rc <= self.limit, t_rc, _INF), t_plain)
+            if s < p - 1 and fixed is None:
+                cost = np.where(self.ranges.cuttable[None, :], cost, _INF)
+            costs.append(cost)
+            flags.append(needs)
+        if fixed is not None:
+            bounds = np.cumsum([0] + fixed)
+            if any(not math.isfinite(costs[s][bounds[s], bounds[s + 1] - 1]) for s in range(p)):
+                return None
+            balance = fixed
+        else:
+            found = _minmax_split(costs, self.ranges.cuttable)
+            if found is None:
+                return None
+            balance = found[1]
+        bounds = np.cumsum([0] + balance)
+        return balance, [bool(flags[s][bounds[s], bounds[s + 1] - 1]) for s in range(p)]
+
+    def least_memory(self, schedule: str, replicas: tuple[int, ...], chunks: int,
+                     fixed: list[int] | None) -> tuple[list[int], list[bool]] | None:
+        """The split (recompute everywhere it helps) whose fullest worker needs the least memory."""
+        p = len(replicas)
+        held = self.held(self.flight(schedule, p, chunks, replicas, 1), p)
+        tables = [self.memory_tables(held[s], self.versions(schedule, held[s]), chunks) for s in range(p)]
+        costs = [np.minimum(plain, rc) for plain, rc in tables]
+        if fixed is not None:
+            balance = fixed
+        else:
+            found = _minmax_split(costs, self.ranges.cuttable)
+            if found is None:
+                return None
+            balance = found[1]
+        bounds = np.cumsum([0] + balance)
+        return balance, [bool(tables[s][1][bounds[s], bounds[s + 1] - 1] < tables[s][0][bounds[s], bounds[s + 1] - 1])
+                         for s in range(p)]
+
+    def interleaved_split(self, replicas: tuple[int, ...], chunks: int, v: int,
+                          least: bool = False) -> tuple[list[int], list[bool]] | None:
+        """Model chunks balanced by time; recompute on every chunk of a rank that needs it (or everywhere)."""
+        p = len(replicas)
+        ranks = self.ranks_of(replicas)
+        t_plain = [self.time_tables(replicas[s % p], self.group_bandwidth(ranks[s % p]), chunks)[0]
+                   for s in range(p * v)]
+        found = _minmax_split(t_plain, self.ranges.cuttable)
+        if found is None:
+            return None
+        balance = found[1]
+        if least:
+            return balance, [True] * (p * v)
+        sizes = stage_bytes(self.profile, balance, self.input_bytes)
+        flags = [False] * (p * v)
+        memory = self.memory_of("interleaved", sizes, replicas, chunks, v, flags)
+        for rank, m in enumerate(memory):
+            if m.predicted_peak_bytes > self.limit:
+                for s in range(rank, p * v, p):
+                    flags[s] = True
+        return balance, flags
+
+    def memory_of(self, schedule: str, sizes: list[StageBytes], replicas: tuple[int, ...], chunks: int, v: int,
+                  recompute: list[bool]) -> list[StageMemory]:
+        flight = self.flight(schedule, len(replicas), chunks, replicas, v)
+        return predict_memory(sizes, schedule, chunks, replicas=list(replicas), virtual_stages=v,
+                              recompute=recompute, optimizer=self.optimizer, flight=flight)
+
+    def time(self, schedule: str, balance: list[int], replicas: tuple[int, ...], chunks: int, v: int,
+             recompute: list[bool]) -> float:
+        """Seconds per minibatch from the schedule simulator (replicas share a stage's minibatches)."""
+        spec = spec_of(schedule)
+        p = len(replicas)
+        ranks = self.ranks_of(replicas)
+        bounds = np.cumsum([0] + balance)
+        r = self.ranges
+        fwd, bwd, send, syncs = [], [], [], []
+        for s in range(p * v):
+            i, j = int(bounds[s]), int(bounds[s + 1]) - 1
+            rank = s % p
+            rep = replicas[rank]
+            f, b = float(r.forward[i, j]), float(r.backward[i, j]) + (float(r.forward[i, j]) if recompute[s] else 0.0)
+            sync = float(_ring_allreduce(float(r.params[i, j]), rep, self.group_bandwidth(ranks[rank]))) / rep
+            fwd.append(f / (rep * chunks) + self.overhead / rep)
+            bwd.append(b / (rep * chunks) + self.overhead / rep
+                       + (sync / chunks if spec.asynchronous else 0.0))  # asynchronous: every minibatch all-reduces
+            syncs.append(sync)
+            if s < p * v - 1:
+                nxt = (s + 1) % p
+                width = min(rep, replicas[nxt])
+                speed = self.link(ranks, rank, nxt) if nxt != rank else _INF
+                send.append(float(r.output[0, j]) / chunks / speed / width)
+            else:
+                send.append(0.0)
+        key = (schedule, p, chunks, v)
+        if key not in self.timed:
+            if spec.asynchronous:
+                self.timed[key] = build_schedule(schedule, p, chunks, minibatches=3 * p + 2 if chunks == 1 else 4)
+            else:
+                self.timed[key] = build_schedule(schedule, p, chunks, virtual_stages=v)
+        result = simulate(self.timed[key], fwd, bwd, activation_bytes=send, bandwidth=1.0, check=False)
+        self.simulated += 1
+        if spec.asynchronous:
+            return result.step_time
+        return result.step_time + max(syncs)  # a flushed step all-reduces once, after its last backward
+
+    def candidate(self, schedule: str, replicas: tuple[int, ...], chunks: int, v: int,
+                  fixed: list[int] | None, least: bool = False) -> Candidate | None:
+        self.considered += 1
+        if v > 1:
+            found = self.interleaved_split(replicas, chunks, v, least)
+        elif least:
+            found = self.least_memory(schedule, replicas, chunks, fixed)
+        else:
+            found = self.split(schedule, replicas, chunks, fixed)
+        if found is None:
+            return None
+        balance, recompute = found
+        sizes = stage_bytes(self.profile, balance, self.input_bytes)
+        memory = self.memory_of(schedule, sizes, replicas, chunks, v, recompute)
+        if not least and max(m.predicted_peak_bytes for m in memory) > self.limit:
+            return None
+        time = _INF if least else self.time(schedule, balance, replicas, chunks, v, recompute)
+        return Candidate(schedule, tuple(balance), replicas, chunks, v, tuple(recompute), time, tuple(memory))
+
+
+_Layout = tuple[tuple[int, ...], "list[int] | None"]  # replicas per stage, and a fixed split (None: the planner's)
+
+
+def _layouts(profile: Profile, topology: Topology, stages_possible: int) -> list[_Layout]:
+    """Equal replicas (d data-parallel pipelines of W/d stages, split by the planner), and PipeDream's optimizer's
+    unequal replicas with its split."""
+    workers = topology.num_workers
+    out: list[_Layout] = []
+    for d in range(1, workers + 1):
+        if workers % d == 0 and workers // d <= stages_possible:
+            out.append(((d,) * (workers // d), None))
+    try:
+        plan = partition(profile, topology, "pipedream")
+    except ValueError:
+        return out
+    replicas = tuple(stage.replicas for stage in plan.stages)
+    if len(set(replicas)) > 1 and sum(replicas) == workers:
+        out.append((replicas, plan.balance))
+    return out
+
+
+def _chunk_counts(max_chunks: int, batch_size: int | None) -> list[int]:
+    top = max_chunks if batch_size is None else min(max_chunks, batch_size)
+    counts, m = [], 1
+    while m <= top:
+        counts.append(m)
+        m *= 2
+    return counts
+
+
+def auto_plan(
+    profile: Profile,
+    topology: Topology,
+    memory_limit: float | None = None,
+    *,
+    exact: bool = False,
+    optimizer: str = "adam",
+    schedules: Sequence[str] | None = None,
+    max_chunks: int = 16,
+    microbatch_overhead_s: float = 0.0,
+    input_bytes: float | None = None,
+) -> AutoPlan:
+    """Choose the stage split, replicas, schedule, micro-batches and per-stage recompute for ``topology``.
+
+    Minimises the simulated time per minibatch (the profile's batch, one data shard) among configurations whose
+    every worker's predicted peak memory (:func:`predict_memory`) is within ``memory_limit`` bytes. ``exact``
+    admits only schedules equal to one device (gpipe, 1f1b, zb-h1, interleaved); otherwise pipedream and 2bw
+    too. ``schedules`` narrows the choice further. ``optimizer`` ("sgd", "momentum", "adam") sizes the optimizer
+    state. Micro-batch counts are powers of two up to ``max_chunks`` (and the profile's batch size);
+    ``microbatch_overhead_s`` is a fixed cost per micro-batch forward and backward on each stage, which makes
+    splitting finer a trade. ``input_bytes``: the batch stage 0 keeps (default: ``profile.extra["input_bytes"]``).
+
+    Raises :class:`NoPlanFitsError`, naming the smallest limit that fits, when nothing fits.
+    """
+    if memory_limit is not None and not (isinstance(memory_limit, (int, float)) and memory_limit > 0):
+        raise ValueError(f"memory_limit is {memory_limit!r}; give bytes per worker > 0, or None for no limit.")
+    optimizer_state_ratio(optimizer)
+    if not isinstance(max_chunks, int) or isinstance(max_chunks, bool) or max_chunks < 1:
+        raise ValueError(f"max_chunks must be a whole number >= 1, got {max_chunks!r}.")
+    if not microbatch_overhead_s >= 0:
+        raise ValueError(f"microbatch_overhead_s must be >= 0 seconds, got {microbatch_overhead_s!r}.")
+    names = list(SCHEDULES) if schedules is None else [spec_of(name).name for name in schedules]
+    if exact:
+        refused = [name for name in names if not spec_of(name).exact]
+        if schedules is not None and refused:
+            raise ValueError(
+                f"exact=True admits only schedules equal to one device; {', '.join(refused)} "
+                f"{'is' if len(refused) == 1 else 'are'} not. Drop them or drop exact (--exact)."
+            )
+        names = [name for name in names if spec_of(name).exact]
+    if input_bytes is None:
+        input_bytes = float(profile.extra.get("input_bytes", 0) or 0)
+    search = _Search(profile, topology, memory_limit, optimizer, float(microbatch_overhead_s), float(input_bytes),
+                     _Ranges(profile, float(input_bytes)))
+    stages_possible = 1 + int(search.ranges.cuttable.sum())
+    groups = _groups(profile, topology, names, stages_possible)
+    chunk_counts = _chunk_counts(max_chunks, profile.batch_size)
+    found: list[Candidate] = []
+    for schedule, replicas, v, fixed in groups:
+        counts = chunk_counts if spec_of(schedule).microbatches else [1]
+        best = _INF
+        for chunks in counts:
+            c = search.candidate(schedule, replicas, chunks, v, fixed)
+            if c is None:
+                continue
+            found.append(c)
+            if c.time_per_minibatch > best * (1 + 1e-9):
+                break  # finer micro-batches stopped paying (their overhead, or the transfers)
+            best = min(best, c.time_per_minibatch)
+    if not found:
+        raise _refusal(search, groups, chunk_counts, names, exact)
+    chosen = min(found, key=lambda c: _preference(c, found))
+    others = [c for c in found if c.shape != chosen.shape]
+    runner_up = min(others, key=lambda c: _preference(c, others)) if others else None
+    plan = _to_plan(search, chosen, runner_up)
+    return AutoPlan(plan, chosen, runner_up, memory_limit, exact, optimizer, search.considered, search.simulated,
+                    profile.batch_size)
+
+
+_Group = tuple[str, tuple[int, ...], int, "list[int] | None"]  # schedule, replicas, virtual stages, fixed split
+
+
+def _groups(profile: Profile, topology: Topology, names: list[str], stages_possible: int) -> list[_Group]:
+    """(schedule, replicas, virtual stages, fixed split or None) for every configuration shape to try."""
+    out: list[_Group] = []
+    for replicas, fixed in _layouts(profile, topology, stages_possible):
+        p, unequal = len(replicas), len(set(replicas)) > 1
+        for name in names:
+            spec = spec_of(name)
+            if unequal and not spec.unequal_replicas:
+                continue
+            if spec.virtual_stages:
+                v = INTERLEAVED_VIRTUAL_STAGES
+                if p < 2 or p * v > stages_possible or unequal:
+                    continue
+                out.append((name, replicas, v, None))
+            elif spec.splits_backward and p < 2:
+                continue  # one stage has nothing to fill its bubbles with: 1f1b is the same
+            else:
+                out.append((name, replicas, 1, fixed))
+    return out
+
+
+def _preference(c: Candidate, among: list[Candidate]) -> tuple:
+    """Fastest first; among times within 1e-6 of the best: exact schedules, less recompute, less memory, fewer
+    micro-batches, fewer stages."""
+    fastest = min(x.time_per_minibatch for x in among)
+    near = c.time_per_minibatch <= fastest * (1 + 1e-6)
+    return (not near, c.time_per_minibatch if not near else 0.0, not spec_of(c.schedule).exact, sum(c.recompute),
+            c.peak_bytes, c.chunks, len(c.replicas), c.schedule)
+
+
+def _refusal(
+    search: _Search, groups: list[_Group], chunk_counts: list[int], names: list[str], exact: bool
+) -> NoPlanFitsError:
+    least: Candidate | None = None
+    for schedule, replicas, v, fixed in groups:
+        counts = chunk_counts if spec_of(schedule).microbatches else [1]
+        for chunks in counts:
+            c = search.candidate(schedule, replicas, chunks, v, fixed, least=True)
+            if c is not None and (least is None or c.peak_bytes < least.peak_bytes):
+                least = c
+    layers, workers = len(search.profile.layers), search.topology.num_workers
+    which = "exact schedule" if exact else "schedule"
+    if least is None:
+        return NoPlanFitsError(
+            f"No configuration of the {layers} layers on {workers} workers with the schedules {', '.join(names)}; "
+            "allow other schedules or change the number of workers.", 0, None)
+    limit = float(search.memory_limit or 0)
+    return NoPlanFitsError(
+        f"No configuration of the {layers} layers on {workers} workers (any split, replicas, {which}, micro-batches "
+        f"and recompute) keeps every worker within memory_limit={limit:.0f} bytes ({_bytes(limit)}): the least "
+        f"any needs is {least.peak_bytes} bytes ({_bytes(least.peak_bytes)}) per worker, with {least.label()}. "
+        f"Raise the limit to at least {least.peak_bytes} bytes, or add workers.",
+        least.peak_bytes, least)
+
+
+def _to_plan(search: _Search, c: Candidate, runner_up: Candidate | None) -> Plan:
+    """The chosen candidate as a :class:`Plan` (interleaved: one stage per model chunk)."""
+    r, names = search.ranges, search.profile.names
+    p = len(c.replicas)
+    ranks = search.ranks_of(c.replicas)
+    bounds = np.cumsum([0] + list(c.balance))
+    stages = []
+    for s in range(len(c.balance)):
+        i, j = int(bounds[s]), int(bounds[s + 1]) - 1
+        rep = c.replicas[s % p]
+        f, b = float(r.forward[i, j]), float(r.backward[i, j])
+        sync = float(_ring_allreduce(float(r.params[i, j]), rep, search.group_bandwidth(ranks[s % p])))
+        stages.append(StagePlan(
+            layers=names[i : j + 1], replicas=rep, compute_s=(f + b) / rep, forward_s=f / rep, allreduce_s=sync / rep,
+            parameter_bytes=int(r.params[i, j]), output_bytes=int(r.output[0, j]),
+        ))
+    one_worker = float(r.forward[0, r.n - 1] + r.backward[0, r.n - 1])
+    extra: dict[str, Any] = {
+        "recompute": list(c.recompute),
+        "optimizer": search.optimizer,
+        "predicted_peak_bytes": [m.predicted_peak_bytes for m in c.memory],
+        "memory": [m.to_json() for m in c.memory],
+    }
+    if c.virtual_stages > 1:
+        extra["virtual_stages"] = c.virtual_stages
+    if search.memory_limit is not None:
+        extra["memory_limit"] = search.memory_limit
+    if runner_up is not None:
+        extra["runner_up"] = {"label": runner_up.label(), "time_per_minibatch": runner_up.time_per_minibatch,
+                              "peak_bytes": runner_up.peak_bytes}
+    return Plan(
+        stages=stages, schedule=c.schedule, chunks=c.chunks, time_per_minibatch=c.time_per_minibatch,
+        speedup_vs_one_worker=one_worker / c.time_per_minibatch if c.time_per_minibatch > 0 else None,
+        method="auto", topology=search.topology.to_json(), one_worker_time=one_worker, source=search.profile.source,
+        extra=extra,
+    )
