@@ -68,6 +68,15 @@ def trained(tmp_path_factory) -> Path:
     # The same module structure as the "hf" run before it in this launch: its capture and profile come from the cache.
     runs[2].append([str(base / "hf_2bw"), {"family": "hf", "module": "hf", "devices": 2, "strategy": {
         "schedule": "2bw", "chunks": 2}}])
+    # A padded LM batch (labels -100) with a token-mean loss, and last training and validation batches of one sample,
+    # fewer than chunks=2: one epoch, with mean_over counting the labelled tokens, and (one step) without it.
+    lm = {"family": "hf", "module": "hf", "padded": True, "sizes": [4, 4, 1], "val_sizes": [4, 1], "epochs": 1,
+          "limit_val_batches": 2}
+    runs[1].append([str(base / "hf_lm" / "single"), lm])
+    runs[2].append([str(base / "hf_lm" / "pipe"), {**lm, "devices": 2, "strategy": {
+        "schedule": "1f1b", "chunks": 2, "mean_over": "labelled_tokens"}}])
+    runs[2].append([str(base / "hf_lm" / "unweighted"), {**lm, "epochs": None, "steps": 1, "limit_val_batches": 0,
+                                                          "devices": 2, "strategy": {"schedule": "1f1b", "chunks": 2}}])
     for processes, group in runs.items():
         if group:
             (base / f"runs{processes}.json").write_text(json.dumps(group))
@@ -173,10 +182,47 @@ def test_pipedream_with_weights_tied_across_stages_follows_its_rule(trained):
         rule.losses[-1], rel=1e-5)
 
 
+def test_a_token_mean_loss_over_padded_batches_with_mean_over_equals_one_device(trained):
+    single, pipe = trained / "hf_lm" / "single", trained / "hf_lm" / "pipe"
+    got, want = weights(pipe / "final.ckpt"), weights(single / "final.ckpt")
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-5, msg=lambda m: f"{key}: {m}")
+    metrics = [json.loads((d / "metrics.json").read_text()) for d in (pipe, single)]
+    assert metrics[0]["global_step"] == metrics[1]["global_step"] == 3  # the last batch (1 sample) trained too
+    for name in ("train_loss", "val_loss"):  # the last batches of 1 sample, fewer than chunks=2, ran
+        assert metrics[0][name] == pytest.approx(metrics[1][name], rel=1e-5), name
+    assert not [w for w in metrics[0]["warnings"] if "unevenly" in w]
+
+
+def test_a_token_mean_loss_without_mean_over_is_warned_about(trained):
+    metrics = json.loads((trained / "hf_lm" / "unweighted" / "metrics.json").read_text())
+    assert ["PipeDreamStrategy: this batch's labels leave out padding (-100) unevenly: its micro-batches hold [4, 6] "
+            "labelled tokens for [2, 2] samples. A loss that is a mean over each micro-batch's tokens (cross_entropy "
+            "with ignore_index=-100, Hugging Face models) then weighs tokens unequally and differs from one device. "
+            "Pass PipeDreamStrategy(mean_over=...) a function counting a batch's labelled tokens, e.g. mean_over="
+            "lambda batch: (batch['labels'] != -100).sum(), to weigh each micro-batch by its tokens (exact). A loss "
+            "that is a mean over samples needs nothing."] == [w for w in metrics["warnings"] if "unevenly" in w]
+
+
+def test_a_skipped_batch_is_refused_with_the_reason_on_every_rank(tmp_path):
+    proc = run(tmp_path, {"family": "hf", "module": "hf", "model": {"skip_batch": 1}, "devices": 2,
+                          "strategy": {"schedule": "1f1b", "chunks": 2}}, expect_ok=False)
+    assert proc.returncode != 0
+    reason = ("training_step returned None, which Lightning takes as 'skip this batch'. PipeDreamStrategy cannot skip "
+              "a batch from the last stage's training_step: the other stages have already run its forward (and, "
+              "asynchronously, later batches). Leave such batches out before they reach the Trainer (filter them in "
+              "the dataset, sampler or collate_fn), or return the loss.")
+    assert f"TypeError: {reason}" in proc.stderr  # the last stage (rank 1)
+    assert f"PeerFailedError: Pipeline stage 1 failed with TypeError: {reason}" in proc.stderr  # rank 0
+
+
 def test_an_untraceable_model_gets_the_way_out(tmp_path):
-    proc = run(tmp_path, {"family": "lstm", "untraceable": True, "strategy": {"schedule": "1f1b"}}, expect_ok=False)
+    proc = run(tmp_path, {"family": "lstm", "untraceable": True, "devices": 2, "strategy": {"schedule": "1f1b"}},
+               expect_ok=False)
     assert proc.returncode != 0
     assert "GraphCaptureError" in proc.stderr and "graph_trainer.py" in proc.stderr  # names the user's line
+    # Rank 0 captures and profiles alone; rank 1 learns why it failed rather than "connection closed".
+    assert "Rank 0 could not split DataDependent into stages, so this rank stops too. Rank 0's error: " in proc.stderr
     assert ("Move the branch out of forward (into training_step, say); or name where stages begin, "
             "PipeDreamStrategy(split_points=['model.layers.4', ...]): then only the innermost module holding them "
             "that the step calls is traced") in proc.stderr
