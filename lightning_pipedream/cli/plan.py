@@ -7,9 +7,12 @@ import json
 import sys
 from pathlib import Path
 
+from lightning_pipedream.plan.auto import auto_plan
+from lightning_pipedream.plan.memory import OPTIMIZER_STATE
 from lightning_pipedream.plan.partition import COST_MODELS, METHODS, partition
 from lightning_pipedream.plan.profile import Profile, load_pipedream_graph
 from lightning_pipedream.plan.topology import Topology
+from lightning_pipedream.schedule.specs import SCHEDULES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,6 +40,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --pipedream-graph: let layers fed only by other inputs (GNMT's decoder embedding) "
         "move to earlier stages, which PipeDream's optimizer does not",
     )
+    parser.add_argument(
+        "--schedule",
+        choices=("auto", *SCHEDULES),
+        help="plan the whole configuration: 'auto' chooses the schedule too, a name keeps that schedule; the "
+        "planner picks split, replicas, micro-batches and recompute within --memory (default: partition only)",
+    )
+    parser.add_argument("--exact", action="store_true", help="with --schedule auto: only schedules equal to one device")
+    parser.add_argument(
+        "--optimizer", choices=tuple(OPTIMIZER_STATE), default="adam",
+        help="with --schedule: the optimizer's state per parameter (sgd none, momentum 1x, adam 2x; default adam)",
+    )
+    parser.add_argument("--max-chunks", type=int, default=16, help="with --schedule: most micro-batches per step")
+    parser.add_argument(
+        "--overhead", type=float, default=0.0,
+        help="with --schedule: seconds each micro-batch's forward and backward cost on top of the profile's share",
+    )
     parser.add_argument("--save", type=Path, help="also write the plan here, for PipeDreamStrategy(plan=...)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
@@ -50,6 +69,10 @@ def run(args: argparse.Namespace) -> int:
             profile = load_pipedream_graph(args.pipedream_graph, attach_side_sources=not args.free_side_sources)
         else:
             profile = Profile.load(args.profile)
+        if args.schedule is not None:
+            return _run_auto(args, profile, topology)
+        if args.exact:
+            raise ValueError("--exact applies to --schedule auto only: add --schedule auto.")
         plan = partition(
             profile, topology, args.method, memory_limit=args.memory, straight=args.straight, cost_model=args.cost_model
         )
@@ -63,6 +86,28 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"{profile.source}: {len(profile.layers)} layers; {topology.describe()}")
         print(plan.describe(simulated=True))
+    return 0
+
+
+def _run_auto(args: argparse.Namespace, profile: Profile, topology: Topology) -> int:
+    """``--schedule auto`` (or a name): the whole configuration within ``--memory``, and why."""
+    if args.method != "pipedream" or args.straight or args.cost_model != "code":
+        raise ValueError(
+            "--method, --straight and --cost-model choose PipeDream's partition; with --schedule the planner "
+            "chooses the split itself. Drop them, or drop --schedule."
+        )
+    schedules = None if args.schedule == "auto" else [args.schedule]
+    result = auto_plan(
+        profile, topology, args.memory, exact=args.exact, optimizer=args.optimizer, schedules=schedules,
+        max_chunks=args.max_chunks, microbatch_overhead_s=args.overhead,
+    )
+    if args.save is not None:
+        result.plan.save(args.save)
+    if args.json:
+        print(json.dumps(result.to_json()))
+    else:
+        print(f"{profile.source}: {len(profile.layers)} layers; {topology.describe()}")
+        print(result.describe())
     return 0
 
 

@@ -214,13 +214,15 @@ def _minmax_split(stage_costs: Sequence[np.ndarray], cuttable: np.ndarray) -> tu
     best = np.full((stages, n), _INF)
     arg = np.zeros((stages, n), dtype=int)
     best[0] = stage_costs[0][0]
+    starts = np.arange(n)
     for s in range(1, stages):
-        for j in range(s, n):
-            ks = np.arange(s, j + 1)  # stage s starts at layer k, after a cut at k - 1
-            cand = np.maximum(best[s - 1, ks - 1], stage_costs[s][ks, j])
-            cand[~cuttable[ks - 1]] = _INF
-            pick = len(ks) - 1 - int(np.argmin(cand[::-1]))
-            best[s, j], arg[s, j] = cand[pick], ks[pick]
+        # stage s starts at layer k (after a cut at k - 1): cand[k, j] = max(best[s - 1, k - 1], cost_s[k, j])
+        before = np.full(n, _INF)
+        before[1:] = np.where(cuttable[:-1], best[s - 1, :-1], _INF)
+        before[starts < s] = _INF
+        cand = np.maximum(before[:, None], stage_costs[s])
+        pick = n - 1 - np.argmin(cand[::-1], axis=0)  # ties: the latest boundary
+        best[s], arg[s] = cand[pick, starts], pick
     if not math.isfinite(best[stages - 1, n - 1]):
         return None
     balance, j = [], n - 1
@@ -277,10 +279,23 @@ class _Search:
 
     # -- in-flight counts from the schedule's own action lists
     def flight(self, schedule: str, stages: int, chunks: int, replicas: tuple[int, ...], v: int) -> Schedule:
-        key = (schedule, stages, chunks, replicas if len(set(replicas)) > 1 else None, v)
+        if len(set(replicas)) == 1:  # equal replicas: copies of a straight pipeline, the one the simulator times
+            return self.built(schedule, stages, chunks, v)
+        key = (schedule, stages, chunks, replicas)
         if key not in self.flights:
             self.flights[key] = flight_schedule(schedule, stages, chunks, list(replicas), v)
         return self.flights[key]
+
+    def built(self, schedule: str, stages: int, chunks: int, v: int) -> Schedule:
+        """A straight pipeline's schedule, long enough for an asynchronous one to reach its steady state."""
+        key = (schedule, stages, chunks, v)
+        if key not in self.timed:
+            if spec_of(schedule).asynchronous:
+                minibatches = 3 * stages + 2 if chunks == 1 else stages + 2 if chunks >= stages else 2 * stages + 2
+                self.timed[key] = build_schedule(schedule, stages, chunks, minibatches=minibatches)
+            else:
+                self.timed[key] = build_schedule(schedule, stages, chunks, virtual_stages=v)
+        return self.timed[key]
 
     def held(self, flight: Schedule, stages: int) -> list[int]:
         counts = in_flight(flight)
@@ -402,13 +417,14 @@ class _Search:
         ranks = self.ranks_of(replicas)
         bounds = np.cumsum([0] + balance)
         r = self.ranges
-        fwd, bwd, send, syncs = [], [], [], []
+        fwd, bwd, weight, send, syncs = [], [], [], [], []
         for s in range(p * v):
             i, j = int(bounds[s]), int(bounds[s + 1]) - 1
             rank = s % p
             rep = replicas[rank]
             f, b = float(r.forward[i, j]), float(r.backward[i, j]) + (float(r.forward[i, j]) if recompute[s] else 0.0)
             sync = float(_ring_allreduce(float(r.params[i, j]), rep, self.group_bandwidth(ranks[rank]))) / rep
+            weight.append(float(r.backward[i, j]) / 2 / (rep * chunks))  # zero bubble: W is half the backward
             fwd.append(f / (rep * chunks) + self.overhead / rep)
             bwd.append(b / (rep * chunks) + self.overhead / rep
                        + (sync / chunks if spec.asynchronous else 0.0))  # asynchronous: every minibatch all-reduces
@@ -420,13 +436,8 @@ class _Search:
                 send.append(float(r.output[0, j]) / chunks / speed / width)
             else:
                 send.append(0.0)
-        key = (schedule, p, chunks, v)
-        if key not in self.timed:
-            if spec.asynchronous:
-                self.timed[key] = build_schedule(schedule, p, chunks, minibatches=3 * p + 2 if chunks == 1 else 4)
-            else:
-                self.timed[key] = build_schedule(schedule, p, chunks, virtual_stages=v)
-        result = simulate(self.timed[key], fwd, bwd, activation_bytes=send, bandwidth=1.0, check=False)
+        result = simulate(self.built(schedule, p, chunks, v), fwd, bwd, activation_bytes=send, bandwidth=1.0,
+                          weight_s=weight if spec.splits_backward else None, check=False)
         self.simulated += 1
         if spec.asynchronous:
             return result.step_time

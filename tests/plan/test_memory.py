@@ -1,0 +1,166 @@
+"""The memory model against terms computed by hand, for every schedule, with and without recompute."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_pipedream.plan.memory import (
+    StageBytes,
+    in_flight,
+    optimizer_state_ratio,
+    predict_memory,
+    stage_bytes,
+)
+from lightning_pipedream.plan.profile import LayerProfile, Profile
+from lightning_pipedream.schedule.actions import Layout
+from lightning_pipedream.schedule.builders import build_schedule
+
+
+def eight_layers() -> Profile:
+    """8 layers of 1000 parameter bytes and 100 activation bytes each; the batch stage 0 keeps is 40 bytes."""
+    layers = [LayerProfile(f"l{i}", 1.0, 2.0, 100, 1000) for i in range(8)]
+    return Profile(layers, extra={"input_bytes": 40})
+
+
+def sizes() -> list[StageBytes]:
+    """Two layers per stage: parameters 2000, input 40 (stage 0) or 100, layers 200, output 100 (0 on the last)."""
+    return stage_bytes(eight_layers(), [2, 2, 2, 2])
+
+
+def terms(memory, name):
+    return [getattr(m, name) for m in memory]
+
+
+def test_stage_bytes_from_the_profile():
+    assert sizes() == [
+        StageBytes(parameters=2000, input=40, layers=200, output=100),
+        StageBytes(parameters=2000, input=100, layers=200, output=100),
+        StageBytes(parameters=2000, input=100, layers=200, output=100),
+        StageBytes(parameters=2000, input=100, layers=200, output=0),
+    ]
+
+
+def test_in_flight_is_counted_on_the_built_schedule():
+    assert in_flight(build_schedule("gpipe", 4, 8)) == [8, 8, 8, 8]  # all micro-batches
+    assert in_flight(build_schedule("1f1b", 4, 8)) == [4, 3, 2, 1]  # stages - s
+    assert in_flight(build_schedule("zb-h1", 4, 8)) == [4, 4, 4, 4]  # each held until its W: 1f1b's stage 0
+    assert in_flight(build_schedule("pipedream", 4, 1, minibatches=6)) == [4, 3, 2, 1]
+    # 2bw's warm-up is min(stages - s - 1, chunks) forwards: with one micro-batch per minibatch, 2 in flight
+    assert in_flight(build_schedule("2bw", 4, 1, minibatches=4)) == [2, 2, 2, 1]
+    # 1F1B-RR: ceil(workers from stage s on / replicas of s), PipeDream's rule
+    layout = Layout((3, 2, 1))
+    counts = in_flight(build_schedule("pipedream", 3, 1, minibatches=8, replicas=[3, 2, 1]))
+    assert counts == [2, 2, 2, 2, 2, 1]
+    assert [layout.in_flight(s) for s in range(3)] == [2, 2, 1]
+
+
+def test_1f1b_with_adam():
+    # per micro-batch (4 of them): stage 0 keeps (40 + 200) / 4 = 60 bytes, the others (100 + 200) / 4 = 75
+    memory = predict_memory(sizes(), "1f1b", 4, optimizer="adam")
+    assert terms(memory, "parameters") == [2000] * 4
+    assert terms(memory, "gradients") == [2000] * 4
+    assert terms(memory, "optimizer_state") == [4000] * 4  # Adam: two bytes of state per parameter byte
+    assert terms(memory, "stashed_weights") == [0] * 4
+    assert terms(memory, "held") == [4, 3, 2, 1]
+    assert terms(memory, "activations") == [4 * 60, 3 * 75, 2 * 75, 75]
+    assert [m.predicted_peak_bytes for m in memory] == [8240, 8225, 8150, 8075]
+
+
+def test_1f1b_with_recompute_keeps_inputs_and_outputs_and_replays_one_micro_batch():
+    # kept per micro-batch: input + output = (40 + 100) / 4 = 35 on stage 0, (100 + 100) / 4 = 50, last (100 + 0) / 4
+    # replay: the rest of one micro-batch's activations, (200 - 100) / 4 = 25, and 200 / 4 = 50 on the last stage
+    memory = predict_memory(sizes(), "1f1b", 4, optimizer="sgd", recompute=True)
+    assert terms(memory, "optimizer_state") == [0] * 4
+    assert terms(memory, "activations") == [4 * 35, 3 * 50, 2 * 50, 25]
+    assert terms(memory, "replay") == [25, 25, 25, 50]
+    assert [m.predicted_peak_bytes for m in memory] == [4165, 4175, 4125, 4075]
+    assert terms(memory, "recompute") == [True] * 4
+    # per stage: only stage 0 recomputes
+    mixed = predict_memory(sizes(), "1f1b", 4, optimizer="sgd", recompute=[True, False, False, False])
+    assert terms(mixed, "activations") == [140, 225, 150, 75] and terms(mixed, "replay") == [25, 0, 0, 0]
+
+
+def test_gpipe_holds_every_micro_batch():
+    memory = predict_memory(sizes(), "gpipe", 4, optimizer="momentum")
+    assert terms(memory, "held") == [4] * 4
+    assert terms(memory, "activations") == [240, 300, 300, 300]  # the whole batch's activations
+    assert terms(memory, "optimizer_state") == [2000] * 4
+    assert [m.predicted_peak_bytes for m in memory] == [6240, 6300, 6300, 6300]
+
+
+def test_zero_bubble_holds_until_the_weight_half():
+    memory = predict_memory(sizes(), "zb-h1", 8, optimizer="sgd")
+    # 8 micro-batches: (40 + 200) / 8 = 30 and 300 / 8 = 37.5 each; 4 held on every stage
+    assert terms(memory, "held") == [4] * 4
+    assert terms(memory, "activations") == [120, 150, 150, 150]
+
+
+def test_pipedream_stashes_one_version_per_minibatch_in_flight():
+    memory = predict_memory(sizes(), "pipedream", 1, optimizer="sgd")
+    assert terms(memory, "weight_versions") == [4, 3, 2, 1]
+    assert terms(memory, "stashed_weights") == [3 * 2000, 2 * 2000, 2000, 0]
+    assert terms(memory, "activations") == [4 * 240, 3 * 300, 2 * 300, 300]
+    assert [m.predicted_peak_bytes for m in memory] == [4000 + 6000 + 960, 4000 + 4000 + 900, 4000 + 2000 + 600,
+                                                         4000 + 300]
+
+
+def test_pipedream_under_replicas_follows_pipedream_s_rule():
+    two = stage_bytes(eight_layers(), [4, 4])  # parameters 4000 each; stage 0 keeps 40 + 400, stage 1 100 + 400
+    memory = predict_memory(two, "pipedream", 1, replicas=[2, 1], optimizer="sgd")
+    # stage 0: ceil(3 workers / 2 replicas) = 2 minibatches in flight per replica, stage 1: 1
+    assert terms(memory, "weight_versions") == [2, 1]
+    assert terms(memory, "stashed_weights") == [4000, 0]
+    assert terms(memory, "activations") == [2 * 440, 500]
+    assert terms(memory, "replicas") == [2, 1]
+
+
+def test_2bw_keeps_two_versions():
+    memory = predict_memory(sizes(), "2bw", 4, optimizer="adam")
+    assert terms(memory, "weight_versions") == [2] * 4
+    assert terms(memory, "stashed_weights") == [2000] * 4
+    assert terms(memory, "held") == [4, 3, 2, 1]
+    assert terms(memory, "activations") == [240, 225, 150, 75]
+    assert [m.predicted_peak_bytes for m in memory] == [10240, 10225, 10150, 10075]
+
+
+def test_interleaved_weighs_each_chunk_it_holds():
+    # 2 ranks x 2 chunks, 2 micro-batches; rank 0 holds stages 0 and 2, rank 1 stages 1 and 3
+    chunks = [
+        StageBytes(parameters=1000, input=40, layers=100, output=100),
+        StageBytes(parameters=3000, input=100, layers=300, output=100),
+        StageBytes(parameters=1000, input=100, layers=100, output=100),
+        StageBytes(parameters=2000, input=100, layers=200, output=0),
+    ]
+    memory = predict_memory(chunks, "interleaved", 2, virtual_stages=2, optimizer="sgd")
+    # per micro-batch: 140/2 = 70, 400/2 = 200, 200/2 = 100, 300/2 = 150.
+    # rank 0 runs F0s0 F1s0 F0s2 F1s2 before any backward: 2*70 + 2*100 = 340, four chunk micro-batches.
+    # rank 1 runs F0s1 F1s1 F0s3 | B0s3 F1s3 ...: at most 2*200 + 150 = 550, three.
+    assert terms(memory, "chunks") == [(0, 2), (1, 3)]
+    assert terms(memory, "activations") == [340, 550]
+    assert terms(memory, "held") == [4, 3]
+    assert terms(memory, "parameters") == [2000, 5000]
+    assert [m.predicted_peak_bytes for m in memory] == [4340, 10550]
+
+
+def test_json_has_the_peak_and_every_term():
+    data = predict_memory(sizes(), "1f1b", 4)[0].to_json()
+    assert data["predicted_peak_bytes"] == 8240
+    assert {"parameters", "gradients", "optimizer_state", "stashed_weights", "activations", "replay"} <= set(data)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: optimizer_state_ratio("lion"), "Unknown optimizer kind 'lion'; choose one of sgd, momentum, adam"),
+        (lambda: predict_memory(sizes(), "1f1b", 4, recompute=[True]),
+         "recompute lists 1 values for 4 stages; give one per stage, or one bool."),
+        (lambda: predict_memory(sizes(), "1f1b", 4, replicas=[1, 1]),
+         "replicas lists 2 counts for 4 stages; give one per stage."),
+        (lambda: predict_memory(sizes()[:3], "interleaved", 4, virtual_stages=2),
+         "3 stages do not divide into 2 virtual stages per rank"),
+    ],
+)
+def test_errors_say_what_to_give(call, message):
+    with pytest.raises(ValueError, match=None) as err:
+        call()
+    assert message in str(err.value)
