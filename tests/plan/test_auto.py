@@ -1,0 +1,128 @@
+"""The auto planner: more stages or recompute when memory is tight, the smallest limit when nothing fits, --exact."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+
+from lightning_pipedream.plan.auto import NoPlanFitsError, auto_plan
+from lightning_pipedream.plan.partition import Plan
+from lightning_pipedream.plan.profile import LayerProfile, Profile
+from lightning_pipedream.plan.topology import Topology
+from lightning_pipedream.schedule.specs import spec_of
+
+FREE = Topology.flat(2, math.inf)
+
+
+def four_layers() -> Profile:
+    """4 layers: forward 1 s, backward 2 s, 1000 bytes of activations and 1000 of parameters each."""
+    return Profile([LayerProfile(f"l{i}", 1.0, 2.0, 1000, 1000) for i in range(4)])
+
+
+def plan(limit, **kwargs):
+    kwargs = {"exact": True, "optimizer": "sgd", "max_chunks": 4, **kwargs}
+    return auto_plan(four_layers(), FREE, limit, **kwargs)
+
+
+def test_without_a_limit_two_data_parallel_replicas_win():
+    # One stage on both workers runs 12 s of work per minibatch at half the time each, 6 s, with no bubble and free
+    # links; among equal times the least memory: 1f1b's 4 micro-batches keep a quarter of the 4000 activation bytes.
+    result = plan(None)
+    c = result.chosen
+    assert (c.schedule, c.replicas, c.chunks, c.recompute) == ("1f1b", (2,), 4, (False,))
+    assert c.time_per_minibatch == pytest.approx(6.0)
+    # SGD: 4000 bytes of weights, 4000 of gradients, 1000 of activations
+    assert [m.predicted_peak_bytes for m in c.memory] == [9000]
+
+
+def test_a_tight_limit_gives_more_stages():
+    result = plan(8999)  # one stage needs 8000 bytes of weights and gradients plus at least 1000 of activations
+    assert len(result.chosen.replicas) == 2
+    assert result.chosen.balance == (2, 2)
+    assert result.chosen.peak_bytes <= 8999
+    assert result.runner_up is not None and result.runner_up.shape != result.chosen.shape
+
+
+def test_a_tighter_limit_gives_recompute_where_it_is_needed():
+    # Two stages of 2 layers, 4 micro-batches, 1f1b: stage 0 holds 2 micro-batches of (0 + 2000) / 4 bytes = 1000,
+    # with 4000 of weights and gradients: 5000. Recomputing keeps 2 x (0 + 1000) / 4 = 500 and replays (2000 - 1000)
+    # / 4 = 250: 4750. Stage 1 holds one micro-batch, (1000 + 2000) / 4 = 750: 4750 without recompute.
+    # zb-h1 holds 2 on stage 1 (5500, 5000 recomputing), gpipe 4 (6000, 5250): only 1f1b fits.
+    result = plan(4999)
+    c = result.chosen
+    assert (c.schedule, c.balance, c.chunks, c.recompute) == ("1f1b", (2, 2), 4, (True, False))
+    assert [m.predicted_peak_bytes for m in c.memory] == [4750, 4000 + 750]
+    # Stage 0's backward replays its forward: forward 2/4 = 0.5 s, backward (4 + 2)/4 = 1.5 s per micro-batch, busy
+    # 4 x 2 = 8 s, idle 1 s waiting for the first gradient (stage 1's forward 0.5 s and backward 1 s after stage 0's
+    # second forward ends at 1 s: it arrives at 2 s).
+    assert c.time_per_minibatch == pytest.approx(9.0)
+    text = result.describe()
+    assert "1f1b, 2 stages (1-1), 4 micro-batches, recompute on stages 0" in text
+    assert "why: no configuration of another shape fits" in text
+
+
+def test_nothing_fits_names_the_smallest_limit_that_does():
+    with pytest.raises(NoPlanFitsError) as err:
+        plan(4000)
+    assert err.value.smallest_limit == 4750
+    assert str(err.value) == (
+        "No configuration of the 4 layers on 2 workers (any split, replicas, exact schedule, micro-batches and "
+        "recompute) keeps every worker within memory_limit=4000 bytes (3.91 KiB): the least any needs is 4750 bytes "
+        "(4.64 KiB) per worker, with 1f1b, 2 stages (1-1), 4 micro-batches, recompute on stages 0. Raise the limit "
+        "to at least 4750 bytes, or add workers."
+    )
+    assert plan(4750).chosen.peak_bytes == 4750  # and it does fit
+
+
+def test_exact_admits_only_schedules_equal_to_one_device():
+    # 8 layers without activations on 4 workers whose slow links make data parallelism's all-reduce cost 3 s per
+    # minibatch: one stage per worker, 6 s each. pipedream and 2bw run one minibatch per 6 s; a flushed schedule
+    # pays its bubble on top (zb-h1 the least of them).
+    profile = Profile([LayerProfile(f"l{i}", 1.0, 2.0, 0, 1000) for i in range(8)])
+    topology = Topology.flat(4, 1e3)
+    free = auto_plan(profile, topology, exact=False, optimizer="sgd")
+    assert not spec_of(free.chosen.schedule).exact
+    assert free.chosen.replicas == (1, 1, 1, 1) and free.chosen.time_per_minibatch == pytest.approx(6.0)
+    exact = auto_plan(profile, topology, exact=True, optimizer="sgd")
+    assert spec_of(exact.chosen.schedule).exact
+    assert exact.runner_up is not None and spec_of(exact.runner_up.schedule).exact
+    assert exact.chosen.time_per_minibatch > free.chosen.time_per_minibatch
+
+
+def test_the_plan_is_a_plan_and_carries_the_memory():
+    result = plan(4999)
+    data = result.plan.to_json()
+    again = Plan.from_json(data)
+    assert again.balance == [2, 2] and again.schedule == "1f1b" and again.chunks == 4
+    assert again.extra["recompute"] == [True, False]
+    assert again.extra["predicted_peak_bytes"] == [4750, 4750]
+    assert again.extra["memory"][0]["replay"] == 250
+    assert result.to_json()["predicted_peak_bytes"] == [4750, 4750]
+
+
+def test_twenty_layers_on_four_workers_plan_well_under_a_second():
+    profile = Profile([LayerProfile(f"l{i}", 1e-3 * (1 + i % 3), 2e-3, 4_000_000, 1_000_000) for i in range(20)],
+                      batch_size=64)
+    start = time.perf_counter()
+    result = auto_plan(profile, Topology.flat(4, 1e10), 30e6)
+    assert time.perf_counter() - start < 1.0
+    assert result.chosen.peak_bytes <= 30e6
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"exact": True, "schedules": ["pipedream"]},
+         "exact=True admits only schedules equal to one device; pipedream is not. Drop them or drop exact"),
+        ({"memory_limit": -1}, "memory_limit is -1; give bytes per worker > 0, or None for no limit."),
+        ({"optimizer": "lion"}, "Unknown optimizer kind 'lion'"),
+        ({"max_chunks": 0}, "max_chunks must be a whole number >= 1, got 0."),
+        ({"schedules": ["fast"]}, "Unknown schedule 'fast'. Choose one of: gpipe, 1f1b"),
+    ],
+)
+def test_errors_say_what_to_change(kwargs, message):
+    with pytest.raises(ValueError) as err:
+        auto_plan(four_layers(), FREE, **kwargs)
+    assert message in str(err.value)
