@@ -97,3 +97,58 @@ def test_planning_a_pipedream_graph_does_not_import_torch(pipedream_profiles):
     rc, torch_loaded = json.loads(out.stdout.strip().splitlines()[-1])
     assert json.loads(out.stdout.strip().splitlines()[0])["stages"]  # the plan was printed
     assert (rc, torch_loaded) == (0, False)
+
+
+def _four_layers(tmp_path):
+    """4 layers: forward 1 s, backward 2 s, 1000 bytes of activations and parameters each (tests/plan/test_auto.py)."""
+    Profile([LayerProfile(f"l{i}", 1.0, 2.0, 1000, 1000) for i in range(4)]).save(tmp_path / "p.json")
+    return ["--profile", str(tmp_path / "p.json"), "--workers", "2", "--bandwidth", "inf", "--optimizer", "sgd",
+            "--max-chunks", "4"]
+
+
+def test_auto_prints_the_plan_and_why(tmp_path, capsys):
+    rc, out, _ = _run(_four_layers(tmp_path) + ["--schedule", "auto", "--exact", "--memory", "8999"], capsys)
+    assert rc == 0
+    assert "auto plan (exact schedules only, memory limit 8.79 KiB per worker, optimizer sgd): " in out
+    assert "stage  layers" in out and "activations" in out and "peak" in out
+    assert "why: the runner-up, " in out and "weighed " in out
+
+
+def test_auto_json_gives_peak_bytes_and_terms_per_stage(tmp_path, capsys):
+    argv = _four_layers(tmp_path) + ["--schedule", "auto", "--exact", "--memory", "4999", "--json",
+                                     "--save", str(tmp_path / "plan.json")]
+    rc, out, _ = _run(argv, capsys)
+    assert rc == 0
+    data = json.loads(out)
+    assert data["predicted_peak_bytes"] == [4750, 4750]
+    stage0 = data["chosen"]["memory"][0]
+    assert (stage0["parameters"], stage0["gradients"], stage0["optimizer_state"], stage0["stashed_weights"],
+            stage0["activations"], stage0["replay"], stage0["recompute"]) == (2000, 2000, 0, 0, 500, 250, True)
+    assert data["chosen"]["schedule"] == "1f1b" and data["chosen"]["chunks"] == 4
+    plan = Plan.load(tmp_path / "plan.json")
+    assert plan.balance == [2, 2] and plan.schedule == "1f1b" and plan.extra["recompute"] == [True, False]
+
+
+def test_a_named_schedule_keeps_it(tmp_path, capsys):
+    rc, out, _ = _run(_four_layers(tmp_path) + ["--schedule", "gpipe", "--json"], capsys)
+    assert rc == 0 and json.loads(out)["chosen"]["schedule"] == "gpipe"
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--schedule", "auto", "--exact", "--memory", "4000"],
+         "error: No configuration of the 4 layers on 2 workers (any split, replicas, exact schedule, micro-batches "
+         "and recompute) keeps every worker within memory_limit=4000 bytes (3.91 KiB): the least any needs is 4750 "
+         "bytes (4.64 KiB) per worker"),
+        (["--exact"], "error: --exact applies to --schedule auto only: add --schedule auto."),
+        (["--schedule", "auto", "--straight"], "error: --method, --straight and --cost-model choose PipeDream's "
+         "partition; with --schedule the planner chooses the split itself."),
+        (["--schedule", "pipedream", "--exact"], "error: exact=True admits only schedules equal to one device; "
+         "pipedream is not."),
+    ],
+)
+def test_auto_errors_exit_2(tmp_path, capsys, extra, message):
+    rc, out, err = _run(_four_layers(tmp_path) + extra, capsys)
+    assert rc == 2 and out == ""
+    assert err.startswith(message)
