@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from lightning_pipedream.plan.profile import Profile
 from lightning_pipedream.schedule.actions import Op, Schedule
@@ -23,6 +24,27 @@ def optimizer_state_ratio(optimizer: str) -> int:
             f"Unknown optimizer kind {optimizer!r}; choose one of {', '.join(OPTIMIZER_STATE)} "
             "(SGD without momentum keeps no state, momentum one buffer, Adam two)."
         ) from None
+
+
+_ADAM_FAMILY = ("Adam", "AdamW", "NAdam", "RAdam", "Adamax")  # exp_avg and exp_avg_sq (Adamax: exp_inf)
+
+
+def optimizer_kind(optimizer: Any) -> str:
+    """The memory model's kind of a ``torch.optim`` optimizer: "sgd", "momentum" (one buffer per parameter: SGD
+    with momentum, Adagrad, RMSprop without momentum) or "adam" (two: the Adam family, RMSprop with momentum)."""
+    name = type(optimizer).__name__
+    groups = getattr(optimizer, "param_groups", [])
+    momentum = any(group.get("momentum", 0) for group in groups)
+    if name == "SGD":
+        return "momentum" if momentum else "sgd"
+    if name in _ADAM_FAMILY or (name == "RMSprop" and momentum):
+        return "adam"
+    if name in ("Adagrad", "RMSprop"):
+        return "momentum"
+    raise ValueError(
+        f"The memory model does not know how much state {name} keeps; pass optimizer='sgd' (none), 'momentum' "
+        "(one buffer the size of the parameters) or 'adam' (two)."
+    )
 
 
 @dataclass(frozen=True)

@@ -366,7 +366,8 @@ def profile_module(layers: nn.Sequential, sample_input: Any, *, warmup: int = 1,
     (median of ``repeats`` after ``warmup`` runs), output bytes and parameter bytes.
 
     Each layer runs on the previous layer's output (a tensor or a tuple/list/dict of them); the first layer's
-    backward computes gradients for ``sample_input`` only where it requires them. Buffers such as
+    backward computes gradients for ``sample_input`` only where it requires them. ``extra["input_bytes"]`` is the
+    size of ``sample_input``'s tensors (what the first stage keeps per batch, for the memory model). Buffers such as
     BatchNorm statistics and the random number generators are restored afterwards, and no ``.grad`` is set.
     """
     import torch
@@ -393,7 +394,10 @@ def profile_module(layers: nn.Sequential, sample_input: Any, *, warmup: int = 1,
             buf.copy_(buffers[name])
     batch = tensors(sample_input)
     batch_size = int(batch[0].shape[0]) if batch and batch[0].dim() > 0 else None
-    return Profile(results, batch_size=batch_size, source="profile_module", profiling_s=time.perf_counter() - started)
+    # the batch stage 0 keeps for its backward: the memory model's input term (plan.memory.stage_bytes)
+    input_bytes = sum(t.numel() * t.element_size() for t in batch)
+    return Profile(results, batch_size=batch_size, source="profile_module", profiling_s=time.perf_counter() - started,
+                   extra={"input_bytes": int(input_bytes)})
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -126,3 +126,33 @@ def test_errors_say_what_to_change(kwargs, message):
     with pytest.raises(ValueError) as err:
         auto_plan(four_layers(), FREE, **kwargs)
     assert message in str(err.value)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_planner_s_memory_is_the_model_s_and_its_smallest_limit_fits(seed):
+    """On random profiles (chains and skip connections) and limits: the chosen plan's memory is what
+    predict_memory says for its split, within the limit; a refusal's smallest limit is then accepted."""
+    import random
+
+    from lightning_pipedream.plan.memory import predict_memory, stage_bytes
+
+    rng = random.Random(seed)
+    n = rng.randint(4, 9)
+    layers = [LayerProfile(f"l{i}", rng.uniform(0.1, 2), rng.uniform(0.1, 4), rng.randint(0, 5000),
+                           rng.randint(0, 5000)) for i in range(n)]
+    edges = [(i, i + 1) for i in range(n - 1)] + ([(0, n - 1)] if seed % 2 else [])
+    profile = Profile(layers, edges=edges, extra={"input_bytes": rng.randint(0, 3000)})
+    topology = Topology.flat(rng.choice([2, 3, 4]), rng.choice([math.inf, 1e4]))
+    limit = rng.randint(2000, 40000)
+    kwargs = {"exact": bool(seed % 3), "optimizer": rng.choice(["sgd", "momentum", "adam"]), "max_chunks": 8}
+    try:
+        result = auto_plan(profile, topology, limit, **kwargs)
+    except NoPlanFitsError as err:
+        result = auto_plan(profile, topology, err.smallest_limit, **kwargs)
+        limit = err.smallest_limit
+    c = result.chosen
+    expected = predict_memory(stage_bytes(profile, c.balance), c.schedule, c.chunks, replicas=c.replicas,
+                              virtual_stages=c.virtual_stages, recompute=c.recompute, optimizer=kwargs["optimizer"])
+    assert list(c.memory) == expected
+    assert c.peak_bytes <= limit
+    assert sum(c.balance) == n and sum(c.replicas) == topology.num_workers

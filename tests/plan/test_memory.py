@@ -7,6 +7,7 @@ import pytest
 from lightning_pipedream.plan.memory import (
     StageBytes,
     in_flight,
+    optimizer_kind,
     optimizer_state_ratio,
     predict_memory,
     stage_bytes,
@@ -164,3 +165,26 @@ def test_errors_say_what_to_give(call, message):
     with pytest.raises(ValueError, match=None) as err:
         call()
     assert message in str(err.value)
+
+
+def test_the_kind_of_a_torch_optimizer():
+    import torch
+
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    assert optimizer_kind(torch.optim.SGD(params, lr=0.1)) == "sgd"
+    assert optimizer_kind(torch.optim.SGD(params, lr=0.1, momentum=0.9)) == "momentum"
+    assert optimizer_kind(torch.optim.Adam(params)) == "adam" and optimizer_kind(torch.optim.AdamW(params)) == "adam"
+    assert optimizer_kind(torch.optim.Adagrad(params)) == "momentum"
+    with pytest.raises(ValueError, match="does not know how much state LBFGS keeps; pass optimizer='sgd'"):
+        optimizer_kind(torch.optim.LBFGS(params))
+
+
+def test_the_profiler_records_the_batch_stage_0_keeps():
+    import torch
+    from torch import nn
+
+    from lightning_pipedream.plan.profile import profile_module
+
+    profile = profile_module(nn.Sequential(nn.Linear(8, 8)), torch.randn(5, 8), warmup=0, repeats=1)
+    assert profile.extra["input_bytes"] == 5 * 8 * 4  # float32
+    assert stage_bytes(profile, [1])[0].input == 160
