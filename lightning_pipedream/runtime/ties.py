@@ -18,6 +18,9 @@ class TiedParameters:
     whole group, members or not). :meth:`allreduce_grads`, called on each member right before its optimizer
     step, replaces each copy's gradient by the sum over the copies, so that identical copies with identical
     optimizer states stay bit-identical: the update is what one parameter used in several places receives.
+
+    ``names``: where this stage's copy of each tie lives in ``module`` when that differs from the tie's name
+    (a Sequential's decoder holds the embedding's weight under its own name).
     """
 
     def __init__(
@@ -28,9 +31,13 @@ class TiedParameters:
         *,
         rank_of_stage: Callable[[int], int] = lambda stage: stage,
         group: dist.ProcessGroup | None = None,
+        names: Mapping[str, str] | None = None,
     ) -> None:
         self.module = module
+        self._local = dict(names or {})
+        self._stage_index = stage_index
         self._groups: list[tuple[str, dist.ProcessGroup]] = []
+        self._first_holder: dict[str, int] = {}  # local name -> the first stage holding that tie
         for name in sorted(ties):  # the same order on every rank
             stages = sorted(ties[name])
             ranks = [rank_of_stage(s) for s in stages]
@@ -38,12 +45,22 @@ class TiedParameters:
                 ranks = [dist.get_global_rank(group, r) for r in ranks]
             tie_group = dist.new_group(ranks)
             if stage_index in stages:
-                self._groups.append((name, tie_group))
+                self._groups.append((self._local.get(name, name), tie_group))
+                self._first_holder[self._local.get(name, name)] = stages[0]
 
     @property
     def names(self) -> list[str]:
-        """The tied parameters this stage holds a copy of."""
+        """The tied parameters this stage holds a copy of (their paths in ``module``)."""
         return [name for name, _ in self._groups]
+
+    def copies(self) -> list[nn.Parameter]:
+        """This stage's copies of the tied parameters."""
+        return [get_path(self.module, name) for name, _ in self._groups]
+
+    def held_first_elsewhere(self) -> set[int]:
+        """Ids of this stage's copies whose first holder is another stage (a whole-model norm counts them there)."""
+        return {id(get_path(self.module, name)) for name, _ in self._groups
+                if self._first_holder[name] != self._stage_index}
 
     def allreduce_grads(self) -> None:
         """Sum each tied parameter's gradient over its copies (a copy without a gradient counts as zero)."""

@@ -24,8 +24,9 @@ class InputCaptured(BaseException):
         self.value = value
 
 
-def find_layers(module: LightningModule, name: str | None) -> tuple[str, nn.Sequential]:
-    """Find the module's ``nn.Sequential`` to split into stages, and check the module fits the contract."""
+def find_layers(module: LightningModule, name: str | None, allow_ties: bool = False) -> tuple[str, nn.Sequential]:
+    """Find the module's ``nn.Sequential`` to split into stages, and check the module fits the contract.
+    ``allow_ties``: layers may share a parameter (see :func:`shared_parameters`)."""
     cls = type(module).__name__
     if name is not None:
         layers = getattr(module, name, None)
@@ -60,7 +61,7 @@ def find_layers(module: LightningModule, name: str | None) -> tuple[str, nn.Sequ
     owner: dict[int, str] = {}
     for layer_name, layer in layers._modules.items():  # named_children() would hide a repeated layer
         for p in layer.parameters():
-            if owner.setdefault(id(p), layer_name) != layer_name:
+            if owner.setdefault(id(p), layer_name) != layer_name and not allow_ties:
                 raise ValueError(
                     f"Layers {owner[id(p)]!r} and {layer_name!r} of {cls}.{name} share a parameter; stages on "
                     "different processes cannot share weights. Tie weights only within one layer."
@@ -68,6 +69,17 @@ def find_layers(module: LightningModule, name: str | None) -> tuple[str, nn.Sequ
     if len(layers) == 0:
         raise ValueError(f"{cls}.{name} is an empty nn.Sequential; it needs at least one layer per stage.")
     return name, layers
+
+
+def shared_parameters(layers: nn.Sequential) -> dict[str, list[str]]:
+    """Parameters that several layers of ``layers`` use (an embedding tied to the decoder): the first name of
+    each (``"0.embed.weight"``) -> every name it has in the Sequential, in order."""
+    names: dict[int, list[str]] = {}
+    for layer_name, layer in layers._modules.items():
+        for name, p in layer.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(f"{layer_name}.{name}")
+    return {found[0]: found for found in names.values()
+            if len({n.split(".", 1)[0] for n in found}) > 1}
 
 
 @contextmanager

@@ -35,18 +35,27 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_pipedream.graph.split import get_path
 from lightning_pipedream.plan.balance import stage_slice
 from lightning_pipedream.runtime import allocator, flight
 from lightning_pipedream.runtime.engine import PipelineEngine
 from lightning_pipedream.runtime.materialize import has_meta_tensors, materialize
 from lightning_pipedream.runtime.replicas import GradientReducer
 from lightning_pipedream.runtime.shares import BatchShares
+from lightning_pipedream.runtime.ties import TiedParameters
 from lightning_pipedream.runtime.transport import Transport
 from lightning_pipedream.schedule.actions import Action
 from lightning_pipedream.schedule.builders import inference
 from lightning_pipedream.schedule.specs import SCHEDULES
 from lightning_pipedream.strategy.batches import batch_args, fingerprint, merge_outputs
-from lightning_pipedream.strategy.calls import Elsewhere, ForwardCall, SequentialCall, find_layers, loss_of
+from lightning_pipedream.strategy.calls import (
+    Elsewhere,
+    ForwardCall,
+    SequentialCall,
+    find_layers,
+    loss_of,
+    shared_parameters,
+)
 from lightning_pipedream.strategy.checkpoint import (
     AtomicCheckpointIO,
     CheckpointGather,
@@ -97,6 +106,7 @@ class StagePipeline:
     lagged: LaggedFromSources | None = None  # pipedream: summaries used ``stages - 1`` steps late
     reducer: GradientReducer | None = None  # the stage's replicas' all-reduce
     finite: FiniteChecks | None = None
+    ties: TiedParameters | None = None  # a Sequential's parameters used on several stages (tied embeddings)
 
 
 class PipeDreamStrategy(DDPStrategy):
@@ -355,12 +365,21 @@ class PipeDreamStrategy(DDPStrategy):
                 "PipeDreamStrategy trains with one (automatic optimization, which takes one). Use one optimizer "
                 "with a parameter group per part of the model for different learning rates or settings."
             )
-        graph = None
+        graph, tied = None, None
         if found is not None and planner is not None:
             name, layers = found
+            shared = shared_parameters(layers)  # before the other stages' layers make way for placeholders
             self.balance, self.plan = planner.balance(layers, placement.num_stages, self.plan)
+            layer_ties = self._layer_ties(module, shared, layers, placement)
             stage, model_chunks = self._keep_own_stage(module, name, layers, placement)
             local_names = {id(p): f"{name}.{n}" for n, p in stage.named_parameters()}
+            if layer_ties:
+                # Each holder's copy lives under its own layer's name; checkpoints and optimizer states use the first.
+                here = {key: next(n for n in shared[key] if n.split(".", 1)[0] in stage._modules)
+                        for key, stages in layer_ties.items() if placement.stage_index in stages}
+                tied = TiedParameters(stage, layer_ties, placement.stage_index, names=here)
+                for key, path in here.items():
+                    local_names[id(get_path(stage, path))] = f"{name}.{key}"
         else:
             self._check_graph_path_supported(module)
             graph = GraphPath(options, placement, self.is_global_zero, self.batch_to_device)
@@ -379,12 +398,31 @@ class PipeDreamStrategy(DDPStrategy):
             optimizer_layouts=optimizer_layouts, local_names=local_names, graph=graph,
         )
         pipeline.lagged = _lagged_summaries(placement, groups, pipeline.summary)
+        pipeline.ties = tied
         if groups.replicas is not None:
             pipeline.reducer = GradientReducer(stage.parameters(), groups.replicas)
         if options.check_finite:
             pipeline.finite = FiniteChecks(stage, placement.stage_index, lambda: self._step_context,
                                            per_layer=graph is None)
         return pipeline
+
+    def _layer_ties(self, module: LightningModule, shared: dict[str, list[str]], layers: nn.Sequential,
+                    placement: Placement) -> dict[str, list[int]]:
+        """The Sequential's parameters used by layers on different stages: first name -> the stages holding it."""
+        assert self.balance is not None
+        stage_of = dict(zip(layers._modules, (s for s, count in enumerate(self.balance) for _ in range(count))))
+        ties = {key: sorted({stage_of[n.split(".", 1)[0]] for n in names}) for key, names in shared.items()}
+        ties = {key: stages for key, stages in ties.items() if len(stages) > 1}
+        if ties and (self.options.virtual_stages > 1 or placement.num_pipelines > 1 or placement.layout is not None
+                     or has_meta_tensors(module)):
+            users = {key: [n.split(".", 1)[0] for n in shared[key]] for key in ties}
+            raise ValueError(
+                f"Layers {users} of {type(module).__name__} share parameters across stages (tied weights), which "
+                "PipeDreamStrategy runs with one straight pipeline of real weights; not with interleaved model "
+                "chunks, replicated stages, data-parallel pipelines or a model built on the meta device. Use one of "
+                "those without ties, or balance= that keeps each tied parameter's layers in one stage."
+            )
+        return ties
 
     def _check_graph_path_supported(self, module: LightningModule) -> None:
         if has_meta_tensors(module):
@@ -441,9 +479,9 @@ class PipeDreamStrategy(DDPStrategy):
         if self.options.split_points is not None:
             return None
         if self.options.layers is not None:  # asked for by name: its errors are the user's to see
-            return find_layers(module, self.options.layers)
+            return find_layers(module, self.options.layers, allow_ties=True)
         try:
-            return find_layers(module, None)
+            return find_layers(module, None, allow_ties=True)
         except ValueError as not_sequential:
             if self.is_global_zero:
                 log.info("PipeDreamStrategy: %s is not one nn.Sequential (%s); it splits the graph of its forward "
@@ -687,6 +725,8 @@ class PipeDreamStrategy(DDPStrategy):
             pipeline.finite.check_gradients(batch_idx)
         if pipeline.graph is not None and pipeline.graph.graph is not None:
             pipeline.graph.graph.before_update()
+        if pipeline.ties is not None:
+            pipeline.ties.allreduce_grads()
         if pipeline.reducer is not None:
             # Shares of one batch's loss are summed (each pipeline's counts 1/pipelines); PipeDream's 1F1B-RR averages
             # its replicas' minibatches (over those that had one, in a drain's last round).
@@ -702,9 +742,17 @@ class PipeDreamStrategy(DDPStrategy):
         pipeline = self._pipeline
         assert pipeline is not None
         placement = pipeline.placement
-        # A tied parameter counts once in the whole model's norm: on the first stage that holds a copy.
         captured = pipeline.graph.graph if pipeline.graph is not None else None
-        skip = captured.tie_copies_held_elsewhere_first() if captured is not None else set()
+        ties = pipeline.ties if pipeline.ties is not None else captured.tied if captured is not None else None
+        if ties is not None and self.asynchronous:
+            # Each stage clips by its own norm, which would clip the tied copies apart: a tied parameter is clipped
+            # by its own norm instead, which every holder computes alike (their gradients were just summed).
+            for copy in ties.copies():
+                if copy.grad is not None:
+                    copy.grad.mul_(torch.clamp(clip_val / (copy.grad.detach().float().norm() + 1e-6), max=1.0))
+            skip = {id(copy) for copy in ties.copies()}
+        else:  # a tied parameter counts once in the whole model's norm: on the first stage that holds a copy
+            skip = ties.held_first_elsewhere() if ties is not None else set()
         grads = [p.grad for group in optimizer.param_groups for p in group["params"]
                  if p.grad is not None and id(p) not in skip]
         square = torch.zeros(1, device=self.root_device, dtype=torch.float32)
@@ -717,7 +765,7 @@ class PipeDreamStrategy(DDPStrategy):
         factor = torch.clamp(clip_val / (square.sqrt() + 1e-6), max=1.0)
         for group in optimizer.param_groups:
             for p in group["params"]:
-                if p.grad is not None:
+                if p.grad is not None and not (self.asynchronous and id(p) in skip):
                     p.grad.mul_(factor.to(p.grad.dtype))
 
     # ---------------------------------------------------------------------------------- drain
