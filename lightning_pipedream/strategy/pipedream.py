@@ -39,6 +39,7 @@ from lightning_pipedream.graph.split import get_path
 from lightning_pipedream.plan.balance import stage_slice
 from lightning_pipedream.runtime import allocator, flight
 from lightning_pipedream.runtime.engine import PipelineEngine
+from lightning_pipedream.runtime.failures import report_failure
 from lightning_pipedream.runtime.materialize import has_meta_tensors, materialize
 from lightning_pipedream.runtime.replicas import GradientReducer
 from lightning_pipedream.runtime.shares import BatchShares
@@ -47,7 +48,7 @@ from lightning_pipedream.runtime.transport import Transport
 from lightning_pipedream.schedule.actions import Action
 from lightning_pipedream.schedule.builders import inference
 from lightning_pipedream.schedule.specs import SCHEDULES
-from lightning_pipedream.strategy.batches import batch_args, fingerprint, merge_outputs
+from lightning_pipedream.strategy.batches import batch_args, merge_outputs
 from lightning_pipedream.strategy.calls import (
     Elsewhere,
     ForwardCall,
@@ -70,6 +71,7 @@ from lightning_pipedream.strategy.checks import (
     check_training_supported,
     optimizers_unvalidated,
 )
+from lightning_pipedream.strategy.consistency import batch_record, check_epoch_start, is_due
 from lightning_pipedream.strategy.graph_path import GraphPath
 from lightning_pipedream.strategy.logs import LogRecorder
 from lightning_pipedream.strategy.options import PipelineOptions, tuple_or_none
@@ -572,11 +574,10 @@ class PipeDreamStrategy(DDPStrategy):
         module = self.lightning_module
         trainer = module.trainer
         batch, batch_idx = batch_args(args, kwargs)
-        if batch_idx == 0:
-            self._check_same_batch(batch)
         epoch_loop = trainer.fit_loop.epoch_loop
         closes_group = not epoch_loop._should_accumulate()  # Lightning steps the optimizer after this batch
         end_of_data = epoch_loop._num_ready_batches_reached()
+        record = self._data_record(batch, batch_idx, end_of_data)
         last_step = closes_group and 0 < trainer.max_steps <= trainer.global_step + 1
 
         shares = self._shares(batch)
@@ -612,7 +613,7 @@ class PipeDreamStrategy(DDPStrategy):
             if self.asynchronous and (end_of_data or last_step):
                 # Every stage finishes its minibatches before the epoch's end hooks, validation and checkpoints.
                 pipeline.engine.drain(updates.apply)
-        return self._step_result(step_outputs, batch_loss[0], recorder, end_of_data or last_step)
+        return self._step_result(step_outputs, batch_loss[0], recorder, end_of_data or last_step, record)
 
     def _shares(self, batch: Any) -> BatchShares:
         """A training batch's micro-batches and their loss weights (see :class:`BatchShares`)."""
@@ -636,7 +637,7 @@ class PipeDreamStrategy(DDPStrategy):
         return shares
 
     def _step_result(self, step_outputs: list[Any], batch_loss: float, recorder: LogRecorder,
-                     last_of_run: bool) -> STEP_OUTPUT:
+                     last_of_run: bool, record: Tensor | None = None) -> STEP_OUTPUT:
         """Share the step's loss, extra outputs and logs from the last stage with every rank (pipedream: the
         summary of the minibatch that finished), log them, and return what Lightning expects of a step."""
         pipeline = self._pipeline
@@ -650,11 +651,11 @@ class PipeDreamStrategy(DDPStrategy):
                 extra = {k: map_tensors(_to_cpu, v) for k, v in last.items() if k != "loss"}
             summary = StepSummary(batch_loss, extra, recorder.aggregate())
         if pipeline.lagged is not None:  # pipedream: minibatch t's summary is used at step t + stages - 1
-            summaries = pipeline.lagged.step(summary)
+            summaries = pipeline.lagged.step(summary, record)
             if last_of_run:
                 summaries += pipeline.lagged.take_all()
         else:
-            summaries = [pipeline.summary.exchange(summary)]
+            summaries = [pipeline.summary.exchange(summary, record)]
         for each in summaries:
             LogRecorder.replay(module, each.logs)
         if not summaries:  # the pipeline is filling: no minibatch has finished since the last drain
@@ -673,25 +674,20 @@ class PipeDreamStrategy(DDPStrategy):
         r = layout.replicas[placement.stage_index]
         return [m for m in range(first, first + layout.input_replicas) if m % r == placement.replica_index]
 
-    def _check_same_batch(self, batch: Any) -> None:
-        """At each epoch's first batch, make sure every stage got the same one (a cheap fingerprint)."""
-        pipeline = self._pipeline
-        assert pipeline is not None
-        if pipeline.placement.num_stages == 1:
-            return
-        from lightning_pipedream.runtime.microbatch import batch_size, flatten
-
-        group = pipeline.groups.pipeline
-        leaves, _ = flatten(batch, "batch")
-        mine = torch.tensor([fingerprint(t) for t in leaves[:4]] + [float(batch_size(batch))], dtype=torch.float64)
-        everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(everyone, mine.to(self.root_device) if self.root_device.type != "cpu" else mine, group=group)
-        if any(not torch.equal(everyone[0].cpu(), other.cpu()) for other in everyone[1:]):
-            raise RuntimeError(
-                "The pipeline stages received different training batches: every rank must iterate the same data "
-                "in the same order (stage 0 reads the inputs, the last stage the targets). Keep Lightning's default "
-                "sampler, or with use_distributed_sampler=False seed every rank's shuffling identically."
-            )
+    def _data_record(self, batch: Any, batch_idx: int, end_of_data: bool) -> Tensor | None:
+        """The batch's fingerprint for the data check (strategy/consistency.py), sent with the step's summary; None
+        on the steps that skip it. At an epoch's first batch every rank of the pipeline compares them at once."""
+        placement = self.placement
+        if placement.num_stages == 1:
+            return None
+        trainer = self.lightning_module.trainer
+        batches = float(trainer.num_training_batches)
+        record = batch_record(batch, self.global_rank, placement.stage_index, trainer.current_epoch, batch_idx,
+                              batches, end_of_data)
+        if batch_idx == 0:
+            assert self._pipeline is not None
+            check_epoch_start(record, self._pipeline.groups.pipeline, self.root_device, placement.stage_index)
+        return record if is_due(batch_idx, batches) else None
 
     @override
     def backward(
@@ -790,6 +786,8 @@ class PipeDreamStrategy(DDPStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        # An error outside the pipeline's work (a callback, a checkpoint's write): every peer learns why.
+        report_failure(exception, self._pipeline.placement.stage_index if self._pipeline is not None else None)
         self._pipeline_failed(exception)
         super().on_exception(exception)
 

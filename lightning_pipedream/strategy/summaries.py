@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_pipedream.runtime.failures import pipeline_failures
+from lightning_pipedream.strategy.consistency import RECORD_SLOTS, check_records
 
 
 @dataclass(frozen=True)
@@ -71,15 +72,21 @@ class SummaryChannel:
         self.sources = [self.source] if sources is None else list(sources)
         self._layout: tuple | None = None
 
-    def exchange(self, summary: StepSummary | None) -> StepSummary:
+    def exchange(self, summary: StepSummary | None, record: Tensor | None = None) -> StepSummary:
         """Call on every rank; ``summary`` is given on the last stage (None elsewhere). Returns it everywhere,
-        its numbers averaged over the data-parallel pipelines (as DDP's ``sync_dist=True`` would)."""
+        its numbers averaged over the data-parallel pipelines (as DDP's ``sync_dist=True`` would).
+
+        ``record``: this rank's fingerprint of the step's batch (:func:`~.consistency.batch_record`); the ranks'
+        fingerprints travel with the summary (an all-gather in place of its broadcast) and every rank raises
+        :class:`~.consistency.DataMismatchError` if they disagree."""
         if self.num_stages == 1:
             assert summary is not None
             return self._averaged(summary)
         if len(self.sources) > 1:  # each replica of the last stage holds a part: each sends its own
+            if record is not None:
+                self._check_alone(record)
             return combine([self.broadcast_object(summary, source) for source in self.sources])
-        message = torch.zeros(self.SLOTS, dtype=torch.float64)
+        message = torch.zeros(self.SLOTS + (RECORD_SLOTS if record is not None else 0), dtype=torch.float64)
         if summary is not None:
             values = summary.numbers()
             fits = not summary.extra and len(values) <= self.SLOTS - 2 and summary.layout() == self._layout
@@ -87,8 +94,16 @@ class SummaryChannel:
             if fits:
                 message[2 : 2 + len(values)] = torch.tensor(values, dtype=torch.float64)
         on_device = message.to(self.device)
-        with pipeline_failures(self.stage_index, waiting="the step summary's broadcast from the last stage"):
-            dist.broadcast(on_device, group=self.pipeline_group, group_src=self.source)
+        if record is None:
+            with pipeline_failures(self.stage_index, waiting="the step summary's broadcast from the last stage"):
+                dist.broadcast(on_device, group=self.pipeline_group, group_src=self.source)
+        else:
+            on_device[self.SLOTS:] = record.to(self.device)
+            rows = [torch.empty_like(on_device) for _ in range(dist.get_world_size(self.pipeline_group))]
+            with pipeline_failures(self.stage_index, waiting="the step summary's exchange with the last stage"):
+                dist.all_gather(rows, on_device, group=self.pipeline_group)
+                check_records([row[self.SLOTS:] for row in rows])
+            on_device = rows[self.source][: self.SLOTS]
         message = on_device.cpu()
         if message[0] == 0.0:  # something new: it travels whole, and every rank remembers its layout
             summary = self.broadcast_object(summary)
@@ -99,6 +114,14 @@ class SummaryChannel:
         values = message[2 : 2 + int(message[1])].tolist()
         logs = [LoggedValue(name, value, options) for (name, options), value in zip(names, values[1:])]
         return self._averaged(StepSummary(values[0], dict(extra), logs))
+
+    def _check_alone(self, record: Tensor) -> None:
+        """The fingerprints' own all-gather, where the summary travels as several broadcasts."""
+        rows = [torch.empty(RECORD_SLOTS, dtype=torch.float64, device=self.device)
+                for _ in range(dist.get_world_size(self.pipeline_group))]
+        with pipeline_failures(self.stage_index, waiting="the data check's all-gather"):
+            dist.all_gather(rows, record.to(self.device), group=self.pipeline_group)
+            check_records(rows)
 
     def _averaged(self, summary: StepSummary) -> StepSummary:
         if self.num_pipelines == 1:
@@ -160,9 +183,16 @@ class LaggedFromSources:
 
     def __init__(self, channels: list[LaggedSummaries]) -> None:
         self.channels = channels
+        # The data check's fingerprints go to the first source, from the ranks that are no source: a source sends
+        # its own summaries to the others, which a fingerprint on the same link could be taken for.
+        sources = {channel.source for channel in channels}
+        channels[0].record_peers = [r for r in channels[0].receivers if r not in sources]
+        self._sends_records = channels[0].is_source or not any(channel.is_source for channel in channels)
 
-    def step(self, summary: StepSummary | None) -> list[StepSummary]:
-        taken = [channel.step(summary if channel.is_source else None) for channel in self.channels]
+    def step(self, summary: StepSummary | None, record: Tensor | None = None) -> list[StepSummary]:
+        record = record if self._sends_records else None
+        taken = [channel.step(summary if channel.is_source else None, record if i == 0 else None)
+                 for i, channel in enumerate(self.channels)]
         return [combine(list(parts)) for parts in zip(*taken)]
 
     def take_all(self) -> list[StepSummary]:
@@ -186,6 +216,12 @@ class LaggedSummaries:
     s's backward of minibatch t runs in step ``t + lag - s`` at the latest and needs the last stage's
     backward of t, which precedes its summary. :meth:`take_all` collects what is pending at a drain.
 
+    The data check's fingerprints (``record``) travel the other way, from every rank to the last stage,
+    which compares step t's at the end of step ``t + lag``: by then every stage has ended step t (the
+    last stage's step ``t + lag`` needs stage s's forward of minibatch ``t + lag``, which comes after),
+    so the last stage does not wait for them either. A mismatch stops the last stage, and every rank
+    with it, with the words of :func:`~.consistency.mismatch_words`.
+
     The summaries travel on their own process group, so that they never interleave with the
     pipeline's activations (NCCL matches point-to-point messages by order, not by tag). A receiver
     posts the receive of the next summary it expects as soon as it knows one will come (one at a
@@ -200,6 +236,7 @@ class LaggedSummaries:
         self.group = group
         self.source = source  # the last stage, a rank of ``group``
         self.receivers = receivers  # the other ranks of ``group``
+        self.record_peers = list(receivers)  # the ranks whose fingerprints the last stage receives
         self.lag = lag
         self.is_source = is_source
         self._pending: deque[StepSummary | None] = deque()  # oldest first; None: still on its way here
@@ -207,10 +244,17 @@ class LaggedSummaries:
         self._steps = 0
         self._layout: tuple | None = None  # sender and receivers each follow the message order
         self._posted: tuple[Any, Tensor] | None = None  # the next summary's header, being received
+        # The data check: on the last stage (step, its own fingerprint, [(receive, buffer) per other rank]); on the
+        # others (step, the send, the fingerprint sent).
+        self._records: deque[tuple[int, Tensor, list[tuple[Any, Tensor]]]] = deque()
+        self._record_sends: deque[tuple[int, Any, Tensor]] = deque()
 
-    def step(self, summary: StepSummary | None) -> list[StepSummary]:
-        """Call at the end of every training step (``summary`` given on the last stage). Returns the
-        summaries to log now: the one from ``lag`` steps ago, or none while the pipeline fills."""
+    def step(self, summary: StepSummary | None, record: Tensor | None = None) -> list[StepSummary]:
+        """Call at the end of every training step (``summary`` given on the last stage; ``record``: this rank's
+        fingerprint of the step's batch, on the steps that check the data). Returns the summaries to log now: the
+        one from ``lag`` steps ago, or none while the pipeline fills."""
+        if record is not None:
+            self._exchange_record(record)
         if self.is_source:
             assert summary is not None
             self._send(summary)
@@ -219,6 +263,8 @@ class LaggedSummaries:
             self._pending.append(None)
             self._post_next()
         self._steps += 1
+        if self.is_source:
+            self._check_records(self._steps - 1 - self.lag)
         out = []
         while len(self._pending) > self.lag:
             out.append(self._take_oldest())
@@ -229,6 +275,9 @@ class LaggedSummaries:
         out = [self._take_oldest() for _ in range(len(self._pending))]
         while self._sends:
             self._wait(self._sends.popleft()[1])
+        self._check_records(self._steps)
+        while self._record_sends:
+            self._wait([self._record_sends.popleft()[1:]])
         return out
 
     def forget(self) -> None:
@@ -236,6 +285,32 @@ class LaggedSummaries:
         self._pending.clear()
         self._sends.clear()
         self._posted = None
+        self._records.clear()
+        self._record_sends.clear()
+
+    def _exchange_record(self, record: Tensor) -> None:
+        record = record.to(self.channel.device)
+        if self.is_source:
+            receives = []
+            for peer in self.record_peers:
+                buffer = torch.empty(RECORD_SLOTS, dtype=torch.float64, device=self.channel.device)
+                receives.append((dist.irecv(buffer, group=self.group, group_src=peer), buffer))
+            self._records.append((self._steps, record, receives))
+            return
+        self._record_sends.append((self._steps, dist.isend(record, group=self.group, group_dst=self.source), record))
+        while self._record_sends and self._record_sends[0][0] < self._steps - self.lag:  # received by now
+            self._wait([self._record_sends.popleft()[1:]])
+
+    def _check_records(self, last_step: float) -> None:
+        """On the last stage: compare the fingerprints of the steps up to ``last_step`` (they have arrived)."""
+        while self._records and self._records[0][0] <= last_step:
+            _, own, receives = self._records.popleft()
+            peers = tuple(dist.get_global_rank(self.group, r) for r in self.record_peers)
+            with pipeline_failures(self.channel.stage_index, waiting="the data check's fingerprints from the other "
+                                   "stages", peers=peers):
+                for work, _ in receives:
+                    work.wait()
+                check_records([own] + [buffer for _, buffer in receives])
 
     def _take_oldest(self) -> StepSummary:
         summary = self._pending.popleft()
@@ -282,7 +357,8 @@ class LaggedSummaries:
         assert self._posted is not None  # posted when the step that sends it began here
         work, header = self._posted
         self._posted = None
-        with pipeline_failures(self.channel.stage_index, waiting="a step summary from the last stage"):
+        source = (dist.get_global_rank(self.group, self.source),)
+        with pipeline_failures(self.channel.stage_index, waiting="a step summary from the last stage", peers=source):
             work.wait()
             header = header.cpu()
             if header[0] == 0.0:  # something new: it travels pickled, and its layout is remembered
