@@ -63,8 +63,9 @@ def find_layers(module: LightningModule, name: str | None, allow_ties: bool = Fa
         for p in layer.parameters():
             if owner.setdefault(id(p), layer_name) != layer_name and not allow_ties:
                 raise ValueError(
-                    f"Layers {owner[id(p)]!r} and {layer_name!r} of {cls}.{name} share a parameter; stages on "
-                    "different processes cannot share weights. Tie weights only within one layer."
+                    f"Layers {owner[id(p)]!r} and {layer_name!r} of {cls}.{name} share a parameter; "
+                    "find_layers(..., allow_ties=True) accepts that (PipeDreamStrategy does: each stage holding it "
+                    "keeps a copy and the copies' gradients are summed before every update)."
                 )
     if len(layers) == 0:
         raise ValueError(f"{cls}.{name} is an empty nn.Sequential; it needs at least one layer per stage.")

@@ -80,6 +80,23 @@ class LSTMLM(nn.Module):
         return self.dec(h)
 
 
+class LSTMOutput(nn.Module):
+    """An LSTM as one layer of a Sequential: its output sequence only."""
+
+    def __init__(self, lstm: nn.LSTM) -> None:
+        super().__init__()
+        self.lstm = lstm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lstm(x)[0]
+
+
+def tied_sequential_lstm() -> nn.Sequential:
+    """The LSTM LM as a Sequential of 4 layers whose first (embedding) and last (decoder) share the weight."""
+    model, _ = make("lstm")
+    return nn.Sequential(model.emb, LSTMOutput(model.rnn1), LSTMOutput(model.rnn2), model.dec)
+
+
 class KeyValueCache:
     """A stand-in for Hugging Face's DynamicCache: a plain object (no pytree node) holding each layer's keys."""
 

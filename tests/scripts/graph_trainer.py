@@ -18,7 +18,7 @@ import lightning as L
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))  # the libraries the tests share
-from graph_models import batches, loss_fn, make, padded  # noqa: E402
+from graph_models import batches, loss_fn, make, padded, tied_sequential_lstm  # noqa: E402
 from script_runs import main_runs  # noqa: E402
 
 from lightning_pipedream import PipeDreamStrategy
@@ -72,6 +72,19 @@ class HFStyleModule(FamilyModule):
         self.log("val_loss", self(input_ids, labels=labels).loss)
 
 
+class TiedSequentialLM(FamilyModule):
+    """The LSTM LM as one nn.Sequential whose embedding (first layer) and decoder (last) share their weight: the
+    strategy splits it between layers, the tie across stages."""
+
+    def __init__(self, family: str = "lstm", lr: float = 0.1) -> None:
+        super(FamilyModule, self).__init__()
+        self.save_hyperparameters()
+        self.layers = tied_sequential_lstm()
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        return self.layers(*args)
+
+
 def labelled_tokens(batch: Any) -> torch.Tensor:
     """What a token-mean loss averages over: the labels that are not padding (-100)."""
     return (batch[1] != -100).sum()
@@ -110,7 +123,8 @@ def train(out: str, options: dict[str, Any]) -> None:
     os.makedirs(out, exist_ok=True)
     family = options.pop("family")
     torch.set_num_threads(1)  # the same kernels' reduction order in every run, whatever the process count
-    module_class = {"untraceable": DataDependent, "hf": HFStyleModule}.get(options.pop("module", ""), FamilyModule)
+    module_class = {"untraceable": DataDependent, "hf": HFStyleModule, "tied_sequential": TiedSequentialLM}.get(
+        options.pop("module", ""), FamilyModule)
     if options.pop("untraceable", False):
         module_class = DataDependent
     model = module_class(family, **options.pop("model", {}))
@@ -119,6 +133,7 @@ def train(out: str, options: dict[str, Any]) -> None:
         accelerator="cpu", devices=options.pop("devices", 1), max_steps=options.pop("steps", 3 if not epochs else -1),
         max_epochs=epochs, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=options.pop("limit_val_batches", 0),
+        gradient_clip_val=options.pop("clip", None),
     )
     strategy = options.pop("strategy", None)
     if strategy is not None:

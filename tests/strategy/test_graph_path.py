@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from graph_models import batches, loss_fn, make
-from graph_trainer import FamilyModule, HFStyleModule
+from graph_models import LSTMOutput, batches, loss_fn, make
+from graph_trainer import FamilyModule, HFStyleModule, TiedSequentialLM
 from pipedream_reference import Minibatch, PipeDreamRule
 from script_runs import run_script
 from torch import nn
@@ -68,6 +68,10 @@ def trained(tmp_path_factory) -> Path:
     # The same module structure as the "hf" run before it in this launch: its capture and profile come from the cache.
     runs[2].append([str(base / "hf_2bw"), {"family": "hf", "module": "hf", "devices": 2, "strategy": {
         "schedule": "2bw", "chunks": 2}}])
+    tied = {"family": "lstm", "module": "tied_sequential", "devices": 2}  # a Sequential tied across its stages
+    runs[2].append([str(base / "tied_sequential"), {**tied, "strategy": {"schedule": "pipedream", "balance": [2, 2]}}])
+    runs[2].append([str(base / "tied_sequential_2bw"), {**tied, "clip": 0.05, "strategy": {
+        "schedule": "2bw", "chunks": 2, "balance": [2, 2]}}])
     # A padded LM batch (labels -100) with a token-mean loss, and last training and validation batches of one sample,
     # fewer than chunks=2: one epoch, with mean_over counting the labelled tokens, and (one step) without it.
     lm = {"family": "hf", "module": "hf", "padded": True, "sizes": [4, 4, 1], "val_sizes": [4, 1], "epochs": 1,
@@ -148,20 +152,11 @@ def test_a_second_run_of_the_same_model_captures_from_the_cache(trained):
     assert again["split_points"] == first["split_points"]  # the profile came from the cache too
 
 
-class LSTMOutput(nn.Module):
-    def __init__(self, lstm: nn.LSTM) -> None:
-        super().__init__()
-        self.lstm = lstm
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lstm(x)[0]
-
-
-def test_pipedream_with_weights_tied_across_stages_follows_its_rule(trained):
-    # The LSTM LM split before rnn2: the embedding on stage 0, the decoder tied to it on stage 1. Under pipedream
-    # each stage updates its copy at its own step for minibatch t with the sum of both copies' gradients for t,
-    # each at its own stage's stashed weights (tests/helpers/pipedream_reference.py, untied copies + ties).
-    got = weights(trained / "lstm_pipedream" / "final.ckpt")
+def tied_lstm_rule() -> tuple[PipeDreamRule, dict[str, torch.Tensor]]:
+    """PipeDream's rule for the LSTM LM on 2 stages (embedding and rnn1 | rnn2 and the decoder tied to the
+    embedding): each stage updates its copy at its own step for minibatch t with the sum of both copies' gradients
+    for t, each at its own stage's stashed weights (tests/helpers/pipedream_reference.py, untied copies + ties).
+    Returns the rule and its final weights under the Sequential's names (layers 0..3)."""
     model, _ = make("lstm")
     decoder = nn.Linear(16, 31)
     decoder.weight, decoder.bias = nn.Parameter(model.emb.weight.detach().clone()), model.dec.bias
@@ -169,17 +164,43 @@ def test_pipedream_with_weights_tied_across_stages_follows_its_rule(trained):
     rule = PipeDreamRule(stages, [2, 2], lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), loss_fn,
                          lambda index: {"lr": 0.1}, ties=[[(0, "0.weight"), (1, "1.weight")]])
     rule.segment([Minibatch(i, args[0], targets) for i, (args, targets) in enumerate(batches("lstm", 3, 4))])
-    want = {"model.emb.weight": stages[0].weight, "model.dec.weight": stages[3].weight,
-            "model.dec.bias": stages[3].bias,
-            **{f"model.rnn{i}.{k}": v for i in (1, 2) for k, v in stages[i].lstm.state_dict().items()}}
+    return rule, {k: v.detach() for k, v in stages.state_dict().items()}
+
+
+def test_pipedream_with_weights_tied_across_stages_follows_its_rule(trained):
+    # The LSTM LM's traced graph split before rnn2: the embedding on stage 0, the decoder tied to it on stage 1.
+    got = weights(trained / "lstm_pipedream" / "final.ckpt")
+    rule, final = tied_lstm_rule()
+    want = {"model.emb.weight": final["0.weight"], "model.dec.weight": final["3.weight"],
+            "model.dec.bias": final["3.bias"],
+            **{f"model.rnn{i}.{k[len(f'{i}.lstm.'):]}": v for i in (1, 2) for k, v in final.items()
+               if k.startswith(f"{i}.")}}
     assert sorted(got) == sorted(want)
     for key, value in want.items():
-        torch.testing.assert_close(got[key], value.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+        torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
     # The copies (the embedding on stage 0, the decoder on stage 1) stay bit-identical.
     assert torch.equal(got["model.emb.weight"], got["model.dec.weight"])
     # A minibatch's loss is logged on every rank once it has finished (after the drain: the last one).
     assert json.loads((trained / "lstm_pipedream" / "metrics.json").read_text())["train_loss"] == pytest.approx(
         rule.losses[-1], rel=1e-5)
+
+
+def test_a_sequential_with_weights_tied_across_stages_follows_the_same_rule(trained):
+    # The same LM as one nn.Sequential (AWD-LSTM's shape), split between layers by balance=[2, 2]: layer 0 (the
+    # embedding) and layer 3 (the decoder) share their weight across the two stages.
+    got = weights(trained / "tied_sequential" / "final.ckpt")
+    want = {f"layers.{k}": v for k, v in tied_lstm_rule()[1].items()}
+    assert list(got) == list(want)  # both names of the tied weight, as the module's own state_dict
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+    assert torch.equal(got["layers.0.weight"], got["layers.3.weight"])
+    # Under 2bw with gradient clipping by norm (each stage by its own norm, a tied parameter by its own) the copies
+    # stay identical too.
+    clipped = torch.load(trained / "tied_sequential_2bw" / "final.ckpt", weights_only=False, map_location="cpu")
+    assert torch.equal(clipped["state_dict"]["layers.0.weight"], clipped["state_dict"]["layers.3.weight"])
+    assert all(v.isfinite().all() for v in clipped["state_dict"].values())
+    # The optimizer state is in single-device form: the tied weight is one parameter.
+    assert len(clipped["optimizer_states"][0]["state"]) == len(list(TiedSequentialLM().parameters())) == 10
 
 
 def test_a_token_mean_loss_over_padded_batches_with_mean_over_equals_one_device(trained):
