@@ -14,6 +14,7 @@ from lightning_pipedream.plan.memory import (
     StageMemory,
     flight_schedule,
     in_flight,
+    layer_keeps,
     optimizer_state_ratio,
     predict_memory,
     stage_bytes,
@@ -194,7 +195,8 @@ class _Ranges:
         self.forward = self._table([layer.forward_s for layer in layers])
         self.backward = self._table([layer.backward_s for layer in layers])
         self.params = self._table([float(layer.parameter_bytes) for layer in layers])
-        self.acts = self._table([float(layer.activation_bytes) for layer in layers])
+        saved, ending = layer_keeps(profile)
+        self.acts = self._table(saved) + np.array(ending)[None, :]  # what layers i..j keep as one stage
         cuts = [float(c) for c in profile.cut_bytes()]
         self.input = np.array([float(input_bytes)] + cuts)[:, None]  # what stage i.. receives
         self.output = np.array(cuts + [0.0])[None, :]  # what stage ..j sends on

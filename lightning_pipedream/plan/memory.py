@@ -6,6 +6,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import numpy as np
+
 from lightning_pipedream.plan.profile import Profile
 from lightning_pipedream.schedule.actions import Op, Schedule
 from lightning_pipedream.schedule.builders import build_schedule
@@ -123,8 +125,19 @@ class StageBytes:
 
     parameters: float
     input: float  # what the stage receives (stage 0: the batch), kept for its backward
-    layers: float  # every layer's output: what autograd keeps between forward and backward
+    layers: float  # what its layers keep between forward and backward, its output included
     output: float  # what it hands to the next stage (0 on the last)
+
+
+def layer_keeps(profile: Profile) -> tuple[list[float], list[float]]:
+    """Per layer, the bytes its forward keeps for the backward (the profiler's ``saved_bytes``; unmeasured: its
+    output), and what a stage ending at the layer keeps on top: its output, which the stage holds to start the
+    backward from, when no layer saves it (0 on the last layer, whose output only the loss reads)."""
+    cuts = profile.cut_bytes() + [0]
+    saved = [float(layer.activation_bytes if layer.saved_bytes is None else layer.saved_bytes)
+             for layer in profile.layers]
+    ending = [0.0 if layer.output_saved in (None, True) else float(cut) for layer, cut in zip(profile.layers, cuts)]
+    return saved, ending
 
 
 def stage_bytes(profile: Profile, balance: Sequence[int], input_bytes: float | None = None) -> list[StageBytes]:
@@ -135,6 +148,7 @@ def stage_bytes(profile: Profile, balance: Sequence[int], input_bytes: float | N
     if input_bytes is None:
         input_bytes = float(profile.extra.get("input_bytes", 0) or 0)
     cuts = profile.cut_bytes() + [0]
+    saved, ending = layer_keeps(profile)
     out, first = [], 0
     for count in balance:
         last = first + count - 1
@@ -143,7 +157,7 @@ def stage_bytes(profile: Profile, balance: Sequence[int], input_bytes: float | N
             StageBytes(
                 parameters=float(sum(layer.parameter_bytes for layer in layers)),
                 input=float(cuts[first - 1]) if first > 0 else float(input_bytes),
-                layers=float(sum(layer.activation_bytes for layer in layers)),
+                layers=float(np.sum(saved[first : last + 1])) + ending[last],
                 output=float(cuts[last]),
             )
         )

@@ -19,12 +19,22 @@ if TYPE_CHECKING:  # torch is imported where the profiler runs: reading and plan
     import torch
     from torch import nn
 
-_LAYER_FIELDS = ("name", "forward_s", "backward_s", "activation_bytes", "parameter_bytes", "description")
+_LAYER_FIELDS = (
+    "name", "forward_s", "backward_s", "activation_bytes", "parameter_bytes", "description", "saved_bytes",
+    "output_saved",
+)
+_OPTIONAL_FIELDS = ("saved_bytes", "output_saved")  # left out of the JSON when unknown
 
 
 @dataclass
 class LayerProfile:
-    """One layer: seconds per minibatch forward and backward, bytes of its output and of its parameters."""
+    """One layer: seconds per minibatch forward and backward, bytes of its output and of its parameters.
+
+    ``saved_bytes`` (when the profiler measured it) is what the layer's forward leaves for the backward: the tensors
+    it creates that autograd saves (intermediates, and its output when it or the next layer saves it), parameters
+    aside; ``output_saved`` says whether its output is among them. Unknown (None), the memory model takes the output
+    as all a layer keeps.
+    """
 
     name: str
     forward_s: float
@@ -32,6 +42,8 @@ class LayerProfile:
     activation_bytes: int
     parameter_bytes: int
     description: str = ""
+    saved_bytes: int | None = None
+    output_saved: bool | None = None
 
 
 @dataclass
@@ -78,6 +90,16 @@ class Profile:
                         f"Layer {index} ({layer.name}) of the profile{where} has {key}={value!r}; "
                         "use a number >= 0 (finite: seconds or bytes)."
                     )
+            if layer.saved_bytes is not None and not is_number(layer.saved_bytes):
+                raise ProfileFormatError(
+                    f"Layer {index} ({layer.name}) of the profile{where} has saved_bytes={layer.saved_bytes!r}; "
+                    "use bytes >= 0, or null when not measured."
+                )
+            if layer.output_saved is not None and not isinstance(layer.output_saved, bool):
+                raise ProfileFormatError(
+                    f"Layer {index} ({layer.name}) of the profile{where} has output_saved={layer.output_saved!r}; "
+                    "use true, false, or null when not measured."
+                )
         count = len(self.layers)
         if not isinstance(self.no_cut_after, list):
             raise ProfileFormatError(
@@ -156,7 +178,10 @@ class Profile:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "layers": [asdict(layer) for layer in self.layers],
+            "layers": [
+                {k: v for k, v in asdict(layer).items() if v is not None or k not in _OPTIONAL_FIELDS}
+                for layer in self.layers
+            ],
             "edges": None if self.edges is None else [list(e) for e in self.edges],
             "batch_size": self.batch_size,
             "source": self.source,
@@ -326,7 +351,35 @@ def _median_time(fn: Callable[[], Any], sync: Callable[[], None], warmup: int, r
     return statistics.median(samples), result
 
 
-def _profile_layer(name: str, layer: nn.Module, inputs: Any, warmup: int, repeats: int) -> tuple[LayerProfile, Any]:
+def _saved_by_forward(layer: nn.Module, inputs: Any) -> tuple[int, bool, int]:
+    """What one forward of ``layer`` leaves for its backward, once per storage, parameters aside: bytes of the
+    tensors it creates, whether its output is among them, and bytes of its inputs it saves."""
+    import torch
+
+    from lightning_pipedream.tree import tensors
+
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    given = {t.untyped_storage().data_ptr() for t in tensors(inputs)}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        output = _call(layer, inputs)
+    produced = {t.untyped_storage().data_ptr() for t in tensors(output)}
+    created = sum(size for ptr, size in seen.items() if ptr not in given)
+    inputs_saved = sum(size for ptr, size in seen.items() if ptr in given)
+    return created, any(ptr in produced for ptr in seen), inputs_saved
+
+
+def _profile_layer(
+    name: str, layer: nn.Module, inputs: Any, warmup: int, repeats: int
+) -> tuple[LayerProfile, Any, int]:
+    """The layer's profile, its output, and the bytes of its inputs its forward saves (its predecessor's output)."""
     import torch
 
     from lightning_pipedream.tree import tensors
@@ -334,6 +387,7 @@ def _profile_layer(name: str, layer: nn.Module, inputs: Any, warmup: int, repeat
     in_tensors = tensors(inputs)
     params = [p for p in layer.parameters() if p.requires_grad]
     sync = lambda: _synchronize(in_tensors)  # noqa: E731
+    saved, output_saved, inputs_saved = _saved_by_forward(layer, inputs)
 
     forward_s, output = _median_time(lambda: _call(layer, inputs), sync, warmup, repeats)
     out_tensors = tensors(output)
@@ -356,9 +410,10 @@ def _profile_layer(name: str, layer: nn.Module, inputs: Any, warmup: int, repeat
                 samples.append(time.perf_counter() - start)
         backward_s = statistics.median(samples)
     profile = LayerProfile(
-        name, forward_s, backward_s, int(activation_bytes), int(parameter_bytes), type(layer).__name__
+        name, forward_s, backward_s, int(activation_bytes), int(parameter_bytes), type(layer).__name__,
+        saved_bytes=int(saved), output_saved=output_saved,
     )
-    return profile, output
+    return profile, output, inputs_saved
 
 
 def profile_module(layers: nn.Sequential, sample_input: Any, *, warmup: int = 1, repeats: int = 3) -> Profile:
@@ -382,11 +437,16 @@ def profile_module(layers: nn.Sequential, sample_input: Any, *, warmup: int = 1,
     started = time.perf_counter()
     buffers = {name: buf.detach().clone() for name, buf in layers.named_buffers()}
     devices = sorted({t.device.index for t in tensors(sample_input) if t.device.type == "cuda"} - {None})
-    results = []
+    results: list[LayerProfile] = []
     with torch.random.fork_rng(devices=devices):
         inputs = _fresh_leaves(sample_input, requires_grad=False)  # a batch of data needs no gradient
         for name, layer in layers.named_children():
-            result, output = _profile_layer(name, layer, inputs, warmup, repeats)
+            result, output, inputs_saved = _profile_layer(name, layer, inputs, warmup, repeats)
+            previous = results[-1] if results else None
+            if previous is not None and inputs_saved and not previous.output_saved:
+                # the next layer keeps this one's output (a Linear after a Linear): it lives until that backward
+                previous.saved_bytes = (previous.saved_bytes or 0) + inputs_saved
+                previous.output_saved = True
             results.append(result)
             inputs = _fresh_leaves(output)
     with torch.no_grad():

@@ -188,3 +188,45 @@ def test_the_profiler_records_the_batch_stage_0_keeps():
     profile = profile_module(nn.Sequential(nn.Linear(8, 8)), torch.randn(5, 8), warmup=0, repeats=1)
     assert profile.extra["input_bytes"] == 5 * 8 * 4  # float32
     assert stage_bytes(profile, [1])[0].input == 160
+
+
+def test_the_profiler_measures_what_each_layer_keeps_for_its_backward():
+    import torch
+    from torch import nn
+
+    from lightning_pipedream.plan.profile import profile_module
+
+    layers = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.Linear(8, 8))
+    profile = profile_module(layers, torch.randn(5, 8), warmup=0, repeats=1)
+    # Every output is 5 x 8 float32 = 160 bytes. Linear 0's output is kept by nobody (ReLU saves its own output);
+    # ReLU's output is saved by ReLU (and by Linear 2: counted once); Linear 2's output is saved by Linear 3, which
+    # is its input; Linear 3's by nobody.
+    assert [layer.saved_bytes for layer in profile.layers] == [0, 160, 160, 0]
+    assert [layer.output_saved for layer in profile.layers] == [False, True, True, False]
+    first, rest = stage_bytes(profile, [1, 3])
+    assert first.layers == 160  # Linear 0's output: nobody saves it, but the stage holds it to start its backward
+    assert rest.layers == 320 and rest.input == 160  # ReLU's and Linear 2's outputs, and the received input
+    assert "saved_bytes" not in Profile([LayerProfile("a", 1, 1, 1, 1)]).to_json()["layers"][0]  # unknown: left out
+
+
+def test_a_stage_keeps_what_the_model_predicts():
+    """The runtime's own count of what a stage keeps per micro-batch (its inputs and every tensor autograd saves)
+    equals the model's input + layers, and input alone when recomputing, for blocks that save intermediates."""
+    import torch
+    from torch import nn
+
+    from lightning_pipedream.plan.profile import profile_module
+    from lightning_pipedream.runtime.stage import Stage
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Dropout(0.1), nn.Linear(64, 16))
+                            for _ in range(4)])
+    x = torch.randn(8, 16)
+    last = stage_bytes(profile_module(model, x, warmup=0, repeats=1), [2, 2])[1]
+    with torch.no_grad():
+        middle = model[:2](x)
+    for recompute in (False, True):
+        stage = Stage(model[2:], 1, 2, recompute=recompute)
+        stage.track_activations = True
+        stage.forward(0, middle.clone().requires_grad_(True))
+        assert stage.activation_bytes == last.input + (last.output if recompute else last.layers)
