@@ -54,19 +54,12 @@ def per_process_batch(strategy: str, batch_size: int, processes: int) -> dict[st
 
 
 def check_carried_state(model: dict[str, Any], data: dict[str, Any], strategy: str = "auto") -> None:
-    """A model that carries its hidden state across batches needs batches that continue each other, and (with tied
-    weights) a pipeline that keeps it."""
+    """A model that carries its hidden state across batches needs batches that continue each other. (Tied weights
+    keep the model a Sequential split between layers, whose stages carry their layers' state under every strategy.)"""
     if model.get("carry_state") and not data.get("streams"):
         raise ValueError("model.carry_state=true carries the hidden state from one batch to the next, which needs "
                          "batches that continue the same text streams: set data.streams=true, or "
                          "model.carry_state=false for independent shuffled windows")
-    # Tied layers cannot be split between layers, so PipeDreamStrategy traces the forward call instead; a traced
-    # stage does not run the layers' Python code that keeps the carried state. Remove this guard once it does.
-    if strategy == "pipedream" and model.get("tie_weights") and model.get("carry_state"):
-        raise ValueError("model.tie_weights=true with model.carry_state=true is not supported under "
-                         "strategy=pipedream: tied weights make the strategy trace the model, and the traced stages "
-                         "do not carry the LSTM state across batches; set model.tie_weights=false (or "
-                         "model.carry_state=false, or train with strategy=ddp)")
 
 
 def build(cfg: DictConfig, start: float) -> tuple[Any, Any, Any, Any]:

@@ -4,7 +4,8 @@ weight-dropped (DropConnect on hidden-to-hidden weights) LSTM layers.
 `carry_state=True` carries each LSTM's hidden state from one training batch to the next (truncated
 backpropagation through time, as the AWD-LSTM code does; the data must then come as parallel streams, see
 recipes/data/language_model.py). The state lives in the layer, so under a pipeline each stage carries its own
-layers' state and nothing extra crosses stages. `tie_weights=True` shares the embedding with the decoder.
+layers' state and nothing extra crosses stages. `tie_weights=True` shares the embedding with the decoder (as
+the paper does); PipeDreamStrategy gives the two stages holding them a copy each and sums their gradients.
 """
 
 from __future__ import annotations
