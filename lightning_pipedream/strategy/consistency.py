@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_pipedream.runtime.failures import pipeline_failures
-from lightning_pipedream.runtime.microbatch import batch_size, flatten
+from lightning_pipedream.runtime.microbatch import flatten
 
 CHECK_EVERY = 1  # steps between two checks of the data (1: every step); an epoch's first batch is always checked
 RECORD_SLOTS = 32  # float64 numbers per fingerprint
@@ -32,7 +32,7 @@ def batch_record(batch: Any, rank: int, stage: int, epoch: int, index: int, batc
     leaves, _ = flatten(batch, "batch")
     device = leaves[0].device if leaves else torch.device("cpu")
     numbers = [rank, stage, epoch, index, batches if math.isfinite(batches) else -1.0, float(last),
-               float(batch_size(batch)), float(len(leaves))]
+               float(leaves[0].shape[0] if leaves and leaves[0].dim() else 0), float(len(leaves))]
     samples = []
     for t in leaves[:_LEAVES]:
         flat = (torch.view_as_real(t) if t.is_complex() else t).detach().reshape(-1)

@@ -1,5 +1,7 @@
-"""A multi-process Trainer one of whose ranks stops itself (SIGSTOP), spins in Python or raises at a given batch:
-`python hang_trainer.py OUT JSON_OPTIONS` (rank, at, how: stop|spin|raise, schedule, chunks, devices, timeout)."""
+"""A multi-process Trainer one of whose ranks goes wrong at a given batch: `python hang_trainer.py OUT JSON_OPTIONS`
+(rank, at, how, schedule, chunks, devices, timeout, max_steps). how: stop (SIGSTOP), spin (a Python loop), raise (its
+first layer raises), drift (its batches change from then on), fewer (it has fewer batches per epoch), shuffle (every
+rank shuffles with the global random state, which dropout on one stage consumes)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import signal
 import sys
 import time
 from datetime import timedelta
+from typing import Any
 
 import lightning as L
 import torch
@@ -21,9 +24,12 @@ from lightning_pipedream import PipeDreamStrategy
 
 
 class Model(L.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, dropout: bool = False) -> None:
         super().__init__()
         self.layers = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+        if dropout:  # on the last stage only: the other stages' random state stays as it was
+            self.layers = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Dropout(0.5),
+                                        nn.Linear(16, 4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.layers(x)
@@ -43,8 +49,12 @@ class Fault(L.Callback):
     def __init__(self, rank: int, at: int, how: str, out: str) -> None:
         self.rank, self.at, self.how, self.out = rank, at, how, out
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: object) -> None:
-        if trainer.global_rank != self.rank or trainer.global_step != self.at:
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if self.how == "drift" and trainer.global_rank == self.rank and batch_idx >= self.at:
+            batch[0].add_(1.0)  # this rank's inputs are no longer the others'
+        if trainer.global_rank != self.rank or trainer.global_step != self.at or self.how not in ("stop", "spin",
+                                                                                                  "raise"):
             return
         with open(os.path.join(self.out, "fault_time"), "w") as f:  # when the fault began, for the test's clock
             f.write(str(time.time() + (0 if self.how == "raise" else 1.5)))
@@ -61,23 +71,35 @@ class Fault(L.Callback):
         while self.how == "spin":
             sum(range(1000))
 
+    def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+        with open(os.path.join(self.out, f"ended_rank{trainer.global_rank}"), "w") as f:
+            f.write(str(trainer.global_step - 1))  # the last step this rank finished
+
 
 def main() -> None:
     out, options = sys.argv[1], json.loads(sys.argv[2])
     faulthandler.register(signal.SIGUSR1)  # the test dumps every thread's stack with it before killing a hang
     os.environ.setdefault("LIGHTNING_PIPEDREAM_FLIGHT_RECORDER", os.path.join(out, "flight"))
+    how = options.get("how", "stop")
     g = torch.Generator().manual_seed(3)
     x = torch.randn(64, 8, generator=g)
-    data = DataLoader(TensorDataset(x, x[:, :4].argmax(-1)), batch_size=4)
+    dataset = TensorDataset(x, x[:, :4].argmax(-1))
+    rank = int(os.environ.get("LOCAL_RANK", 0))
+    if how == "fewer" and rank == options.get("rank", 1):
+        dataset = TensorDataset(*dataset[:60])
+    L.seed_everything(0, verbose=False)
+    data = DataLoader(dataset, batch_size=4, shuffle=how == "shuffle")  # shuffle: no generator of its own
     schedule = options.get("schedule", "1f1b")
     trainer = L.Trainer(
-        accelerator="cpu", devices=options.get("devices", 2), max_steps=12, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu", devices=options.get("devices", 2), max_steps=options.get("max_steps", 12), logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        use_distributed_sampler=how not in ("fewer", "shuffle"),
         callbacks=[Fault(options.get("rank", 1), options.get("at", 3), options.get("how", "stop"), out)],
         strategy=PipeDreamStrategy(schedule=schedule, chunks=options.get("chunks", 1 if schedule == "pipedream" else 2),
-                                   timeout=timedelta(seconds=options.get("timeout", 10))),
+                                   timeout=timedelta(seconds=options.get("timeout", 10)),
+                                   balance=options.get("balance")),
     )
-    trainer.fit(Model(), data)
+    trainer.fit(Model(dropout=how == "shuffle"), data)
 
 
 if __name__ == "__main__":
