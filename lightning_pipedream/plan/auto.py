@@ -67,9 +67,10 @@ class Candidate:
             text += f" x {self.virtual_stages} chunks"
         if spec_of(self.schedule).microbatches:
             text += f", {self.chunks} micro-batch{'es' if self.chunks > 1 else ''}"
-        rc = [str(s) for s, flag in enumerate(self.recompute) if flag]
+        p = len(self.replicas)  # interleaved: a rank recomputes all of its chunks or none
+        rc = [str(s) for s in range(p) if any(self.recompute[s::p])]
         if rc:
-            text += ", recompute " + ("everywhere" if len(rc) == len(self.recompute) else "on stages " + ", ".join(rc))
+            text += ", recompute " + ("everywhere" if len(rc) == p else "on stages " + ", ".join(rc))
         return text
 
     def to_json(self) -> dict[str, Any]:
@@ -134,8 +135,7 @@ class AutoPlan:
         rows = [header]
         names = self.plan.stages
         for m in c.memory:
-            layers = [name for s in m.chunks for name in names[s].layers]
-            span = layers[0] if len(layers) == 1 else f"{layers[0]} .. {layers[-1]} ({len(layers)})"
+            span = ", ".join(_span(names[s].layers) for s in m.chunks)
             rows.append((
                 str(m.stage), span, str(m.replicas), "yes" if m.recompute else "no", _bytes(m.parameters),
                 _bytes(m.gradients), _bytes(m.optimizer_state),
@@ -173,6 +173,10 @@ class AutoPlan:
             "considered": self.considered,
             "simulated": self.simulated,
         }
+
+
+def _span(layers: list[str]) -> str:
+    return layers[0] if len(layers) == 1 else f"{layers[0]} .. {layers[-1]} ({len(layers)})"
 
 
 def _bytes(value: float) -> str:
@@ -234,6 +238,23 @@ def _minmax_split(stage_costs: Sequence[np.ndarray], cuttable: np.ndarray) -> tu
         j = k - 1
     balance.append(j + 1)
     return float(best[stages - 1, n - 1]), balance[::-1]
+
+
+def _equal_shares(costs: np.ndarray, parts: int, cuttable: np.ndarray) -> list[int] | None:
+    """Cut where the running cost crosses each k / parts of the total (nearest allowed cut, every part non-empty)."""
+    n = len(costs)
+    prefix = np.cumsum(costs)
+    total = float(prefix[-1])
+    bounds, last = [], -1
+    for k in range(1, parts):
+        target = total * k / parts
+        allowed = [j for j in range(last + 1, n - (parts - k)) if cuttable[j]]
+        if not allowed:
+            return None
+        last = min(allowed, key=lambda j: (abs(float(prefix[j]) - target), j))
+        bounds.append(last)
+    edges = [-1] + bounds + [n - 1]
+    return [edges[i + 1] - edges[i] for i in range(parts)]
 
 
 def _ring_allreduce(params: np.ndarray | float, replicas: int, bandwidth: float) -> np.ndarray | float:
@@ -383,27 +404,39 @@ class _Search:
         return balance, [bool(tables[s][1][bounds[s], bounds[s + 1] - 1] < tables[s][0][bounds[s], bounds[s + 1] - 1])
                          for s in range(p)]
 
-    def interleaved_split(self, replicas: tuple[int, ...], chunks: int, v: int,
-                          least: bool = False) -> tuple[list[int], list[bool]] | None:
-        """Model chunks balanced by time; recompute on every chunk of a rank that needs it (or everywhere)."""
+    def interleaved_splits(self, replicas: tuple[int, ...], chunks: int, v: int,
+                           least: bool = False) -> list[tuple[list[int], list[bool]]]:
+        """Splits into ``ranks x v`` model chunks to try: the one minimising the slowest chunk, chunks cut at equal
+        shares of the time, and equal layer counts with the remainder on the earlier chunks (which evens out each
+        rank's sum). Recompute on every chunk of a rank that needs it (``least``: everywhere)."""
         p = len(replicas)
         ranks = self.ranks_of(replicas)
         t_plain = [self.time_tables(replicas[s % p], self.group_bandwidth(ranks[s % p]), chunks)[0]
                    for s in range(p * v)]
         found = _minmax_split(t_plain, self.ranges.cuttable)
         if found is None:
-            return None
-        balance = found[1]
-        if least:
-            return balance, [True] * (p * v)
-        sizes = stage_bytes(self.profile, balance, self.input_bytes)
-        flags = [False] * (p * v)
-        memory = self.memory_of("interleaved", sizes, replicas, chunks, v, flags)
-        for rank, m in enumerate(memory):
-            if m.predicted_peak_bytes > self.limit:
-                for s in range(rank, p * v, p):
-                    flags[s] = True
-        return balance, flags
+            return []
+        balances = [found[1]]
+        shares = _equal_shares(self.ranges.forward[0] + self.ranges.backward[0], p * v, self.ranges.cuttable)
+        if shares is not None and shares not in balances:
+            balances.append(shares)
+        base, extra = divmod(self.ranges.n, p * v)  # earlier chunks take the remainder: each rank's sum evens out
+        even = [base + (c < extra) for c in range(p * v)]
+        if base and all(self.ranges.cuttable[np.cumsum(even)[:-1] - 1]) and even not in balances:
+            balances.append(even)
+        out = []
+        for balance in balances:
+            if least:
+                out.append((balance, [True] * (p * v)))
+                continue
+            sizes = stage_bytes(self.profile, balance, self.input_bytes)
+            flags = [False] * (p * v)
+            for rank, m in enumerate(self.memory_of("interleaved", sizes, replicas, chunks, v, flags)):
+                if m.predicted_peak_bytes > self.limit:
+                    for s in range(rank, p * v, p):
+                        flags[s] = True
+            out.append((balance, flags))
+        return out
 
     def memory_of(self, schedule: str, sizes: list[StageBytes], replicas: tuple[int, ...], chunks: int, v: int,
                   recompute: list[bool]) -> list[StageMemory]:
@@ -449,20 +482,25 @@ class _Search:
                   fixed: list[int] | None, least: bool = False) -> Candidate | None:
         self.considered += 1
         if v > 1:
-            found = self.interleaved_split(replicas, chunks, v, least)
-        elif least:
-            found = self.least_memory(schedule, replicas, chunks, fixed)
+            options = self.interleaved_splits(replicas, chunks, v, least)
         else:
-            found = self.split(schedule, replicas, chunks, fixed)
-        if found is None:
-            return None
-        balance, recompute = found
-        sizes = stage_bytes(self.profile, balance, self.input_bytes)
-        memory = self.memory_of(schedule, sizes, replicas, chunks, v, recompute)
-        if not least and max(m.predicted_peak_bytes for m in memory) > self.limit:
-            return None
-        time = _INF if least else self.time(schedule, balance, replicas, chunks, v, recompute)
-        return Candidate(schedule, tuple(balance), replicas, chunks, v, tuple(recompute), time, tuple(memory))
+            found = (self.least_memory if least else self.split)(schedule, replicas, chunks, fixed)
+            options = [] if found is None else [found]
+        best: Candidate | None = None
+        for balance, recompute in options:
+            sizes = stage_bytes(self.profile, balance, self.input_bytes)
+            memory = tuple(self.memory_of(schedule, sizes, replicas, chunks, v, recompute))
+            peak = max(m.predicted_peak_bytes for m in memory)
+            if least:
+                if best is None or peak < best.peak_bytes:
+                    best = Candidate(schedule, tuple(balance), replicas, chunks, v, tuple(recompute), _INF, memory)
+                continue
+            if peak > self.limit:
+                continue
+            time = self.time(schedule, balance, replicas, chunks, v, recompute)
+            if best is None or time < best.time_per_minibatch:
+                best = Candidate(schedule, tuple(balance), replicas, chunks, v, tuple(recompute), time, memory)
+        return best
 
 
 _Layout = tuple[tuple[int, ...], "list[int] | None"]  # replicas per stage, and a fixed split (None: the planner's)
@@ -645,8 +683,9 @@ def _to_plan(search: _Search, c: Candidate, runner_up: Candidate | None) -> Plan
         "predicted_peak_bytes": [m.predicted_peak_bytes for m in c.memory],
         "memory": [m.to_json() for m in c.memory],
     }
-    if c.virtual_stages > 1:
+    if c.virtual_stages > 1:  # the stages are the model chunks, chunk c of rank r being stage c * ranks + r
         extra["virtual_stages"] = c.virtual_stages
+        extra["chunk_stages"] = True
     if search.memory_limit is not None:
         extra["memory_limit"] = search.memory_limit
     if runner_up is not None:

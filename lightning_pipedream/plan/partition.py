@@ -82,6 +82,21 @@ class Plan:
             bandwidth = float(self.topology[0][1]) if self.topology else math.inf
         forward = [stage.forward_s for stage in self.stages]
         backward = [stage.compute_s - stage.forward_s + stage.allreduce_s for stage in self.stages]
+        spec = spec_of(self.schedule)
+        v = int(self.extra.get("virtual_stages", 1)) if spec.virtual_stages else 1
+        if v > 1 and self.extra.get("chunk_stages"):  # the auto planner lists the model chunks themselves
+            ranks = len(self.stages) // v
+            chunks = max(1, self.chunks)
+            given = self.extra.get("recompute", False)
+            replays = given if isinstance(given, list) else [bool(given)] * len(self.stages)
+            result = simulate(
+                build_schedule(self.schedule, ranks, chunks, virtual_stages=v),
+                [f / chunks for f in forward],
+                [(b + (f if replay else 0.0)) / chunks for f, b, replay in zip(forward, backward, replays)],
+                activation_bytes=[stage.output_bytes / chunks for stage in self.stages],
+                bandwidth=bandwidth,
+            )
+            return result.step_time
         # extra={"recompute": true} replays each forward in its backward; {"virtual_stages": v} (interleaved)
         # splits each stage's layers into v chunks of equal cost, chunk c of rank r being stage c * p + r.
         # {"recompute": [...]} (the auto planner) names the stages that recompute: their backward replays the forward.
@@ -91,10 +106,8 @@ class Plan:
             recompute = False
         else:
             recompute = bool(flags)
-        spec = spec_of(self.schedule)
         # pipedream runs each batch whole; the others split it into `chunks` micro-batches of equal cost.
         chunks = max(1, self.chunks) if spec.microbatches else 1
-        v = int(self.extra.get("virtual_stages", 1)) if spec.virtual_stages else 1
         if spec.asynchronous:
             schedule = build_schedule(self.schedule, len(self.stages), chunks, minibatches=minibatches)
         else:
@@ -111,7 +124,10 @@ class Plan:
 
     @property
     def num_workers(self) -> int:
-        return sum(stage.replicas for stage in self.stages)
+        stages = self.stages
+        if self.extra.get("chunk_stages"):  # interleaved model chunks: a rank holds virtual_stages of them
+            stages = stages[: len(stages) // int(self.extra.get("virtual_stages", 1))]
+        return sum(stage.replicas for stage in stages)
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)

@@ -156,3 +156,15 @@ def test_the_planner_s_memory_is_the_model_s_and_its_smallest_limit_fits(seed):
     assert list(c.memory) == expected
     assert c.peak_bytes <= limit
     assert sum(c.balance) == n and sum(c.replicas) == topology.num_workers
+
+
+def test_interleaved_plans_list_the_model_chunks():
+    profile = Profile([LayerProfile(f"l{i}", 1.0, 2.0, 1000, 1000) for i in range(8)])
+    result = auto_plan(profile, FREE, schedules=["interleaved"], optimizer="sgd", max_chunks=4)
+    c = result.chosen
+    assert (c.replicas, c.virtual_stages, c.balance) == ((1, 1), 2, (2, 2, 2, 2))
+    assert [m.chunks for m in c.memory] == [(0, 2), (1, 3)]  # rank r holds chunks r and r + 2
+    assert result.plan.balance == [2, 2, 2, 2] and result.plan.num_workers == 2
+    assert result.plan.extra["virtual_stages"] == 2 and result.plan.extra["chunk_stages"] is True
+    assert result.plan.simulated_time_per_minibatch() == pytest.approx(c.time_per_minibatch)
+    assert "l0 .. l1 (2), l4 .. l5 (2)" in result.describe()
