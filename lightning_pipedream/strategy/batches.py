@@ -26,14 +26,20 @@ EVALUATION_LOOP: dict[TrainerFn, Callable[[Trainer], Any]] = {
 }
 
 
-def first_batch(loop: Any) -> Any:
-    """The first batch of a Trainer loop's data (for profiling or capturing before the first step); None if none."""
+def loop_loader(loop: Any) -> Any:
+    """A Trainer loop's (first) dataloader as the user gave it, before the loop sets it up; None if none."""
     source = getattr(loop, "_data_source", None)
     if source is None or not source.is_defined():
         return None
     loader = source.dataloader()
-    if isinstance(loader, (list, tuple)):
-        loader = loader[0]
+    return loader[0] if isinstance(loader, (list, tuple)) else loader
+
+
+def first_batch(loop: Any) -> Any:
+    """The first batch of a Trainer loop's data (for profiling or capturing before the first step); None if none."""
+    loader = loop_loader(loop)
+    if loader is None:
+        return None
     try:
         return next(iter(loader))
     except (StopIteration, TypeError):

@@ -30,6 +30,27 @@ def check_training_supported(module: LightningModule, precision: Precision) -> N
         )
 
 
+def check_last_batch_fits(loader: Any, chunks: int, pipelines: int, schedule: str) -> None:
+    """A schedule that admits ``chunks`` micro-batches in every step cannot run a last batch of fewer samples:
+    refuse it before training when the loader's size tells so, not after an epoch of work."""
+    batch_size = getattr(loader, "batch_size", None)
+    if not isinstance(batch_size, int) or getattr(loader, "drop_last", True):
+        return
+    try:
+        samples = len(loader.dataset)
+    except TypeError:  # an iterable dataset: its length is unknown before the epoch
+        return
+    last = -(-samples // pipelines) % batch_size  # each pipeline's share, padded as DistributedSampler pads it
+    if 0 < last < chunks:
+        raise ValueError(
+            f"schedule={schedule!r} admits chunks={chunks} micro-batches in every step, but the training data's last "
+            f"batch has {last} samples ({samples} samples in batches of {batch_size}), so the epoch would stop "
+            f"there. Pass DataLoader(..., drop_last=True), choose a batch size that leaves a last batch of at least "
+            f"{chunks} samples, or use a synchronous schedule (1f1b, gpipe, zb-h1, interleaved), which runs such a "
+            "batch with one micro-batch per sample."
+        )
+
+
 def check_optimizers(optimizers: list[torch.optim.Optimizer]) -> None:
     """Refuse optimizers that need to re-evaluate the loss, which a pipeline stage cannot do alone."""
     for optimizer in optimizers:

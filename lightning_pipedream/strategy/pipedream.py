@@ -48,7 +48,7 @@ from lightning_pipedream.runtime.transport import Transport
 from lightning_pipedream.schedule.actions import Action
 from lightning_pipedream.schedule.builders import inference
 from lightning_pipedream.schedule.specs import SCHEDULES
-from lightning_pipedream.strategy.batches import batch_args, merge_outputs
+from lightning_pipedream.strategy.batches import batch_args, loop_loader, merge_outputs
 from lightning_pipedream.strategy.calls import (
     Elsewhere,
     ForwardCall,
@@ -66,6 +66,7 @@ from lightning_pipedream.strategy.checkpoint import (
 from lightning_pipedream.strategy.checks import (
     FiniteChecks,
     NonFiniteError,
+    check_last_batch_fits,
     check_optimizers,
     check_stage_trains,
     check_training_supported,
@@ -326,6 +327,9 @@ class PipeDreamStrategy(DDPStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             check_training_supported(module, self.precision_plugin)
+            if self.asynchronous and self.options.chunks > 1:  # 2bw: every step admits chunks micro-batches
+                check_last_batch_fits(loop_loader(trainer.fit_loop), self.options.chunks, self.placement.num_pipelines,
+                                      self.options.schedule)
         if self._pipeline is None or self._pipeline.module is not module:
             self._pipeline = self._build_pipeline(trainer, module, fitting)
         else:  # a later fit/validate/test/predict with the same model: keep its stages

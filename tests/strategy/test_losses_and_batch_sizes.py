@@ -1,0 +1,77 @@
+"""In one process: micro-batch weights for a loss that is a mean over counted items, batches smaller than chunks,
+and the refusal of a last batch that a 2bw step cannot run (the Trainer runs are in test_graph_path.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_pipedream.runtime.shares import BatchShares
+from lightning_pipedream.schedule.builders import build_schedule
+from lightning_pipedream.strategy.checks import check_last_batch_fits
+
+
+def lm_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.arange(12).view(4, 3)
+    labels = tokens.clone()
+    labels[0, 1:] = -100  # sample 0 keeps 1 token, sample 1 all 3; samples 2, 3: 2 and 3
+    labels[2, 2] = -100
+    return tokens, labels
+
+
+def test_mean_over_weighs_each_micro_batch_by_its_count_and_the_sum_is_the_batch_mean():
+    tokens, labels = lm_batch()
+    shares = BatchShares.of((tokens, labels), 2, mean_over=lambda batch: (batch[1] != -100).sum())
+    assert shares.counts == (4.0, 5.0)
+    assert [shares.weight(m) for m in range(2)] == [4 / 9, 5 / 9]
+    assert [shares.log_weight(m) for m in range(2)] == [4.0, 5.0]
+    # A token-mean loss per micro-batch, weighted so, is the whole batch's token mean.
+    values = torch.randn(4, 3)
+
+    def token_mean(part_values, part_labels):
+        return part_values[part_labels != -100].mean()
+
+    got = sum(shares.weight(m) * token_mean(values[2 * m:2 * m + 2], labels[2 * m:2 * m + 2]) for m in range(2))
+    torch.testing.assert_close(got, token_mean(values, labels), rtol=0, atol=1e-7)
+    # Without mean_over the samples decide, and the strategy can see the difference.
+    plain = BatchShares.of((tokens, labels), 2)
+    assert [plain.weight(m) for m in range(2)] == [0.5, 0.5]
+    assert plain.unequal_labelled_tokens() == (4, 5)
+    assert BatchShares.of((tokens, tokens), 2).unequal_labelled_tokens() is None  # no padding: nothing to say
+
+
+def test_mean_over_must_count():
+    with pytest.raises(ValueError, match=r"mean_over must return a number \(what the loss averages over in a piece "
+                                         r"of the batch, such as its labelled tokens\), got a tensor of shape \(2,\)"):
+        BatchShares.of(torch.zeros(4, 2), 2, mean_over=lambda batch: batch.sum(0))
+
+
+def test_a_batch_smaller_than_chunks_is_one_micro_batch_per_sample():
+    shares = BatchShares.of(torch.arange(3.0).view(3, 1), 4, fewer_if_small=True)
+    assert shares.sizes == (1, 1, 1) and [shares.weight(m) for m in range(3)] == [1 / 3] * 3
+    with pytest.raises(ValueError, match="A batch of 3 samples cannot be split into chunks=4 micro-batches"):
+        BatchShares.of(torch.zeros(3, 1), 4)  # Pipeline's contract: its caller chose chunks
+    for name in ("gpipe", "1f1b", "zb-h1"):  # every synchronous schedule builds for the smaller count
+        build_schedule(name, 2, 3)
+    build_schedule("interleaved", 2, 3, virtual_stages=2)
+
+
+def loader(samples: int, batch_size: int, drop_last: bool = False) -> DataLoader:
+    return DataLoader(TensorDataset(torch.zeros(samples, 1)), batch_size=batch_size, drop_last=drop_last)
+
+
+def test_a_last_batch_that_2bw_cannot_run_is_refused_before_training():
+    with pytest.raises(ValueError) as info:
+        check_last_batch_fits(loader(129, 16), 4, 1, "2bw")
+    assert str(info.value) == (
+        "schedule='2bw' admits chunks=4 micro-batches in every step, but the training data's last batch has 1 "
+        "samples (129 samples in batches of 16), so the epoch would stop there. Pass DataLoader(..., drop_last=True), "
+        "choose a batch size that leaves a last batch of at least 4 samples, or use a synchronous schedule (1f1b, "
+        "gpipe, zb-h1, interleaved), which runs such a batch with one micro-batch per sample.")
+    check_last_batch_fits(loader(129, 16, drop_last=True), 4, 1, "2bw")
+    check_last_batch_fits(loader(132, 16), 4, 1, "2bw")  # a last batch of 4
+    check_last_batch_fits(loader(128, 16), 4, 1, "2bw")  # no partial batch
+    with pytest.raises(ValueError, match="last batch has 1 samples"):  # 2 pipelines: 65 samples each
+        check_last_batch_fits(loader(129, 16), 4, 2, "2bw")
+    check_last_batch_fits([torch.zeros(1)], 4, 1, "2bw")  # a plain iterable: nothing known before the epoch
