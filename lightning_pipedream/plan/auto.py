@@ -12,7 +12,6 @@ import numpy as np
 from lightning_pipedream.plan.memory import (
     StageBytes,
     StageMemory,
-    flight_schedule,
     in_flight,
     layer_keeps,
     optimizer_state_ratio,
@@ -277,8 +276,9 @@ class _Search:
     overhead: float
     input_bytes: float
     ranges: _Ranges
-    flights: dict[tuple, Schedule] = field(default_factory=dict)
     timed: dict[tuple, Schedule] = field(default_factory=dict)
+    tables: dict[tuple, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # memory and time, per key
+    sized: dict[tuple[int, ...], list[StageBytes]] = field(default_factory=dict)
     considered: int = 0
     simulated: int = 0
 
@@ -302,20 +302,22 @@ class _Search:
 
     # -- in-flight counts from the schedule's own action lists
     def flight(self, schedule: str, stages: int, chunks: int, replicas: tuple[int, ...], v: int) -> Schedule:
-        if len(set(replicas)) == 1:  # equal replicas: copies of a straight pipeline, the one the simulator times
+        if len(set(replicas)) == 1:  # equal replicas: each holds what a straight pipeline's stage holds
             return self.built(schedule, stages, chunks, v)
-        key = (schedule, stages, chunks, replicas)
-        if key not in self.flights:
-            self.flights[key] = flight_schedule(schedule, stages, chunks, list(replicas), v)
-        return self.flights[key]
+        return self.built(schedule, stages, chunks, v, replicas)  # 1F1B-RR: the one the simulator times
 
-    def built(self, schedule: str, stages: int, chunks: int, v: int) -> Schedule:
-        """A straight pipeline's schedule, long enough for an asynchronous one to reach its steady state."""
-        key = (schedule, stages, chunks, v)
+    def built(self, schedule: str, stages: int, chunks: int, v: int,
+              replicas: tuple[int, ...] | None = None) -> Schedule:
+        """The schedule (straight, or 1F1B-RR over ``replicas``), long enough for an asynchronous one to reach its
+        steady state."""
+        key = (schedule, stages, chunks, v, replicas)
         if key not in self.timed:
+            reps = None if replicas is None else list(replicas)
             if spec_of(schedule).asynchronous:
                 minibatches = 3 * stages + 2 if chunks == 1 else stages + 2 if chunks >= stages else 2 * stages + 2
-                self.timed[key] = build_schedule(schedule, stages, chunks, minibatches=minibatches)
+                self.timed[key] = build_schedule(schedule, stages, chunks, minibatches=minibatches, replicas=reps)
+            elif reps is not None:
+                self.timed[key] = build_schedule(schedule, stages, chunks, replicas=reps)
             else:
                 self.timed[key] = build_schedule(schedule, stages, chunks, virtual_stages=v)
         return self.timed[key]
@@ -332,6 +334,12 @@ class _Search:
     def memory_tables(self, held: int, versions: int, chunks: int) -> tuple[np.ndarray, np.ndarray]:
         """Peak bytes of a worker holding layers i..j in stage position with ``held`` micro-batches in flight:
         without and with recompute (the same terms, rounded alike, as :func:`predict_memory`)."""
+        key = ("memory", held, versions, chunks)
+        if key not in self.tables:
+            self.tables[key] = self._memory_tables(held, versions, chunks)
+        return self.tables[key]
+
+    def _memory_tables(self, held: int, versions: int, chunks: int) -> tuple[np.ndarray, np.ndarray]:
         r = self.ranges
         ratio = optimizer_state_ratio(self.optimizer)
         params = np.where(np.isfinite(r.params), r.params, 0.0)
@@ -344,6 +352,12 @@ class _Search:
 
     def time_tables(self, replicas: int, allreduce_bw: float, chunks: int) -> tuple[np.ndarray, np.ndarray]:
         """Seconds per minibatch of a stage over layers i..j with ``replicas``: without and with recompute."""
+        key = ("time", replicas, allreduce_bw, chunks)
+        if key not in self.tables:
+            self.tables[key] = self._time_tables(replicas, allreduce_bw, chunks)
+        return self.tables[key]
+
+    def _time_tables(self, replicas: int, allreduce_bw: float, chunks: int) -> tuple[np.ndarray, np.ndarray]:
         r = self.ranges
         sync = _ring_allreduce(np.where(np.isfinite(r.params), r.params, 0.0), replicas, allreduce_bw)
         extra = 2 * chunks * self.overhead
@@ -429,7 +443,7 @@ class _Search:
             if least:
                 out.append((balance, [True] * (p * v)))
                 continue
-            sizes = stage_bytes(self.profile, balance, self.input_bytes)
+            sizes = self.sizes(balance)
             flags = [False] * (p * v)
             for rank, m in enumerate(self.memory_of("interleaved", sizes, replicas, chunks, v, flags)):
                 if m.predicted_peak_bytes > self.limit:
@@ -437,6 +451,12 @@ class _Search:
                         flags[s] = True
             out.append((balance, flags))
         return out
+
+    def sizes(self, balance: list[int]) -> list[StageBytes]:
+        key = tuple(balance)
+        if key not in self.sized:
+            self.sized[key] = stage_bytes(self.profile, balance, self.input_bytes)
+        return self.sized[key]
 
     def memory_of(self, schedule: str, sizes: list[StageBytes], replicas: tuple[int, ...], chunks: int, v: int,
                   recompute: list[bool]) -> list[StageMemory]:
@@ -446,7 +466,11 @@ class _Search:
 
     def time(self, schedule: str, balance: list[int], replicas: tuple[int, ...], chunks: int, v: int,
              recompute: list[bool]) -> float:
-        """Seconds per minibatch from the schedule simulator (replicas share a stage's minibatches)."""
+        """Seconds per minibatch from the schedule simulator.
+
+        Replicated stages run as the schedule runs them where it can (gpipe, 1f1b and pipedream build 1F1B-RR:
+        each replica takes its micro-batches whole and the replicas all-reduce in the schedule); otherwise d equal
+        replicas are d copies of the straight pipeline that all-reduce once per step (2bw: per minibatch)."""
         spec = spec_of(schedule)
         p = len(replicas)
         ranks = self.ranks_of(replicas)
@@ -456,27 +480,31 @@ class _Search:
         for s in range(p * v):
             i, j = int(bounds[s]), int(bounds[s + 1]) - 1
             rank = s % p
-            rep = replicas[rank]
-            f, b = float(r.forward[i, j]), float(r.backward[i, j]) + (float(r.forward[i, j]) if recompute[s] else 0.0)
-            sync = float(_ring_allreduce(float(r.params[i, j]), rep, self.group_bandwidth(ranks[rank]))) / rep
-            weight.append(float(r.backward[i, j]) / 2 / (rep * chunks))  # zero bubble: W is half the backward
-            fwd.append(f / (rep * chunks) + self.overhead / rep)
-            bwd.append(b / (rep * chunks) + self.overhead / rep
-                       + (sync / chunks if spec.asynchronous else 0.0))  # asynchronous: every minibatch all-reduces
-            syncs.append(sync)
-            if s < p * v - 1:
-                nxt = (s + 1) % p
-                width = min(rep, replicas[nxt])
-                speed = self.link(ranks, rank, nxt) if nxt != rank else _INF
-                send.append(float(r.output[0, j]) / chunks / speed / width)
-            else:
-                send.append(0.0)
+            f, b = float(r.forward[i, j]), float(r.backward[i, j])
+            fwd.append(f / chunks + self.overhead)
+            bwd.append((b + (f if recompute[s] else 0.0)) / chunks + self.overhead)
+            weight.append(b / 2 / chunks)  # zero bubble: W is half the backward
+            syncs.append(float(r.params[i, j]) / self.group_bandwidth(ranks[rank]))  # bytes as seconds at 1 B/s
+            nxt = (s + 1) % p
+            last = s == p * v - 1
+            send.append(0.0 if last or nxt == rank else float(r.output[0, j]) / chunks / self.link(ranks, rank, nxt))
+        d = replicas[0]
+        if spec.unequal_replicas and max(replicas) > 1:
+            schedule_ir = self.built(schedule, p, chunks, 1, replicas)
+            result = simulate(schedule_ir, fwd, bwd, activation_bytes=send, bandwidth=1.0, parameter_bytes=syncs,
+                              allreduce_bandwidth=1.0, check=False)
+            self.simulated += 1
+            return result.step_time / d  # a step admits one minibatch per replica of the input stage
+        rounds = [float(_ring_allreduce(a, replicas[s % p], 1.0)) for s, a in enumerate(syncs)]
+        if spec.two_weight_versions:  # 2bw all-reduces each minibatch's coalesced gradients
+            bwd = [x + a / chunks for x, a in zip(bwd, rounds)]
         result = simulate(self.built(schedule, p, chunks, v), fwd, bwd, activation_bytes=send, bandwidth=1.0,
                           weight_s=weight if spec.splits_backward else None, check=False)
         self.simulated += 1
-        if spec.asynchronous:
-            return result.step_time
-        return result.step_time + max(syncs)  # a flushed step all-reduces once, after its last backward
+        step = result.step_time
+        if spec.flushes:
+            step += max(rounds)  # once per step, after the last backward
+        return step / d
 
     def candidate(self, schedule: str, replicas: tuple[int, ...], chunks: int, v: int,
                   fixed: list[int] | None, least: bool = False) -> Candidate | None:
@@ -488,7 +516,7 @@ class _Search:
             options = [] if found is None else [found]
         best: Candidate | None = None
         for balance, recompute in options:
-            sizes = stage_bytes(self.profile, balance, self.input_bytes)
+            sizes = self.sizes(balance)
             memory = tuple(self.memory_of(schedule, sizes, replicas, chunks, v, recompute))
             peak = max(m.predicted_peak_bytes for m in memory)
             if least:
