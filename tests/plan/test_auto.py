@@ -168,3 +168,18 @@ def test_interleaved_plans_list_the_model_chunks():
     assert result.plan.extra["virtual_stages"] == 2 and result.plan.extra["chunk_stages"] is True
     assert result.plan.simulated_time_per_minibatch() == pytest.approx(c.time_per_minibatch)
     assert "l0 .. l1 (2), l4 .. l5 (2)" in result.describe()
+
+
+def test_unequal_replicas_run_as_1f1b_rr():
+    # Layer 0: 6 s of work and no parameters; layer 1: 3 s and 1000 bytes of parameters; 3 workers joined at 1000 B/s.
+    # PipeDream's 2-1: two replicas of layer 0 take a minibatch each per 6 s, layer 1 one per 3 s: 3 s per minibatch.
+    # Three data-parallel copies take 9 s per minibatch each plus a ring all-reduce of layer 1's parameters after every
+    # minibatch, 2 x 2/3 x 1000 / 1000 = 1.33 s: 10.33 / 3 = 3.44 s.
+    profile = Profile([LayerProfile("a", 2.0, 4.0, 0, 0), LayerProfile("b", 1.0, 2.0, 0, 1000)])
+    result = auto_plan(profile, Topology.flat(3, 1000.0), schedules=["pipedream"], optimizer="sgd")
+    c = result.chosen
+    assert (c.replicas, c.balance) == ((2, 1), (1, 1))
+    assert c.time_per_minibatch == pytest.approx(3.0)
+    assert result.runner_up is not None and result.runner_up.replicas == (3,)
+    assert result.runner_up.time_per_minibatch == pytest.approx((9 + 4 / 3) / 3)
+    assert [m.weight_versions for m in c.memory] == [2, 1]  # ceil(3 workers / 2 replicas) minibatches in flight
