@@ -69,7 +69,9 @@ class Candidate:
         p = len(self.replicas)  # interleaved: a rank recomputes all of its chunks or none
         rc = [str(s) for s in range(p) if any(self.recompute[s::p])]
         if rc:
-            text += ", recompute " + ("everywhere" if len(rc) == p else "on stages " + ", ".join(rc))
+            text += ", recompute " + (
+                "everywhere" if len(rc) == p else f"on stage{'s' if len(rc) > 1 else ''} " + ", ".join(rc)
+            )
         return text
 
     def to_json(self) -> dict[str, Any]:
@@ -109,7 +111,6 @@ class AutoPlan:
     considered: int
     simulated: int
     batch_size: int | None = None
-    notes: list[str] = field(default_factory=list)
 
     def _per(self, seconds: float) -> str:
         text = f"{seconds * 1e3:.3f} ms per minibatch"
@@ -157,7 +158,6 @@ class AutoPlan:
                 f"(the choice: {_bytes(c.peak_bytes)})"
             )
         lines.append(f"weighed {self.considered} configurations, simulated {self.simulated}")
-        lines += self.notes
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:

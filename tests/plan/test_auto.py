@@ -59,7 +59,7 @@ def test_a_tighter_limit_gives_recompute_where_it_is_needed():
     # second forward ends at 1 s: it arrives at 2 s).
     assert c.time_per_minibatch == pytest.approx(9.0)
     text = result.describe()
-    assert "1f1b, 2 stages (1-1), 4 micro-batches, recompute on stages 0" in text
+    assert "1f1b, 2 stages (1-1), 4 micro-batches, recompute on stage 0" in text
     assert "why: no configuration of another shape fits" in text
 
 
@@ -70,7 +70,7 @@ def test_nothing_fits_names_the_smallest_limit_that_does():
     assert str(err.value) == (
         "No configuration of the 4 layers on 2 workers (any split, replicas, exact schedule, micro-batches and "
         "recompute) keeps every worker within memory_limit=4000 bytes (3.91 KiB): the least any needs is 4750 bytes "
-        "(4.64 KiB) per worker, with 1f1b, 2 stages (1-1), 4 micro-batches, recompute on stages 0. Raise the limit "
+        "(4.64 KiB) per worker, with 1f1b, 2 stages (1-1), 4 micro-batches, recompute on stage 0. Raise the limit "
         "to at least 4750 bytes, or add workers."
     )
     assert plan(4750).chosen.peak_bytes == 4750  # and it does fit
