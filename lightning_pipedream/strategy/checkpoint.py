@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import glob
 import io
 import os
+import re
+import time
+import zipfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -134,12 +138,17 @@ class CheckpointGather:
         return layout.to_full(optimizer, shares) if shares is not None else {}
 
 
+STALE_AFTER = 60.0  # seconds since its last write after which a dead writer's temporary file is removed
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Writes a checkpoint to a temporary file beside its path, flushed to disk, then renames it into place.
 
     A process killed while saving (by a scheduler, a user, the out-of-memory killer) leaves the
     previous checkpoint at that path whole and loadable; the temporary file's name does not end in
-    ``.ckpt``, so nothing resumes from it. Remote filesystems keep Lightning's own writer.
+    ``.ckpt``, so nothing resumes from it, and the next save in that folder removes it (a temporary file of
+    this writer, ``<name>.tmp-<pid>``, whose process is gone and which has not changed for a minute). Remote
+    filesystems keep Lightning's own writer. A checkpoint that cannot be read is named, with what is wrong with it.
     """
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
@@ -147,6 +156,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             return super().save_checkpoint(checkpoint, path, storage_options)
         path = os.fspath(path)
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        remove_stale_temporaries(os.path.dirname(path) or ".")
         buffer = io.BytesIO()
         torch.save(checkpoint, buffer)
         temporary = f"{path}.tmp-{os.getpid()}"
@@ -162,6 +172,72 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+
+    def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
+                        ) -> dict[str, Any]:
+        where = {} if map_location is None else {"map_location": map_location}  # else Lightning's default
+        try:
+            return super().load_checkpoint(path, weights_only=weights_only, **where)
+        except FileNotFoundError:
+            raise
+        except Exception as err:  # torch.load's errors on a damaged file vary (OSError, IndexError, KeyError, ...)
+            if not isinstance(get_filesystem(path), LocalFileSystem) or not os.path.isfile(os.fspath(path)):
+                raise
+            raise CheckpointReadError(unreadable_words(os.fspath(path), err)) from err
+
+
+class CheckpointReadError(RuntimeError):
+    """A checkpoint file exists but cannot be read (cut short, empty, not written by torch.save)."""
+
+
+_TEMPORARY = re.compile(r".+\.tmp-(\d+)$")
+
+
+def remove_stale_temporaries(directory: str) -> list[str]:
+    """Remove the temporary files a killed :class:`AtomicCheckpointIO` left in ``directory`` (``*.tmp-<pid>``, the
+    pid gone from this machine, unchanged for :data:`STALE_AFTER` seconds); returns their paths."""
+    removed = []
+    for candidate in glob.glob(os.path.join(glob.escape(directory), "*.tmp-*")):
+        found = _TEMPORARY.match(os.path.basename(candidate))
+        if found is None or int(found.group(1)) == os.getpid() or _alive(int(found.group(1))):
+            continue
+        try:
+            if time.time() - os.path.getmtime(candidate) > STALE_AFTER:
+                os.remove(candidate)
+                removed.append(candidate)
+        except OSError:  # another process removed it, or it is not ours to remove
+            continue
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, another user's
+        return True
+    return True
+
+
+def unreadable_words(path: str, err: BaseException) -> str:
+    """Which checkpoint file cannot be read, what is wrong with it, and what to do."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if size == 0:
+        what = "it is empty (0 bytes): its write never began, or the disk was full"
+    elif head.startswith(b"PK") and not zipfile.is_zipfile(path):
+        what = (f"it is cut short ({size} bytes, and the archive's directory that torch.save writes at its end is "
+                "missing): a copy or a write that did not finish (a full disk, a killed process)")
+    elif not head.startswith(b"PK") and not head.startswith(b"\x80"):
+        what = f"it was not written by torch.save (it begins with {head!r}, {size} bytes)"
+    else:
+        what = f"torch.load fails on it ({size} bytes)"
+    first = (str(err).splitlines() or [""])[0][:200]
+    return (f"The checkpoint {path} cannot be read: {what}. ({type(err).__name__}: {first}) "
+            "Resume from another checkpoint (the previous one is kept whole by PipeDreamStrategy's writer), or "
+            "copy this one again.")
 
 
 def load_own_share(module: torch.nn.Module, state: Mapping[str, Any], strict: bool) -> None:

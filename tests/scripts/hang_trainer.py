@@ -24,9 +24,10 @@ from lightning_pipedream import PipeDreamStrategy
 
 
 class Model(L.LightningModule):
-    def __init__(self, dropout: bool = False) -> None:
+    def __init__(self, dropout: bool = False, blocks: int = 1) -> None:
         super().__init__()
-        self.layers = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+        hidden = [layer for _ in range(blocks) for layer in (nn.Linear(16, 16), nn.Tanh())]
+        self.layers = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), *hidden, nn.Linear(16, 4))
         if dropout:  # on the last stage only: the other stages' random state stays as it was
             self.layers = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Dropout(0.5),
                                         nn.Linear(16, 4))
@@ -97,9 +98,9 @@ def main() -> None:
         callbacks=[Fault(options.get("rank", 1), options.get("at", 3), options.get("how", "stop"), out)],
         strategy=PipeDreamStrategy(schedule=schedule, chunks=options.get("chunks", 1 if schedule == "pipedream" else 2),
                                    timeout=timedelta(seconds=options.get("timeout", 10)),
-                                   balance=options.get("balance")),
+                                   balance=options.get("balance"), virtual_stages=options.get("virtual_stages", 1)),
     )
-    trainer.fit(Model(dropout=how == "shuffle"), data)
+    trainer.fit(Model(dropout=how == "shuffle", blocks=options.get("blocks", 1)), data)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,64 @@
+"""The checkpoint writer's files: a damaged checkpoint is named with what is wrong, a killed writer's leftovers go."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from lightning_pipedream.strategy.checkpoint import STALE_AFTER, AtomicCheckpointIO, CheckpointReadError
+
+
+@pytest.fixture
+def saved(tmp_path):
+    path = tmp_path / "last.ckpt"
+    AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.randn(64, 64)}, "epoch": 3}, path)
+    return path
+
+
+def test_a_checkpoint_cut_short_is_named_with_what_is_wrong(saved, tmp_path):
+    cut = tmp_path / "cut.ckpt"
+    data = saved.read_bytes()
+    cut.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointReadError) as info:
+        AtomicCheckpointIO().load_checkpoint(cut)
+    assert str(info.value).startswith(
+        f"The checkpoint {cut} cannot be read: it is cut short ({len(data) // 2} bytes, and the archive's directory "
+        "that torch.save writes at its end is missing): a copy or a write that did not finish (a full disk, a killed "
+        "process). (")
+    assert str(info.value).endswith("Resume from another checkpoint (the previous one is kept whole by "
+                                    "PipeDreamStrategy's writer), or copy this one again.")
+    empty = tmp_path / "empty.ckpt"
+    empty.write_bytes(b"")
+    with pytest.raises(CheckpointReadError, match=r"empty.ckpt cannot be read: it is empty \(0 bytes\): its write never "
+                                                  r"began, or the disk was full"):
+        AtomicCheckpointIO().load_checkpoint(empty)
+    text = tmp_path / "notes.ckpt"
+    text.write_text("hello world")
+    with pytest.raises(CheckpointReadError, match=r"notes.ckpt cannot be read: it was not written by torch.save \(it "
+                                                  r"begins with b'hell', 11 bytes\)"):
+        AtomicCheckpointIO().load_checkpoint(text)
+    assert AtomicCheckpointIO().load_checkpoint(saved)["epoch"] == 3
+    with pytest.raises(FileNotFoundError):
+        AtomicCheckpointIO().load_checkpoint(tmp_path / "missing.ckpt")
+
+
+def test_a_killed_writers_temporary_file_goes_at_the_next_save(saved, tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)  # a process that has ended: its temporary file is a leftover
+    old = time.time() - STALE_AFTER - 5
+    stale = tmp_path / f"last.ckpt.tmp-{dead_pid}"
+    fresh = tmp_path / f"other.ckpt.tmp-{dead_pid}"  # a writer on another machine may still be writing it
+    alive = tmp_path / f"last.ckpt.tmp-{os.getppid()}"  # a live process's
+    unrelated = tmp_path / "notes.tmp-old"
+    for path in (stale, fresh, alive, unrelated):
+        path.write_bytes(b"PK partial")
+    for path in (stale, alive, unrelated):
+        os.utime(path, (old, old))
+    AtomicCheckpointIO().save_checkpoint({"epoch": 4}, saved)
+    assert not stale.exists() and fresh.exists() and alive.exists() and unrelated.exists()
+    assert AtomicCheckpointIO().load_checkpoint(saved)["epoch"] == 4
