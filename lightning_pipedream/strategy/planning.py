@@ -79,10 +79,7 @@ class LayerPlanner:
         names = list(layers._modules)
         planned = [name for stage in plan.stages for name in stage.layers]
         if planned != names:
-            raise ValueError(
-                f"The plan {path} lists layers {planned[:6]}... but the model's {self.call.name} has "
-                f"{names[:6]}...; profile this model to make its plan."
-            )
+            raise ValueError(plan_mismatch_words(str(path), planned, names, self.call.name))
         return check_balance(plan.balance, len(layers), num_stages)
 
     def _profile_and_partition(self, layers: nn.Sequential, num_stages: int) -> tuple[dict | None, list[int]]:
@@ -160,3 +157,14 @@ def _every_stage_trains(profile: Any, balance: list[int]) -> bool:
             return False
         start += count
     return True
+
+
+def plan_mismatch_words(path: str, planned: list[str], names: list[str], where: str) -> str:
+    """A plan made for another model: the layer counts and the first layer that differs."""
+    first = next((i for i, (a, b) in enumerate(zip(planned, names)) if a != b), min(len(planned), len(names)))
+    theirs = repr(planned[first]) if first < len(planned) else f"absent (the plan ends at layer {len(planned) - 1})"
+    ours = repr(names[first]) if first < len(names) else f"absent (the model ends at layer {len(names) - 1})"
+    return (f"The plan {path} was made for another model: it plans {len(planned)} layers and the model's "
+            f"nn.Sequential ({where}) has {len(names)}; the first that differs is layer {first}: {theirs} in the "
+            f"plan, {ours} in the model. Profile this model to make its plan (python -m lightning_pipedream plan), "
+            "or drop plan= to plan at the first batch.")
