@@ -1,5 +1,7 @@
 """What runs where: profiles, topologies, partitioners and the Plan they produce."""
 
+from lightning_pipedream.plan.auto import AutoPlan, Candidate, NoPlanFitsError, auto_plan
+from lightning_pipedream.plan.memory import StageMemory, optimizer_kind, predict_memory, stage_bytes
 from lightning_pipedream.plan.partition import (
     METHODS,
     Plan,
@@ -13,6 +15,14 @@ from lightning_pipedream.plan.topology import Topology
 
 __all__ = [
     "METHODS",
+    "AutoPlan",
+    "Candidate",
+    "NoPlanFitsError",
+    "StageMemory",
+    "auto_plan",
+    "optimizer_kind",
+    "predict_memory",
+    "stage_bytes",
     "LayerProfile",
     "Plan",
     "Profile",
