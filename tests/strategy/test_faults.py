@@ -103,6 +103,20 @@ def run_with_stopped_rank(tmp_path: Path, world: int, stopped: int, step: int, e
     return texts, last - stopped_at, [p.exitcode for p in procs]
 
 
+def test_a_frozen_peer_ends_the_run_long_before_the_timeout(tmp_path):
+    # The watchdog finds the peer waited for stopped (not merely slow) and ends the run after
+    # LIGHTNING_PIPEDREAM_FROZEN_PEER seconds, whatever the (here one-minute) timeout.
+    env = {"LIGHTNING_PIPEDREAM_FLIGHT_RECORDER": str(tmp_path / "flight"), "TEST_TIMEOUT": "60",
+           "LIGHTNING_PIPEDREAM_FROZEN_PEER": "3", "TEST_FAULT_FILE": str(tmp_path / "fault_time")}
+    texts, seconds, codes = run_with_stopped_rank(tmp_path, world=2, stopped=1, step=2, env=env)
+    assert seconds < 3 + 10 and codes == [1, -signal.SIGKILL], (seconds, codes)
+    assert texts[0].startswith("PeerFailedError: Pipeline stopped: rank 0, step 2: RECV_GRAD of micro-batch 0 from "
+                               "stage 1 (rank 1) has waited "), texts[0]
+    assert ("Rank 1 is stopped (SIGSTOP, a debugger) or frozen (not even its mailbox answers), so the run is ended "
+            "now rather than at the timeout (LIGHTNING_PIPEDREAM_FROZEN_PEER=seconds, 0 to wait for the timeout)."
+            ) in texts[0].splitlines()[0], texts[0]
+
+
 def test_a_rank_spinning_in_python_is_named_and_ended(tmp_path, capfd):
     # The spinning rank's threads run: its watchdog obeys the stop request its peer leaves, saying why.
     env = {"LIGHTNING_PIPEDREAM_FLIGHT_RECORDER": str(tmp_path / "flight"), "TEST_TIMEOUT": "5",
