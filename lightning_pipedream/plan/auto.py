@@ -204,6 +204,8 @@ class _Ranges:
         self.input = np.array([float(input_bytes)] + cuts)[:, None]  # what stage i.. receives
         self.output = np.array(cuts + [0.0])[None, :]  # what stage ..j sends on
         self.cuttable = np.array(profile.cut_allowed() + [False])  # may a stage end after layer k
+        # A stage needs parameters to have an optimizer (unless the model has none): layers i..j alone may not be one.
+        self.idle = (self.params == 0) if np.any(self.params[0] > 0) else np.zeros((self.n, self.n), dtype=bool)
 
     def _table(self, values: list[float]) -> np.ndarray:
         prefix = np.concatenate([[0.0], np.cumsum(np.array(values, dtype=float))])
@@ -347,7 +349,7 @@ class _Search:
         plain = weights + np.round(held * ((r.input + r.acts) / chunks))
         kept = weights + np.round(held * ((r.input + r.output) / chunks))
         replay = np.round(np.maximum(0.0, (r.acts - r.output) / chunks))
-        bad = ~np.isfinite(r.params)
+        bad = ~np.isfinite(r.params) | r.idle
         return np.where(bad, _INF, plain), np.where(bad, _INF, kept + replay)
 
     def time_tables(self, replicas: int, allreduce_bw: float, chunks: int) -> tuple[np.ndarray, np.ndarray]:
@@ -363,7 +365,7 @@ class _Search:
         extra = 2 * chunks * self.overhead
         plain = (r.forward + r.backward + extra + sync) / replicas
         again = (2 * r.forward + r.backward + extra + sync) / replicas
-        return plain, again
+        return np.where(r.idle, _INF, plain), np.where(r.idle, _INF, again)
 
     # -- one candidate
     def versions(self, schedule: str, held: int) -> int:
@@ -432,11 +434,11 @@ class _Search:
             return []
         balances = [found[1]]
         shares = _equal_shares(self.ranges.forward[0] + self.ranges.backward[0], p * v, self.ranges.cuttable)
-        if shares is not None and shares not in balances:
+        if shares is not None and shares not in balances and self.trains(shares):
             balances.append(shares)
         base, extra = divmod(self.ranges.n, p * v)  # earlier chunks take the remainder: each rank's sum evens out
         even = [base + (c < extra) for c in range(p * v)]
-        if base and all(self.ranges.cuttable[np.cumsum(even)[:-1] - 1]) and even not in balances:
+        if base and all(self.ranges.cuttable[np.cumsum(even)[:-1] - 1]) and even not in balances and self.trains(even):
             balances.append(even)
         out = []
         for balance in balances:
@@ -451,6 +453,11 @@ class _Search:
                         flags[s] = True
             out.append((balance, flags))
         return out
+
+    def trains(self, balance: list[int]) -> bool:
+        """Whether every stage of ``balance`` has parameters (an optimizer)."""
+        bounds = np.cumsum([0] + balance)
+        return not any(self.ranges.idle[bounds[s], bounds[s + 1] - 1] for s in range(len(balance)))
 
     def sizes(self, balance: list[int]) -> list[StageBytes]:
         key = tuple(balance)

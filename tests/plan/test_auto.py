@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 
@@ -171,15 +172,25 @@ def test_interleaved_plans_list_the_model_chunks():
 
 
 def test_unequal_replicas_run_as_1f1b_rr():
-    # Layer 0: 6 s of work and no parameters; layer 1: 3 s and 1000 bytes of parameters; 3 workers joined at 1000 B/s.
-    # PipeDream's 2-1: two replicas of layer 0 take a minibatch each per 6 s, layer 1 one per 3 s: 3 s per minibatch.
-    # Three data-parallel copies take 9 s per minibatch each plus a ring all-reduce of layer 1's parameters after every
-    # minibatch, 2 x 2/3 x 1000 / 1000 = 1.33 s: 10.33 / 3 = 3.44 s.
-    profile = Profile([LayerProfile("a", 2.0, 4.0, 0, 0), LayerProfile("b", 1.0, 2.0, 0, 1000)])
+    # Layer 0: 6 s of work and 1 byte of parameters; layer 1: 3 s and 1000 bytes; 3 workers joined at 1000 B/s.
+    # PipeDream's 2-1: two replicas of layer 0 take a minibatch each per 6 s and all-reduce after it (ring of two:
+    # 2 x 1/2 x 1 / 1000 = 0.001 s), layer 1 one per 3 s: 6.001 / 2 s per minibatch. Three data-parallel copies take
+    # 9 s per minibatch each plus a ring all-reduce of 1001 bytes after every minibatch, 2 x 2/3 x 1001 / 1000 s.
+    profile = Profile([LayerProfile("a", 2.0, 4.0, 0, 1), LayerProfile("b", 1.0, 2.0, 0, 1000)])
     result = auto_plan(profile, Topology.flat(3, 1000.0), schedules=["pipedream"], optimizer="sgd")
     c = result.chosen
     assert (c.replicas, c.balance) == ((2, 1), (1, 1))
-    assert c.time_per_minibatch == pytest.approx(3.0)
+    assert c.time_per_minibatch == pytest.approx(6.001 / 2)
     assert result.runner_up is not None and result.runner_up.replicas == (3,)
-    assert result.runner_up.time_per_minibatch == pytest.approx((9 + 4 / 3) / 3)
+    assert result.runner_up.time_per_minibatch == pytest.approx((9 + 4 / 3 * 1.001) / 3)
     assert [m.weight_versions for m in c.memory] == [2, 1]  # ceil(3 workers / 2 replicas) minibatches in flight
+
+
+def test_every_stage_has_parameters_to_train():
+    # A parameter-free layer (an activation) cannot be a stage alone: it would have no optimizer.
+    layers = [LayerProfile("fc1", 1.0, 2.0, 100, 1000), LayerProfile("relu", 3.0, 3.0, 100, 0),
+              LayerProfile("fc2", 1.0, 2.0, 100, 1000)]
+    result = auto_plan(Profile(layers), Topology.flat(3, math.inf), exact=True, optimizer="sgd")
+    assert len(result.chosen.replicas) < 3  # three stages would leave relu alone
+    bounds = [0, *itertools.accumulate(result.chosen.balance)]
+    assert all(any(l.parameter_bytes for l in layers[a:b]) for a, b in zip(bounds, bounds[1:]))
