@@ -523,6 +523,8 @@ class _Search:
             options = [] if found is None else [found]
         best: Candidate | None = None
         for balance, recompute in options:
+            if not self.trains(balance):  # PipeDream's split for unequal replicas may leave a stage without any
+                continue
             sizes = self.sizes(balance)
             memory = tuple(self.memory_of(schedule, sizes, replicas, chunks, v, recompute))
             peak = max(m.predicted_peak_bytes for m in memory)
