@@ -197,6 +197,9 @@ class _Ranges:
         self.n = len(layers)
         self.forward = self._table([layer.forward_s for layer in layers])
         self.backward = self._table([layer.backward_s for layer in layers])
+        # the weight-gradient part of the backward (zero bubble): measured, or half
+        self.weight = self._table([layer.backward_s / 2 if layer.weight_s is None else layer.weight_s
+                                   for layer in layers])
         self.params = self._table([float(layer.parameter_bytes) for layer in layers])
         saved, ending = layer_keeps(profile)
         self.acts = self._table(saved) + np.array(ending)[None, :]  # what layers i..j keep as one stage
@@ -490,7 +493,7 @@ class _Search:
             f, b = float(r.forward[i, j]), float(r.backward[i, j])
             fwd.append(f / chunks + self.overhead)
             bwd.append((b + (f if recompute[s] else 0.0)) / chunks + self.overhead)
-            weight.append(b / 2 / chunks)  # zero bubble: W is half the backward
+            weight.append(float(r.weight[i, j]) / chunks)  # zero bubble: the deferred weight-gradient part
             syncs.append(float(r.params[i, j]) / self.group_bandwidth(ranks[rank]))  # bytes as seconds at 1 B/s
             nxt = (s + 1) % p
             last = s == p * v - 1

@@ -21,9 +21,9 @@ if TYPE_CHECKING:  # torch is imported where the profiler runs: reading and plan
 
 _LAYER_FIELDS = (
     "name", "forward_s", "backward_s", "activation_bytes", "parameter_bytes", "description", "saved_bytes",
-    "output_saved",
+    "output_saved", "weight_s",
 )
-_OPTIONAL_FIELDS = ("saved_bytes", "output_saved")  # left out of the JSON when unknown
+_OPTIONAL_FIELDS = ("saved_bytes", "output_saved", "weight_s")  # left out of the JSON when unknown
 
 
 @dataclass
@@ -33,7 +33,8 @@ class LayerProfile:
     ``saved_bytes`` (when the profiler measured it) is what the layer's forward leaves for the backward: the tensors
     it creates that autograd saves (intermediates, and its output when it or the next layer saves it), parameters
     aside; ``output_saved`` says whether its output is among them. Unknown (None), the memory model takes the output
-    as all a layer keeps.
+    as all a layer keeps. ``weight_s`` is the weight-gradient part of ``backward_s`` (what a zero-bubble schedule
+    defers), when measured (``profile_module(split_backward=True)``); unknown, planners take half the backward.
     """
 
     name: str
@@ -44,6 +45,7 @@ class LayerProfile:
     description: str = ""
     saved_bytes: int | None = None
     output_saved: bool | None = None
+    weight_s: float | None = None
 
 
 @dataclass
@@ -94,6 +96,12 @@ class Profile:
                 raise ProfileFormatError(
                     f"Layer {index} ({layer.name}) of the profile{where} has saved_bytes={layer.saved_bytes!r}; "
                     "use bytes >= 0, or null when not measured."
+                )
+            if layer.weight_s is not None and not (is_number(layer.weight_s) and layer.weight_s <= layer.backward_s):
+                raise ProfileFormatError(
+                    f"Layer {index} ({layer.name}) of the profile{where} has weight_s={layer.weight_s!r}; use seconds "
+                    f"between 0 and its backward_s ({layer.backward_s!r}): the weight-gradient part of the backward, "
+                    "or null when not measured."
                 )
             if layer.output_saved is not None and not isinstance(layer.output_saved, bool):
                 raise ProfileFormatError(
@@ -377,7 +385,7 @@ def _saved_by_forward(layer: nn.Module, inputs: Any) -> tuple[int, bool, int]:
 
 
 def _profile_layer(
-    name: str, layer: nn.Module, inputs: Any, warmup: int, repeats: int
+    name: str, layer: nn.Module, inputs: Any, warmup: int, repeats: int, split_backward: bool = False
 ) -> tuple[LayerProfile, Any, int]:
     """The layer's profile, its output, and the bytes of its inputs its forward saves (its predecessor's output)."""
     import torch
@@ -396,27 +404,39 @@ def _profile_layer(
 
     wrt = [t for t in in_tensors if t.requires_grad] + params
     # Backward: a fresh (untimed) forward each time, then autograd.grad so that no .grad is written.
-    backward_s = 0.0
-    if wrt and any(t.requires_grad for t in out_tensors):
+    def backward_time(targets: list[torch.Tensor]) -> float:
         samples = []
         for attempt in range(warmup + repeats):
             out = [t for t in tensors(_call(layer, inputs)) if t.requires_grad]
             grads = [torch.ones_like(t) for t in out]
             sync()
             start = time.perf_counter()
-            torch.autograd.grad(out, wrt, grad_outputs=grads, allow_unused=True)
+            torch.autograd.grad(out, targets, grad_outputs=grads, allow_unused=True)
             sync()
             if attempt >= warmup:
                 samples.append(time.perf_counter() - start)
-        backward_s = statistics.median(samples)
+        return statistics.median(samples)
+
+    backward_s = 0.0
+    weight_s = 0.0 if split_backward else None
+    if wrt and any(t.requires_grad for t in out_tensors):
+        backward_s = backward_time(wrt)
+        if split_backward:
+            # the input-gradient half alone; the rest is what a zero-bubble schedule defers (all of it when no input
+            # needs a gradient, none of it without parameters)
+            needed = [t for t in in_tensors if t.requires_grad]
+            input_s = backward_time(needed) if needed and params else (0.0 if not needed else backward_s)
+            weight_s = min(backward_s, max(0.0, backward_s - input_s))
     profile = LayerProfile(
         name, forward_s, backward_s, int(activation_bytes), int(parameter_bytes), type(layer).__name__,
-        saved_bytes=int(saved), output_saved=output_saved,
+        saved_bytes=int(saved), output_saved=output_saved, weight_s=weight_s,
     )
     return profile, output, inputs_saved
 
 
-def profile_module(layers: nn.Sequential, sample_input: Any, *, warmup: int = 1, repeats: int = 3) -> Profile:
+def profile_module(
+    layers: nn.Sequential, sample_input: Any, *, warmup: int = 1, repeats: int = 3, split_backward: bool = False
+) -> Profile:
     """Time each child of ``layers`` on ``sample_input`` (one minibatch): forward and backward seconds
     (median of ``repeats`` after ``warmup`` runs), output bytes and parameter bytes.
 
@@ -424,6 +444,8 @@ def profile_module(layers: nn.Sequential, sample_input: Any, *, warmup: int = 1,
     backward computes gradients for ``sample_input`` only where it requires them. ``extra["input_bytes"]`` is the
     size of ``sample_input``'s tensors (what the first stage keeps per batch, for the memory model). Buffers such as
     BatchNorm statistics and the random number generators are restored afterwards, and no ``.grad`` is set.
+    ``split_backward=True`` also times each backward's input-gradient half alone, giving ``weight_s`` (the rest),
+    for zero-bubble schedules; it costs another ``warmup + repeats`` forwards and partial backwards per layer.
     """
     import torch
     from torch import nn
@@ -441,7 +463,7 @@ def profile_module(layers: nn.Sequential, sample_input: Any, *, warmup: int = 1,
     with torch.random.fork_rng(devices=devices):
         inputs = _fresh_leaves(sample_input, requires_grad=False)  # a batch of data needs no gradient
         for name, layer in layers.named_children():
-            result, output, inputs_saved = _profile_layer(name, layer, inputs, warmup, repeats)
+            result, output, inputs_saved = _profile_layer(name, layer, inputs, warmup, repeats, split_backward)
             previous = results[-1] if results else None
             if previous is not None and inputs_saved and not previous.output_saved:
                 # the next layer keeps this one's output (a Linear after a Linear): it lives until that backward

@@ -194,3 +194,17 @@ def test_every_stage_has_parameters_to_train():
     assert len(result.chosen.replicas) < 3  # three stages would leave relu alone
     bounds = [0, *itertools.accumulate(result.chosen.balance)]
     assert all(any(l.parameter_bytes for l in layers[a:b]) for a, b in zip(bounds, bounds[1:]))
+
+
+def test_zero_bubble_defers_the_measured_weight_gradients():
+    # Two layers on two workers, free links, 4 micro-batches of F = 1/4, B + W = 2/4 s. With no weight-gradient part
+    # zb-h1 is 1f1b: (m + p - 1)(F + B + W) = 5 x 3/4 = 3.75 s. With W = B = 1/4 (the measured half) the bubble shrinks
+    # to (p - 1)(F + B - W): m (F + B + W) + 1/4 = 3.25 s.
+    def result(weight_s):
+        layers = [LayerProfile(f"l{i}", 1.0, 2.0, 0, 1000, weight_s=weight_s) for i in range(2)]
+        return auto_plan(Profile(layers), Topology.flat(2, math.inf), schedules=["zb-h1"], max_chunks=4,
+                         optimizer="sgd").chosen
+
+    assert result(0.0).time_per_minibatch == pytest.approx(3.75)
+    assert result(1.0).time_per_minibatch == pytest.approx(3.25)
+    assert result(None).time_per_minibatch == pytest.approx(3.25)  # unmeasured: half the backward

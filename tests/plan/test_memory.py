@@ -230,3 +230,20 @@ def test_a_stage_keeps_what_the_model_predicts():
         stage.track_activations = True
         stage.forward(0, middle.clone().requires_grad_(True))
         assert stage.activation_bytes == last.input + (last.output if recompute else last.layers)
+
+
+def test_the_profiler_splits_the_backward_when_asked():
+    import torch
+    from torch import nn
+
+    from lightning_pipedream.plan.profile import profile_module
+
+    layers = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    profile = profile_module(layers, torch.randn(5, 8), warmup=0, repeats=1, split_backward=True)
+    first, relu, last = profile.layers
+    assert first.weight_s == first.backward_s  # the batch needs no gradient: the whole backward is the weights'
+    assert relu.weight_s == 0.0  # no parameters
+    assert 0.0 <= last.weight_s <= last.backward_s
+    assert profile_module(layers, torch.randn(5, 8), warmup=0, repeats=1).layers[0].weight_s is None
+    with pytest.raises(ValueError, match="has weight_s=2.0; use seconds between 0 and its backward_s"):
+        Profile([LayerProfile("a", 1.0, 1.0, 0, 0, weight_s=2.0)])
