@@ -158,11 +158,28 @@ class AutoPlan:
                 f"(the choice: {_bytes(c.peak_bytes)})"
             )
         lines.append(f"weighed {self.considered} configurations, simulated {self.simulated}")
+        arguments = ", ".join(f"{key}={value!r}" for key, value in self.strategy_arguments().items())
+        lines.append(f"run it with PipeDreamStrategy({arguments})")
         return "\n".join(lines)
+
+    def strategy_arguments(self) -> dict[str, Any]:
+        """``PipeDreamStrategy``'s arguments that run this plan: schedule, chunks, balance (layers per stage; per
+        model chunk under interleaved), replicas (when a stage has several), virtual_stages (interleaved) and
+        recompute (True when every stage recomputes, else one flag per stage)."""
+        c = self.chosen
+        args: dict[str, Any] = {"schedule": c.schedule, "chunks": c.chunks, "balance": list(c.balance)}
+        if any(r > 1 for r in c.replicas):
+            args["replicas"] = list(c.replicas)
+        if c.virtual_stages > 1:
+            args["virtual_stages"] = c.virtual_stages
+        if any(c.recompute):
+            args["recompute"] = True if all(c.recompute) else list(c.recompute)
+        return args
 
     def to_json(self) -> dict[str, Any]:
         return {
             "plan": self.plan.to_json(),
+            "strategy_arguments": self.strategy_arguments(),
             "chosen": self.chosen.to_json(),
             "predicted_peak_bytes": [m.predicted_peak_bytes for m in self.chosen.memory],
             "runner_up": None if self.runner_up is None else self.runner_up.to_json(),

@@ -62,6 +62,9 @@ def test_a_tighter_limit_gives_recompute_where_it_is_needed():
     text = result.describe()
     assert "1f1b, 2 stages (1-1), 4 micro-batches, recompute on stage 0" in text
     assert "why: no configuration of another shape fits" in text
+    assert result.strategy_arguments() == {"schedule": "1f1b", "chunks": 4, "balance": [2, 2],
+                                           "recompute": [True, False]}
+    assert "run it with PipeDreamStrategy(schedule='1f1b', chunks=4, balance=[2, 2], recompute=[True, False])" in text
 
 
 def test_nothing_fits_names_the_smallest_limit_that_does():
@@ -169,6 +172,8 @@ def test_interleaved_plans_list_the_model_chunks():
     assert result.plan.extra["virtual_stages"] == 2 and result.plan.extra["chunk_stages"] is True
     assert result.plan.simulated_time_per_minibatch() == pytest.approx(c.time_per_minibatch)
     assert "l0 .. l1 (2), l4 .. l5 (2)" in result.describe()
+    assert result.strategy_arguments() == {"schedule": "interleaved", "chunks": 4, "balance": [2, 2, 2, 2],
+                                           "virtual_stages": 2}
 
 
 def test_unequal_replicas_run_as_1f1b_rr():
@@ -180,6 +185,7 @@ def test_unequal_replicas_run_as_1f1b_rr():
     result = auto_plan(profile, Topology.flat(3, 1000.0), schedules=["pipedream"], optimizer="sgd")
     c = result.chosen
     assert (c.replicas, c.balance) == ((2, 1), (1, 1))
+    assert result.strategy_arguments() == {"schedule": "pipedream", "chunks": 1, "balance": [1, 1], "replicas": [2, 1]}
     assert c.time_per_minibatch == pytest.approx(6.001 / 2)
     assert result.runner_up is not None and result.runner_up.replicas == (3,)
     assert result.runner_up.time_per_minibatch == pytest.approx((9 + 4 / 3 * 1.001) / 3)
