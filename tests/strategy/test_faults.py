@@ -189,17 +189,6 @@ def test_a_failure_on_rank_0_reaches_rank_1(tmp_path):
             "bad input on rank 0 (on rank 0) (this rank, 1, stage 1, stopped because of it)") in err, err[-4000:]
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads process states from /proc")
-def test_rank_0_spinning_under_pipedream_is_named_and_ended(tmp_path):
-    err, code, seconds = run_hang_trainer(tmp_path, {"rank": 0, "at": 3, "how": "spin", "schedule": "pipedream",
-                                                     "timeout": 10})
-    assert code == 1 and seconds < 10 + 10, (code, seconds, err[-4000:])
-    assert ("[rank1]: lightning_pipedream.runtime.flight.PipelineTimeoutError: Pipeline timeout: rank 1, step 3: "
-            "RECV_ACT of minibatch 3 from stage 0 (rank 0) got no answer within 1") in err, err[-4000:]
-    assert ("lightning_pipedream: rank 0 (stage 0) ends its process: rank 1 (stage 1) stopped the run, naming this "
-            "rank as hung. Pipeline timeout: rank 1, step 3: RECV_ACT of minibatch 3 from stage 0 (rank 0)") in err
-
-
 def test_show_trace_of_a_file_that_is_not_a_trace_says_so(tmp_path, capsys):
     bad = tmp_path / "rank0.json"
     bad.write_text("{not json")
