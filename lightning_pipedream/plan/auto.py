@@ -91,7 +91,7 @@ class Candidate:
 class NoPlanFitsError(ValueError):
     """No configuration keeps every worker within the memory limit; ``smallest_limit`` is the least that fits."""
 
-    def __init__(self, message: str, smallest_limit: int, candidate: Candidate | None) -> None:
+    def __init__(self, message: str, smallest_limit: int, candidate: Candidate) -> None:
         super().__init__(message)
         self.smallest_limit = smallest_limit
         self.candidate = candidate
@@ -694,7 +694,16 @@ def _preference(c: Candidate, among: list[Candidate]) -> tuple:
 
 def _refusal(
     search: _Search, groups: list[_Group], chunk_counts: list[int], names: list[str], exact: bool
-) -> NoPlanFitsError:
+) -> ValueError:
+    layers, count = len(search.profile.layers), search.topology.num_workers
+    workers = f"{count} worker{'s' if count != 1 else ''}"
+    cannot = ValueError(
+        f"No configuration of the {layers} layers on {workers} can run {', '.join(names)}: every stage needs "
+        "a layer with parameters (its optimizer's), zb-h1 needs 2 stages or more and interleaved 2 model chunks per "
+        "worker. Allow other schedules, or change the number of workers."
+    )
+    if search.memory_limit is None:
+        return cannot
     least: Candidate | None = None
     for schedule, replicas, v, fixed in groups:
         counts = chunk_counts if spec_of(schedule).microbatches else [1]
@@ -702,15 +711,12 @@ def _refusal(
             c = search.candidate(schedule, replicas, chunks, v, fixed, least=True)
             if c is not None and (least is None or c.peak_bytes < least.peak_bytes):
                 least = c
-    layers, workers = len(search.profile.layers), search.topology.num_workers
     which = "exact schedule" if exact else "schedule"
     if least is None:
-        return NoPlanFitsError(
-            f"No configuration of the {layers} layers on {workers} workers with the schedules {', '.join(names)}; "
-            "allow other schedules or change the number of workers.", 0, None)
-    limit = float(search.memory_limit or 0)
+        return cannot
+    limit = float(search.memory_limit)
     return NoPlanFitsError(
-        f"No configuration of the {layers} layers on {workers} workers (any split, replicas, {which}, micro-batches "
+        f"No configuration of the {layers} layers on {workers} (any split, replicas, {which}, micro-batches "
         f"and recompute) keeps every worker within memory_limit={limit:.0f} bytes ({_bytes(limit)}): the least "
         f"any needs is {least.peak_bytes} bytes ({_bytes(least.peak_bytes)}) per worker, with {least.label()}. "
         f"Raise the limit to at least {least.peak_bytes} bytes, or add workers.",

@@ -124,12 +124,18 @@ def test_twenty_layers_on_four_workers_plan_well_under_a_second():
         ({"optimizer": "lion"}, "Unknown optimizer kind 'lion'"),
         ({"max_chunks": 0}, "max_chunks must be a whole number >= 1, got 0."),
         ({"schedules": ["fast"]}, "Unknown schedule 'fast'. Choose one of: gpipe, 1f1b"),
+        ({"topology": Topology.flat(1), "schedules": ["zb-h1"]},
+         "No configuration of the 4 layers on 1 worker can run zb-h1: every stage needs a layer with parameters (its "
+         "optimizer's), zb-h1 needs 2 stages or more and interleaved 2 model chunks per worker. Allow other "
+         "schedules, or change the number of workers."),
     ],
 )
 def test_errors_say_what_to_change(kwargs, message):
+    topology = kwargs.pop("topology", FREE)
     with pytest.raises(ValueError) as err:
-        auto_plan(four_layers(), FREE, **kwargs)
+        auto_plan(four_layers(), topology, **kwargs)
     assert message in str(err.value)
+    assert not isinstance(err.value, NoPlanFitsError)  # nothing about memory
 
 
 @pytest.mark.parametrize("seed", range(12))
