@@ -220,3 +220,22 @@ def test_zero_bubble_defers_the_measured_weight_gradients():
     assert result(0.0).time_per_minibatch == pytest.approx(3.75)
     assert result(1.0).time_per_minibatch == pytest.approx(3.25)
     assert result(None).time_per_minibatch == pytest.approx(3.25)  # unmeasured: half the backward
+
+
+def test_vgg16_under_shrinking_limits_as_the_docs_show(pipedream_profiles):
+    from lightning_pipedream.plan.profile import load_pipedream_graph
+
+    profile = load_pipedream_graph(pipedream_profiles / "vgg16" / "graph.txt")
+    topology = Topology.flat(4, 1e9)
+
+    def plan_with(limit):
+        return auto_plan(profile, topology, limit, exact=True, optimizer="momentum").chosen
+
+    free = plan_with(None)
+    assert (free.schedule, free.replicas, free.chunks) == ("1f1b", (3, 1), 16)
+    assert free.time_per_minibatch == pytest.approx(0.185539, rel=1e-5)
+    tight = plan_with(1.3e9)
+    assert (tight.schedule, tight.replicas, tight.recompute) == ("gpipe", (1, 1, 1, 1), (True, True, False, False))
+    with pytest.raises(NoPlanFitsError) as err:
+        plan_with(1e9)
+    assert err.value.smallest_limit == 1235042304
