@@ -71,8 +71,12 @@ def run(args: argparse.Namespace) -> int:
             profile = Profile.load(args.profile)
         if args.schedule is not None:
             return _run_auto(args, profile, topology)
-        if args.exact:
-            raise ValueError("--exact applies to --schedule auto only: add --schedule auto.")
+        given = [flag for flag, used in (("--exact", args.exact), ("--optimizer", args.optimizer != "adam"),
+                                         ("--max-chunks", args.max_chunks != 16), ("--overhead", args.overhead != 0.0))
+                 if used]
+        if given:
+            verb = "applies" if len(given) == 1 else "apply"
+            raise ValueError(f"{', '.join(given)} {verb} to --schedule (auto or a name) only: add --schedule auto.")
         plan = partition(
             profile, topology, args.method, memory_limit=args.memory, straight=args.straight, cost_model=args.cost_model
         )

@@ -141,7 +141,8 @@ def test_a_named_schedule_keeps_it(tmp_path, capsys):
          "error: No configuration of the 4 layers on 2 workers (any split, replicas, exact schedule, micro-batches "
          "and recompute) keeps every worker within memory_limit=4000 bytes (3.91 KiB): the least any needs is 4750 "
          "bytes (4.64 KiB) per worker"),
-        (["--exact"], "error: --exact applies to --schedule auto only: add --schedule auto."),
+        (["--exact"], "error: --exact, --optimizer, --max-chunks apply to --schedule (auto or a name) only: add "
+         "--schedule auto."),
         (["--schedule", "auto", "--straight"], "error: --method, --straight and --cost-model choose PipeDream's "
          "partition; with --schedule the planner chooses the split itself."),
         (["--schedule", "pipedream", "--exact"], "error: exact=True admits only schedules equal to one device; "
