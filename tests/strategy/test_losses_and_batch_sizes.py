@@ -75,3 +75,54 @@ def test_a_last_batch_that_2bw_cannot_run_is_refused_before_training():
     with pytest.raises(ValueError, match="last batch has 1 samples"):  # 2 pipelines: 65 samples each
         check_last_batch_fits(loader(129, 16), 4, 2, "2bw")
     check_last_batch_fits([torch.zeros(1)], 4, 1, "2bw")  # a plain iterable: nothing known before the epoch
+
+
+def test_a_step_of_fewer_micro_batches_than_2bw_admits_is_refused():
+    from torch import nn
+
+    from lightning_pipedream.runtime.engine import PipelineEngine
+
+    engine = PipelineEngine(nn.Linear(2, 2), 0, 2, None, schedule="2bw", chunks=2)  # refused before any transfer
+    with pytest.raises(ValueError) as info:
+        engine.step_actions(1)
+    assert str(info.value) == (
+        "schedule='2bw' keeps the pipeline full across steps, each admitting chunks=2 micro-batches, so a step of 1 "
+        "(a batch with fewer samples) cannot run. Drop the smaller last batch (DataLoader(drop_last=True)), or use a "
+        "synchronous schedule (1f1b, gpipe, zb-h1, interleaved).")
+    flushed = PipelineEngine(nn.Linear(2, 2), 0, 2, None, schedule="1f1b", chunks=4)
+    assert len(flushed.step_actions(1)) < len(flushed.step_actions()) == len(flushed.step_actions(4))
+
+
+def test_weights_tied_across_stages_are_refused_where_they_cannot_run():
+    import lightning as L
+    from torch import nn
+
+    from lightning_pipedream import PipeDreamStrategy
+    from lightning_pipedream.strategy.calls import shared_parameters
+    from lightning_pipedream.strategy.placement import Placement
+
+    class Tied(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            embedding, decoder = nn.Embedding(5, 4), nn.Linear(4, 5)
+            decoder.weight = embedding.weight
+            self.layers = nn.Sequential(embedding, nn.Linear(4, 4), nn.Tanh(), decoder)
+
+    module = Tied()
+    shared = shared_parameters(module.layers)
+    assert shared == {"0.weight": ["0.weight", "3.weight"]}
+    strategy = PipeDreamStrategy(schedule="interleaved", chunks=2, virtual_stages=2)
+    strategy.balance = [1, 1, 1, 1]
+    placement = Placement.decide("interleaved", 2)
+    with pytest.raises(ValueError) as info:
+        strategy._layer_ties(module, shared, module.layers, placement)
+    assert str(info.value) == (
+        "Layers {'0.weight': ['0', '3']} of Tied share parameters across stages (tied weights), which "
+        "PipeDreamStrategy runs with one straight pipeline of real weights; not with interleaved model chunks, "
+        "replicated stages, data-parallel pipelines or a model built on the meta device. Use one of those without "
+        "ties, or balance= that keeps each tied parameter's layers in one stage.")
+    plain = PipeDreamStrategy(schedule="1f1b", chunks=2)
+    plain.balance = [2, 2]
+    assert plain._layer_ties(module, shared, module.layers, Placement.decide("1f1b", 2)) == {"0.weight": [0, 1]}
+    plain.balance = [4]  # both users on one stage: no tie to keep
+    assert plain._layer_ties(module, shared, module.layers, Placement.decide("1f1b", 1)) == {}
