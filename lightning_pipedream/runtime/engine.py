@@ -181,9 +181,9 @@ class PipelineEngine:
         if micro_batches is not None and micro_batches != self.chunks:
             raise ValueError(
                 f"schedule={self.schedule!r} keeps the pipeline full across steps, each admitting chunks={self.chunks} "
-                f"micro-batches, so a step of {micro_batches} (a batch with fewer samples) cannot run. Drop the smaller "
-                "last batch (DataLoader(drop_last=True)), or use a synchronous schedule (1f1b, gpipe, zb-h1, "
-                "interleaved)."
+                f"micro-batches, so a step of {micro_batches} (a batch with fewer samples) cannot run. Drop the "
+                "smaller last batch (DataLoader(drop_last=True)), or use a synchronous schedule (1f1b, gpipe, "
+                "zb-h1, interleaved)."
             )
         if self.spec.two_weight_versions:
             return two_bw_step(self.num_stages, self.stage.index, self.chunks, self._admitted)
