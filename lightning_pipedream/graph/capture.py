@@ -182,6 +182,17 @@ def clear_capture_cache() -> None:
 
 
 _PLAIN_ATTRIBUTE = (bool, int, float, str, type(None))
+# Public attributes that are not settings a forward may read (modules and tensors are keyed by their own names).
+_NOT_SETTINGS = (nn.Module, torch.Tensor, dict, list, tuple, set)
+
+
+def _attribute_key(value: Any) -> Any:
+    """A plain attribute as it is; another object (a Hugging Face config, say) by its repr, which lists its settings,
+    or by its identity when the repr is only its address (then only the same object hits the cache)."""
+    if isinstance(value, _PLAIN_ATTRIBUTE):
+        return value
+    text = repr(value)
+    return text if " at 0x" not in text else ("object", id(value))
 
 
 def structure_key(module: nn.Module, args: tuple, kwargs: dict[str, Any] | None, through: str | None) -> tuple:
@@ -190,8 +201,9 @@ def structure_key(module: nn.Module, args: tuple, kwargs: dict[str, Any] | None,
     call's signature. Two modules with equal keys trace to the same graph."""
     parts: list[Any] = [through, call_signature(args, kwargs)]
     for name, sub in module.named_modules(remove_duplicate=False):
-        attributes = tuple(sorted((k, v) for k, v in vars(sub).items()
-                                  if isinstance(v, _PLAIN_ATTRIBUTE) and not k.startswith("__")))
+        attributes = tuple(sorted((k, _attribute_key(v)) for k, v in vars(sub).items()
+                                  if isinstance(v, _PLAIN_ATTRIBUTE) and not k.startswith("__")
+                                  or not k.startswith("_") and not isinstance(v, _NOT_SETTINGS)))
         parts.append((name, type(sub), type(sub).forward, sub.training, attributes))
     seen: dict[int, str] = {}
     for named in (module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False)):

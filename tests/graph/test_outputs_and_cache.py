@@ -12,6 +12,7 @@ import random
 import time
 import warnings
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -86,12 +87,26 @@ def check_capture_cache():
     assert not capture(HFStyleLM(layers=2), (ids,), {"use_cache": False}).cached
     assert not capture(second.eval(), (ids,), {"use_cache": False}).cached
     assert not capture(second, (ids[:1],), {"use_cache": False}).cached
+    # A setting the forward reads from a config object is part of the structure (Hugging Face models keep theirs so).
+    configured = [Scaled(SimpleNamespace(scale=scale)) for scale in (2.0, 2.0, 3.0)]
+    x = torch.randn(2, 4)
+    assert [capture(m, (x,)).cached for m in configured] == [False, True, False]
     # The profile comes from the cache too: the same split points without timing anything.
     second.train()
     points, _ = choose_split_points(again, second, (ids,), {"use_cache": False}, 3)
     started = time.perf_counter()
     assert choose_split_points(again, second, (ids,), {"use_cache": False}, 3)[0] == points
     assert time.perf_counter() - started < 0.5
+
+
+class Scaled(nn.Module):
+    def __init__(self, config: SimpleNamespace) -> None:
+        super().__init__()
+        self.config = config
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.config.scale
 
 
 def test_split_points_stay_put_under_timing_noise():
