@@ -45,6 +45,11 @@ class Pipeline:
     :meth:`drain` before reading weights) but splits each batch into ``chunks`` micro-batches and
     updates once per batch. ``recompute=True`` keeps only each stage's inputs and replays its
     forward in the backward (dropout masks included).
+
+    ``loss_fn`` is a mean over the samples; one that is a mean over something else (a language model's
+    labelled tokens, padding left out) gives ``mean_over``, a function counting that in a piece of the
+    targets (``lambda t: (t != -100).sum()``): each micro-batch's loss then counts by its share of the
+    batch's count, and the step equals one process on the whole batch.
     """
 
     def __init__(
@@ -65,6 +70,7 @@ class Pipeline:
         replicas: Sequence[int] | None = None,
         recompute: bool = False,
         virtual_stages: int = 1,
+        mean_over: Callable[[Any], Any] | None = None,
     ) -> None:
         # Prebuilt stages (e.g. lightning_pipedream.graph's GraphStage): a list with one module per rank.
         prebuilt = isinstance(layers, (list, tuple))
@@ -108,6 +114,7 @@ class Pipeline:
         self.schedule = schedule
         self.chunks = chunks
         self.loss_fn = loss_fn
+        self.mean_over = mean_over  # what loss_fn averages over, counted in a piece of the targets
         params = [p for p in self.module.parameters() if p.requires_grad]
         # A stage of parameter-free layers (an activation, a reshape) has nothing to optimize.
         self.optimizer = optimizer(params) if params else None
@@ -157,7 +164,8 @@ class Pipeline:
         minibatch_updates = d > 1 and self.engine.spec.minibatch_updates
         chunks = 1 if minibatch_updates else self.chunks
         in_parts = BatchShares.of(inputs, chunks, d, minibatch_updates) if self.is_first else None
-        tgt_parts = BatchShares.of(targets, chunks, d, minibatch_updates) if self.is_last else None
+        tgt_parts = (BatchShares.of(targets, chunks, d, minibatch_updates, mean_over=self.mean_over) if self.is_last
+                     else None)
 
         def loss(mb: int, output: Any) -> Tensor:
             assert tgt_parts is not None

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from graph_models import batches, loss_fn, make
+from graph_models import batches, loss_fn, make, padded
 
 from lightning_pipedream.graph import build_stages, capture, consolidate_state_dict, split_graph
 from lightning_pipedream.runtime.launch import run_local
@@ -104,3 +104,48 @@ def test_two_bw_with_weights_tied_across_stages_follows_its_rule():
     assert torch.equal(results[0][0]["tok.weight"], results[1][0]["head.weight"])
     synchronous = run_local(reference, 1, "gpt", timeout=60)[0][0]
     assert max((want[k] - v).abs().max().item() for k, v in synchronous.items()) > 1e-4  # the rule is not sync
+
+
+def token_mean(output, labels):
+    """A Hugging Face model's loss: the mean over the labelled tokens (padding, -100, left out)."""
+    logits = output.logits
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1),
+                                             ignore_index=-100)
+
+
+def train_token_mean(rank, world, chunks):
+    model, _ = make("hf")
+    data = padded(batches("hf", STEPS, BATCH))
+    example = (data[0][0][0][: BATCH // chunks],)
+    split = split_graph(capture(model, example, {"use_cache": False}), ["blocks.1"])
+    stage = build_stages(model, split, [rank])[0]
+    ties = TiedParameters(stage, split.ties, rank)
+    pipe = Pipeline([stage if r == rank else None for r in range(world)], loss_fn=token_mean, optimizer=sgd,
+                    schedule="1f1b", chunks=chunks, before_update=ties.allreduce_grads,
+                    mean_over=lambda labels: (labels != -100).sum())
+    losses = [pipe.step((args, {"use_cache": False}), labels) for args, labels in data]
+    return pipe.state_dict(), losses
+
+
+def token_mean_reference(rank, world):
+    model = make("hf")[0]
+    opt = sgd(model.parameters())
+    losses = []
+    for (input_ids,), labels in padded(batches("hf", STEPS, BATCH)):
+        loss = token_mean(model(input_ids, use_cache=False), labels)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return model.state_dict(), losses
+
+
+def test_a_token_mean_loss_with_mean_over_equals_one_process():
+    # Padded LM batches whose micro-batches hold unequal numbers of labelled tokens; the model returns an output
+    # dataclass (use_cache=False: nothing to drop) and the loss reads its logits.
+    results = run_local(train_token_mean, 2, 2, timeout=90)
+    want_state, want_losses = run_local(token_mean_reference, 1, timeout=60)[0]
+    state = consolidate_state_dict([part for part, _ in results], list(want_state))
+    for key, value in want_state.items():
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    assert results[-1][1] == pytest.approx(want_losses, rel=1e-5)  # the step's loss is the batch's token mean
