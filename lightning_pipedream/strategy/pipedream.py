@@ -934,6 +934,9 @@ class PipeDreamStrategy(DDPStrategy):
             if self._keeping_freed_memory:  # training is over: the process gives its freed memory back
                 allocator.return_freed_memory()
                 self._keeping_freed_memory = False
+            # The run is over in this process: its watchdog stops, so that a stop request a failure left in its
+            # mailbox does not end the process later (a notebook, or a script that goes on after fit raised).
+            flight.recorder().stop_heartbeat()
 
     def _teardown_module(self) -> None:
         module = self.lightning_module
