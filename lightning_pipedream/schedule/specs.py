@@ -58,6 +58,9 @@ SPECS: dict[str, ScheduleSpec] = {
 }
 
 SCHEDULES = tuple(SPECS)
+# Not a schedule: PipeDreamStrategy(schedule=AUTO) lets the planner (plan/auto.py) choose one, with the split,
+# replicas, micro-batches and recompute, under a memory limit.
+AUTO = "auto"
 ASYNCHRONOUS = tuple(name for name, spec in SPECS.items() if spec.asynchronous)
 REPLICATED_SCHEDULES = tuple(name for name, spec in SPECS.items() if spec.unequal_replicas)
 

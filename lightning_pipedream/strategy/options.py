@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_pipedream.schedule.builders import check_schedule_options
-from lightning_pipedream.schedule.specs import ScheduleSpec, spec_of
+from lightning_pipedream.schedule.specs import AUTO, ScheduleSpec, spec_of
 
 
 @dataclass(frozen=True)
@@ -37,10 +37,20 @@ class PipelineOptions:
     recompute: bool = False
     keep_freed_memory: bool = True
     mean_over: Callable[[Any], Any] | None = None  # what the loss is a mean over, counted in a piece of a batch
+    memory_limit: float | None = None  # schedule='auto': bytes per process the plan must fit in
+    exact: bool = False  # schedule='auto': only schedules equal to one device
 
     def __post_init__(self) -> None:
-        check_schedule_options(self.schedule, self.chunks, self.vertical_sync, virtual_stages=self.virtual_stages,
-                               recompute=self.recompute)
+        if self.auto:
+            self._check_auto()
+        else:
+            check_schedule_options(self.schedule, self.chunks, self.vertical_sync,
+                                   virtual_stages=self.virtual_stages, recompute=self.recompute)
+            if self.memory_limit is not None or self.exact:
+                raise ValueError(
+                    f"memory_limit= and exact= apply to schedule='auto' (the planner chooses the schedule under "
+                    f"them); schedule={self.schedule!r} is fixed. Drop them, or use schedule='auto'."
+                )
         if self.plan_path is not None and self.virtual_stages > 1:
             raise ValueError(
                 "PipeDreamStrategy(plan=...) gives one layer range per process; schedule='interleaved' with "
@@ -71,8 +81,32 @@ class PipelineOptions:
             raise ValueError(f"stages must be an integer >= 1 (the pipeline's length), got {self.stages!r}.")
 
     @property
+    def auto(self) -> bool:
+        """The planner chooses the schedule and the split at setup (``schedule='auto'``)."""
+        return self.schedule == AUTO
+
+    def _check_auto(self) -> None:
+        given = [name for name, value in (("plan", self.plan_path), ("balance", self.balance),
+                                          ("replicas", self.replicas), ("stages", self.stages),
+                                          ("split_points", self.split_points), ("chunks", self.chunks != 1 or None),
+                                          ("virtual_stages", self.virtual_stages != 1 or None),
+                                          ("recompute", self.recompute or None),
+                                          ("vertical_sync", self.vertical_sync or None)) if value is not None]
+        if given:
+            raise ValueError(
+                f"PipeDreamStrategy(schedule='auto') lets the planner choose the schedule, split, replicas, "
+                f"micro-batches and recompute, but {given} already decide some of them. Drop those, or name a "
+                "schedule."
+            )
+        limit = self.memory_limit
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0):
+            raise ValueError(f"memory_limit is {limit!r}; give bytes per process > 0, or None for no limit.")
+
+    @property
     def spec(self) -> ScheduleSpec:
         """The schedule's properties (asynchronous, micro-batches, replicas, ...)."""
+        if self.auto:
+            raise RuntimeError("schedule='auto' is decided in setup; ask for the schedule's properties after it.")
         return spec_of(self.schedule)
 
     @property

@@ -120,8 +120,9 @@ class PipeDreamStrategy(DDPStrategy):
     at the ``split_points`` given or where PipeDream's partitioner puts them after profiling.
 
     Args:
-        schedule: ``"pipedream"`` (asynchronous 1F1B with weight stashing, each batch one
-            minibatch), ``"1f1b"`` (one-forward-one-backward with a flush), ``"gpipe"``, ``"zb-h1"``
+        schedule: ``"pipedream"`` (asynchronous 1F1B with weight stashing, each batch one minibatch),
+            ``"auto"`` (the planner chooses, see ``memory_limit``), ``"1f1b"`` (one-forward-one-backward with a
+            flush), ``"gpipe"``, ``"zb-h1"``
             (1F1B with each backward split, its weight half deferred into the bubbles), ``"interleaved"``
             (Megatron's 1F1B over ``virtual_stages`` model chunks per process) or ``"2bw"``
             (PipeDream-2BW: micro-batches, two weight versions, the update one step late, no flush).
@@ -163,6 +164,11 @@ class PipeDreamStrategy(DDPStrategy):
             counting it in a batch or micro-batch, e.g. ``lambda batch: (batch["labels"] != -100).sum()`` for a
             token-mean language-model loss with padding: each micro-batch's loss then counts by its count over
             the whole batch's, and the result equals one device exactly (docs/strategy.md, "Losses").
+        memory_limit: with ``schedule="auto"``: bytes per process. The planner (``plan/auto.py``) profiles the
+            layers on the first training batch and chooses the split, replicas, schedule, micro-batches and
+            recompute that it predicts fastest within the limit (``python -m lightning_pipedream plan --schedule
+            auto`` shows the same choice offline), or refuses naming the smallest limit that fits.
+        exact: with ``schedule="auto"``: only schedules equal to one device (gpipe, 1f1b, zb-h1, interleaved).
     """
 
     strategy_name = "pipedream"
@@ -187,6 +193,8 @@ class PipeDreamStrategy(DDPStrategy):
         recompute: bool = False,
         keep_freed_memory: bool = True,
         mean_over: Callable[[Any], Any] | None = None,
+        memory_limit: float | None = None,
+        exact: bool = False,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -200,6 +208,7 @@ class PipeDreamStrategy(DDPStrategy):
             schedule, chunks, tuple_or_none(balance), plan, layers, tuple_or_none(split_points), weight_stashing,
             vertical_sync, tuple(bandwidth) if isinstance(bandwidth, (list, tuple)) else bandwidth, trace, stages,
             tuple_or_none(replicas), check_finite, straight, virtual_stages, recompute, keep_freed_memory, mean_over,
+            memory_limit, exact,
         )
         if start_method != "popen":
             # spawn/fork launchers copy only rank 0's weights back to the main process: wrong for a pipeline.
@@ -250,6 +259,8 @@ class PipeDreamStrategy(DDPStrategy):
         the options give."""
         if self._pipeline is not None:
             return self._pipeline.placement
+        if self.options.auto:
+            raise RuntimeError("PipeDreamStrategy(schedule='auto') decides where the stages live in setup.")
         return self._decide_placement(self.plan)
 
     @property
@@ -297,6 +308,9 @@ class PipeDreamStrategy(DDPStrategy):
     @override
     def _configure_launcher(self) -> None:
         # The Trainer knows its devices and nodes now, before any process starts: refuse what cannot run here.
+        if self.options.auto:  # the planner decides the stages in setup
+            super()._configure_launcher()
+            return
         world_size = self.num_nodes * self.num_processes
         placement = Placement.decide(self.options.schedule, world_size, stages=self.options.stages,
                                      replicas=self._decide_placement_replicas())
@@ -325,6 +339,8 @@ class PipeDreamStrategy(DDPStrategy):
         module = self.lightning_module
         assert module is not None
         fitting = trainer.state.fn == TrainerFn.FITTING
+        if self.options.auto:
+            self._choose_automatically(trainer, module, fitting)
         if fitting:
             check_training_supported(module, self.precision_plugin)
             if self.asynchronous and self.options.chunks > 1:  # 2bw: every step admits chunks micro-batches
@@ -343,6 +359,33 @@ class PipeDreamStrategy(DDPStrategy):
         if fitting:
             self._setup_training(trainer)
         self._failure = None
+
+    def _choose_automatically(self, trainer: Trainer, module: LightningModule, fitting: bool) -> None:
+        """``schedule='auto'``: the planner chooses the schedule, the split, replicas, micro-batches and recompute on
+        a profile of the first training batch; from here on the options are those of its choice."""
+        found = self._sequential_layers(module)
+        if found is None:
+            raise ValueError(
+                f"PipeDreamStrategy(schedule='auto') plans a module whose layers are one nn.Sequential; "
+                f"{type(module).__name__}'s are not. Name a schedule (the graph path profiles and splits any module), "
+                "or put the layers in one nn.Sequential."
+            )
+        if not fitting:  # nothing to profile a training step with: an even split, flushed
+            self.options = dataclasses.replace(self.options, schedule="1f1b", memory_limit=None, exact=False)
+            return
+        optimizers, _ = optimizers_unvalidated(module)
+        from lightning_pipedream.plan.memory import optimizer_kind
+
+        planner = LayerPlanner(self.options, trainer, module, SequentialCall(found[0]), self.is_global_zero,
+                               self.batch_to_device)
+        arguments, self.plan = planner.auto_plan(found[1], len(self.parallel_devices or [None]), self.num_nodes,
+                                                 optimizer_kind(optimizers[0]) if optimizers else "adam")
+        recompute = arguments.pop("recompute", False)
+        arguments = {k: tuple(v) if isinstance(v, list) else v for k, v in arguments.items()}
+        # The runtime recomputes on every stage or none: a plan that recomputes on some stages recomputes on all
+        # (it fits in the same memory; only slower).
+        self.options = dataclasses.replace(self.options, memory_limit=None, exact=False, recompute=bool(recompute),
+                                           **arguments)
 
     def _build_pipeline(self, trainer: Trainer, module: LightningModule, fitting: bool) -> StagePipeline:
         """Decide the placement and this rank's stage, and build the engine and channels around it."""

@@ -111,6 +111,38 @@ class LayerPlanner:
         sample = self.call.input_of(self.module, "training_step", self.batch_to_device(batch), 0)
         return profile_module(layers, sample)
 
+    def auto_plan(self, layers: nn.Sequential, processes_per_node: int, num_nodes: int,
+                  optimizer: str) -> tuple[dict[str, Any], Any]:
+        """``schedule='auto'``: rank 0 profiles the layers and the auto planner chooses the split, replicas,
+        schedule, micro-batches and recompute within ``memory_limit`` (see :func:`~lightning_pipedream.plan.auto.
+        auto_plan`); every rank gets the strategy arguments that run the choice, and its Plan. A refusal (nothing
+        fits) is raised on every rank."""
+        from lightning_pipedream.plan.auto import auto_plan
+        from lightning_pipedream.plan.partition import Plan
+        from lightning_pipedream.plan.topology import Topology
+
+        options = self.options
+        payload: list[Any] = [None]
+        if self.is_global_zero:
+            profile = self._profile_layers(layers)
+            try:
+                if profile is None:
+                    raise ValueError(
+                        "PipeDreamStrategy(schedule='auto') profiles the layers on the first training batch, but the "
+                        "dataloader gave none. Give a dataloader with at least one batch, or name a schedule."
+                    )
+                topology = Topology.of_cluster(processes_per_node, num_nodes, options.bandwidth)
+                chosen = auto_plan(profile, topology, options.memory_limit, exact=options.exact, optimizer=optimizer)
+                log.info("PipeDreamStrategy(schedule='auto') chose:\n%s", chosen.describe())
+                payload = [(chosen.strategy_arguments(), chosen.plan.to_json(), None)]
+            except ValueError as refused:  # every rank raises it, rather than waiting for a plan
+                payload = [(None, None, str(refused))]
+        dist.broadcast_object_list(payload, src=0)
+        arguments, plan_json, refused_words = payload[0]
+        if refused_words is not None:
+            raise ValueError(refused_words)
+        return arguments, Plan.from_json(plan_json)
+
     def replicated_plan(self, layers: nn.Sequential, world_size: int, processes_per_node: int, num_nodes: int) -> Any:
         """``straight=False``: rank 0 profiles the layers and plans for every process with replication allowed, on
         the Trainer's topology; every rank gets that plan (its replicas decide the placement)."""

@@ -127,6 +127,10 @@ class LossRecorder(L.Callback):
             "built_bytes": pl_module.built_bytes,
             "plan_replicas": [st.replicas for st in plan.stages] if (plan := getattr(trainer.strategy, "plan", None))
             else None,
+            # What the strategy ran (schedule="auto" decides it in setup).
+            "options": {k: getattr(getattr(trainer.strategy, "options", None), k, None)
+                        for k in ("schedule", "chunks", "recompute", "virtual_stages")},
+            "balance": getattr(trainer.strategy, "balance", None),
             "parameter_bytes": sum(p.numel() * p.element_size() for p in pl_module.parameters() if not p.is_meta),
             # The process groups of data-parallel pipelines: which ranks each rank all-reduces and pipelines with.
             "groups": {name: _members(getattr(getattr(trainer.strategy, "process_groups", None), field, None))

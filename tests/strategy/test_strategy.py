@@ -130,6 +130,9 @@ RUNS: dict[str, dict] = {
     # The automatic path with replication allowed: whatever the planner picks (2 stages, or 1 stage x 2), 1f1b
     # on the same batches equals one device.
     "auto_replicated": {"devices": 2, "strategy": {"schedule": "1f1b", "chunks": 2, "straight": False}},
+    # schedule="auto" with exact=True: whatever the planner picks (split, replicas, schedule, micro-batches,
+    # recompute) equals one device.
+    "auto_exact": {"devices": 2, "strategy": {"schedule": "auto", "exact": True}},
     "rr_pipedream": {"devices": 3, "model": {"scheduler": False},
                      "strategy": {"schedule": "pipedream", "replicas": [2, 1], "balance": [3, 2]}},
     # The last stage replicated (a 1-2 plan): each replica computes the loss of the micro-batches it owns.
@@ -338,6 +341,26 @@ def test_the_automatic_plan_may_replicate_and_still_equals_one_device(runs):
     assert_same_weights(runs["auto_replicated"] / "final.ckpt", runs["reference"] / "final.ckpt")
     planned = [rank_info(runs["auto_replicated"], r)["plan_replicas"] for r in (0, 1)]
     assert planned[0] == planned[1] and planned[0] in ([1, 1], [2])  # a straight pipeline or data parallelism
+
+
+def test_schedule_auto_exact_equals_one_device_and_every_rank_runs_the_same_choice(runs):
+    assert_same_weights(runs["auto_exact"] / "final.ckpt", runs["reference"] / "final.ckpt")
+    assert rank_info(runs["auto_exact"], 0)["losses"] == pytest.approx(rank_info(runs["reference"], 0)["losses"],
+                                                                        rel=1e-5)
+    ranks = [rank_info(runs["auto_exact"], r) for r in (0, 1)]
+    assert ranks[0]["options"] == ranks[1]["options"] and ranks[0]["balance"] == ranks[1]["balance"]
+    assert ranks[0]["options"]["schedule"] in ("gpipe", "1f1b", "zb-h1", "interleaved")
+    assert ranks[0]["plan_replicas"] == ranks[1]["plan_replicas"]
+
+
+def test_schedule_auto_takes_no_choice_it_makes():
+    with pytest.raises(ValueError, match=r"schedule='auto'\) lets the planner choose the schedule, split, replicas, "
+                                         r"micro-batches and recompute, but \['balance', 'chunks'\] already decide"):
+        PipeDreamStrategy(schedule="auto", balance=[3, 2], chunks=4)
+    with pytest.raises(ValueError, match=r"memory_limit= and exact= apply to schedule='auto'"):
+        PipeDreamStrategy(schedule="1f1b", memory_limit=1e9)
+    with pytest.raises(ValueError, match=r"memory_limit is -1; give bytes per process > 0"):
+        PipeDreamStrategy(schedule="auto", memory_limit=-1)
 
 
 def test_straight_false_leaves_the_choice_to_the_planner():
