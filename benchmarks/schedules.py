@@ -245,6 +245,18 @@ def trace_costs(runs: list[dict]) -> dict | None:
     }
 
 
+def action_overheads(runs: list[dict], cfg: Config) -> list[float] | None:
+    """Per stage, the seconds per micro-batch that a traced run spent posting sends and between actions (Python
+    around them, the step's own bookkeeping): median over the runs."""
+    traced = [r for r in runs if "breakdown_s_per_step" in r]
+    if not traced:
+        return None
+    traced = [r for r in traced if r["foreign_cores"] < BUSY_CORES] or traced  # the quiet runs where there are
+    stages = len(traced[0]["breakdown_s_per_step"])
+    return [statistics.median((r["breakdown_s_per_step"][s]["send"] + r["breakdown_s_per_step"][s]["between_actions"])
+                              / cfg.chunks for r in traced) for s in range(stages)]
+
+
 def measured_bubble(events: list[TimedAction], schedule: str, cfg: Config) -> dict:
     """Bubble of each flushed step from a trace, with ``bubble_fraction`` over the step's window.
 
@@ -442,6 +454,12 @@ def _simulate(
         costs = trace_costs(runs.get(f"ours_{s}_trace", []))
         if costs is not None:
             replay[s] = {**predict(cfg, costs, link)[s], "costs": costs}
+            overhead = action_overheads(runs.get(f"ours_{s}_trace", []), cfg)
+            if overhead is not None:
+                # the Python around the actions, modelled as part of each forward: what the replay still misses
+                with_overhead = {**costs, "forward_s": [f + o for f, o in zip(costs["forward_s"], overhead)]}
+                replay[s]["with_overheads"] = {"step_time_s": predict(cfg, with_overhead, link)[s]["step_time_s"],
+                                               "overhead_s_per_microbatch": overhead}
     bound = simulated_bound(cfg, bound_costs(runs["bound_batch"]) if runs.get("bound_batch") else None,
                             bound_costs(runs["bound"]) if runs.get("bound") else None)
     sim = {
@@ -522,6 +540,10 @@ def _compare(results: dict[str, Any], runs: dict[str, list[dict]], names: list[s
             if schedule in replay:
                 r["simulated_step_s_trace_costs"] = replay[schedule]["step_time_s"]
                 r["measured_over_simulated_trace_costs"] = measured_step / replay[schedule]["step_time_s"]
+                if "with_overheads" in replay[schedule]:
+                    modelled = replay[schedule]["with_overheads"]["step_time_s"]
+                    r["simulated_step_s_trace_costs_with_overheads"] = modelled
+                    r["measured_over_simulated_trace_costs_with_overheads"] = measured_step / modelled
     for s in ALL_TORCH:
         if f"torch_{s}" in results:
             results[f"torch_{s}"]["ideal_speedup_fraction"] = (
