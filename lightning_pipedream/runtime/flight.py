@@ -172,13 +172,17 @@ class FlightRecorder:
         """Once per process group (called by every pipeline_failures): open this rank's mailbox, report :meth:`doing`
         there and to the store every second, warn when one wait lasts longer than the no-progress limit, end the
         run when the peer waited for is frozen, and obey a stop request a peer leaves (see :meth:`_watch`)."""
+        if stage is not None:
+            self.stage = stage
+        box = mailbox()
+        if self._heartbeat is not None and box.is_open and self._heartbeat.is_alive():
+            return  # running (the call at every step costs this much)
         if not dist.is_initialized():
             return
         self.rank = dist.get_rank()
-        if stage is not None and self.stage is None:
-            self.stage = stage
+        if dist.get_world_size() == 1:  # no peer to report to, wait for or stop
+            return
         store = _default_store()
-        box = mailbox()
         if store is not None and not (box.is_open and self._heartbeat is not None and self._heartbeat.is_alive()):
             try:
                 box.open(self.rank, dist.get_world_size(), store, self.stage)
@@ -209,12 +213,13 @@ class FlightRecorder:
         store call may block while the store's host is stopped: the watchdog is another thread)."""
         while not self._stop.is_set():
             store = _default_store()
-            if store is None or mailbox().here("stop") is not None:  # the run is ending: its store may be gone
+            if store is None:
                 return
-            try:
-                store.set(_REPORT_KEY + str(self.rank), json.dumps(self.report()))
-            except Exception:  # the store is gone: the run is over
-                return
+            if mailbox().here("stop") is None:  # else the run is ending, and its store may be gone
+                try:
+                    store.set(_REPORT_KEY + str(self.rank), json.dumps(self.report()))
+                except Exception:  # the store is gone: the run is over
+                    return
             if self._stop.wait(HEARTBEAT):
                 return
 
@@ -247,8 +252,11 @@ class FlightRecorder:
         from lightning_pipedream.runtime.failures import end_run
 
         box = mailbox()
-        frozen = [peer for peer in current.peers if (box.local_state(peer) == "T" if box.is_local(peer)
-                                                     else box.ask(peer, "report", 2.0)[0] == SILENT)]
+        # Only peers whose mailbox this rank knows (never itself: a wait left marked by an error in a long-lived
+        # process, a test's in-memory transport, is no frozen peer).
+        known = [peer for peer in current.peers if peer in box.peers and peer != self.rank]
+        frozen = [peer for peer in known if (box.local_state(peer) == "T" if box.is_local(peer)
+                                             else box.ask(peer, "report", 2.0)[0] == SILENT)]
         if not frozen:
             return
         self._frozen_checked = current
@@ -280,6 +288,16 @@ class FlightRecorder:
 
 
 _RECORDER = FlightRecorder()
+
+
+def _after_fork_in_child() -> None:
+    # A forked child (run_local, multiprocessing) is another rank: nothing of the parent's recorder is its.
+    global _RECORDER
+    _RECORDER = FlightRecorder()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def recorder() -> FlightRecorder:

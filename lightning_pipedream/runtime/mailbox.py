@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import socket
 import threading
 import time
@@ -28,6 +29,7 @@ class Address:
     machine: str
     pid: int
     started: int  # the process's start time (in clock ticks since boot): a reused pid is another process
+    token: str  # what a request must carry: only the run's ranks (which read it from the run's store) are heard
 
 
 def machine_id() -> str:
@@ -92,11 +94,15 @@ class Mailbox:
         self.close()
         self.values = {}
         self.peers = {}
+        # An earlier group's store is kept, never destroyed here: in a forked child (run_local, multiprocessing)
+        # destroying the parent's store waits for a thread that the child does not have.
+        _EARLIER_STORES.append(self._store)
         self.world, self._store = world, store
-        server = socket.create_server(("0.0.0.0", 0))
+        host = _advertised_host()
+        server = socket.create_server((host, 0))  # on the interface the peers use, not on every one
         self._server = server
-        self.me = Address(rank, stage, _advertised_host(), server.getsockname()[1], machine_id(), os.getpid(),
-                          _start_time(os.getpid()))
+        self.me = Address(rank, stage, host, server.getsockname()[1], machine_id(), os.getpid(),
+                          _start_time(os.getpid()), secrets.token_hex(16))
         threading.Thread(target=self._serve, args=(server,), name="lightning_pipedream-mailbox", daemon=True).start()
         try:
             store.set(_REGISTRY_KEY + str(rank), json.dumps(asdict(self.me)))
@@ -106,9 +112,10 @@ class Mailbox:
     def close(self) -> None:
         if self._server is not None:
             try:
-                self._server.close()
+                self._server.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept (close alone does not)
             except OSError:
                 pass
+            self._server.close()
             self._server = None
 
     @property
@@ -148,6 +155,8 @@ class Mailbox:
                 try:
                     conn.settimeout(2.0)
                     request = json.loads(_read_line(conn))
+                    if self.me is None or request.get("token") != self.me.token:
+                        continue
                     key = request["key"]
                     if request["op"] == "put":
                         self.put_here(key, request["value"], first=bool(request.get("first")))
@@ -177,7 +186,7 @@ class Mailbox:
         try:
             with socket.create_connection((peer.host, peer.port), timeout=timeout) as conn:
                 conn.settimeout(timeout)
-                conn.sendall(json.dumps(request).encode() + b"\n")
+                conn.sendall(json.dumps({**request, "token": peer.token}).encode() + b"\n")
                 return ANSWERED, json.loads(_read_line(conn))
         except ConnectionRefusedError:
             return GONE, None
@@ -231,6 +240,19 @@ def _start_time(pid: int) -> int:
 
 
 _MAILBOX = Mailbox()
+_EARLIER_STORES: list[Any] = []
+
+
+def _after_fork_in_child() -> None:
+    # A forked child (a data loader's worker, run_local's ranks) has no mailbox of its own: the parent's socket is
+    # left alone (shutting it down here would stop the parent's), and a lock a parent's thread held stays free.
+    _EARLIER_STORES.append(_MAILBOX._store)
+    _MAILBOX._server, _MAILBOX._store = None, None
+    _MAILBOX.lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def mailbox() -> Mailbox:
