@@ -52,3 +52,16 @@ def session_processes(session: int) -> list[int]:
             if int(fields[3]) == session and fields[0] != "Z":  # field 6 of stat: the session id
                 found.append(int(entry))
     return found
+
+
+def unused_pid() -> int:
+    """A process id no process has now."""
+    pid = 2 ** 22 - 1
+    while True:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return pid
+        except PermissionError:
+            pass
+        pid -= 1

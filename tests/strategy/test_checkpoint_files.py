@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
+from fault_runs import unused_pid
 
 from lightning_pipedream.strategy.checkpoint import STALE_AFTER, AtomicCheckpointIO, CheckpointReadError
 
@@ -48,8 +47,7 @@ def test_a_checkpoint_cut_short_is_named_with_what_is_wrong(saved, tmp_path):
 
 
 def test_a_killed_writers_temporary_file_goes_at_the_next_save(saved, tmp_path):
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    dead_pid = int(dead.stdout)  # a process that has ended: its temporary file is a leftover
+    dead_pid = unused_pid()  # a writer that has ended: its temporary file is a leftover
     old = time.time() - STALE_AFTER - 5
     stale = tmp_path / f"last.ckpt.tmp-{dead_pid}"
     fresh = tmp_path / f"other.ckpt.tmp-{dead_pid}"  # a writer on another machine may still be writing it
