@@ -72,7 +72,13 @@ from lightning_pipedream.strategy.checks import (
     check_training_supported,
     optimizers_unvalidated,
 )
-from lightning_pipedream.strategy.consistency import batch_record, check_epoch_start, is_due
+from lightning_pipedream.strategy.consistency import (
+    CHECK_EVERY,
+    CHECK_EVERY_ASYNC,
+    batch_record,
+    check_epoch_start,
+    is_due,
+)
 from lightning_pipedream.strategy.graph_path import GraphPath
 from lightning_pipedream.strategy.logs import LogRecorder
 from lightning_pipedream.strategy.options import PipelineOptions, tuple_or_none
@@ -734,7 +740,8 @@ class PipeDreamStrategy(DDPStrategy):
         if batch_idx == 0:
             assert self._pipeline is not None
             check_epoch_start(record, self._pipeline.groups.pipeline, self.root_device, placement.stage_index)
-        return record if is_due(batch_idx, batches) else None
+        every = CHECK_EVERY_ASYNC if self._pipeline is not None and self._pipeline.lagged is not None else CHECK_EVERY
+        return record if is_due(batch_idx, batches, every) else None
 
     @override
     def backward(

@@ -14,6 +14,7 @@ from fault_runs import run_hang_trainer
 from lightning_pipedream.runtime.launch import RankFailedError, run_local
 from lightning_pipedream.strategy.consistency import (
     CHECK_EVERY,
+    CHECK_EVERY_ASYNC,
     DataMismatchError,
     batch_record,
     check_records,
@@ -73,6 +74,7 @@ def test_the_words_fit_the_cause():
 
 def test_which_steps_check():
     assert CHECK_EVERY == 1 and all(is_due(i, 16) for i in range(5))
+    assert CHECK_EVERY_ASYNC == 8 and [i for i in range(20) if is_due(i, 20, CHECK_EVERY_ASYNC)] == [0, 8, 16]
     assert [i for i in range(10) if is_due(i, 16, every=4)] == [0, 4, 8]
     assert all(is_due(i, math.inf, every=4) for i in range(5))  # an iterable dataset's end comes at any step
 
@@ -122,16 +124,19 @@ def test_flushed_schedules_compare_on_every_rank():
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads process states from /proc")
 def test_a_trainer_whose_last_stage_drifts_at_step_5_stops_by_step_5_plus_k(tmp_path):
+    # pipedream checks every k = CHECK_EVERY_ASYNC steps: the drift from step 5 is seen in step 8's fingerprints,
+    # which the last stage compares at step 8 + stages - 1.
     (tmp_path / "fault_time").write_text("0")
     err, code, _ = run_hang_trainer(tmp_path, {"rank": 1, "at": 5, "how": "drift", "schedule": "pipedream"})
     assert code == 1, err[-4000:]
-    words = ("The pipeline stages received different training batches at batch 5 of epoch 0: rank 1 (stage 1) and "
-             "rank 0 (stage 0) disagree. The epoch began with the same batches, so they drifted apart")
+    checked = next(i for i in range(5, 13) if is_due(i, 16, CHECK_EVERY_ASYNC))
+    words = (f"The pipeline stages received different training batches at batch {checked} of epoch 0: rank 1 (stage 1) "
+             "and rank 0 (stage 0) disagree. The epoch began with the same batches, so they drifted apart")
     assert f"[rank1]: lightning_pipedream.strategy.consistency.DataMismatchError: {words}" in err, err[-4000:]
     assert f"[rank0]: lightning_pipedream.runtime.transport.PeerFailedError: Pipeline stage 1 failed with " \
            f"DataMismatchError: {words}" in err, err[-4000:]
-    # The last stage compares step t's fingerprints at step t + stages - 1: it finished step 5 + k - 1 at most.
-    assert int((tmp_path / "ended_rank1").read_text()) <= 5 + CHECK_EVERY - 1
+    # The last stage finished step checked + stages - 2 at most: within k steps of the drift, and the lag.
+    assert int((tmp_path / "ended_rank1").read_text()) <= checked <= 5 + CHECK_EVERY_ASYNC - 1
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads process states from /proc")
