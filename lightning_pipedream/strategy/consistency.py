@@ -16,8 +16,8 @@ from lightning_pipedream.runtime.microbatch import flatten
 
 # Steps between two checks of the data; an epoch's first batch is always checked, an iterable dataset's every batch.
 CHECK_EVERY = 1  # gpipe, 1f1b, zb-h1, interleaved: the fingerprints ride with the step summary's collective, free
-# pipedream, 2bw: the fingerprints are messages of their own to the last stage; the last stage's gloo loop thread
-# spent ~1-3 ms of CPU per step on them when sent every step (benchmarks/lightning.py, 2 CPU ranks), so fewer
+# pipedream, 2bw: the fingerprints are messages of their own to the last stage (an A/B of benchmarks/lightning.py on
+# 2 CPU ranks could not tell every 8 steps from none; every step looked to add gloo loop-thread CPU there)
 CHECK_EVERY_ASYNC = 8
 RECORD_SLOTS = 32  # float64 numbers per fingerprint
 _LEAVES = 4  # the batch's first leaves are fingerprinted

@@ -733,15 +733,18 @@ class PipeDreamStrategy(DDPStrategy):
         placement = self.placement
         if placement.num_stages == 1:
             return None
+        pipeline = self._pipeline
+        assert pipeline is not None
         trainer = self.lightning_module.trainer
         batches = float(trainer.num_training_batches)
+        due = is_due(batch_idx, batches, CHECK_EVERY_ASYNC if pipeline.lagged is not None else CHECK_EVERY)
+        if not due and batch_idx != 0:
+            return None
         record = batch_record(batch, self.global_rank, placement.stage_index, trainer.current_epoch, batch_idx,
                               batches, end_of_data)
         if batch_idx == 0:
-            assert self._pipeline is not None
-            check_epoch_start(record, self._pipeline.groups.pipeline, self.root_device, placement.stage_index)
-        every = CHECK_EVERY_ASYNC if self._pipeline is not None and self._pipeline.lagged is not None else CHECK_EVERY
-        return record if is_due(batch_idx, batches, every) else None
+            check_epoch_start(record, pipeline.groups.pipeline, self.root_device, placement.stage_index)
+        return record if due else None
 
     @override
     def backward(
