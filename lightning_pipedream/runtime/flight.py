@@ -194,10 +194,15 @@ class FlightRecorder:
             # Stop it before the interpreter (and torch's store) goes away: a thread killed inside a store call
             # at exit aborts the process ("terminate called without an active exception").
             atexit.register(self.stop_heartbeat)
-        self._stop.clear()
-        self._heartbeat = threading.Thread(target=self._beat, name="lightning_pipedream-heartbeat", daemon=True)
+        self._stop = stop = threading.Event()  # its own: threads of an earlier run still asleep end on theirs
+        # A new run in this process (after a teardown stopped the threads): an earlier run's stop request is done.
+        with box.lock:
+            box.values.pop("stop", None)
+        self._stop_seen = None
+        self._heartbeat = threading.Thread(target=self._beat, args=(stop,), name="lightning_pipedream-heartbeat",
+                                           daemon=True)
         self._heartbeat.start()
-        threading.Thread(target=self._watch, name="lightning_pipedream-watchdog", daemon=True).start()
+        threading.Thread(target=self._watch, args=(stop,), name="lightning_pipedream-watchdog", daemon=True).start()
 
     def stop_heartbeat(self) -> None:
         """Stop the heartbeat and watchdog threads and wait a little for the heartbeat to leave the store."""
@@ -208,10 +213,10 @@ class FlightRecorder:
     def report(self) -> dict:
         return {"time": time.time(), "doing": self.doing(), "stage": self.stage}
 
-    def _beat(self) -> None:
+    def _beat(self, stop: threading.Event) -> None:
         """The report in the process group's store, for peers whose mailbox request finds this rank stopped (a
         store call may block while the store's host is stopped: the watchdog is another thread)."""
-        while not self._stop.is_set():
+        while not stop.is_set():
             store = _default_store()
             if store is None:
                 return
@@ -220,15 +225,15 @@ class FlightRecorder:
                     store.set(_REPORT_KEY + str(self.rank), json.dumps(self.report()))
                 except Exception:  # the store is gone: the run is over
                     return
-            if self._stop.wait(HEARTBEAT):
+            if stop.wait(HEARTBEAT):
                 return
 
-    def _watch(self) -> None:
+    def _watch(self, stop: threading.Event) -> None:
         """Every second: the report in the mailbox, the peers' addresses, a stop request, the no-progress warning
         and the frozen-peer check."""
         box = mailbox()
         limit, frozen = no_progress_limit(), frozen_limit()
-        while not self._stop.is_set():
+        while not stop.is_set():
             box.put_here("report", self.report())
             box.learn_peers()
             request = box.here("stop")
@@ -243,7 +248,7 @@ class FlightRecorder:
             if frozen > 0 and current is not None and current.peers and waited > frozen and (
                     current is not self._frozen_checked):
                 self._check_frozen(current, waited)
-            if self._stop.wait(HEARTBEAT):
+            if stop.wait(HEARTBEAT):
                 return
 
     def _check_frozen(self, current: _Current, waited: float) -> None:
