@@ -1,14 +1,12 @@
-"""Batches as the strategy meets them: a loop's first batch, a step's arguments, a batch's shape and fingerprint."""
+"""Batches as the strategy meets them: a loop's first batch, a step's arguments, a batch's shape."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.trainer.states import TrainerFn
-from torch import Tensor
 
 from lightning_pipedream.runtime.microbatch import TensorTreeError, flatten, merge
 
@@ -57,11 +55,6 @@ def batch_shapes(tree: Any) -> tuple:
     """What decides whether a batch needs a capture of its own: its structure, shapes and dtypes."""
     leaves, spec = flatten(tree, "batch")
     return (repr(spec), tuple((tuple(t.shape), str(t.dtype)) for t in leaves))
-
-
-def fingerprint(t: Tensor) -> float:
-    """A cheap summary of a tensor's values, to compare batches across ranks."""
-    return float((torch.view_as_real(t) if t.is_complex() else t).double().sum())
 
 
 def merge_outputs(values: list[Any]) -> Any:
