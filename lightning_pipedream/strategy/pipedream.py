@@ -16,7 +16,6 @@ import os
 from collections import OrderedDict
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -45,10 +44,8 @@ from lightning_pipedream.runtime.replicas import GradientReducer
 from lightning_pipedream.runtime.shares import BatchShares
 from lightning_pipedream.runtime.ties import TiedParameters
 from lightning_pipedream.runtime.transport import Transport
-from lightning_pipedream.schedule.actions import Action
-from lightning_pipedream.schedule.builders import inference
 from lightning_pipedream.schedule.specs import SCHEDULES
-from lightning_pipedream.strategy.batches import batch_args, loop_loader, merge_outputs
+from lightning_pipedream.strategy.batches import batch_args, loop_loader
 from lightning_pipedream.strategy.calls import (
     Elsewhere,
     ForwardCall,
@@ -79,12 +76,19 @@ from lightning_pipedream.strategy.consistency import (
     check_epoch_start,
     is_due,
 )
+from lightning_pipedream.strategy.evaluation import evaluate, to_cpu
 from lightning_pipedream.strategy.graph_path import GraphPath
 from lightning_pipedream.strategy.logs import LogRecorder
 from lightning_pipedream.strategy.options import PipelineOptions, tuple_or_none
 from lightning_pipedream.strategy.placement import Placement, ProcessGroups
 from lightning_pipedream.strategy.planning import LayerPlanner
-from lightning_pipedream.strategy.summaries import LaggedFromSources, LaggedSummaries, StepSummary, SummaryChannel
+from lightning_pipedream.strategy.stage_pipeline import (
+    StagePipeline,
+    clip_grad_by_norm,
+    lagged_summaries,
+    summary_channel,
+)
+from lightning_pipedream.strategy.summaries import StepSummary
 from lightning_pipedream.strategy.updates import PipelineDrain, PipelineUpdates
 from lightning_pipedream.tree import map_tensors
 
@@ -93,29 +97,6 @@ log = logging.getLogger(__name__)
 _DEFAULT_TIMEOUT = timedelta(minutes=30)
 # Under pipedream, Lightning's per-batch SIGTERM broadcast (a collective over all ranks) runs every this many batches.
 SIGTERM_CHECK_EVERY = 32
-_CPU = torch.device("cpu")  # where a step's extra outputs go before they travel pickled
-
-
-@dataclass
-class StagePipeline:
-    """What ``setup`` builds for one LightningModule on this rank: its stage, the engine that runs it, and the
-    channels, checks and checkpoint mapping around it. A later fit/validate/test with the same module reuses it."""
-
-    module: LightningModule
-    placement: Placement
-    groups: ProcessGroups
-    call: SequentialCall | ForwardCall  # how the user's step calls the pipelined part
-    stage: nn.Module  # this rank's layers (interleaved: all its model chunks)
-    engine: PipelineEngine
-    summary: SummaryChannel
-    checkpoint: CheckpointGather
-    optimizer_layouts: list[OptimizerLayout]
-    local_names: dict[int, str]  # parameter id -> the module's own name
-    graph: GraphPath | None = None  # the graph path, for a module that is not one nn.Sequential
-    lagged: LaggedFromSources | None = None  # pipedream: summaries used ``stages - 1`` steps late
-    reducer: GradientReducer | None = None  # the stage's replicas' all-reduce
-    finite: FiniteChecks | None = None
-    ties: TiedParameters | None = None  # a Sequential's parameters used on several stages (tied embeddings)
 
 
 class PipeDreamStrategy(DDPStrategy):
@@ -448,11 +429,11 @@ class PipeDreamStrategy(DDPStrategy):
         pipeline = StagePipeline(
             module, placement, groups, call, stage,
             engine=self._make_engine(stage, model_chunks, placement, groups),
-            summary=_summary_channel(placement, groups, self.root_device),
+            summary=summary_channel(placement, groups, self.root_device),
             checkpoint=CheckpointGather(self.global_rank, self.world_size, full_keys),
             optimizer_layouts=optimizer_layouts, local_names=local_names, graph=graph,
         )
-        pipeline.lagged = _lagged_summaries(placement, groups, pipeline.summary)
+        pipeline.lagged = lagged_summaries(placement, groups, pipeline.summary)
         pipeline.ties = tied
         if groups.replicas is not None:
             pipeline.reducer = GradientReducer(stage.parameters(), groups.replicas)
@@ -701,7 +682,7 @@ class PipeDreamStrategy(DDPStrategy):
             last = step_outputs[-1] if step_outputs else None
             extra = {}
             if isinstance(last, Mapping):
-                extra = {k: map_tensors(_to_cpu, v) for k, v in last.items() if k != "loss"}
+                extra = {k: map_tensors(to_cpu, v) for k, v in last.items() if k != "loss"}
             summary = StepSummary(batch_loss, extra, recorder.aggregate())
         if pipeline.lagged is not None:  # pipedream: minibatch t's summary is used at step t + stages - 1
             summaries = pipeline.lagged.step(summary, record)
@@ -786,40 +767,8 @@ class PipeDreamStrategy(DDPStrategy):
             pipeline.reducer.reduce(average=pipeline.placement.round_robin and self.options.spec.minibatch_updates)
 
     def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
-        """Clip by the norm over the whole model: every stage's gradients, summed across ranks.
-
-        Under ``pipedream`` the stages hold gradients of different minibatches at any moment (and a
-        drain updates stages a different number of times), so there each stage clips by its own
-        norm, as PipeDream's runtime did.
-        """
-        pipeline = self._pipeline
-        assert pipeline is not None
-        placement = pipeline.placement
-        captured = pipeline.graph.graph if pipeline.graph is not None else None
-        ties = pipeline.ties if pipeline.ties is not None else captured.tied if captured is not None else None
-        if ties is not None and self.asynchronous:
-            # Each stage clips by its own norm, which would clip the tied copies apart: a tied parameter is clipped
-            # by its own norm instead, which every holder computes alike (their gradients were just summed).
-            for copy in ties.copies():
-                if copy.grad is not None:
-                    copy.grad.mul_(torch.clamp(clip_val / (copy.grad.detach().float().norm() + 1e-6), max=1.0))
-            skip = {id(copy) for copy in ties.copies()}
-        else:  # a tied parameter counts once in the whole model's norm: on the first stage that holds a copy
-            skip = ties.held_first_elsewhere() if ties is not None else set()
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"]
-                 if p.grad is not None and id(p) not in skip]
-        square = torch.zeros(1, device=self.root_device, dtype=torch.float32)
-        for g in grads:
-            square += g.detach().float().pow(2).sum()
-        if placement.num_stages > 1 and not self.asynchronous:
-            if placement.round_robin and placement.replica_index != 0:
-                square.zero_()  # a stage's replicas hold the same (summed) gradients: count the stage once
-            dist.all_reduce(square, group=pipeline.groups.pipeline)  # replicas hold the same gradients: one pipeline
-        factor = torch.clamp(clip_val / (square.sqrt() + 1e-6), max=1.0)
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.grad is not None and not (self.asynchronous and id(p) in skip):
-                    p.grad.mul_(factor.to(p.grad.dtype))
+        assert self._pipeline is not None
+        clip_grad_by_norm(self._pipeline, optimizer, clip_val, asynchronous=self.asynchronous, device=self.root_device)
 
     # ---------------------------------------------------------------------------------- drain
     def drain(self) -> None:
@@ -865,45 +814,9 @@ class PipeDreamStrategy(DDPStrategy):
             return self._evaluate("predict_step", args, kwargs, send_output=True)
 
     def _evaluate(self, hook: str, args: tuple, kwargs: dict, send_output: bool) -> Any:
-        pipeline = self._pipeline
-        assert pipeline is not None
-        placement = pipeline.placement
-        module = self.lightning_module
-        batch, batch_idx = batch_args(args, kwargs)
-        extra_args = args[2:]
-        step = getattr(module, hook)
-        shares = BatchShares.of(batch, self.options.chunks, fewer_if_small=True, mean_over=self.options.mean_over)
-        recorder = LogRecorder()
-
-        def inputs(mb: int) -> Any:
-            return pipeline.call.input_of(module, hook, shares.part(mb), batch_idx, *extra_args, **kwargs)
-
-        def output_of(mb: int, output: Any) -> Any:
-            logged = recorder.capture(module, shares.log_weight(mb), shares.size(mb))
-            with pipeline.call.replaying(module, output), logged:
-                return step(shares.part(mb), batch_idx, *extra_args, **kwargs)
-
-        if pipeline.graph is not None:
-            pipeline.graph.ensure_captured(module, hook, shares.parts, batch_idx, *extra_args, **kwargs)
-        actions = inference(placement.num_stages, len(shares.parts), self.options.virtual_stages).actions
-        mine = actions[placement.stage_index]
-        if placement.round_robin:  # the first replica of each stage evaluates; the others get the results
-            first = placement.first_replica_ranks()
-            mine = [] if placement.replica_index != 0 else [_to_peer_rank(a, first) for a in mine]
-        outputs = pipeline.engine.executor.run(mine, inputs=inputs, loss=output_of, optimizer_step=_no_update,
-                                               train=False)
-        payload = None
-        if placement.is_last_stage:
-            merged = None
-            if send_output:
-                values = [outputs[mb] for mb in sorted(outputs)]
-                merged = map_tensors(_to_cpu, values[0] if len(values) == 1 else merge_outputs(values))
-            payload = (merged, recorder.aggregate())
-        merged, logs = pipeline.summary.broadcast_object(payload)
-        LogRecorder.replay(module, pipeline.summary.averaged_logs(logs))
-        if send_output:
-            return map_tensors(lambda t: t.to(self.root_device), merged)
-        return None
+        assert self._pipeline is not None
+        return evaluate(self._pipeline, self.lightning_module, hook, args, kwargs, options=self.options,
+                        device=self.root_device, send_output=send_output)
 
     # ---------------------------------------------------------------------------- checkpoints
     @override
@@ -1020,28 +933,6 @@ class PipeDreamStrategy(DDPStrategy):
 _StrategyRegistry = type(StrategyRegistry)
 
 
-def _summary_channel(placement: Placement, groups: ProcessGroups, device: torch.device) -> SummaryChannel:
-    """The channel that brings the last stage's step summary (loss, logs) to every rank."""
-    sources = placement.last_stage_ranks()
-    return SummaryChannel(placement.stage_index, placement.num_stages, device, groups.pipeline, groups.replicas,
-                          placement.num_pipelines, source=sources[0], sources=sources)
-
-
-def _lagged_summaries(placement: Placement, groups: ProcessGroups,
-                      channel: SummaryChannel) -> LaggedFromSources | None:
-    """pipedream and 2bw: step summaries sent point to point on their own group and used ``stages - 1`` steps
-    late, so that no rank waits for the last stage within a step."""
-    if groups.summaries is None:
-        return None
-    me = dist.get_rank(groups.summaries)
-    size = dist.get_world_size(groups.summaries)
-    return LaggedFromSources([
-        LaggedSummaries(channel, groups.summaries, source=source, receivers=[r for r in range(size) if r != source],
-                        lag=placement.num_stages - 1, is_source=me == source)
-        for source in placement.last_stage_ranks()
-    ])
-
-
 def _keep_parameters(optimizers: list[torch.optim.Optimizer], keep: set[int]) -> None:
     """Drop from the optimizers' groups the parameters another stage trains."""
     for optimizer in optimizers:
@@ -1055,21 +946,10 @@ def _reduced_in_updates(average: bool = False) -> int:
     return 0
 
 
-def _to_peer_rank(action: Action, rank_of_stage: list[int]) -> Action:
-    return dataclasses.replace(action, peer=rank_of_stage[action.peer]) if action.peer is not None else action
-
-
 def _gradients_ready() -> None:
     """The closure of the pipeline's optimizer steps: the gradients are already in ``.grad``."""
     return None
 
-
-def _no_update(action: Any) -> None:
-    raise RuntimeError("An evaluation schedule contained an optimizer step.")
-
-
-def _to_cpu(t: Tensor) -> Tensor:
-    return t.detach().to(_CPU)
 
 
 _package_log = logging.getLogger("lightning_pipedream")
