@@ -42,7 +42,8 @@ from lightning_pipedream.runtime.pipeline import Pipeline
 REPO = Path(__file__).resolve().parent.parent  # the ranks' processes import benchmarks.workload from here
 
 
-def _status_kb(key: str) -> int:
+def status_kb(key: str) -> int:
+    """A field of /proc/self/status in KiB (VmRSS, VmHWM, ...)."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(key + ":"):
@@ -160,14 +161,14 @@ def memory_worker(rank: int, world: int, cfg: Config, schedule: str, steps: int)
         def step():
             pipe.step(x, y)
 
-    rss_setup = _status_kb("VmRSS")
+    rss_setup = status_kb("VmRSS")
     reset = _reset_peak_rss()
     with meter.hooks():
         for _ in range(steps):
             step()
         pipe.drain()
-    peak = _status_kb("VmHWM")
-    rss_end = _status_kb("VmRSS")
+    peak = status_kb("VmHWM")
+    rss_end = status_kb("VmRSS")
     trimmed = _malloc_trim()
     out = {
         "rank": rank,
@@ -176,7 +177,7 @@ def memory_worker(rank: int, world: int, cfg: Config, schedule: str, steps: int)
         "peak_rss_growth_mb": (peak - rss_setup) / 1024 if reset else None,
         "rss_end_mb": rss_end / 1024,
         # what the C allocator holds but nothing uses: given back by malloc_trim (glibc only)
-        "rss_after_malloc_trim_mb": _status_kb("VmRSS") / 1024 if trimmed else None,
+        "rss_after_malloc_trim_mb": status_kb("VmRSS") / 1024 if trimmed else None,
         "peak_in_flight": peaks["in_flight"],
         "peak_activation_mb": meter.peak / 2**20,
         "activation_mb_per_microbatch": None,

@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from benchmarks.memory import status_kb
 from lightning_pipedream.plan.balance import even_balance
 from lightning_pipedream.plan.memory import flight_schedule, held_bytes, predict_memory, stage_bytes
 from lightning_pipedream.plan.profile import Profile, profile_module
@@ -52,14 +53,6 @@ def make_batch(name: str, width: int, batch: int) -> tuple[torch.Tensor, torch.T
 
 def adam(params: Any) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=1e-4)
-
-
-def _status_kb(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    raise KeyError(key)
 
 
 def _reset_peak_rss() -> bool:
@@ -177,7 +170,7 @@ def _measure(run: dict) -> dict:
     stages.clear()  # the thrown-away stage's last references
     del pipe, x, y
     _trim(run)
-    rss_base = _status_kb("VmRSS")
+    rss_base = status_kb("VmRSS")
     meter = LiveTensorBytes()
     with meter:
         pipe, x, y = _pipeline(run)
@@ -185,7 +178,7 @@ def _measure(run: dict) -> dict:
         if t is not None:
             meter.add(t)
     _trim(run)
-    rss_ready = _status_kb("VmRSS")
+    rss_ready = status_kb("VmRSS")
     meter.reset_peak()  # the full model's construction is not part of training's peak
     reset = _reset_peak_rss()
     weights = pipe.engine.weights
@@ -217,7 +210,7 @@ def _measure(run: dict) -> dict:
             pipe.step(x, y)
         pipe.drain()
     seconds = time.perf_counter() - started
-    hwm = _status_kb("VmHWM")
+    hwm = status_kb("VmHWM")
     params = _nbytes(pipe.module.parameters())
     state = _nbytes(t for s in pipe.optimizer.state.values() for t in s.values()
                     if isinstance(t, torch.Tensor)) if pipe.optimizer is not None else 0
