@@ -286,11 +286,15 @@ class PipeDreamStrategy(DDPStrategy):
         """Replicas per stage from ``replicas=`` or the plan: equal counts are data-parallel pipelines, unequal ones
         PipeDream's 1F1B-RR."""
         options = self.options
-        replicas = options.replicas
-        if replicas is None and plan is not None and (options.plan_path is not None or not options.straight):
-            replicas = tuple(stage.replicas for stage in plan.stages)
         return Placement.decide(options.schedule, self.world_size, self.global_rank, stages=options.stages,
-                                replicas=replicas, accumulate_grad_batches=accumulate_grad_batches)
+                                replicas=self._replicas(plan), accumulate_grad_batches=accumulate_grad_batches)
+
+    def _replicas(self, plan: Any) -> tuple[int, ...] | None:
+        """Replicas per stage: ``replicas=``, else those of a plan file or of the replicating planner's plan."""
+        options = self.options
+        if options.replicas is None and plan is not None and (options.plan_path is not None or not options.straight):
+            return tuple(stage.replicas for stage in plan.stages)
+        return options.replicas
 
     @override
     def _configure_launcher(self) -> None:
@@ -300,7 +304,7 @@ class PipeDreamStrategy(DDPStrategy):
             return
         world_size = self.num_nodes * self.num_processes
         placement = Placement.decide(self.options.schedule, world_size, stages=self.options.stages,
-                                     replicas=self._decide_placement_replicas())
+                                     replicas=self._replicas(self.plan))
         if self.plan is not None and len(self.plan.stages) != placement.num_stages:
             raise ValueError(
                 f"The plan {self.options.plan_path} has {len(self.plan.stages)} stages but the Trainer runs "
@@ -308,11 +312,6 @@ class PipeDreamStrategy(DDPStrategy):
                 f"devices/num_nodes to give {len(self.plan.stages)} processes."
             )
         super()._configure_launcher()
-
-    def _decide_placement_replicas(self) -> tuple[int, ...] | None:
-        if self.options.replicas is not None:
-            return self.options.replicas
-        return tuple(stage.replicas for stage in self.plan.stages) if self.plan is not None else None
 
     # ---------------------------------------------------------------------------------- setup
     @override
