@@ -87,6 +87,7 @@ from benchmarks.workload import (
 )
 from lightning_pipedream.runtime.allocator import keep_freed_memory
 from lightning_pipedream.runtime.launch import run_local
+from lightning_pipedream.runtime.transport import TRANSPORT_ENV
 from lightning_pipedream.schedule.actions import Op
 from lightning_pipedream.schedule.builders import build_schedule
 from lightning_pipedream.schedule.simulate import simulate
@@ -102,7 +103,14 @@ ALL_OURS = OURS + NEWER
 ALL_TORCH = TORCH + TORCH_NEWER
 FLUSHED = ("gpipe", "1f1b", "zb-h1", "interleaved")
 BOUNDS = ("bound", "bound_batch")
-PER_MINIBATCH = ("ours_pipedream", "ours_pipedream_trace", "one_thread_per_minibatch", "bound")
+# Ours over torch.distributed (gloo's TCP pairs) instead of shared memory between the two local ranks
+OVER_GLOO = ("gpipe", "1f1b", "pipedream")
+PER_MINIBATCH = ("ours_pipedream", "ours_pipedream_trace", "ours_pipedream_gloo", "one_thread_per_minibatch", "bound")
+
+
+def schedule_of(name: str) -> str:
+    """The schedule a contender runs: ``ours_pipedream_gloo`` -> ``pipedream``."""
+    return name.removeprefix("ours_").removeprefix("torch_").removesuffix("_trace").removesuffix("_gloo")
 
 # ---------------------------------------------------------------------------------------------
 # The run
@@ -114,6 +122,8 @@ def contenders(include_trace: bool = True) -> list[str]:
         names.append(f"ours_{s}")
         if include_trace:
             names.append(f"ours_{s}_trace")
+        if s in OVER_GLOO:
+            names.append(f"ours_{s}_gloo")
     names += [f"torch_{s}" for s in ALL_TORCH]
     names += ["one_thread", "one_thread_per_minibatch", "two_threads", *BOUNDS]
     return names
@@ -126,11 +136,19 @@ def bound_of(name: str) -> str:
 
 def run_contender(name: str, cfg: Config, warmup: int, steps: int, timeout: float, keep_trace: bool = False) -> dict:
     if name.startswith("ours_"):
-        schedule = name.removeprefix("ours_").removesuffix("_trace")
+        schedule = schedule_of(name)
         trace = name.endswith("_trace")
-        results = run_local(
-            ours_worker, cfg.stages, cfg, schedule, trace, warmup, steps, int(keep_trace), timeout=timeout
-        )
+        before = os.environ.get(TRANSPORT_ENV)
+        os.environ[TRANSPORT_ENV] = "gloo" if name.endswith("_gloo") else "auto"  # the ranks inherit it
+        try:
+            results = run_local(
+                ours_worker, cfg.stages, cfg, schedule, trace, warmup, steps, int(keep_trace), timeout=timeout
+            )
+        finally:
+            if before is None:
+                os.environ.pop(TRANSPORT_ENV)
+            else:
+                os.environ[TRANSPORT_ENV] = before
     elif name.startswith("torch_"):
         results = run_local(torch_worker, cfg.stages, cfg, name.removeprefix("torch_"), warmup, steps, timeout=timeout)
     elif name in BOUNDS:
@@ -150,6 +168,7 @@ def run_contender(name: str, cfg: Config, warmup: int, steps: int, timeout: floa
         "loss": losses[-1] if losses else None,
         "cpu_s_per_step": sum(r["cpu_s"] for r in results) / steps,
         "page_faults_per_step": sum(r["faults"] for r in results) / steps,
+        "shared_memory": any(r.get("shared_memory", False) for r in results),  # ours: the ranks' transport
         # per rank, the CPU seconds of each of its threads per step (main, gloo's, ...)
         "threads_cpu_s_per_step": [{k: round(v / steps, 5) for k, v in r["threads_cpu_s"].items()} for r in results],
     }
@@ -506,7 +525,7 @@ def _compare(results: dict[str, Any], runs: dict[str, list[dict]], names: list[s
         if not name.startswith("ours_"):
             results[name]["speedup_vs_one_thread"] = results[name]["steps_per_s"] / one
             continue
-        schedule = name.removeprefix("ours_").removesuffix("_trace")
+        schedule = schedule_of(name)
         ref = f"torch_{schedule}" if schedule in ALL_TORCH else "torch_1f1b"
         r = results[name]
         if ref in results:
@@ -562,7 +581,7 @@ def _shares(results: dict[str, Any], runs: dict[str, list[dict]], cfg: Config, s
             a["steps_per_s"] / b["steps_per_s"] for a, b in zip(runs[name], runs[bound])
         )
         r["share_of_bound_quiet"] = _ratio(r["steps_per_s_quiet"], results[bound]["steps_per_s_quiet"])
-        schedule = name.removeprefix("ours_").removeprefix("torch_").removesuffix("_trace")
+        schedule = schedule_of(name)
         if name not in BOUNDS and schedule in sim["bound"]:
             # measured steps/s over the simulated bound's: simulated step time / measured step time
             r["share_of_simulated_bound"] = sim["bound"][schedule]["step_time_s"] * r["steps_per_s"]

@@ -190,6 +190,7 @@ def ours_worker(
         out["breakdown_s"] = breakdown(records, out["t1"] - out["t0"], stash)
         if keep_trace_steps:
             out["events"] = [(a, s, e) for a, s, e in records]
+    out["shared_memory"] = pipe.transport.uses_shared_memory
     return out
 
 

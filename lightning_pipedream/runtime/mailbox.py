@@ -102,7 +102,7 @@ class Mailbox:
         server = socket.create_server((host, 0))  # on the interface the peers use, not on every one
         self._server = server
         self.me = Address(rank, stage, host, server.getsockname()[1], machine_id(), os.getpid(),
-                          _start_time(os.getpid()), secrets.token_hex(16))
+                          process_start_time(os.getpid()), secrets.token_hex(16))
         threading.Thread(target=self._serve, args=(server,), name="lightning_pipedream-mailbox", daemon=True).start()
         try:
             store.set(_REGISTRY_KEY + str(rank), json.dumps(asdict(self.me)))
@@ -231,7 +231,8 @@ def _read_line(conn: socket.socket) -> bytes:
     return data
 
 
-def _start_time(pid: int) -> int:
+def process_start_time(pid: int) -> int:
+    """When process ``pid`` started, in clock ticks since boot (0 if unknown): with the pid, it names one process."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return int(f.read().rsplit(")", 1)[1].split()[19])

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import pickle
 from collections.abc import Hashable
 from dataclasses import dataclass, field
@@ -13,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_pipedream.runtime import shared_memory
+from lightning_pipedream.runtime.mailbox import machine_id, process_start_time, process_state
 from lightning_pipedream.runtime.microbatch import flatten, unflatten
 
 
@@ -111,6 +115,107 @@ def _dtype_name(dtype: torch.dtype) -> str:
         name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
     return name
 
+TRANSPORT_ENV = "LIGHTNING_PIPEDREAM_TRANSPORT"  # auto (default), gloo or shm: how ranks on one machine talk
+RING_BYTES_ENV = "LIGHTNING_PIPEDREAM_SHM_RING_BYTES"  # each direction's ring (default 16 MiB)
+_TRANSPORTS = ("auto", "gloo", "shm")
+_HOST_KEY = "lightning_pipedream/transport/"  # + global rank, in the store: where and how each rank talks
+
+
+def transport_kind(kind: str | None = None) -> str:
+    """``kind``, else the environment's choice (``LIGHTNING_PIPEDREAM_TRANSPORT``), else ``"auto"``; checked."""
+    chosen = kind if kind is not None else os.environ.get(TRANSPORT_ENV, "auto")
+    if chosen not in _TRANSPORTS:
+        where = "transport=" if kind is not None else f"{TRANSPORT_ENV}="
+        raise ValueError(f"{where}{chosen!r} is not a transport: use 'auto' (shared memory between ranks on one "
+                         "machine, torch.distributed otherwise), 'gloo' (always torch.distributed) or 'shm'.")
+    return chosen
+
+
+def _host_card(kind: str) -> dict:
+    """What a peer needs to decide whether it shares memory with this rank, and to see whether it is alive."""
+    shm = list(shared_memory.shm_identity()) if shared_memory.supported() else None
+    return {"machine": machine_id(), "shm": shm, "pid": os.getpid(), "started": process_start_time(os.getpid()),
+            "kind": kind}
+
+
+class _SharedMemoryLink:
+    """Messages to and from one peer on this machine through two rings (see :mod:`.shared_memory`).
+
+    The writer of each direction makes its ring on its first message and sends the ring's file name through
+    torch.distributed as that link's first message; the reader maps the file and removes its name.
+    """
+
+    def __init__(self, transport: Transport, peer: int, card: dict) -> None:
+        self.transport, self.peer, self.card = transport, peer, card
+        self.sender: shared_memory.Sender | None = None
+        self.reader: shared_memory.Ring | None = None
+
+    def isend(self, tensor: Tensor) -> Any:
+        if self.sender is None:
+            ring = shared_memory.Ring.create(int(os.environ.get(RING_BYTES_ENV, 16 << 20)))
+            name = torch.zeros(shared_memory.NAME_BYTES, dtype=torch.uint8)
+            name[: len(ring.path)].copy_(torch.frombuffer(bytearray(ring.path.encode()), dtype=torch.uint8))
+            self.transport._pending.append((self.transport._call(dist.isend, name, self.peer), [name]))
+            self.sender = shared_memory.Sender(ring, self.check, self._timeout_s())
+        return _SentThroughRing(self.sender, self.sender.send(tensor))
+
+    def irecv(self, tensor: Tensor) -> Any:
+        return _ReceivedThroughRing(self, tensor)
+
+    def receive_into(self, tensor: Tensor) -> None:
+        if self.reader is None:
+            name = torch.empty(shared_memory.NAME_BYTES, dtype=torch.uint8)
+            self.transport._wait(self.transport._call(dist.irecv, name, self.peer))
+            path = bytes(name.numpy()).rstrip(b"\0").decode()
+            self.reader = shared_memory.Ring.open(path)
+            self.reader.unlink()
+        self.reader.read_into(tensor, self.check, self._timeout_s())
+
+    def check(self) -> None:
+        """Between sleeps of a wait: give up once the peer's process has ended, as a closed socket would tell gloo.
+
+        Only then: a stop request or a posted error may come while this rank's own watchdog is still ending a frozen
+        peer, and leaving the wait earlier would end this process before it has done so.
+        """
+        if process_state(self.card["pid"], self.card["started"]) in (None, "Z"):
+            raise PeerFailedError(
+                f"Pipeline communication with rank {self.peer} failed: its process ({self.card['pid']}) has ended "
+                "(Connection closed by peer). Another rank has probably raised an error and exited; look for its "
+                "traceback above.")
+
+    def _timeout_s(self) -> float | None:
+        timeout = self.transport._wait_timeout()
+        return timeout.total_seconds() if timeout > timedelta(0) else None
+
+
+@dataclass
+class _SentThroughRing:
+    sender: shared_memory.Sender
+    work: shared_memory.SendWork
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        self.sender.wait(self.work, None)  # the sender's thread keeps the deadline and watches the peer
+        return True
+
+
+@dataclass
+class _ReceivedThroughRing:
+    link: _SharedMemoryLink
+    tensor: Tensor
+    done: bool = False
+
+    def is_completed(self) -> bool:
+        return self.done
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        if not self.done:
+            self.link.receive_into(self.tensor)
+            self.done = True
+        return True
+
 
 @dataclass
 class Transport:
@@ -136,6 +241,10 @@ class Transport:
 
     group: Any = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    # "auto": peers on this machine through shared memory when the tensors are on the CPU and the group is gloo's
+    # (see :mod:`.shared_memory`); "gloo": always torch.distributed; "shm": shared memory or an error. None: the
+    # environment's LIGHTNING_PIPEDREAM_TRANSPORT, else "auto". Every rank of a pipeline must choose alike.
+    kind: str | None = None
     _send_channels: dict[tuple[int, Hashable], _Channel] = field(default_factory=dict)
     _recv_channels: dict[tuple[int, Hashable], _Channel] = field(default_factory=dict)
     _pending: list[tuple[Any, list[Tensor]]] = field(default_factory=list)
@@ -143,6 +252,45 @@ class Transport:
     # messages between two ranks is the order of the calls (NCCL matches p2p by order alone)
     _posted: dict[int, tuple[Hashable, Any, Tensor]] = field(default_factory=dict)
     _timeout: timedelta | None = None  # what a wait may last: the world's timeout (see _world_timeout)
+    _links: dict[int, _SharedMemoryLink | None] = field(default_factory=dict)  # global peer -> its link (None: gloo)
+    _card: dict | None = None  # this rank's host card, published in the store (None: torch.distributed only)
+
+    def __post_init__(self) -> None:
+        self.kind = transport_kind(self.kind)
+        if self.kind == "gloo" or self.device.type != "cpu" or not dist.is_initialized():
+            return
+        if dist.get_backend(self.group) != "gloo":
+            return
+        store = _default_store()
+        if store is None:
+            return
+        # Published as soon as the transport exists, so that a peer's first message never waits for this rank.
+        self._card = _host_card(self.kind)
+        store.set(_HOST_KEY + str(dist.get_rank()), json.dumps(self._card))
+
+    @property
+    def uses_shared_memory(self) -> bool:
+        """Whether any peer talked to so far goes through shared memory."""
+        return any(link is not None for link in self._links.values())
+
+    def _link(self, peer: int) -> _SharedMemoryLink | None:
+        """The shared-memory link to global rank ``peer``, or None for torch.distributed; decided alike at both ends."""
+        if peer in self._links:
+            return self._links[peer]
+        link = None
+        if self._card is not None:
+            theirs = json.loads(_default_store().get(_HOST_KEY + str(peer)).decode())
+            same = (theirs["machine"] == self._card["machine"] and theirs["shm"] is not None
+                    and theirs["shm"] == self._card["shm"])
+            if "gloo" not in (theirs["kind"], self._card["kind"]) and same:
+                link = _SharedMemoryLink(self, peer, theirs)
+            elif "shm" in (theirs["kind"], self._card["kind"]) and not same:
+                raise PeerFailedError(
+                    f"transport='shm' needs every pipeline peer on this machine, with the same /dev/shm, but rank "
+                    f"{peer} is on {theirs['machine']} (this rank: {self._card['machine']}) or sees another "
+                    f"/dev/shm. Use transport='auto' ({TRANSPORT_ENV}=auto).")
+        self._links[peer] = link
+        return link
 
     def _global(self, peer: int) -> int:
         # Peers are ranks within ``group``; torch.distributed p2p takes global ranks.
@@ -244,10 +392,15 @@ class Transport:
             return
         size = self._recv_channels.setdefault((peer, channel), _Channel()).size
         message = torch.empty(size, dtype=torch.uint8, device=self.device)
-        self._posted[peer] = (channel, self._call(dist.irecv, message, self._global(peer)), message)
+        src = self._global(peer)
+        link = self._link(src)
+        work = link.irecv(message) if link is not None else self._call(dist.irecv, message, src)
+        self._posted[peer] = (channel, work, message)
 
     def _isend(self, tensor: Tensor, dst: int) -> None:
-        self._pending.append((self._call(dist.isend, tensor, dst), [tensor]))
+        link = self._link(dst)
+        work = link.isend(tensor) if link is not None else self._call(dist.isend, tensor, dst)
+        self._pending.append((work, [tensor]))
 
     def wait_all(self) -> None:
         """Wait until every send has been received."""
@@ -261,7 +414,8 @@ class Transport:
             self._pending = [(w, ts) for w, ts in self._pending if not w.is_completed()]
 
     def _recv_into(self, tensor: Tensor, src: int) -> None:
-        self._wait(self._call(dist.irecv, tensor, src))
+        link = self._link(src)
+        self._wait(link.irecv(tensor) if link is not None else self._call(dist.irecv, tensor, src))
 
     def _call(self, fn: Any, tensor: Tensor, peer: int) -> Any:
         try:
@@ -269,12 +423,17 @@ class Transport:
         except RuntimeError as err:
             raise PeerFailedError(f"Pipeline communication with rank {peer} failed: {err}") from err
 
-    def _wait(self, work: Any) -> None:
+    def _wait_timeout(self) -> timedelta:
         if self._timeout is None:
             # gloo only: NCCL's wait(timeout) would block the host until the transfer ends.
             self._timeout = _world_timeout() if self.device.type == "cpu" else timedelta(0)
+        return self._timeout
+
+    def _wait(self, work: Any) -> None:
         try:
-            work.wait(self._timeout)
+            work.wait(self._wait_timeout())
+        except PeerFailedError:
+            raise
         except RuntimeError as err:
             if "timed out" in str(err).lower():  # pipeline_failures names the peer and what it last did
                 raise PeerFailedError(f"Pipeline communication timed out ({err}).") from err
