@@ -226,6 +226,14 @@ class PipelineEngine:
         self._base_version = self.weights.num_updates
         return result
 
+    def take_staleness(self) -> list[int]:
+        """The weight staleness of each micro-batch whose gradients were collected since the last call (updates
+        between its forward's weights and the live ones; none under the flushed schedules, which keep no versions)."""
+        if self.weights is None:
+            return []
+        taken, self.weights.staleness = self.weights.staleness, []
+        return taken
+
     def _wait_for_sends(self) -> None:
         with pipeline_failures(self.stage.index, waiting="waiting for this step's sends to be received"):
             self.transport.wait_all()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -138,8 +138,11 @@ class Stage:
         found: dict[int, Tensor | None] = {}
         split = None
         if tensors and wanted:
-            split = _WeightBranches(tensors, wanted, params)
-            with split.capturing():
+            # Under recompute every autograd call over the stage replays its forward (the checkpoint keeps only the
+            # inputs), so the weight half runs as one call from the outputs: one replay per half, not one per
+            # branch point.
+            split = None if self.recompute else _WeightBranches(tensors, wanted, params)
+            with split.capturing() if split is not None else nullcontext():
                 # allow_unused: an input may feed only a branch that does not reach the outputs.
                 values = torch.autograd.grad(tensors, wanted, grads, retain_graph=True, allow_unused=True)
             found = {id(t): g for t, g in zip(wanted, values)}

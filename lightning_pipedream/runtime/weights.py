@@ -68,6 +68,9 @@ class WeightVersions:
         self._history: dict[int, dict[str, Tensor]] = {}  # version -> storage, for vertical sync
         self._leaves: dict[int, dict[str, Tensor]] = {}  # minibatch -> the leaves its forward used
         self._version_of: dict[int, int] = {}
+        # per micro-batch whose gradients were collected: how many updates the live weights had received since the
+        # version its forward ran on (the staleness of the update that applies it), until the owner takes them
+        self.staleness: list[int] = []
         self._spare: dict[str, Tensor] = {}  # finished versions' storage, per parameter, for the next update
         self.out_of_place = out_of_place
         # Between before_update and after_update on the out-of-place path: the parameters whose live storage
@@ -99,7 +102,7 @@ class WeightVersions:
     def collect_grads(self, microbatch: int) -> None:
         """After ``microbatch``'s backward: add the gradients its leaves received to the parameters' ``.grad``."""
         leaves = self._leaves.pop(microbatch)
-        del self._version_of[microbatch]
+        self.staleness.append(self.num_updates - self._version_of.pop(microbatch))
         self._live_users.discard(microbatch)
         for name, leaf in leaves.items():
             if leaf.grad is None:

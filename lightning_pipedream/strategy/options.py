@@ -9,6 +9,7 @@ from typing import Any
 
 from lightning_pipedream.schedule.builders import check_schedule_options
 from lightning_pipedream.schedule.specs import AUTO, ScheduleSpec, spec_of
+from lightning_pipedream.strategy.divergence import DEFAULT_FACTOR, ON_DIVERGENCE
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,8 @@ class PipelineOptions:
     mean_over: Callable[[Any], Any] | None = None  # what the loss is a mean over, counted in a piece of a batch
     memory_limit: float | None = None  # schedule='auto': bytes per process the plan must fit in
     exact: bool = False  # schedule='auto': only schedules equal to one device
+    on_divergence: str | None = None  # "flush": back to the last drained weights, then 1f1b (see strategy/divergence)
+    divergence_factor: float = DEFAULT_FACTOR
 
     def __post_init__(self) -> None:
         if self.auto:
@@ -76,9 +79,24 @@ class PipelineOptions:
                 f"mean_over must be a function of a batch (or micro-batch) returning what the loss averages over in "
                 f"it, e.g. mean_over=lambda batch: (batch['labels'] != -100).sum(); got {self.mean_over!r}."
             )
+        self._check_divergence_guard()
         if self.stages is not None and (not isinstance(self.stages, int) or isinstance(self.stages, bool)
                                         or self.stages < 1):
             raise ValueError(f"stages must be an integer >= 1 (the pipeline's length), got {self.stages!r}.")
+
+    def _check_divergence_guard(self) -> None:
+        if self.on_divergence not in ON_DIVERGENCE:
+            raise ValueError(f"on_divergence={self.on_divergence!r} is not a choice: use None (the default: no guard) "
+                             "or 'flush' (after a divergence, go back to the last drained weights and go on under "
+                             "1f1b).")
+        factor = self.divergence_factor
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 1:
+            raise ValueError(f"divergence_factor={factor!r}: give a number > 1, how many times its lowest value the "
+                             "smoothed loss may reach before on_divergence steps in.")
+        if self.on_divergence is not None and not self.auto and not spec_of(self.schedule).asynchronous:
+            raise ValueError(f"on_divergence={self.on_divergence!r} guards the asynchronous schedules (pipedream, "
+                             f"2bw), whose stale weights can diverge; schedule={self.schedule!r} computes what one "
+                             "device would. Drop on_divergence, or use schedule='pipedream' or '2bw'.")
 
     @property
     def auto(self) -> bool:

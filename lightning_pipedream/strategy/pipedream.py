@@ -76,6 +76,13 @@ from lightning_pipedream.strategy.consistency import (
     check_epoch_start,
     is_due,
 )
+from lightning_pipedream.strategy.divergence import (
+    DEFAULT_FACTOR,
+    Divergence,
+    DivergenceGuard,
+    DrainedWeights,
+    Staleness,
+)
 from lightning_pipedream.strategy.evaluation import evaluate, to_cpu
 from lightning_pipedream.strategy.graph_path import GraphPath
 from lightning_pipedream.strategy.logs import LogRecorder
@@ -156,6 +163,12 @@ class PipeDreamStrategy(DDPStrategy):
             recompute that it predicts fastest within the limit (``python -m lightning_pipedream plan --schedule
             auto`` shows the same choice offline), or refuses naming the smallest limit that fits.
         exact: with ``schedule="auto"``: only schedules equal to one device (gpipe, 1f1b, zb-h1, interleaved).
+        on_divergence: ``pipedream`` and ``2bw``: ``"flush"`` watches the training loss; when it is not finite, or
+            its moving average rises above ``divergence_factor`` times its lowest, every stage drains, goes back to
+            the weights and optimizer state of the last drain (the start of training or of the epoch) and trains
+            on under ``1f1b`` (``chunks`` = max(chunks, stages)), saying so in a warning and logging
+            ``pipeline/switched_to_1f1b``. Costs a copy of each stage's weights and optimizer state. Off by default.
+        divergence_factor: how many times its lowest value the smoothed loss may reach (default 2).
     """
 
     strategy_name = "pipedream"
@@ -182,6 +195,8 @@ class PipeDreamStrategy(DDPStrategy):
         mean_over: Callable[[Any], Any] | None = None,
         memory_limit: float | None = None,
         exact: bool = False,
+        on_divergence: str | None = None,
+        divergence_factor: float = DEFAULT_FACTOR,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -195,7 +210,7 @@ class PipeDreamStrategy(DDPStrategy):
             schedule, chunks, tuple_or_none(balance), plan, layers, tuple_or_none(split_points), weight_stashing,
             vertical_sync, tuple(bandwidth) if isinstance(bandwidth, (list, tuple)) else bandwidth, trace, stages,
             tuple_or_none(replicas), check_finite, straight, virtual_stages, recompute, keep_freed_memory, mean_over,
-            memory_limit, exact,
+            memory_limit, exact, on_divergence, divergence_factor,
         )
         if start_method != "popen":
             # spawn/fork launchers copy only rank 0's weights back to the main process: wrong for a pipeline.
@@ -223,6 +238,11 @@ class PipeDreamStrategy(DDPStrategy):
         self._step_context = "setup"  # what the pipeline runs now, for error messages
         self._keeping_freed_memory = False  # set while this process keeps freed memory (from setup to teardown)
         self._warned_token_mean = False  # the warning that micro-batches' token means weigh tokens unequally, once
+        self.switched: Divergence | None = None  # on_divergence: why the run went over to 1f1b, once it has
+        self._guard: DivergenceGuard | None = None
+        self._drained_weights = DrainedWeights()
+        self._divergence: Divergence | None = None  # seen in this step's summaries, acted on at the step's end
+        self._staleness = Staleness()
 
     # -------------------------------------------------------------------------------- options
     @property
@@ -487,6 +507,15 @@ class PipeDreamStrategy(DDPStrategy):
         )
         if pipeline.lagged is not None:
             self._check_sigterm_every_few_batches(trainer)
+        if self.options.on_divergence is not None and self.switched is None:
+            if pipeline.placement.layout is not None:
+                raise ValueError(
+                    "on_divergence='flush' goes over to 1f1b, which does not run unequal stage replicas (1F1B-RR, "
+                    f"replicas={list(pipeline.placement.layout.replicas)}). Drop on_divergence, or replicate whole "
+                    "pipelines (stages=)."
+                )
+            self._guard = DivergenceGuard(self.options.divergence_factor)
+            self._drained_weights.take(pipeline.stage, self.optimizers)
         if not any(isinstance(c, PipelineDrain) for c in trainer.callbacks):
             # First, so that no other callback sees a model with minibatches in flight.
             trainer.callbacks.insert(0, PipelineDrain(self.drain, self._pipeline_failed))
@@ -641,12 +670,64 @@ class PipeDreamStrategy(DDPStrategy):
             updates.admit(minibatch, batch_idx, closes_group)
         # A batch with fewer samples than chunks (an epoch's last) runs one micro-batch per sample.
         micro_batches = len(shares.parts) if shares.shards == 1 else None
+        drained = self.asynchronous and (end_of_data or last_step)
         with self.precision_plugin.train_step_context(), updates.pipeline_grads():
             pipeline.engine.train_step(inputs, loss, updates.apply, micro_batches)
-            if self.asynchronous and (end_of_data or last_step):
+            if drained:
                 # Every stage finishes its minibatches before the epoch's end hooks, validation and checkpoints.
                 pipeline.engine.drain(updates.apply)
-        return self._step_result(step_outputs, batch_loss[0], recorder, end_of_data or last_step, record)
+        self._staleness.add(pipeline.engine.take_staleness())
+        result = self._step_result(step_outputs, batch_loss[0], recorder, end_of_data or last_step, record)
+        if self._divergence is not None:
+            self._go_over_to_1f1b(self._divergence)
+        elif drained:
+            self._log_staleness()
+            if self._guard is not None and self._guard.healthy:  # else the last healthy drain's stay
+                self._drained_weights.take(pipeline.stage, self.optimizers)
+        return result
+
+    def _log_staleness(self) -> None:
+        """At a drain: every stage's mean and largest weight staleness since the last one, logged on every rank."""
+        pipeline = self._pipeline
+        assert pipeline is not None
+        mean, largest = self._staleness.take()
+        placement = pipeline.placement
+        mine = torch.tensor([placement.stage_index, mean, largest], dtype=torch.float64, device=self.root_device)
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size(pipeline.groups.pipeline))]
+        dist.all_gather(every, mine, group=pipeline.groups.pipeline)
+        module = self.lightning_module
+        for stage, stage_mean, stage_largest in sorted(tuple(t.tolist()) for t in every):
+            module.log(f"pipeline/staleness_stage{int(stage)}", stage_mean, on_step=True, on_epoch=False)
+            module.log(f"pipeline/staleness_max_stage{int(stage)}", stage_largest, on_step=True, on_epoch=False)
+
+    def _go_over_to_1f1b(self, divergence: Divergence) -> None:
+        """on_divergence='flush': drain, go back to the last drained weights and optimizer state, train on under
+        1f1b. Every rank gets here at the same step: they all saw the same losses (the step summaries)."""
+        pipeline, updates = self._pipeline, self._updates
+        assert pipeline is not None and updates is not None
+        module = self.lightning_module
+        with updates.pipeline_grads():
+            pipeline.engine.drain(updates.apply)
+        updates.forget()
+        if pipeline.lagged is not None:
+            for each in pipeline.lagged.take_all():  # the minibatches that were in flight: logged, not guarded
+                LogRecorder.replay(module, each.logs)
+        self._drained_weights.restore(pipeline.stage, self.optimizers)
+        before = self.options.schedule
+        chunks = max(self.options.chunks, pipeline.placement.num_stages)
+        self.options = dataclasses.replace(self.options, schedule="1f1b", chunks=chunks, vertical_sync=False,
+                                           on_divergence=None)
+        pipeline.placement = dataclasses.replace(pipeline.placement, asynchronous=False)
+        pipeline.lagged = None
+        pipeline.engine = self._make_engine(pipeline.stage, [pipeline.stage], pipeline.placement, pipeline.groups)
+        self.switched, self._divergence, self._guard = divergence, None, None
+        step = module.trainer.global_step
+        if self.is_global_zero:
+            log.warning(
+                "PipeDreamStrategy(on_divergence='flush'): %s, at training step %d. Every stage went back to the "
+                "weights and optimizer state of the last drain and trains on under schedule='1f1b' (chunks=%d) "
+                "instead of %r.", divergence.words(), step, chunks, before)
+        module.log("pipeline/switched_to_1f1b", 1.0, on_step=True, on_epoch=False)
 
     def _shares(self, batch: Any) -> BatchShares:
         """A training batch's micro-batches and their loss weights (see :class:`BatchShares`)."""
@@ -691,6 +772,8 @@ class PipeDreamStrategy(DDPStrategy):
             summaries = [pipeline.summary.exchange(summary, record)]
         for each in summaries:
             LogRecorder.replay(module, each.logs)
+            if self._guard is not None and self._divergence is None:
+                self._divergence = self._guard.observe(each.loss)
         if not summaries:  # the pipeline is filling: no minibatch has finished since the last drain
             return torch.tensor(float("nan"), device=self.root_device, requires_grad=True)
         newest = summaries[-1]

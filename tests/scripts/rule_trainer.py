@@ -29,7 +29,8 @@ INPUTS, WIDTH, OUTPUTS = 4, 8, 2
 class RuleMLP(L.LightningModule):
     """7 layers (Linear/Tanh), MSE; SGD, SGD with momentum or Adam; optional per-step scheduler."""
 
-    def __init__(self, optimizer: str = "sgd", lr: float = 0.2, scheduler: str | None = None) -> None:
+    def __init__(self, optimizer: str = "sgd", lr: float = 0.2, scheduler: str | None = None,
+                 blow_up_at: int | None = None) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.layers = nn.Sequential(
@@ -43,6 +44,8 @@ class RuleMLP(L.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss = nn.functional.mse_loss(self(x), y)
+        if self.current_epoch == 0 and batch_idx == self.hparams.blow_up_at:
+            loss = loss * 1e4  # a planted blow-up: this batch's gradient throws the weights far off
         self.log("train_loss", loss)
         return loss
 

@@ -140,6 +140,11 @@ RUNS: dict[str, dict[str, Any]] = {
     "data-parallel": {**pipedream(TWO, stages=2), "devices": 4, "pipelines": 2, "model": SCHEDULED},
     "validation": {**pipedream(TWO), "trainer": {"val_check_interval": 2, "limit_val_batches": 2},
                    "checkpoint": {"monitor": "val_loss", "save_top_k": -1, "filename": "{step}"}},
+    # on_divergence='flush': a normal run is left alone; a planted blow-up (batch 3's loss x 1e4) is caught when its
+    # loss reaches every rank (step 4), and the run goes back to the weights of the last drain (the start) and on
+    # under 1f1b from batch 5
+    "guard-normal-3": pipedream(THREE, on_divergence="flush"),
+    "guard-blow-up-2": {**pipedream(TWO, on_divergence="flush"), "model": {"blow_up_at": 3}},
 }
 
 
@@ -508,3 +513,30 @@ def test_two_bw_over_two_epochs_with_a_scheduler(runs):
 def test_recompute_through_the_trainer(runs):
     assert_weights(runs["1f1b-recompute-2x4"], one_device())
     assert_weights(runs["2bw-recompute-2x4"], two_bw_rule())
+
+
+def test_the_divergence_guard_leaves_a_normal_run_alone_and_logs_each_stages_staleness(runs):
+    assert_weights(runs["guard-normal-3"], reference(balance=THREE, epochs=TWO_EPOCHS))
+    metrics = result(runs["guard-normal-3"])["metrics"]
+    assert "pipeline/switched_to_1f1b" not in metrics
+    # PipeDream's staleness, measured from the weight versions: stage s updates weights stages - 1 - s updates newer
+    # than those its forward used (fewer while the pipeline fills: the means are lower)
+    assert [metrics[f"pipeline/staleness_max_stage{s}"] for s in range(3)] == [2.0, 1.0, 0.0]
+    assert 1.0 < metrics["pipeline/staleness_stage0"] < 2.0 and metrics["pipeline/staleness_stage2"] == 0.0
+
+
+def test_staleness_of_vertical_sync_and_2bw(runs):
+    vertical = result(runs["3-momentum-vertical-sync"])["metrics"]
+    assert [vertical[f"pipeline/staleness_max_stage{s}"] for s in range(3)] == [2.0, 2.0, 2.0]  # stage 0's version
+    two_bw = result(runs["2bw-two-epochs-3x4"])["metrics"]
+    assert [two_bw[f"pipeline/staleness_max_stage{s}"] for s in range(3)] == [1.0, 1.0, 1.0]  # 2BW's delay of one
+    flushed = result(runs["zb-h1-two-epochs-2x4"])["metrics"]
+    assert not any(key.startswith("pipeline/staleness") for key in flushed)
+
+
+def test_the_divergence_guard_goes_back_to_the_drained_weights_and_on_under_1f1b(runs):
+    out = runs["guard-blow-up-2"]
+    assert result(out)["metrics"]["pipeline/switched_to_1f1b"] == 1.0
+    assert result(out)["global_step"] == 12
+    # 1f1b equals one device: from the initial weights, batch 5 of the first epoch and the whole second one
+    assert_weights(out, reference(balance=[7], epochs=[[5], list(range(6))]))
