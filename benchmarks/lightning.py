@@ -44,7 +44,8 @@ from pathlib import Path
 
 from benchmarks.worker_process import run_worker
 
-GROUP_64 = ("one_device_64", "ddp", "pipedream")
+# pipedream_gloo: the same as pipedream with the ranks talking through gloo's TCP pairs instead of shared memory
+GROUP_64 = ("one_device_64", "ddp", "pipedream", "pipedream_gloo")
 GROUP_512 = ("one_device_512", "gpipe", "1f1b")
 LIGHTNING = GROUP_64 + GROUP_512
 ENGINE = ("engine_gpipe", "engine_1f1b", "engine_pipedream")
@@ -66,6 +67,7 @@ def _worker(spec: dict) -> None:
     from benchmarks.workload import LR, Config, build_model, threads_cpu, threads_cpu_since
     from lightning_pipedream import PipeDreamStrategy
     from lightning_pipedream.runtime.allocator import keep_freed_memory
+    from lightning_pipedream.runtime.transport import TRANSPORT_ENV
 
     torch.set_num_threads(1)
     cfg = Config(**spec["cfg"])
@@ -131,11 +133,14 @@ def _worker(spec: dict) -> None:
         devices, per_rank = 1, batch
         if name == "ddp":
             devices, per_rank, strategy = 2, batch // 2, "ddp"
-        elif name in ("pipedream", "gpipe", "1f1b"):
-            chunks = 1 if name == "pipedream" else cfg.chunks
+        elif name in ("pipedream", "pipedream_gloo", "gpipe", "1f1b"):
+            schedule = name.removesuffix("_gloo")
+            chunks = 1 if schedule == "pipedream" else cfg.chunks
             half = cfg.layers  # the Sequential has 2 * layers modules (Linear, ReLU): [8, 8]
-            trace = str(out / "trace") if name == "pipedream" else None  # for the per-action breakdown
-            devices, strategy = 2, PipeDreamStrategy(schedule=name, chunks=chunks, balance=[half, half],
+            trace = str(out / "trace") if schedule == "pipedream" else None  # for the per-action breakdown
+            # the second rank, which Lightning starts at fit, inherits it
+            os.environ[TRANSPORT_ENV] = "gloo" if name.endswith("_gloo") else "auto"
+            devices, strategy = 2, PipeDreamStrategy(schedule=schedule, chunks=chunks, balance=[half, half],
                                                         keep_freed_memory=keep, trace=trace)
         else:
             strategy = "auto"
@@ -487,7 +492,7 @@ def plot(doc: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     c = doc["contenders"]
-    order = [n for n in ("one_device_64", "ddp", "pipedream", "engine_pipedream",
+    order = [n for n in ("one_device_64", "ddp", "pipedream", "pipedream_gloo", "engine_pipedream",
                          "one_device_512", "gpipe", "engine_gpipe", "1f1b", "engine_1f1b") if n in c]
     per_step = {n: c[n]["timed_samples"] / c[n]["timed_steps"] for n in order}
     fig, ax = plt.subplots(figsize=(9, 4))
@@ -534,7 +539,7 @@ def _print_table(doc: dict) -> None:
               f"{_fmt(r.get('share_of_bound'), '.2f')} | {_fmt(r.get('speedup_vs_one_device'), '.2f')} | "
               f"{_fmt(r.get('speedup_vs_ddp'), '.2f')} | "
               f"{_fmt(r.get('strategy_over_engine'), '.2f')} |")
-    for name in ("pipedream", "engine_pipedream", "bound_64"):
+    for name in ("pipedream", "pipedream_gloo", "engine_pipedream", "bound_64"):
         for rank, parts in enumerate(c.get(name, {}).get("breakdown_s_per_step", [])):
             print(f"{name} rank {rank}, ms per step: " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in parts.items()))
         for rank, threads in enumerate(c.get(name, {}).get("threads_cpu_s_per_step", [])):

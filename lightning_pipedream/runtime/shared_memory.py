@@ -88,7 +88,8 @@ class Ring:
         try:
             if create:
                 os.ftruncate(fd, _PAGE + capacity)
-            self._map = mmap.mmap(fd, _PAGE + capacity)
+            # Populated now: a ring's pages would otherwise fault in, in both processes, during its first lap.
+            self._map = mmap.mmap(fd, _PAGE + capacity, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         finally:
             os.close(fd)
         self._counters = np.frombuffer(self._map, dtype=np.int64, count=_PAGE // 8)
