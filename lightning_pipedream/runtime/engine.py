@@ -54,7 +54,8 @@ class PipelineEngine:
 
     ``interleaved``: ``stage_index`` is this rank, ``num_stages`` the number of ranks, and ``module``
     a sequence of ``virtual_stages`` model chunks: chunk c is stage ``c * num_stages + stage_index``.
-    ``recompute=True`` keeps only each stage's inputs between forward and backward (see :class:`Stage`).
+    ``recompute=True`` keeps only each stage's inputs between forward and backward (see :class:`Stage`); one flag
+    per model stage recomputes on those stages only.
 
     Replicated stages: ``replicas`` (one count per stage, see :class:`Layout`) and ``rank`` (this
     process's position in the layout) run the replicated schedules (1F1B-RR); ``allreduce`` (e.g.
@@ -81,7 +82,7 @@ class PipelineEngine:
         replicas: Sequence[int] | None = None,
         rank: int | None = None,
         allreduce: AllReduceFn | None = None,
-        recompute: bool = False,
+        recompute: bool | Sequence[bool] = False,
         virtual_stages: int = 1,
     ) -> None:
         check_schedule_options(schedule, chunks, vertical_sync, virtual_stages=virtual_stages, recompute=recompute)
@@ -125,9 +126,10 @@ class PipelineEngine:
             else None
         )
         total = num_stages * virtual_stages
+        flags = recompute_flags(recompute, total)
         indices = [c * num_stages + stage_index for c in range(len(chunk_modules))]
         self.stages = {
-            i: Stage(m, i, total, self.weights, recompute=recompute) for i, m in zip(indices, chunk_modules)
+            i: Stage(m, i, total, self.weights, recompute=flags[i]) for i, m in zip(indices, chunk_modules)
         }
         self.stage = self.stages[stage_index]
         self.executor = Executor(self.stages, transport, record=record, rank=self.rank)
@@ -311,3 +313,14 @@ def _no_loss(mb: int, output: Any) -> Tensor:
 
 
 __all__ = ["PipelineEngine", "StepResult", "Op"]
+
+
+def recompute_flags(recompute: bool | Sequence[bool], stages: int) -> list[bool]:
+    """One recompute flag per model stage, from one bool for all or a list with one per stage."""
+    if isinstance(recompute, bool):
+        return [recompute] * stages
+    flags = list(recompute)
+    if len(flags) != stages:
+        raise ValueError(f"recompute lists {len(flags)} flags for {stages} model stages; give one per stage "
+                         f"([True, False]: stage 0 only), or one bool for all.")
+    return flags

@@ -68,7 +68,7 @@ class Pipeline:
         record: bool = False,
         before_update: Callable[[], None] | None = None,
         replicas: Sequence[int] | None = None,
-        recompute: bool = False,
+        recompute: bool | Sequence[bool] = False,
         virtual_stages: int = 1,
         mean_over: Callable[[Any], Any] | None = None,
     ) -> None:

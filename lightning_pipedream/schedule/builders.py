@@ -517,7 +517,8 @@ def check_schedule_name(name: str) -> str:
 
 
 def check_schedule_options(
-    schedule: str, chunks: int, vertical_sync: bool = False, *, virtual_stages: int = 1, recompute: bool = False
+    schedule: str, chunks: int, vertical_sync: bool = False, *, virtual_stages: int = 1,
+    recompute: bool | Sequence[bool] = False,
 ) -> None:
     """Validate a training configuration (schedule, micro-batches, vertical sync, model chunks per rank,
     recomputation) as a user gives it."""
@@ -536,8 +537,10 @@ def check_schedule_options(
             f"virtual_stages={virtual_stages} applies to schedule='interleaved' only (model chunks per rank); "
             f"schedule={schedule!r} runs one chunk per rank: drop virtual_stages or use schedule='interleaved'."
         )
-    if not isinstance(recompute, bool):
-        raise ValueError(f"recompute must be True or False, got {recompute!r}.")
+    flags = recompute if isinstance(recompute, (list, tuple)) else [recompute]
+    if not flags or not all(isinstance(flag, bool) for flag in flags):
+        raise ValueError(f"recompute must be True, False or one of them per model stage (e.g. [True, False]: "
+                         f"stage 0 only), got {recompute!r}.")
 
 
 def build_schedule(

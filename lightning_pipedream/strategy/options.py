@@ -35,7 +35,7 @@ class PipelineOptions:
     check_finite: bool = False
     straight: bool = True
     virtual_stages: int = 1
-    recompute: bool = False
+    recompute: bool | tuple[bool, ...] = False  # one bool, or one per model stage
     keep_freed_memory: bool = True
     mean_over: Callable[[Any], Any] | None = None  # what the loss is a mean over, counted in a piece of a batch
     memory_limit: float | None = None  # schedule='auto': bytes per process the plan must fit in

@@ -125,7 +125,8 @@ class PipeDreamStrategy(DDPStrategy):
             processes x ``virtual_stages`` stages (evenly, or by ``balance``) and process r holds stages
             r, r + processes, ... Needs a module whose layers are one ``nn.Sequential``.
         recompute: keep only each stage's inputs between forward and backward and replay the forward
-            in the backward (RNG restored: the same dropout masks); less memory, one more forward.
+            in the backward (RNG restored: the same dropout masks); less memory, one more forward. One flag per model
+            stage (e.g. ``[True, False]``) recomputes on those stages only, as ``schedule="auto"`` may choose.
         balance: layers per stage, e.g. ``[3, 2]``; by default the model is profiled on a
             training batch and partitioned with PipeDream's optimizer.
         plan: path of a ``plan.json`` (``python -m lightning_pipedream plan --json``); skips profiling.
@@ -190,7 +191,7 @@ class PipeDreamStrategy(DDPStrategy):
         check_finite: bool = False,
         straight: bool = True,
         virtual_stages: int = 1,
-        recompute: bool = False,
+        recompute: bool | list[bool] = False,
         keep_freed_memory: bool = True,
         mean_over: Callable[[Any], Any] | None = None,
         memory_limit: float | None = None,
@@ -209,7 +210,8 @@ class PipeDreamStrategy(DDPStrategy):
         self.options = PipelineOptions(
             schedule, chunks, tuple_or_none(balance), plan, layers, tuple_or_none(split_points), weight_stashing,
             vertical_sync, tuple(bandwidth) if isinstance(bandwidth, (list, tuple)) else bandwidth, trace, stages,
-            tuple_or_none(replicas), check_finite, straight, virtual_stages, recompute, keep_freed_memory, mean_over,
+            tuple_or_none(replicas), check_finite, straight, virtual_stages,
+            tuple(recompute) if isinstance(recompute, (list, tuple)) else recompute, keep_freed_memory, mean_over,
             memory_limit, exact, on_divergence, divergence_factor,
         )
         if start_method != "popen":
@@ -386,12 +388,8 @@ class PipeDreamStrategy(DDPStrategy):
                                self.batch_to_device)
         arguments, self.plan = planner.auto_plan(found[1], len(self.parallel_devices or [None]), self.num_nodes,
                                                  optimizer_kind(optimizers[0]) if optimizers else "adam")
-        recompute = arguments.pop("recompute", False)
         arguments = {k: tuple(v) if isinstance(v, list) else v for k, v in arguments.items()}
-        # The runtime recomputes on every stage or none: a plan that recomputes on some stages recomputes on all
-        # (it fits in the same memory; only slower).
-        self.options = dataclasses.replace(self.options, memory_limit=None, exact=False, recompute=bool(recompute),
-                                           **arguments)
+        self.options = dataclasses.replace(self.options, memory_limit=None, exact=False, **arguments)
 
     def _build_pipeline(self, trainer: Trainer, module: LightningModule, fitting: bool) -> StagePipeline:
         """Decide the placement and this rank's stage, and build the engine and channels around it."""

@@ -448,10 +448,34 @@ def test_split_backward_equals_the_whole_backward(case, recompute):
     got_input = stage.backward_input(1, [g])[0]
     assert all(p.grad is None for p in module.parameters())  # B computes no weight gradient
     branches = stage._pending_weight[1][2]
-    # From the branch points to the weights; a weight used along the path itself takes the whole backward.
-    assert branches.complete == (case != "tied")
+    # From the branch points to the weights; a weight used along the path itself takes the whole backward. Under
+    # recompute the weight half is one call from the outputs (each call would replay the forward).
+    assert (branches is None) if recompute else branches.complete == (case != "tied")
     stage.backward_weight(1)
     torch.testing.assert_close(got_input, want_input, rtol=0, atol=0)
     for p, w in zip(module.parameters(), want):
         torch.testing.assert_close(p.grad, w, rtol=1e-6, atol=1e-7)
     assert stage.in_flight() == 0
+
+
+def count_replays(rank, world, recompute):
+    forwards = [0]
+    pipe = Pipeline(mlp(), loss_fn=nn.functional.mse_loss, optimizer=sgd, schedule="1f1b", chunks=2,
+                    recompute=recompute)
+    stage = pipe.engine.stage.module
+    stage.register_forward_pre_hook(lambda module, args: forwards.__setitem__(0, forwards[0] + 1))
+    for x, y in batches(2):
+        pipe.step(x, y)
+    return pipe.state_dict(), forwards[0]
+
+
+def test_recompute_on_some_stages_only():
+    # One flag per stage: stage 0 replays each micro-batch's forward in its backward, stage 1 keeps its activations
+    reference = mlp()
+    want, _ = train_one_process(reference, sgd(reference.parameters()), batches(2))
+    results = run_local(count_replays, 2, [True, False], timeout=90)
+    assert_close_state(gather([(state, None) for state, _ in results])[0], want)
+    assert [forwards for _, forwards in results] == [2 * 2 * 2, 2 * 2]  # 2 batches x 2 micro-batches (x 2: replays)
+    with pytest.raises(RankFailedError, match=r"recompute lists 3 flags for 2 model stages; give one per stage "
+                                              r"\(\[True, False\]: stage 0 only\), or one bool for all"):
+        run_local(count_replays, 2, [True, False, True], timeout=90)

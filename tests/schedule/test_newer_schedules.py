@@ -190,7 +190,7 @@ def test_new_options_are_checked_with_words_that_say_how_to_fix_them():
         check_schedule_options("1f1b", 4, virtual_stages=2)
     with pytest.raises(ValueError, match="virtual_stages must be an integer >= 1, got 0: it is the number of model"):
         build_schedule("interleaved", 2, 4, virtual_stages=0)
-    with pytest.raises(ValueError, match="recompute must be True or False, got 'yes'"):
+    with pytest.raises(ValueError, match=r"recompute must be True, False or one of them per model stage \(e.g. \[True, False\]: stage 0 only\), got 'yes'"):
         check_schedule_options("gpipe", 2, recompute="yes")
     with pytest.raises(ValueError, match=r"build_schedule\('2bw', ...\) needs minibatches=N"):
         build_schedule("2bw", 2, 4)

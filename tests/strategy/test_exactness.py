@@ -164,6 +164,7 @@ for _p in (2, 3):
         RUNS[f"interleaved-{_p}x{_m}"] = newer("interleaved", INTERLEAVED_BALANCE[_p], _p, chunks=_m, virtual_stages=2)
     RUNS[f"2bw-{_p}x4"] = newer("2bw", TWO if _p == 2 else THREE, _p, chunks=4)
 RUNS["1f1b-recompute-2x4"] = newer("1f1b", TWO, 2, chunks=4, recompute=True)
+RUNS["1f1b-recompute-first-2x4"] = newer("1f1b", TWO, 2, chunks=4, recompute=[True, False])  # stage 0 only
 # Validation over model chunks (the interleaved layout's forwards only), after batches 2 and 4.
 RUNS["interleaved-validation-2x4"] = {
     **newer("interleaved", INTERLEAVED_BALANCE[2], 2, chunks=4, virtual_stages=2),
@@ -512,6 +513,7 @@ def test_two_bw_over_two_epochs_with_a_scheduler(runs):
 
 def test_recompute_through_the_trainer(runs):
     assert_weights(runs["1f1b-recompute-2x4"], one_device())
+    assert_weights(runs["1f1b-recompute-first-2x4"], one_device())
     assert_weights(runs["2bw-recompute-2x4"], two_bw_rule())
 
 
