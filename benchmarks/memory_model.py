@@ -139,6 +139,11 @@ def worker(rank: int, world: int, runs: list[dict]) -> list[dict]:
     return [_measure(run) for run in runs]
 
 
+# The model predicts the pipeline's own memory; the transport's buffers are another matter (shared memory maps two
+# 2 MiB rings per link, which the live-tensor count would see as tensors), so the ranks talk through gloo here.
+os.environ["LIGHTNING_PIPEDREAM_TRANSPORT"] = "gloo"
+
+
 def _measure(run: dict) -> dict:
     schedule = run["schedule"]
     asynchronous = spec_of(schedule).asynchronous

@@ -116,7 +116,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return name
 
 TRANSPORT_ENV = "LIGHTNING_PIPEDREAM_TRANSPORT"  # auto (default), gloo or shm: how ranks on one machine talk
-RING_BYTES_ENV = "LIGHTNING_PIPEDREAM_SHM_RING_BYTES"  # each direction's ring (default 8 MiB)
+RING_BYTES_ENV = "LIGHTNING_PIPEDREAM_SHM_RING_BYTES"  # each direction's ring (default 2 MiB)
 _TRANSPORTS = ("auto", "gloo", "shm")
 _HOST_KEY = "lightning_pipedream/transport/"  # + global rank, in the store: where and how each rank talks
 
@@ -152,7 +152,7 @@ class _SharedMemoryLink:
 
     def isend(self, tensor: Tensor) -> Any:
         if self.sender is None:
-            ring = shared_memory.Ring.create(int(os.environ.get(RING_BYTES_ENV, 8 << 20)))
+            ring = shared_memory.Ring.create(int(os.environ.get(RING_BYTES_ENV, 2 << 20)))
             name = torch.zeros(shared_memory.NAME_BYTES, dtype=torch.uint8)
             name[: len(ring.path)].copy_(torch.frombuffer(bytearray(ring.path.encode()), dtype=torch.uint8))
             self.transport._pending.append((self.transport._call(dist.isend, name, self.peer), [name]))
