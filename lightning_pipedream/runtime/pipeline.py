@@ -50,6 +50,10 @@ class Pipeline:
     labelled tokens, padding left out) gives ``mean_over``, a function counting that in a piece of the
     targets (``lambda t: (t != -100).sum()``): each micro-batch's loss then counts by its share of the
     batch's count, and the step equals one process on the whole batch.
+
+    ``transport``: how ranks on one machine talk: ``"auto"`` (shared memory for CPU tensors over gloo, see
+    :mod:`.shared_memory`), ``"gloo"`` (torch.distributed always) or ``"shm"``; None reads the environment's
+    ``LIGHTNING_PIPEDREAM_TRANSPORT`` (default ``"auto"``). Every rank must choose alike.
     """
 
     def __init__(
@@ -71,6 +75,7 @@ class Pipeline:
         recompute: bool | Sequence[bool] = False,
         virtual_stages: int = 1,
         mean_over: Callable[[Any], Any] | None = None,
+        transport: str | None = None,
     ) -> None:
         # Prebuilt stages (e.g. lightning_pipedream.graph's GraphStage): a list with one module per rank.
         prebuilt = isinstance(layers, (list, tuple))
@@ -118,7 +123,7 @@ class Pipeline:
         params = [p for p in self.module.parameters() if p.requires_grad]
         # A stage of parameter-free layers (an activation, a reshape) has nothing to optimize.
         self.optimizer = optimizer(params) if params else None
-        self.transport = Transport(group=group, device=self.device)
+        self.transport = Transport(group=group, device=self.device, kind=transport)
         self.reducer = None if self.layout is None else self.groups.reducer(params)
         self.engine = PipelineEngine(
             self.module,

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from lightning_pipedream.runtime.launch import run_local
+from lightning_pipedream.runtime.pipeline import Pipeline
 from lightning_pipedream.runtime.shared_memory import Ring, RingClosedError, Sender, supported
 from lightning_pipedream.runtime.transport import PeerFailedError, Transport, transport_kind
 
@@ -144,3 +145,36 @@ def test_a_receive_from_a_rank_that_ended_fails_within_a_second():
     text, waited = run_local(receive_from_a_peer_that_ends, 2, timeout=60)[0]
     assert "Pipeline communication with rank 1 failed: its process" in text and "has ended" in text
     assert waited < 5.0
+
+
+def train_two_stages(rank: int, world: int, transport: str) -> tuple[bool, list[torch.Tensor]]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 3))
+    pipe = Pipeline(model, loss_fn=torch.nn.functional.mse_loss, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+                    schedule="gpipe", chunks=2, transport=transport)
+    for x, y in two_batches():
+        pipe.step(x, y)
+    return pipe.transport.uses_shared_memory, [p.detach().clone() for p in pipe.module.parameters()]
+
+
+def two_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(6, 4, generator=g), torch.randn(6, 3, generator=g)) for _ in range(2)]
+
+
+def test_a_pipeline_over_shared_memory_equals_one_over_gloo_and_one_process():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in two_batches():  # gpipe: one update per batch on the mean loss, as one process on the whole batch
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    shm = run_local(train_two_stages, 2, "auto", timeout=60)
+    gloo = run_local(train_two_stages, 2, "gloo", timeout=60)
+    assert [used for used, _ in shm] == [True, True] and [used for used, _ in gloo] == [False, False]
+    for (_, a), (_, b) in zip(shm, gloo):
+        assert all(torch.equal(p, q) for p, q in zip(a, b))  # the same bytes arrive: the same floats
+    got = [p for _, params in shm for p in params]
+    for p, want in zip(got, model.parameters(), strict=True):
+        torch.testing.assert_close(p, want.detach(), rtol=1e-6, atol=1e-7)
