@@ -87,7 +87,16 @@ class Ring:
         fd = os.open(path, flags, 0o600)
         try:
             if create:
-                os.ftruncate(fd, _PAGE + capacity)
+                try:  # reserved now: a full /dev/shm would otherwise kill the process (SIGBUS) at its first write
+                    os.posix_fallocate(fd, 0, _PAGE + capacity)
+                except OSError as err:
+                    os.unlink(path)
+                    raise RingClosedError(
+                        f"No room for a {capacity >> 10} KiB shared-memory ring in /dev/shm ({err.strerror}). Free "
+                        "space there (a container's /dev/shm is often 64 MB: docker run --shm-size=1g), set "
+                        "LIGHTNING_PIPEDREAM_SHM_RING_BYTES smaller, or LIGHTNING_PIPEDREAM_TRANSPORT=gloo on every "
+                        "rank."
+                    ) from None
             # Populated now: a ring's pages would otherwise fault in, in both processes, during its first lap.
             self._map = mmap.mmap(fd, _PAGE + capacity, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         finally:

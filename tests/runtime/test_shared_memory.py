@@ -178,3 +178,14 @@ def test_a_pipeline_over_shared_memory_equals_one_over_gloo_and_one_process():
     got = [p for _, params in shm for p in params]
     for p, want in zip(got, model.parameters(), strict=True):
         torch.testing.assert_close(p, want.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_a_full_dev_shm_is_named_with_what_to_do(monkeypatch):
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(RingClosedError, match=r"No room for a 64 KiB shared-memory ring in /dev/shm \(No space left on "
+                                              r"device\)\. Free space there .*LIGHTNING_PIPEDREAM_TRANSPORT=gloo"):
+        Ring.create(64 << 10)
+    assert not [name for name in os.listdir("/dev/shm") if name.startswith(f"lightning_pipedream-{os.getpid()}-")]
