@@ -24,7 +24,8 @@ schedule. The machine's bound (``benchmarks.workload.bound_worker``: each proces
 stage's forwards, backwards and SGD steps on stand-in inputs, both at once, no communication, no
 Lightning) is ``bound_64`` (an update per minibatch) and ``bound_512`` (one per batch): every contender's
 ``share_of_bound`` is the bound's seconds per step over its own, for the bound with the same updates.
-The one-device contenders keep their gradients between steps (``zero_grad(set_to_none=False)``). Each
+The one-device contenders and the bound zero their gradients as the best plain loop does (``workload.zero_grads``:
+freed under ``--malloc keep``, the default; kept under ``--malloc default``). Each
 rank records the CPU seconds of each of its threads over the timed steps; ``pipedream`` runs with
 ``trace=`` (the executor's records, ~0.2 µs per action), and each rank's timed steps are split into
 forward, backward, optimizer, send, receive wait and the rest (Lightning's loop and the strategy's own
@@ -64,7 +65,7 @@ def _worker(spec: dict) -> None:
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
-    from benchmarks.workload import LR, Config, build_model, threads_cpu, threads_cpu_since
+    from benchmarks.workload import LR, Config, build_model, threads_cpu, threads_cpu_since, zero_grads
     from lightning_pipedream import PipeDreamStrategy
     from lightning_pipedream.runtime.allocator import keep_freed_memory
     from lightning_pipedream.runtime.transport import TRANSPORT_ENV
@@ -91,7 +92,7 @@ def _worker(spec: dict) -> None:
             return loss
 
         def optimizer_zero_grad(self, epoch, batch_idx, optimizer):
-            optimizer.zero_grad(set_to_none=False)  # keep the gradients' memory: the best plain loop
+            zero_grads(optimizer)  # the best plain loop's (free them when freed memory is kept for reuse)
 
         def configure_optimizers(self):
             opt = torch.optim.SGD(self.parameters(), lr=LR)
@@ -408,6 +409,9 @@ def main(argv: list[str] | None = None) -> dict:
     shared = args.shared or args.quick
     if args.malloc == "keep" and not keep_freed_memory():  # here too: the engine's runs fork from this process
         parser.error("--malloc keep needs glibc; use --malloc default")
+    from benchmarks.workload import GRADS_ENV
+
+    os.environ[GRADS_ENV] = "free" if args.malloc == "keep" else "keep"  # every contender's zero_grads
 
     if args.profile:
         for name in names:

@@ -29,8 +29,10 @@ each, the model split in the middle) with 1 thread each, over gloo on loopback. 
   work PipeDream does (8 optimizer steps per 512 samples), without its pipeline.
 * ``two_threads``: one process, 2 threads (intra-op), the whole batch of 512 at once.
 
-The one-process contenders keep their gradients between steps (``zero_grad(set_to_none=False)``), the
-best plain loop; ``--malloc`` applies to every contender alike.
+The one-process contenders and the bound zero their gradients as the best plain loop does
+(``workload.zero_grads``: freed under ``--malloc keep``, where the next backward hands over new ones with no pass of
+zeros and no add; kept otherwise, where freeing would fault their pages in again); ``--malloc`` applies to every
+contender alike.
 
 The contenders are interleaved: every round runs each once, the order rotating from round to
 round; the figures are medians over rounds, and over the runs during which the machine was
@@ -68,6 +70,7 @@ import torch
 
 from benchmarks.workload import (
     BUSY_CORES,
+    GRADS_ENV,
     LR,
     NEWER,
     OURS,
@@ -335,6 +338,7 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = Config(layers=args.layers, width=args.width, batch=args.batch, chunks=args.chunks)
     if args.malloc == "keep" and not keep_freed_memory():
         parser.error("--malloc keep needs glibc")
+    os.environ[GRADS_ENV] = "free" if args.malloc == "keep" else "keep"  # the workers' zero_grads
     names = contenders(include_trace=not args.no_trace_contenders)
     if args.only:
         wanted = set(args.only.split(",")) | {"one_thread", *BOUNDS}
