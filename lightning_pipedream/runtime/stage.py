@@ -118,6 +118,8 @@ class Stage:
     def backward(self, microbatch: int, output_grads: Any = None) -> list[Tensor | None]:
         """Back-propagate ``microbatch`` and return the gradients of its inputs (None where none is needed)."""
         in_leaves, tensors, grads = self._roots(microbatch, output_grads)
+        if self.weights is not None:
+            self.weights.accumulate_in_place(microbatch)
         if tensors:
             torch.autograd.backward(tensors, grads)
         self._release(microbatch)

@@ -68,6 +68,7 @@ class WeightVersions:
         self._history: dict[int, dict[str, Tensor]] = {}  # version -> storage, for vertical sync
         self._leaves: dict[int, dict[str, Tensor]] = {}  # minibatch -> the leaves its forward used
         self._version_of: dict[int, int] = {}
+        self._aliased: dict[int, set[str]] = {}  # minibatch -> its leaves whose .grad is the parameter's gradient
         # per micro-batch whose gradients were collected: how many updates the live weights had received since the
         # version its forward ran on (the staleness of the update that applies it), until the owner takes them
         self.staleness: list[int] = []
@@ -99,16 +100,30 @@ class WeightVersions:
         self._version_of[microbatch] = version
         return leaves
 
+    def accumulate_in_place(self, microbatch: int) -> None:
+        """Right before ``microbatch``'s backward: its leaves start from the gradients the parameters have
+        accumulated already (2BW's micro-batches, ``accumulate_grad_batches``), so autograd adds into those in
+        place instead of holding a second set of gradients until :meth:`collect_grads` sums the two."""
+        aliased = set()
+        for name, leaf in self._leaves[microbatch].items():
+            grad = self.params[name].grad
+            if grad is not None and leaf.requires_grad and leaf.grad is None:
+                leaf.grad = grad
+                aliased.add(name)
+        self._aliased[microbatch] = aliased
+
     def collect_grads(self, microbatch: int) -> None:
         """After ``microbatch``'s backward: add the gradients its leaves received to the parameters' ``.grad``."""
         leaves = self._leaves.pop(microbatch)
+        aliased = self._aliased.pop(microbatch, set())
         self.staleness.append(self.num_updates - self._version_of.pop(microbatch))
         self._live_users.discard(microbatch)
         for name, leaf in leaves.items():
             if leaf.grad is None:
                 continue
             p = self.params[name]
-            p.grad = leaf.grad if p.grad is None else p.grad + leaf.grad
+            # A leaf that started from the parameter's gradient holds the sum already (autograd added in place).
+            p.grad = leaf.grad if p.grad is None or name in aliased else p.grad + leaf.grad
             leaf.grad = None
         if self.stashing and not self.two_versions and not self.vertical_sync:
             self._keep_finished(leaves)
