@@ -392,10 +392,7 @@ class Transport:
             return
         size = self._recv_channels.setdefault((peer, channel), _Channel()).size
         message = torch.empty(size, dtype=torch.uint8, device=self.device)
-        src = self._global(peer)
-        link = self._link(src)
-        work = link.irecv(message) if link is not None else self._call(dist.irecv, message, src)
-        self._posted[peer] = (channel, work, message)
+        self._posted[peer] = (channel, self._irecv(message, self._global(peer)), message)
 
     def _isend(self, tensor: Tensor, dst: int) -> None:
         link = self._link(dst)
@@ -414,8 +411,12 @@ class Transport:
             self._pending = [(w, ts) for w, ts in self._pending if not w.is_completed()]
 
     def _recv_into(self, tensor: Tensor, src: int) -> None:
+        self._wait(self._irecv(tensor, src))
+
+    def _irecv(self, tensor: Tensor, src: int) -> Any:
+        """The receive of the next message from global rank ``src`` into ``tensor``, through its link."""
         link = self._link(src)
-        self._wait(link.irecv(tensor) if link is not None else self._call(dist.irecv, tensor, src))
+        return link.irecv(tensor) if link is not None else self._call(dist.irecv, tensor, src)
 
     def _call(self, fn: Any, tensor: Tensor, peer: int) -> Any:
         try:

@@ -704,8 +704,7 @@ class PipeDreamStrategy(DDPStrategy):
         pipeline, updates = self._pipeline, self._updates
         assert pipeline is not None and updates is not None
         module = self.lightning_module
-        with updates.pipeline_grads():
-            pipeline.engine.drain(updates.apply)
+        self.drain()
         updates.forget()
         if pipeline.lagged is not None:
             for each in pipeline.lagged.take_all():  # the minibatches that were in flight: logged, not guarded
