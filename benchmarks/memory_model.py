@@ -7,18 +7,16 @@ import gc
 import json
 import os
 import time
-import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from benchmarks.memory import status_kb
 from lightning_pipedream.plan.balance import even_balance
+from lightning_pipedream.plan.live_bytes import LiveTensorBytes
 from lightning_pipedream.plan.memory import flight_schedule, held_bytes, predict_memory, stage_bytes
 from lightning_pipedream.plan.profile import Profile, profile_module
 from lightning_pipedream.runtime.launch import run_local
@@ -80,50 +78,6 @@ def _nbytes(tensors: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-class LiveTensorBytes(TorchDispatchMode):
-    """Bytes of tensor storages alive, and their peak: every tensor an operator returns, counted once per storage
-    until the last tensor seen on it dies (what an allocator would hand out, without its caching or the baseline)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = self.peak = 0
-        self._storages: dict[int, list[int]] = {}  # data pointer -> [tensors seen on it, bytes]
-        self._seen: set[int] = set()
-
-    def add(self, t: torch.Tensor) -> None:
-        if id(t) in self._seen or t.device.type != "cpu":
-            return
-        storage = t.untyped_storage()
-        key, nbytes = storage.data_ptr(), storage.nbytes()
-        if not key:
-            return
-        self._seen.add(id(t))
-        entry = self._storages.setdefault(key, [0, nbytes])
-        if entry[0] == 0:
-            self.live += nbytes
-            self.peak = max(self.peak, self.live)
-        entry[0] += 1
-        weakref.finalize(t, self._drop, id(t), key)
-
-    def _drop(self, ident: int, key: int) -> None:
-        self._seen.discard(ident)
-        entry = self._storages[key]
-        entry[0] -= 1
-        if entry[0] == 0:
-            self.live -= entry[1]
-            del self._storages[key]
-
-    def reset_peak(self) -> None:
-        self.peak = self.live
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self.add(t)
-        return out
-
-
 def _pipeline(run: dict) -> tuple[Pipeline, Any, Any]:
     model = build_model(run["model"], run["width"])
     pipe = Pipeline(model, loss_fn=nn.functional.mse_loss, optimizer=adam, schedule=run["schedule"],
@@ -137,11 +91,6 @@ def _pipeline(run: dict) -> tuple[Pipeline, Any, Any]:
 def worker(rank: int, world: int, runs: list[dict]) -> list[dict]:
     """One rank: every configuration in turn, each measured on a fresh stage after a warm-up one."""
     return [_measure(run) for run in runs]
-
-
-# The model predicts the pipeline's own memory; the transport's buffers are another matter (shared memory maps two
-# 2 MiB rings per link, which the live-tensor count would see as tensors), so the ranks talk through gloo here.
-os.environ["LIGHTNING_PIPEDREAM_TRANSPORT"] = "gloo"
 
 
 def _measure(run: dict) -> dict:
@@ -208,7 +157,10 @@ def _measure(run: dict) -> dict:
         if weights is not None:  # the new live version beside the stashed ones
             peaks["versions"] = max(peaks["versions"], weights.stored_versions())
 
-    pipe._update = counting_update  # type: ignore[method-assign]
+    pipe._update = meter.labelled("update", counting_update)  # type: ignore[method-assign]
+    for stage in pipe.engine.stages.values():
+        for name in ("forward", "backward", "backward_input", "backward_weight"):
+            setattr(stage, name, meter.labelled(name, getattr(stage, name)))
     started = time.perf_counter()
     with meter:
         for _ in range(steps):
@@ -227,6 +179,9 @@ def _measure(run: dict) -> dict:
         "optimizer_state": state,
         "weight_versions": peaks["versions"],
         "peak_tensor_bytes": meter.peak,  # every live storage (LiveTensorBytes)
+        "peak_phase": meter.peak_phase,  # what ran at the peak, and the live bytes when it began
+        "peak_phase_base_bytes": meter.peak_phase_base,
+        "transient_bytes": dict(meter.transient),  # per phase, its most bytes above what it began with
         "rss_base_bytes": rss_base * 1024,
         "rss_ready_bytes": rss_ready * 1024,
         "peak_rss_bytes": hwm * 1024,
@@ -325,6 +280,9 @@ def main(argv: list[str] | None = None) -> dict:
         "command": "python -m benchmarks.memory_model" + (" --quick" if args.quick else ""),
         "machine": {"torch": torch.__version__, "load_before": _load()},
         "optimizer": OPTIMIZER, "stages": STAGES, "runs": [],
+        # the ranks' transport (auto: shared memory here, whose mapped rings the count leaves out, as it does every
+        # storage the allocator did not make; under gloo a rank's sends keep their messages until the step ends)
+        "transport": os.environ.get("LIGHTNING_PIPEDREAM_TRANSPORT", "auto"),
     }
     for name in models:
         width, batch = sizes[name]
@@ -371,8 +329,8 @@ def markdown(doc: dict) -> str:
     mib = float(2**20)
     lines = [
         "| model | schedule | recompute | predicted peak MiB | activations: counter / predicted (raw) "
-        "| live tensors MiB (/ predicted) | RSS growth MiB (/ predicted) |",
-        "|---|---|---|---|---|---|---|",
+        "| live tensors MiB (/ predicted) | peak during | RSS growth MiB (/ predicted) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for run in doc["runs"]:
         ranks = run["ranks"]
@@ -383,6 +341,7 @@ def markdown(doc: dict) -> str:
             f"({pair(ranks, 'ratio', 'activations', '.2f')}) "
             f"| {pair(ranks, 'measured', 'peak_tensor_bytes', '.2f', mib)} "
             f"({pair(ranks, 'ratio', 'peak_tensors', '.2f')}) "
+            f"| {' / '.join(r['measured'].get('peak_phase', '?') for r in ranks)} "
             f"| {pair(ranks, 'measured', 'peak_rss_growth_bytes', '.2f', mib)} "
             f"({pair(ranks, 'ratio', 'peak', '.2f')}) |"
         )
@@ -397,7 +356,8 @@ def _print_row(run: dict, ranks: list[dict]) -> None:
         cells.append(f"act {m['peak_activation_bytes'] / 2**20:7.3f}/{p['activations_counter_sees'] / 2**20:7.3f} MiB "
                      f"({q['activations']:.3f}, less views {q['activations_less_batch_views']:.3f})  "
                      f"peak {(growth or 0) / 2**20:6.2f}/{p['predicted_peak_bytes'] / 2**20:6.2f} MiB "
-                     f"({q['peak'] or 0:.2f}) tensors {m['peak_tensor_bytes'] / 2**20:6.2f} ({q['peak_tensors']:.2f})")
+                     f"({q['peak'] or 0:.2f}) tensors {m['peak_tensor_bytes'] / 2**20:6.2f} ({q['peak_tensors']:.2f}) "
+                     f"in {m['peak_phase']} +{(m['peak_tensor_bytes'] - m['peak_phase_base_bytes']) / 2**20:.2f}")
     label = f"{run['model']:5s} {run['schedule']:11s} rc={int(run['recompute'])}"
     print(label, " | ".join(cells), flush=True)
 

@@ -10,13 +10,16 @@ from typing import Any
 import numpy as np
 
 from lightning_pipedream.plan.memory import (
+    OPTIMIZER_TEMPORARIES,
+    Held,
     StageBytes,
     StageMemory,
-    in_flight,
     layer_keeps,
+    layer_work,
     optimizer_state_ratio,
     predict_memory,
     stage_bytes,
+    walk_held,
 )
 from lightning_pipedream.plan.partition import Plan, StagePlan, partition
 from lightning_pipedream.plan.profile import Profile
@@ -131,7 +134,7 @@ class AutoPlan:
             "",
         ]
         header = ("stage", "layers", "replicas", "recompute", "weights", "grads", "optimizer", "stashed", "activations",
-                  "held", "replay", "peak")
+                  "held", "replay", "backward", "step", "peak")
         rows = [header]
         names = self.plan.stages
         for m in c.memory:
@@ -140,7 +143,8 @@ class AutoPlan:
                 str(m.stage), span, str(m.replicas), "yes" if m.recompute else "no", _bytes(m.parameters),
                 _bytes(m.gradients), _bytes(m.optimizer_state),
                 _bytes(m.stashed_weights) + (f" ({m.weight_versions - 1}x)" if m.weight_versions > 1 else ""),
-                _bytes(m.activations), str(m.held), _bytes(m.replay), _bytes(m.predicted_peak_bytes),
+                _bytes(m.activations), str(m.held), _bytes(m.replay), _bytes(m.backward_working),
+                _bytes(m.activations_at_update + m.update_working), _bytes(m.predicted_peak_bytes),
             ))
         widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
         table = ["  ".join(cell.ljust(w) if i == 1 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
@@ -223,9 +227,21 @@ class _Ranges:
         cuts = [float(c) for c in profile.cut_bytes()]
         self.input = np.array([float(input_bytes)] + cuts)[:, None]  # what stage i.. receives
         self.output = np.array(cuts + [0.0])[None, :]  # what stage ..j sends on
+        # what a backward and an optimizer step need on top (plan.memory.layer_work): per stage, the most of any layer
+        working, temps, pending, largest = layer_work(profile)
+        self.grad_working = self._range_max(working)
+        self.grad_temps = self._range_max(temps)
+        self.pending = self._table(pending) + self.output  # a split backward keeps its output's gradient too
+        self.largest = self._range_max(largest)
         self.cuttable = np.array(profile.cut_allowed() + [False])  # may a stage end after layer k
         # A stage needs parameters to have an optimizer (unless the model has none): layers i..j alone may not be one.
         self.idle = (self.params == 0) if np.any(self.params[0] > 0) else np.zeros((self.n, self.n), dtype=bool)
+
+    def _range_max(self, values: list[float]) -> np.ndarray:
+        table = np.zeros((self.n, self.n))  # j < i: no stage (params' inf marks it)
+        for i in range(self.n):
+            table[i, i:] = np.maximum.accumulate(np.array(values[i:], dtype=float))
+        return table
 
     def _table(self, values: list[float]) -> np.ndarray:
         prefix = np.concatenate([[0.0], np.cumsum(np.array(values, dtype=float))])
@@ -344,33 +360,44 @@ class _Search:
                 self.timed[key] = build_schedule(schedule, stages, chunks, virtual_stages=v)
         return self.timed[key]
 
-    def held(self, flight: Schedule, stages: int) -> list[int]:
-        counts = in_flight(flight)
+    def held(self, flight: Schedule, stages: int) -> list[Held]:
+        """Per stage, its micro-batches in flight (counts: :func:`walk_held` on one byte each); unequal replicas:
+        its busiest replica's."""
+        ones = [1.0] * flight.num_stages
+        counts = walk_held(flight, ones, ones)
         if flight.replicas is None:
             return counts
         layout = flight.layout
         assert layout is not None
-        return [max(counts[r] for r in layout.ranks_of(s)) for s in range(stages)]
+        return [max((counts[r] for r in layout.ranks_of(s)), key=lambda h: (h.count, h.peak)) for s in range(stages)]
 
     # -- memory and time of a stage over layers i..j, as tables
-    def memory_tables(self, held: int, versions: int, chunks: int) -> tuple[np.ndarray, np.ndarray]:
+    def memory_tables(self, held: Held, versions: int, chunks: int) -> tuple[np.ndarray, np.ndarray]:
         """Peak bytes of a worker holding layers i..j in stage position with ``held`` micro-batches in flight:
         without and with recompute (the same terms, rounded alike, as :func:`predict_memory`)."""
-        key = ("memory", held, versions, chunks)
+        key = ("memory", held.count, held.count_at_update, held.most_pending, versions, chunks)
         if key not in self.tables:
             self.tables[key] = self._memory_tables(held, versions, chunks)
         return self.tables[key]
 
-    def _memory_tables(self, held: int, versions: int, chunks: int) -> tuple[np.ndarray, np.ndarray]:
+    def _memory_tables(self, held: Held, versions: int, chunks: int) -> tuple[np.ndarray, np.ndarray]:
         r = self.ranges
         ratio = optimizer_state_ratio(self.optimizer)
         params = np.where(np.isfinite(r.params), r.params, 0.0)
         weights = 2 * np.round(params) + np.round(ratio * params) + np.round((versions - 1) * params)
-        plain = weights + np.round(held * ((r.input + r.acts) / chunks))
-        kept = weights + np.round(held * ((r.input + r.output) / chunks))
+        working = np.round(r.grad_working / chunks + (r.grad_temps if chunks > 1 else 0.0))  # as predict_memory
+        update = np.round(OPTIMIZER_TEMPORARIES[self.optimizer] * r.largest)
+        per_mb, per_mb_rc = (r.input + r.acts) / chunks, (r.input + r.output) / chunks
+        pending = held.most_pending * r.pending / chunks if held.most_pending else 0.0  # (0 x an empty range's inf)
+        at_update = held.count_at_update
+        plain = np.maximum(np.round(held.count * per_mb + pending) + working,
+                           np.round(at_update * per_mb if at_update else 0.0) + update)
         replay = np.round(np.maximum(0.0, (r.acts - r.output) / chunks))
+        pending_rc = held.most_pending * r.output / chunks if held.most_pending else 0.0
+        kept = np.maximum(np.round(held.count * per_mb_rc + pending_rc) + replay + working,
+                          np.round(at_update * per_mb_rc if at_update else 0.0) + update)
         bad = ~np.isfinite(r.params) | r.idle
-        return np.where(bad, _INF, plain), np.where(bad, _INF, kept + replay)
+        return np.where(bad, _INF, weights + plain), np.where(bad, _INF, weights + kept)
 
     def time_tables(self, replicas: int, allreduce_bw: float, chunks: int) -> tuple[np.ndarray, np.ndarray]:
         """Seconds per minibatch of a stage over layers i..j with ``replicas``: without and with recompute."""
@@ -388,9 +415,9 @@ class _Search:
         return np.where(r.idle, _INF, plain), np.where(r.idle, _INF, again)
 
     # -- one candidate
-    def versions(self, schedule: str, held: int) -> int:
+    def versions(self, schedule: str, held: Held) -> int:
         spec = spec_of(schedule)
-        return max(1, held) if spec.weight_versions is None else spec.weight_versions
+        return max(1, held.count) if spec.weight_versions is None else spec.weight_versions
 
     def split(self, schedule: str, replicas: tuple[int, ...], chunks: int,
               fixed: list[int] | None) -> tuple[list[int], list[bool]] | None:

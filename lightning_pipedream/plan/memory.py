@@ -15,6 +15,10 @@ from lightning_pipedream.schedule.specs import spec_of
 
 # Bytes of optimizer state per byte of parameters: SGD keeps none, momentum one buffer, Adam two (exp_avg, exp_avg_sq).
 OPTIMIZER_STATE = {"sgd": 0, "momentum": 1, "adam": 2}
+# Temporaries of one step, in largest parameter tensors: torch's per-tensor loops (its default on the CPU) make them
+# one tensor at a time: Adam's denominator (a square root, then a division: two at once), Adagrad's and RMSprop's
+# square root (one), plain SGD none. (Its multi-tensor loops, the default on GPUs, make them for all tensors at once.)
+OPTIMIZER_TEMPORARIES = {"sgd": 0, "momentum": 1, "adam": 2}
 
 
 def optimizer_state_ratio(optimizer: str) -> int:
@@ -68,16 +72,19 @@ class StageMemory:
     stashed_weights: int
     weight_versions: int
     activations: int
-    held: int  # micro-batches (interleaved: chunk micro-batches) in flight at the peak
+    held: int  # the most micro-batches (interleaved: chunk micro-batches) in flight at once
     recompute: bool
     replay: int
+    backward_working: int = 0
+    activations_at_update: int = 0
+    update_working: int = 0
 
     @property
     def predicted_peak_bytes(self) -> int:
-        return (
-            self.parameters + self.gradients + self.optimizer_state + self.stashed_weights + self.activations
-            + self.replay
-        )
+        weights = self.parameters + self.gradients + self.optimizer_state + self.stashed_weights
+        in_backward = self.activations + self.replay + self.backward_working
+        in_update = self.activations_at_update + self.update_working
+        return weights + max(in_backward, in_update)
 
     def to_json(self) -> dict:
         data = asdict(self)
@@ -86,32 +93,61 @@ class StageMemory:
         return data
 
 
-def held_bytes(schedule: Schedule, per_microbatch: Sequence[float]) -> list[tuple[float, int]]:
-    """Per rank, the most bytes of activations it holds at once and how many micro-batches that is.
+@dataclass(frozen=True)
+class Held:
+    """One rank's activations in flight over its schedule: the most bytes at once (``peak``), the most micro-batches
+    at once (``count``), the same two when an optimizer step runs, and the most micro-batches between the two halves
+    of a split backward at once."""
 
-    Walks each rank's actions in order: a forward of stage s adds ``per_microbatch[s]``, its backward (the
-    weight half when the backward is split) releases it. Counted on the built schedule, so every schedule's own
-    order decides (gpipe holds all micro-batches, 1f1b ``stages - s``, zb-h1 until each W, interleaved its
-    chunks' warm-up).
+    peak: float
+    count: int
+    at_update: float = 0.0
+    count_at_update: int = 0
+    most_pending: int = 0
+
+
+def walk_held(
+    schedule: Schedule, per_microbatch: Sequence[float], pending: Sequence[float] | None = None
+) -> list[Held]:
+    """Per rank, what :class:`Held` says, walking each rank's actions in order.
+
+    A forward of stage s adds ``per_microbatch[s]``, its backward releases it; when the backward is split, its
+    input half adds ``pending[s]`` (the gradients kept for the weight half) and the weight half releases both.
+    Counted on the built schedule, so every schedule's own order decides (gpipe holds all micro-batches, 1f1b
+    ``stages - s``, zb-h1 until each W, interleaved its chunks' warm-up).
     """
-    release = Op.BACKWARD_WEIGHT if schedule.splits_backward else Op.BACKWARD
+    split = schedule.splits_backward
+    release = Op.BACKWARD_WEIGHT if split else Op.BACKWARD
+    extra = list(pending) if pending is not None and split else [0.0] * len(per_microbatch)
     out = []
     for actions in schedule.actions:
         live: dict[tuple[int, int | None], float] = {}
-        total = peak = 0.0
-        count = 0
+        waiting: set[tuple[int, int | None]] = set()
+        total = peak = at_update = 0.0
+        count = count_at_update = most_pending = 0
         for a in actions:
+            key = (a.stage, a.microbatch)
             if a.op is Op.FORWARD:
-                live[(a.stage, a.microbatch)] = per_microbatch[a.stage]
+                live[key] = per_microbatch[a.stage]
                 total += per_microbatch[a.stage]
+            elif a.op is Op.BACKWARD and split:
+                live[key] += extra[a.stage]
+                total += extra[a.stage]
+                waiting.add(key)
             elif a.op is release:
-                total -= live.pop((a.stage, a.microbatch))
-            else:
-                continue
-            if total > peak or (total == peak and len(live) > count):
-                peak, count = total, len(live)
-        out.append((peak, count))
+                total -= live.pop(key)
+                waiting.discard(key)
+            elif a.op is Op.OPTIMIZER_STEP:
+                at_update, count_at_update = max(at_update, total), max(count_at_update, len(live))
+            peak, count, most_pending = max(peak, total), max(count, len(live)), max(most_pending, len(waiting))
+        out.append(Held(peak, count, at_update, count_at_update, most_pending))
     return out
+
+
+def held_bytes(schedule: Schedule, per_microbatch: Sequence[float]) -> list[tuple[float, int]]:
+    """Per rank, the most bytes of activations it holds at once and how many micro-batches that is
+    (:func:`walk_held` without the gradients a split backward keeps)."""
+    return [(h.peak, h.count) for h in walk_held(schedule, per_microbatch)]
 
 
 def in_flight(schedule: Schedule) -> list[int]:
@@ -127,6 +163,29 @@ class StageBytes:
     input: float  # what the stage receives (stage 0: the batch), kept for its backward
     layers: float  # what its layers keep between forward and backward, its output included
     output: float  # what it hands to the next stage (0 on the last)
+    # What its backward and its optimizer step need on top (per whole batch where it scales with the batch):
+    grad_working: float = 0.0  # the most activation gradients one of its layers' backwards holds at once
+    grad_temps: float = 0.0  # the most parameter gradients a layer computes before they are added into .grad
+    pending: float = 0.0  # what a split backward keeps from its input half for its weight half (output gradient too)
+    largest_parameter: float = 0.0  # its largest parameter tensor (the optimizer's temporaries are that big)
+
+
+def layer_work(profile: Profile) -> tuple[list[float], list[float], list[float], list[float]]:
+    """Per layer: the activation gradients its backward holds at once, its parameter-gradient temporaries, what a split
+    backward keeps for the weight half, and its largest parameter tensor. Measured by ``profile_module``; for a
+    profile without them (PipeDream's graph.txt, a traced graph's), estimated: the gradients of its output and of its
+    input, all its parameters, its output's gradient when it has parameters, all its parameters as one tensor."""
+    cuts = [float(profile.extra.get("input_bytes", 0) or 0)] + [float(c) for c in profile.cut_bytes()]
+    working, temps, pending, largest = [], [], [], []
+    for index, layer in enumerate(profile.layers):
+        params = float(layer.parameter_bytes)
+        working.append(float(layer.grad_working_bytes) if layer.grad_working_bytes is not None
+                       else float(layer.activation_bytes) + cuts[index])
+        temps.append(float(layer.grad_temp_bytes) if layer.grad_temp_bytes is not None else params)
+        pending.append(float(layer.pending_bytes) if layer.pending_bytes is not None
+                       else float(layer.activation_bytes) if params else 0.0)
+        largest.append(float(layer.largest_parameter_bytes) if layer.largest_parameter_bytes is not None else params)
+    return working, temps, pending, largest
 
 
 def layer_keeps(profile: Profile) -> tuple[list[float], list[float]]:
@@ -149,16 +208,22 @@ def stage_bytes(profile: Profile, balance: Sequence[int], input_bytes: float | N
         input_bytes = float(profile.extra.get("input_bytes", 0) or 0)
     cuts = profile.cut_bytes() + [0]
     saved, ending = layer_keeps(profile)
+    working, temps, pending, largest = layer_work(profile)
     out, first = [], 0
     for count in balance:
         last = first + count - 1
         layers = profile.layers[first : last + 1]
+        span = slice(first, last + 1)
         out.append(
             StageBytes(
                 parameters=float(sum(layer.parameter_bytes for layer in layers)),
                 input=float(cuts[first - 1]) if first > 0 else float(input_bytes),
-                layers=float(np.sum(saved[first : last + 1])) + ending[last],
+                layers=float(np.sum(saved[span])) + ending[last],
                 output=float(cuts[last]),
+                grad_working=max(working[span]),
+                grad_temps=max(temps[span]),
+                pending=float(np.sum(pending[span])) + float(cuts[last]),
+                largest_parameter=max(largest[span]),
             )
         )
         first = last + 1
@@ -229,20 +294,25 @@ def predict_memory(
         (s.input + s.output) if rc else (s.input + s.layers) for s, rc in zip(sizes, flags)
     ]
     per_mb = [k / chunks for k in kept]
-    held = held_bytes(flight, per_mb)
+    # with recompute the weight half replays the stage from its input (nothing is kept at branch points)
+    pending = [(s.output if rc else s.pending) / chunks for s, rc in zip(sizes, flags)]
+    held = walk_held(flight, per_mb, pending)
     if flight.replicas is not None:  # unequal replicas: the busiest replica of each stage
         layout = flight.layout
         assert layout is not None
-        by_stage = [max(held[r] for r in layout.ranks_of(s)) for s in range(ranks)]
+        by_stage = [max((held[r] for r in layout.ranks_of(s)), key=lambda h: (h.count, h.peak)) for s in range(ranks)]
     else:
         by_stage = held
+    temporaries = OPTIMIZER_TEMPORARIES[optimizer]
     out = []
     for rank in range(ranks):
         mine = list(range(rank, total, ranks))
         params = sum(sizes[s].parameters for s in mine)
-        act_bytes, count = by_stage[rank]
+        h = by_stage[rank]
+        act_bytes, count, at_update = h.peak, h.count, h.at_update
         if v == 1:  # one stage per worker: its micro-batches all weigh the same (the planner's tables multiply too)
-            act_bytes = count * per_mb[rank]
+            act_bytes = count * per_mb[rank] + h.most_pending * pending[rank]
+            at_update = h.count_at_update * per_mb[rank]
         if spec.weight_versions is None:  # weight stashing: one version per minibatch in flight
             versions = max(1, count)
         else:
@@ -250,6 +320,10 @@ def predict_memory(
         replay = max(
             ((sizes[s].layers - sizes[s].output) / chunks if flags[s] else 0.0 for s in mine), default=0.0
         )
+        # With one micro-batch per update each parameter's gradient becomes its .grad as it is (no temporary: the
+        # gradients term holds it); from the second micro-batch on it is computed apart and then added in.
+        temps = 1.0 if chunks > 1 else 0.0
+        working = max(sizes[s].grad_working / chunks + temps * sizes[s].grad_temps for s in mine)
         out.append(
             StageMemory(
                 stage=rank,
@@ -264,6 +338,9 @@ def predict_memory(
                 held=count,
                 recompute=any(flags[s] for s in mine),
                 replay=round(max(0.0, replay)),
+                backward_working=round(working),
+                activations_at_update=round(at_update),
+                update_working=round(temporaries * max(sizes[s].largest_parameter for s in mine)),
             )
         )
     return out

@@ -21,9 +21,10 @@ if TYPE_CHECKING:  # torch is imported where the profiler runs: reading and plan
 
 _LAYER_FIELDS = (
     "name", "forward_s", "backward_s", "activation_bytes", "parameter_bytes", "description", "saved_bytes",
-    "output_saved", "weight_s",
+    "output_saved", "weight_s", "grad_working_bytes", "grad_temp_bytes", "pending_bytes", "largest_parameter_bytes",
 )
-_OPTIONAL_FIELDS = ("saved_bytes", "output_saved", "weight_s")  # left out of the JSON when unknown
+_OPTIONAL_FIELDS = _LAYER_FIELDS[6:]  # left out of the JSON when unknown
+_BYTE_FIELDS = ("saved_bytes", "grad_working_bytes", "grad_temp_bytes", "pending_bytes", "largest_parameter_bytes")
 
 
 @dataclass
@@ -35,6 +36,12 @@ class LayerProfile:
     aside; ``output_saved`` says whether its output is among them. Unknown (None), the memory model takes the output
     as all a layer keeps. ``weight_s`` is the weight-gradient part of ``backward_s`` (what a zero-bubble schedule
     defers), when measured (``profile_module(split_backward=True)``); unknown, planners take half the backward.
+
+    What the backward needs on top, per minibatch (the memory model's working set; unknown, it estimates them):
+    ``grad_working_bytes``, the most activation gradients it holds at once (the one arriving included);
+    ``grad_temp_bytes``, the parameter gradients it computes before adding them into ``.grad``; ``pending_bytes``,
+    the gradients a split backward keeps from its input half for its weight half; ``largest_parameter_bytes``, the
+    largest parameter tensor (what an optimizer's per-tensor temporaries are sized by).
     """
 
     name: str
@@ -46,6 +53,10 @@ class LayerProfile:
     saved_bytes: int | None = None
     output_saved: bool | None = None
     weight_s: float | None = None
+    grad_working_bytes: int | None = None
+    grad_temp_bytes: int | None = None
+    pending_bytes: int | None = None
+    largest_parameter_bytes: int | None = None
 
 
 @dataclass
@@ -92,11 +103,13 @@ class Profile:
                         f"Layer {index} ({layer.name}) of the profile{where} has {key}={value!r}; "
                         "use a number >= 0 (finite: seconds or bytes)."
                     )
-            if layer.saved_bytes is not None and not is_number(layer.saved_bytes):
-                raise ProfileFormatError(
-                    f"Layer {index} ({layer.name}) of the profile{where} has saved_bytes={layer.saved_bytes!r}; "
-                    "use bytes >= 0, or null when not measured."
-                )
+            for key in _BYTE_FIELDS:
+                value = getattr(layer, key)
+                if value is not None and not is_number(value):
+                    raise ProfileFormatError(
+                        f"Layer {index} ({layer.name}) of the profile{where} has {key}={value!r}; "
+                        "use bytes >= 0, or null when not measured."
+                    )
             if layer.weight_s is not None and not (is_number(layer.weight_s) and layer.weight_s <= layer.backward_s):
                 raise ProfileFormatError(
                     f"Layer {index} ({layer.name}) of the profile{where} has weight_s={layer.weight_s!r}; use seconds "
@@ -384,6 +397,59 @@ def _saved_by_forward(layer: nn.Module, inputs: Any) -> tuple[int, bool, int]:
     return created, any(ptr in produced for ptr in seen), inputs_saved
 
 
+def _backward_bytes(layer: nn.Module, inputs: Any) -> tuple[int, int, int]:
+    """What one backward of ``layer`` needs on top of its saved tensors, in bytes: the activation gradients it holds at
+    once, the parameter-gradient temporaries on top of those (each added into an existing ``.grad``, as from the
+    second micro-batch on), and the gradients a split backward keeps for its weight half (zero bubble)."""
+    import torch
+
+    from lightning_pipedream.plan.live_bytes import LiveTensorBytes
+    from lightning_pipedream.tree import tensors
+    from lightning_pipedream.weight_branches import WeightBranches
+
+    params = [p for p in layer.parameters() if p.requires_grad]
+    wanted = [t for t in tensors(inputs) if t.requires_grad]
+    kept = {id(t): t.grad for t in (*params, *wanted)}
+
+    def rise(given: Any, targets: list[torch.Tensor]) -> int:
+        if not targets:
+            return 0
+        owned = {id(p) for p in params}
+        for t in targets:  # accumulated in place into a gradient that exists (inputs: stolen, as in a stage)
+            t.grad = torch.zeros_like(t) if id(t) in owned else None
+        meter = LiveTensorBytes(targets[0].device.type)
+        meter.add_all((*targets, *(t.grad for t in targets)))
+        with meter:  # the forward too, so that what the backward frees of the saved tensors counts against its rise
+            out = [t for t in tensors(_call(layer, given)) if t.requires_grad]
+            meter.reset_peak()
+            base = meter.live
+            if out:
+                torch.autograd.backward(out, [torch.ones_like(t) for t in out], inputs=targets)
+        return meter.peak - base
+
+    def pending() -> int:
+        out = [t for t in tensors(_call(layer, inputs)) if t.requires_grad]
+        if not out or not wanted or not params:
+            return 0
+        split = WeightBranches(out, wanted, params)
+        with split.capturing():
+            torch.autograd.grad(out, wanted, [torch.ones_like(t) for t in out], retain_graph=True, allow_unused=True)
+        return split.pending_bytes()
+
+    with torch.enable_grad():
+        if wanted:
+            working = rise(inputs, wanted)
+        else:  # a first layer: measured as if its input needed a gradient, which is then taken off
+            probe = _fresh_leaves(inputs)
+            probed = [t for t in tensors(probe) if t.requires_grad]
+            working = max(0, rise(probe, probed) - sum(t.numel() * t.element_size() for t in probed))
+        total = rise(inputs, [*wanted, *params])
+        deferred = pending()
+    for t in (*params, *wanted):
+        t.grad = kept[id(t)]
+    return working, max(0, total - working), deferred
+
+
 def _profile_layer(
     name: str, layer: nn.Module, inputs: Any, warmup: int, repeats: int, split_backward: bool = False
 ) -> tuple[LayerProfile, Any, int]:
@@ -427,9 +493,12 @@ def _profile_layer(
             needed = [t for t in in_tensors if t.requires_grad]
             input_s = backward_time(needed) if needed and params else (0.0 if not needed else backward_s)
             weight_s = min(backward_s, max(0.0, backward_s - input_s))
+    working, temporaries, pending = _backward_bytes(layer, inputs)
+    largest = max((p.numel() * p.element_size() for p in layer.parameters()), default=0)
     profile = LayerProfile(
         name, forward_s, backward_s, int(activation_bytes), int(parameter_bytes), type(layer).__name__,
-        saved_bytes=int(saved), output_saved=output_saved, weight_s=weight_s,
+        saved_bytes=int(saved), output_saved=output_saved, weight_s=weight_s, grad_working_bytes=working,
+        grad_temp_bytes=temporaries, pending_bytes=pending, largest_parameter_bytes=int(largest),
     )
     return profile, output, inputs_saved
 

@@ -406,9 +406,9 @@ class Transport:
             self._wait(work)
 
     def _reap(self) -> None:
-        # Drop completed sends so the list (and the tensors it keeps alive) stays short.
-        if len(self._pending) > 64:
-            self._pending = [(w, ts) for w, ts in self._pending if not w.is_completed()]
+        # Drop completed sends at every send: each keeps its message (a copy of what it carried) alive, and keeping
+        # up to 64 of them, as this once did, held 64 activations' worth of memory nobody needed.
+        self._pending = [(w, ts) for w, ts in self._pending if not w.is_completed()]
 
     def _recv_into(self, tensor: Tensor, src: int) -> None:
         self._wait(self._irecv(tensor, src))

@@ -101,7 +101,8 @@ def test_planning_a_pipedream_graph_does_not_import_torch(pipedream_profiles):
 
 def _four_layers(tmp_path):
     """4 layers: forward 1 s, backward 2 s, 1000 bytes of activations and parameters each (tests/plan/test_auto.py)."""
-    Profile([LayerProfile(f"l{i}", 1.0, 2.0, 1000, 1000) for i in range(4)]).save(tmp_path / "p.json")
+    Profile([LayerProfile(f"l{i}", 1.0, 2.0, 1000, 1000, grad_working_bytes=0, grad_temp_bytes=0, pending_bytes=0,
+                          largest_parameter_bytes=500) for i in range(4)]).save(tmp_path / "p.json")
     return ["--profile", str(tmp_path / "p.json"), "--workers", "2", "--bandwidth", "inf", "--optimizer", "sgd",
             "--max-chunks", "4"]
 

@@ -17,14 +17,16 @@ from lightning_pipedream.schedule.specs import spec_of
 FREE = Topology.flat(2, math.inf)
 
 
-def four_layers() -> Profile:
-    """4 layers: forward 1 s, backward 2 s, 1000 bytes of activations and 1000 of parameters each."""
-    return Profile([LayerProfile(f"l{i}", 1.0, 2.0, 1000, 1000) for i in range(4)])
+def four_layers(temporaries: int = 0) -> Profile:
+    """4 layers: forward 1 s, backward 2 s, 1000 bytes of activations and 1000 of parameters each; a backward needs
+    nothing on top but ``temporaries`` bytes of parameter gradients, a split one keeps nothing for its weight half."""
+    return Profile([LayerProfile(f"l{i}", 1.0, 2.0, 1000, 1000, grad_working_bytes=0, grad_temp_bytes=temporaries,
+                                 pending_bytes=0, largest_parameter_bytes=500) for i in range(4)])
 
 
-def plan(limit, **kwargs):
+def plan(limit, temporaries=0, **kwargs):
     kwargs = {"exact": True, "optimizer": "sgd", "max_chunks": 4, **kwargs}
-    return auto_plan(four_layers(), FREE, limit, **kwargs)
+    return auto_plan(four_layers(temporaries), FREE, limit, **kwargs)
 
 
 def test_without_a_limit_two_data_parallel_replicas_win():
@@ -78,6 +80,16 @@ def test_nothing_fits_names_the_smallest_limit_that_does():
         "to at least 4750 bytes, or add workers."
     )
     assert plan(4750).chosen.peak_bytes == 4750  # and it does fit
+
+
+def test_the_backward_s_working_set_counts():
+    # 500 bytes of parameter gradients on top of every backward: the plan that fitted in 4750 needs 5250
+    with pytest.raises(NoPlanFitsError) as err:
+        plan(4999, temporaries=500)
+    assert err.value.smallest_limit == 5250
+    c = plan(5250, temporaries=500).chosen
+    assert [m.backward_working for m in c.memory] == [500, 500]
+    assert [m.predicted_peak_bytes for m in c.memory] == [5250, 5250]
 
 
 def test_exact_admits_only_schedules_equal_to_one_device():
@@ -234,8 +246,8 @@ def test_vgg16_under_shrinking_limits_as_the_docs_show(pipedream_profiles):
     free = plan_with(None)
     assert (free.schedule, free.replicas, free.chunks) == ("1f1b", (3, 1), 16)
     assert free.time_per_minibatch == pytest.approx(0.185539, rel=1e-5)
-    tight = plan_with(1.3e9)
-    assert (tight.schedule, tight.replicas, tight.recompute) == ("gpipe", (1, 1, 1, 1), (True, True, False, False))
+    tight = plan_with(1.8e9)
+    assert (tight.schedule, tight.replicas, tight.recompute) == ("1f1b", (1, 1, 1, 1), (True, False, True, False))
     with pytest.raises(NoPlanFitsError) as err:
         plan_with(1e9)
-    assert err.value.smallest_limit == 1235042304
+    assert err.value.smallest_limit == 1647034368

@@ -7,6 +7,7 @@ import pytest
 from lightning_pipedream.plan.memory import (
     StageBytes,
     in_flight,
+    layer_work,
     optimizer_kind,
     optimizer_state_ratio,
     predict_memory,
@@ -18,13 +19,17 @@ from lightning_pipedream.schedule.builders import build_schedule
 
 
 def eight_layers() -> Profile:
-    """8 layers of 1000 parameter bytes and 100 activation bytes each; the batch stage 0 keeps is 40 bytes."""
-    layers = [LayerProfile(f"l{i}", 1.0, 2.0, 100, 1000) for i in range(8)]
+    """8 layers of 1000 parameter bytes and 100 activation bytes each; the batch stage 0 keeps is 40 bytes. Each
+    backward holds 100 bytes of activation gradients per batch and 500 of parameter gradients; a split one keeps 80
+    for its weight half; the largest parameter tensor is 200 bytes."""
+    layers = [LayerProfile(f"l{i}", 1.0, 2.0, 100, 1000, grad_working_bytes=100, grad_temp_bytes=500,
+                           pending_bytes=80, largest_parameter_bytes=200) for i in range(8)]
     return Profile(layers, extra={"input_bytes": 40})
 
 
 def sizes() -> list[StageBytes]:
-    """Two layers per stage: parameters 2000, input 40 (stage 0) or 100, layers 200, output 100 (0 on the last)."""
+    """Two layers per stage: parameters 2000, input 40 (stage 0) or 100, layers 200, output 100 (0 on the last);
+    working set 100 per batch + 500, pending 2 x 80 + the output's gradient, largest parameter 200."""
     return stage_bytes(eight_layers(), [2, 2, 2, 2])
 
 
@@ -33,12 +38,21 @@ def terms(memory, name):
 
 
 def test_stage_bytes_from_the_profile():
+    work = {"grad_working": 100, "grad_temps": 500, "largest_parameter": 200}
     assert sizes() == [
-        StageBytes(parameters=2000, input=40, layers=200, output=100),
-        StageBytes(parameters=2000, input=100, layers=200, output=100),
-        StageBytes(parameters=2000, input=100, layers=200, output=100),
-        StageBytes(parameters=2000, input=100, layers=200, output=0),
+        StageBytes(parameters=2000, input=40, layers=200, output=100, pending=260, **work),
+        StageBytes(parameters=2000, input=100, layers=200, output=100, pending=260, **work),
+        StageBytes(parameters=2000, input=100, layers=200, output=100, pending=260, **work),
+        StageBytes(parameters=2000, input=100, layers=200, output=0, pending=160, **work),
     ]
+
+
+def test_without_measured_working_sets_the_model_estimates_them():
+    # a profile that does not say (graph.txt): the gradients of the output (100) and of the input (40 for the first,
+    # then the previous output, 100), all parameters as temporaries and as one tensor, the output's gradient pending
+    profile = Profile([LayerProfile(f"l{i}", 1.0, 2.0, 100, 1000 * (i != 1)) for i in range(3)],
+                      extra={"input_bytes": 40})
+    assert layer_work(profile) == ([140, 200, 200], [1000, 0, 1000], [100, 0, 100], [1000, 0, 1000])
 
 
 def test_in_flight_is_counted_on_the_built_schedule():
@@ -57,6 +71,7 @@ def test_in_flight_is_counted_on_the_built_schedule():
 
 def test_1f1b_with_adam():
     # per micro-batch (4 of them): stage 0 keeps (40 + 200) / 4 = 60 bytes, the others (100 + 200) / 4 = 75
+    # a backward holds 100 / 4 + 500 = 525 on top; Adam's step 2 x 200 temporaries after the flush, nothing in flight
     memory = predict_memory(sizes(), "1f1b", 4, optimizer="adam")
     assert terms(memory, "parameters") == [2000] * 4
     assert terms(memory, "gradients") == [2000] * 4
@@ -64,7 +79,10 @@ def test_1f1b_with_adam():
     assert terms(memory, "stashed_weights") == [0] * 4
     assert terms(memory, "held") == [4, 3, 2, 1]
     assert terms(memory, "activations") == [4 * 60, 3 * 75, 2 * 75, 75]
-    assert [m.predicted_peak_bytes for m in memory] == [8240, 8225, 8150, 8075]
+    assert terms(memory, "backward_working") == [525] * 4
+    assert terms(memory, "update_working") == [400] * 4 and terms(memory, "activations_at_update") == [0] * 4
+    assert [m.predicted_peak_bytes for m in memory] == [8000 + 240 + 525, 8000 + 225 + 525, 8000 + 150 + 525,
+                                                         8000 + 75 + 525]
 
 
 def test_1f1b_with_recompute_keeps_inputs_and_outputs_and_replays_one_micro_batch():
@@ -74,7 +92,8 @@ def test_1f1b_with_recompute_keeps_inputs_and_outputs_and_replays_one_micro_batc
     assert terms(memory, "optimizer_state") == [0] * 4
     assert terms(memory, "activations") == [4 * 35, 3 * 50, 2 * 50, 25]
     assert terms(memory, "replay") == [25, 25, 25, 50]
-    assert [m.predicted_peak_bytes for m in memory] == [4165, 4175, 4125, 4075]
+    assert [m.predicted_peak_bytes for m in memory] == [4000 + 165 + 525, 4000 + 175 + 525, 4000 + 125 + 525,
+                                                         4000 + 75 + 525]
     assert terms(memory, "recompute") == [True] * 4
     # per stage: only stage 0 recomputes
     mixed = predict_memory(sizes(), "1f1b", 4, optimizer="sgd", recompute=[True, False, False, False])
@@ -86,14 +105,18 @@ def test_gpipe_holds_every_micro_batch():
     assert terms(memory, "held") == [4] * 4
     assert terms(memory, "activations") == [240, 300, 300, 300]  # the whole batch's activations
     assert terms(memory, "optimizer_state") == [2000] * 4
-    assert [m.predicted_peak_bytes for m in memory] == [6240, 6300, 6300, 6300]
+    assert terms(memory, "update_working") == [200] * 4  # momentum's kind: one temporary of the largest tensor
+    assert [m.predicted_peak_bytes for m in memory] == [6000 + 240 + 525, 6000 + 300 + 525, 6000 + 300 + 525,
+                                                         6000 + 300 + 525]
 
 
 def test_zero_bubble_holds_until_the_weight_half():
     memory = predict_memory(sizes(), "zb-h1", 8, optimizer="sgd")
-    # 8 micro-batches: (40 + 200) / 8 = 30 and 300 / 8 = 37.5 each; 4 held on every stage
+    # 8 micro-batches: (40 + 200) / 8 = 30 and 300 / 8 = 37.5 each; 4 held on every stage, of which 1, 2, 3, 4 wait
+    # for their weight half (the last stage defers most) keeping 260 / 8 = 32.5 (the last: 160 / 8 = 20) more each
     assert terms(memory, "held") == [4] * 4
-    assert terms(memory, "activations") == [120, 150, 150, 150]
+    assert terms(memory, "activations") == [round(120 + 32.5), 150 + 65, round(150 + 97.5), 150 + 80]
+    assert terms(memory, "backward_working") == [round(100 / 8 + 500)] * 4
 
 
 def test_pipedream_stashes_one_version_per_minibatch_in_flight():
@@ -101,8 +124,12 @@ def test_pipedream_stashes_one_version_per_minibatch_in_flight():
     assert terms(memory, "weight_versions") == [4, 3, 2, 1]
     assert terms(memory, "stashed_weights") == [3 * 2000, 2 * 2000, 2000, 0]
     assert terms(memory, "activations") == [4 * 240, 3 * 300, 2 * 300, 300]
-    assert [m.predicted_peak_bytes for m in memory] == [4000 + 6000 + 960, 4000 + 4000 + 900, 4000 + 2000 + 600,
-                                                         4000 + 300]
+    # each update runs with one minibatch fewer in flight; plain SGD makes no temporaries: the backward decides, and
+    # with one micro-batch per update its parameter gradients become .grad as they are: 100 of activation gradients
+    assert terms(memory, "activations_at_update") == [3 * 240, 2 * 300, 300, 0]
+    assert terms(memory, "backward_working") == [100] * 4
+    assert [m.predicted_peak_bytes for m in memory] == [4000 + 6000 + 960 + 100, 4000 + 4000 + 900 + 100,
+                                                         4000 + 2000 + 600 + 100, 4000 + 300 + 100]
 
 
 def test_pipedream_under_replicas_follows_pipedream_s_rule():
@@ -121,7 +148,19 @@ def test_2bw_keeps_two_versions():
     assert terms(memory, "stashed_weights") == [2000] * 4
     assert terms(memory, "held") == [4, 3, 2, 1]
     assert terms(memory, "activations") == [240, 225, 150, 75]
-    assert [m.predicted_peak_bytes for m in memory] == [10240, 10225, 10150, 10075]
+    # 2bw updates with micro-batches in flight (one fewer than the most): 180, 150, 75, 0 beside Adam's 400
+    assert terms(memory, "activations_at_update") == [180, 150, 75, 0]
+    assert [m.predicted_peak_bytes for m in memory] == [10000 + 240 + 525, 10000 + 225 + 525, 10000 + 150 + 525,
+                                                         10000 + 75 + 525]
+
+
+def test_the_optimizer_step_can_be_the_peak():
+    # Adam's temporaries beside a large tensor outweigh a backward's working set: 2 x 1000 > 525 + 75
+    big = [StageBytes(parameters=2000, input=100, layers=200, output=0, grad_working=100, grad_temps=500,
+                      largest_parameter=1000)]
+    (memory,) = predict_memory(big, "1f1b", 4, optimizer="adam")
+    assert (memory.activations, memory.backward_working, memory.update_working) == (75, 525, 2000)
+    assert memory.predicted_peak_bytes == 8000 + 2000
 
 
 def test_interleaved_weighs_each_chunk_it_holds():
@@ -145,8 +184,9 @@ def test_interleaved_weighs_each_chunk_it_holds():
 
 def test_json_has_the_peak_and_every_term():
     data = predict_memory(sizes(), "1f1b", 4)[0].to_json()
-    assert data["predicted_peak_bytes"] == 8240
-    assert {"parameters", "gradients", "optimizer_state", "stashed_weights", "activations", "replay"} <= set(data)
+    assert data["predicted_peak_bytes"] == 8765
+    assert {"parameters", "gradients", "optimizer_state", "stashed_weights", "activations", "replay",
+            "backward_working", "activations_at_update", "update_working"} <= set(data)
 
 
 @pytest.mark.parametrize(
@@ -247,3 +287,24 @@ def test_the_profiler_splits_the_backward_when_asked():
     assert profile_module(layers, torch.randn(5, 8), warmup=0, repeats=1).layers[0].weight_s is None
     with pytest.raises(ValueError, match="has weight_s=2.0; use seconds between 0 and its backward_s"):
         Profile([LayerProfile("a", 1.0, 1.0, 0, 0, weight_s=2.0)])
+
+
+def test_the_profiler_measures_what_each_backward_needs_on_top():
+    import torch
+    from torch import nn
+
+    from lightning_pipedream.plan.profile import profile_module
+
+    layers = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    profile = profile_module(layers, torch.randn(5, 8), warmup=0, repeats=1)
+    # float32, batch 5. Linear 0 (its input, the batch, needs no gradient): the arriving gradient, 5 x 16 = 320 bytes,
+    # then its weight's 16 x 8 = 512 and bias's 64 as temporaries. ReLU: 320 arriving, 320 leaving. Linear 2: 80
+    # arriving and 320 leaving, its weight's 256 and bias's 16; a split backward keeps the 80 that arrive at its
+    # matmul for the weight half. Largest parameter tensors: 512, none, 256.
+    assert [layer.grad_working_bytes for layer in profile.layers] == [320, 640, 400]
+    assert [layer.grad_temp_bytes for layer in profile.layers] == [576, 0, 272]
+    assert [layer.pending_bytes for layer in profile.layers] == [0, 0, 80]
+    assert [layer.largest_parameter_bytes for layer in profile.layers] == [512, 0, 256]
+    assert all(p.grad is None for p in layers.parameters())  # measured without leaving gradients behind
+    again = Profile.from_json(profile.to_json())  # and they survive the JSON file
+    assert [layer.pending_bytes for layer in again.layers] == [0, 0, 80]

@@ -1,0 +1,91 @@
+"""Bytes of tensor storages alive while code runs, and their peak: the memory model's yardstick on any device."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """Every tensor an operator returns while the mode is on, counted once per storage until the last tensor seen on
+    it dies: what an allocator would hand out, without its caching, fragmentation or the process's baseline.
+
+    Tensors made before the mode started are not seen; :meth:`add` them (the parameters, say) to count them. Memory
+    the allocator did not hand out (a storage that cannot be resized: a mapped file such as the shared-memory
+    transport's rings, a NumPy buffer) is not counted. With
+    :meth:`labelled`, :attr:`peak_phase` says what ran at the peak and :attr:`transient` how far each phase rose above
+    the live bytes it began with.
+    """
+
+    def __init__(self, device_type: str = "cpu") -> None:
+        super().__init__()
+        self.device_type = device_type
+        self.live = self.peak = 0
+        self.phase, self.phase_base = "other", 0
+        self.peak_phase, self.peak_phase_base = "other", 0
+        self.transient: dict[str, int] = {}  # per phase, its most bytes above the live bytes it began with
+        self._storages: dict[int, list[int]] = {}  # data pointer -> [tensors seen on it, bytes]
+        self._seen: set[int] = set()
+
+    def add(self, t: torch.Tensor) -> None:
+        """Count ``t``'s storage from now until the last tensor seen on it dies (once per tensor and storage)."""
+        if id(t) in self._seen or t.device.type != self.device_type:
+            return
+        storage = t.untyped_storage()
+        key, nbytes = storage.data_ptr(), storage.nbytes()
+        if not key or not storage.resizable():
+            return
+        self._seen.add(id(t))
+        entry = self._storages.setdefault(key, [0, nbytes])
+        if entry[0] == 0:
+            self.live += nbytes
+            if self.live > self.peak:
+                self.peak, self.peak_phase, self.peak_phase_base = self.live, self.phase, self.phase_base
+            rise = self.live - self.phase_base
+            if rise > self.transient.get(self.phase, 0):
+                self.transient[self.phase] = rise
+        entry[0] += 1
+        weakref.finalize(t, self._drop, id(t), key)
+
+    def add_all(self, tensors: Iterable[Any]) -> None:
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                self.add(t)
+
+    def _drop(self, ident: int, key: int) -> None:
+        self._seen.discard(ident)
+        entry = self._storages[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.live -= entry[1]
+            del self._storages[key]
+
+    def reset_peak(self) -> None:
+        """Forget the peak so far: from now, the peak is measured from the live bytes."""
+        self.peak, self.peak_phase, self.peak_phase_base = self.live, self.phase, self.live
+        self.transient.clear()
+
+    def labelled(self, phase: str, fn: Callable) -> Callable:
+        """``fn``, with ``phase`` recorded as what runs while it does."""
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            outer = self.phase, self.phase_base
+            self.phase, self.phase_base = phase, self.live
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.phase, self.phase_base = outer
+
+        return wrapped
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.add(t)
+        return out
