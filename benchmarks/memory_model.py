@@ -288,7 +288,8 @@ def main(argv: list[str] | None = None) -> dict:
         width, batch = sizes[name]
         model = build_model(name, width)
         x, _ = make_batch(name, width, batch)
-        profile = profile_module(model, x, warmup=0, repeats=1)  # the same model, batch and seed as the ranks
+        # the same model, batch and seed as the ranks
+        profile = profile_module(model, x, warmup=0, repeats=1, working_sets=True)
         runs = runs_for(name, len(profile.layers), args.quick)
         for run in runs:
             run.update(model=name, width=width, batch=batch, steps=steps, quick=args.quick)

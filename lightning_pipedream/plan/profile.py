@@ -451,7 +451,8 @@ def _backward_bytes(layer: nn.Module, inputs: Any) -> tuple[int, int, int]:
 
 
 def _profile_layer(
-    name: str, layer: nn.Module, inputs: Any, warmup: int, repeats: int, split_backward: bool = False
+    name: str, layer: nn.Module, inputs: Any, warmup: int, repeats: int, split_backward: bool = False,
+    working_sets: bool = False,
 ) -> tuple[LayerProfile, Any, int]:
     """The layer's profile, its output, and the bytes of its inputs its forward saves (its predecessor's output)."""
     import torch
@@ -493,8 +494,8 @@ def _profile_layer(
             needed = [t for t in in_tensors if t.requires_grad]
             input_s = backward_time(needed) if needed and params else (0.0 if not needed else backward_s)
             weight_s = min(backward_s, max(0.0, backward_s - input_s))
-    working, temporaries, pending = _backward_bytes(layer, inputs)
     largest = max((p.numel() * p.element_size() for p in layer.parameters()), default=0)
+    working, temporaries, pending = _backward_bytes(layer, inputs) if working_sets else (None, None, None)
     profile = LayerProfile(
         name, forward_s, backward_s, int(activation_bytes), int(parameter_bytes), type(layer).__name__,
         saved_bytes=int(saved), output_saved=output_saved, weight_s=weight_s, grad_working_bytes=working,
@@ -504,7 +505,8 @@ def _profile_layer(
 
 
 def profile_module(
-    layers: nn.Sequential, sample_input: Any, *, warmup: int = 1, repeats: int = 3, split_backward: bool = False
+    layers: nn.Sequential, sample_input: Any, *, warmup: int = 1, repeats: int = 3, split_backward: bool = False,
+    working_sets: bool = False,
 ) -> Profile:
     """Time each child of ``layers`` on ``sample_input`` (one minibatch): forward and backward seconds
     (median of ``repeats`` after ``warmup`` runs), output bytes and parameter bytes.
@@ -515,6 +517,10 @@ def profile_module(
     BatchNorm statistics and the random number generators are restored afterwards, and no ``.grad`` is set.
     ``split_backward=True`` also times each backward's input-gradient half alone, giving ``weight_s`` (the rest),
     for zero-bubble schedules; it costs another ``warmup + repeats`` forwards and partial backwards per layer.
+    ``working_sets=True`` also measures what each backward needs on top of the saved tensors (``grad_working_bytes``,
+    ``grad_temp_bytes``, ``pending_bytes``), for the memory model: three more forwards and backwards per layer under a
+    dispatch mode that counts every tensor (its first use in a process costs about 2 s); without it the model
+    estimates them.
     """
     import torch
     from torch import nn
@@ -532,7 +538,8 @@ def profile_module(
     with torch.random.fork_rng(devices=devices):
         inputs = _fresh_leaves(sample_input, requires_grad=False)  # a batch of data needs no gradient
         for name, layer in layers.named_children():
-            result, output, inputs_saved = _profile_layer(name, layer, inputs, warmup, repeats, split_backward)
+            result, output, inputs_saved = _profile_layer(name, layer, inputs, warmup, repeats, split_backward,
+                                                          working_sets)
             previous = results[-1] if results else None
             if previous is not None and inputs_saved and not previous.output_saved:
                 # the next layer keeps this one's output (a Linear after a Linear): it lives until that backward

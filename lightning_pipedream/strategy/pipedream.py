@@ -327,6 +327,8 @@ class PipeDreamStrategy(DDPStrategy):
         world_size = self.num_nodes * self.num_processes
         placement = Placement.decide(self.options.schedule, world_size, stages=self.options.stages,
                                      replicas=self._replicas(self.plan))
+        if self.options.on_divergence is not None:
+            _refuse_guard_with_unequal_replicas(placement)
         if self.plan is not None and len(self.plan.stages) != placement.num_stages:
             raise ValueError(
                 f"The plan {self.options.plan_path} has {len(self.plan.stages)} stages but the Trainer runs "
@@ -506,12 +508,7 @@ class PipeDreamStrategy(DDPStrategy):
         if pipeline.lagged is not None:
             self._check_sigterm_every_few_batches(trainer)
         if self.options.on_divergence is not None and self.switched is None:
-            if pipeline.placement.layout is not None:
-                raise ValueError(
-                    "on_divergence='flush' goes over to 1f1b, which does not run unequal stage replicas (1F1B-RR, "
-                    f"replicas={list(pipeline.placement.layout.replicas)}). Drop on_divergence, or replicate whole "
-                    "pipelines (stages=)."
-                )
+            _refuse_guard_with_unequal_replicas(pipeline.placement)  # a plan's replicas are known only now
             self._guard = DivergenceGuard(self.options.divergence_factor)
             self._drained_weights.take(pipeline.stage, self.optimizers)
         if not any(isinstance(c, PipelineDrain) for c in trainer.callbacks):
@@ -1010,6 +1007,14 @@ class PipeDreamStrategy(DDPStrategy):
 
 
 _StrategyRegistry = type(StrategyRegistry)
+
+
+def _refuse_guard_with_unequal_replicas(placement: Placement) -> None:
+    if placement.layout is not None:
+        raise ValueError(
+            "on_divergence='flush' goes over to 1f1b, which does not run unequal stage replicas (1F1B-RR, "
+            f"replicas={list(placement.layout.replicas)}). Drop on_divergence, or replicate whole pipelines (stages=)."
+        )
 
 
 def _keep_parameters(optimizers: list[torch.optim.Optimizer], keep: set[int]) -> None:

@@ -101,15 +101,16 @@ class LayerPlanner:
                  plan.describe())
         return plan.to_json(), plan.balance
 
-    def _profile_layers(self, layers: nn.Sequential) -> Any:
-        """Rank 0: the layers' Profile on the first training batch (None without a batch)."""
+    def _profile_layers(self, layers: nn.Sequential, working_sets: bool = False) -> Any:
+        """Rank 0: the layers' Profile on the first training batch (None without a batch); ``working_sets`` for the
+        memory model (``profile_module``)."""
         from lightning_pipedream.plan.profile import profile_module
 
         batch = first_batch(self.trainer.fit_loop)
         if batch is None:
             return None
         sample = self.call.input_of(self.module, "training_step", self.batch_to_device(batch), 0)
-        return profile_module(layers, sample)
+        return profile_module(layers, sample, working_sets=working_sets)
 
     def auto_plan(self, layers: nn.Sequential, processes_per_node: int, num_nodes: int,
                   optimizer: str) -> tuple[dict[str, Any], Any]:
@@ -124,7 +125,7 @@ class LayerPlanner:
         options = self.options
         payload: list[Any] = [None]
         if self.is_global_zero:
-            profile = self._profile_layers(layers)
+            profile = self._profile_layers(layers, working_sets=True)
             try:
                 if profile is None:
                     raise ValueError(

@@ -296,7 +296,8 @@ def test_the_profiler_measures_what_each_backward_needs_on_top():
     from lightning_pipedream.plan.profile import profile_module
 
     layers = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-    profile = profile_module(layers, torch.randn(5, 8), warmup=0, repeats=1)
+    assert profile_module(layers, torch.randn(5, 8), warmup=0, repeats=1).layers[0].grad_working_bytes is None
+    profile = profile_module(layers, torch.randn(5, 8), warmup=0, repeats=1, working_sets=True)
     # float32, batch 5. Linear 0 (its input, the batch, needs no gradient): the arriving gradient, 5 x 16 = 320 bytes,
     # then its weight's 16 x 8 = 512 and bias's 64 as temporaries. ReLU: 320 arriving, 320 leaving. Linear 2: 80
     # arriving and 320 leaving, its weight's 256 and bias's 16; a split backward keeps the 80 that arrive at its

@@ -33,6 +33,9 @@ def saved_plan(tmp_path: Path, workers: int, replicas_allowed: bool = False) -> 
      "replicas [2, 1] need 3 processes but the Trainer runs 4; set devices x num_nodes to 3, or change the replicas."),
     (lambda tmp: PipeDreamStrategy(schedule="2bw", chunks=2, replicas=[2, 1]), 3,
      "Stages with unequal replica counts ([2, 1]) run with schedule='pipedream', 'gpipe' or '1f1b'"),
+    (lambda tmp: PipeDreamStrategy(replicas=[2, 1], on_divergence="flush"), 3,
+     "on_divergence='flush' goes over to 1f1b, which does not run unequal stage replicas (1F1B-RR, replicas=[2, 1]). "
+     "Drop on_divergence, or replicate whole pipelines (stages=)."),
     (lambda tmp: PipeDreamStrategy(plan=saved_plan(tmp, 3)), 2,
      "has 3 stages but the Trainer runs 2 processes. Make a plan for 2 workers, or set devices/num_nodes to give 3 "
      "processes."),
