@@ -26,9 +26,11 @@ class WeightVersions:
     peak is unchanged.
 
     With ``out_of_place=True`` (the default) the stash costs no copy where the optimizer allows it:
-    the update itself writes the new weights into the spare buffer (``new = old - lr * grad`` read
-    from the old storage, which stays with the minibatches in flight) instead of copying the old
-    weights there and updating in place. That holds for ``torch.optim.SGD`` without momentum (any
+    the update itself writes the new weights elsewhere (``new = old - lr * grad`` read from the old
+    storage, which stays with the minibatches in flight) instead of copying the old weights there and
+    updating in place: into the gradient's own storage when it is a whole tensor of the parameter's
+    layout (the gradient is spent: ``.grad`` is None after the step, as the pipeline's next
+    ``zero_grad`` would leave it), else into the spare buffer. That holds for ``torch.optim.SGD`` without momentum (any
     learning rate, weight decay, ``maximize``), the results equal to the bit; every other optimizer
     gets the copy, made inside its ``step`` before it writes. The out-of-place update runs inside
     the optimizer's ``step`` (through torch's optimizer step hooks, as the closure's last act), so
@@ -81,6 +83,7 @@ class WeightVersions:
         self._hidden: dict[str, Tensor] = {}  # gradients kept from the optimizer that already applied them
         self._hooks: list[Any] = []
         self.copies = 0  # updates that copied a stash (the fallback), for tests and benchmarks
+        self.gradients_reused = 0  # parameters whose out-of-place update wrote into their gradient's storage
 
     def forward_params(self, microbatch: int, version: int | None = None) -> dict[str, Tensor]:
         """Leaves to run ``microbatch``'s forward on: the live weights, or an older ``version`` (vertical sync)."""
@@ -231,9 +234,16 @@ class WeightVersions:
                     grad = -p.grad if maximize else p.grad
                     if weight_decay != 0:
                         grad = grad.add(p.data, alpha=weight_decay)
-                    p.data = torch.add(p.data, grad, alpha=-lr, out=self._target(name))
+                    # The gradient's own storage takes the new weights when nothing else can read it (a tensor
+                    # made here, or a gradient that is a whole storage of the parameter's layout): the update then
+                    # reads two streams and writes one, as in place, instead of also pulling in a spare buffer.
+                    consumed = grad is not p.grad or _whole_storage_like(p.grad, p.data)
+                    p.data = torch.add(p.data, grad, alpha=-lr, out=grad if consumed else self._target(name))
                     del self._pending[name]
-                    self._hidden[name] = p.grad
+                    if consumed:  # the finished version goes back to the allocator, for the next gradients
+                        self._spare.pop(name, None)
+                        self.gradients_reused += 1
+                    self._hidden[name] = None if consumed else p.grad
                     p.grad = None
 
     def _after_step(self) -> None:
@@ -304,6 +314,17 @@ class WeightVersions:
         ptrs |= {leaves[name].data_ptr() for leaves in self._leaves.values()}
         ptrs |= {version[name].data_ptr() for version in self._history.values()}
         return len(ptrs)
+
+
+def _whole_storage_like(grad: Tensor, weights: Tensor) -> bool:
+    """Whether ``grad`` is a tensor of its own that can become ``weights``' next version: a whole contiguous storage
+    of the same shape, dtype and device (not a view into a flat gradient buffer), and not the weights themselves."""
+    return (
+        grad.shape == weights.shape and grad.dtype == weights.dtype and grad.device == weights.device
+        and grad.is_contiguous() and grad.storage_offset() == 0 and not grad.requires_grad
+        and grad.untyped_storage().nbytes() == grad.numel() * grad.element_size()
+        and grad.data_ptr() != weights.data_ptr()
+    )
 
 
 def _plain_sgd(optimizer: torch.optim.Optimizer) -> bool:

@@ -179,9 +179,10 @@ def test_live_storage_is_updated_in_place_once_its_last_user_is_done():
 def test_a_finished_stash_is_reused_by_the_next_copy():
     # PipeDream's steady state on a first stage: minibatch t+1's forward uses the live weights when
     # minibatch t's update comes, so each update copies; the storage of the stash whose backward is
-    # done is written into instead of allocating a new one.
+    # done is written into instead of allocating a new one. (The copy path: out of place, SGD writes the new
+    # weights into the gradient's storage instead; test_out_of_place_* below.)
     layer = _linear()
-    versions = WeightVersions(layer)
+    versions = WeightVersions(layer, out_of_place=False)
     x = torch.ones(1, 2)
     outs = {0: torch.func.functional_call(layer, versions.forward_params(0), (x,))}
     storages = [layer.weight.detach()]  # kept alive here: a fresh allocation cannot land at its address
@@ -229,10 +230,11 @@ def test_a_module_without_parameters_has_no_stored_versions():
 
 
 def _first_stage_steady_state(
-    out_of_place: bool, make_optimizer, steps: int = 5, closure=None
+    out_of_place: bool, make_optimizer, steps: int = 5, closure=None, flat_grads: bool = False
 ) -> tuple[nn.Sequential, WeightVersions, list[list[int]]]:
     """PipeDream's first stage: minibatch t+1's forward runs on the live weights before minibatch t's update,
-    so every update needs the old weights kept. Returns the model, its versions and each update's storages."""
+    so every update needs the old weights kept. Returns the model, its versions and each update's storages.
+    ``flat_grads``: the gradients are views into one flat buffer (as a bucketed all-reduce leaves them)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
     versions = WeightVersions(model, out_of_place=out_of_place)
@@ -244,6 +246,10 @@ def _first_stage_steady_state(
         outs[t + 1] = torch.func.functional_call(model, versions.forward_params(t + 1), (xs[t + 1],))
         (outs.pop(t) ** 2).sum().backward()
         versions.collect_grads(t)
+        if flat_grads:
+            flat = torch.cat([p.grad.flatten() for p in model.parameters()])
+            for p, part in zip(model.parameters(), flat.split([p.numel() for p in model.parameters()])):
+                p.grad = part.view_as(p)
         versions.before_update()
         optimizer.step() if closure is None else optimizer.step(lambda: closure(model))
         optimizer.zero_grad(set_to_none=True)
@@ -261,6 +267,18 @@ def test_out_of_place_sgd_stashes_without_a_copy_and_equals_the_copy_path(settin
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert torch.equal(p, q), name
     assert versions.copies == 0 and copied.copies == 5
+    # each gradient (or the tensor made from it: weight decay, maximize) became its parameter's new weights
+    assert versions.gradients_reused == 5 * len(list(model.parameters()))
+    assert versions.stored_versions() == 2
+
+
+def test_a_gradient_that_is_a_view_is_not_written_into():
+    # gradients that are views into one flat buffer stay gradients: the update writes into the finished stash
+    sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
+    model, versions, storages = _first_stage_steady_state(True, sgd, flat_grads=True)
+    reference, _, _ = _first_stage_steady_state(False, sgd)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
+    assert versions.copies == 0 and versions.gradients_reused == 0
     # two storages per parameter in turn (the live one, and the stash of the minibatch in flight), as the copy's
     assert len({tuple(s) for s in storages[1:]}) == 2 and storages[1] == storages[3] != storages[2]
     assert versions.stored_versions() == 2
