@@ -73,10 +73,11 @@ class Stage:
 
     def forward(self, microbatch: int, inputs: Any, version: int | None = None) -> Any:
         """Run the stage on ``inputs`` and keep what its backward needs."""
-        if self.weights is None:
+        leaves = None if self.weights is None else self.weights.forward_params(microbatch, version)
+        if leaves is None:  # no versions, or a stage whose forwards run on its parameters (WeightVersions.direct)
             run, params = self.module, dict(self.module.named_parameters())
         else:
-            params = self.weights.forward_params(microbatch, version)
+            params = leaves
 
             def run(x: Any) -> Any:
                 return functional_call(self.module, params, (x,), strict=False)

@@ -56,6 +56,7 @@ class WeightVersions:
         vertical_sync: bool = False,
         two_versions: bool = False,
         out_of_place: bool = True,
+        direct: bool = False,
     ) -> None:
         if vertical_sync and not stashing:
             raise ValueError("vertical_sync=True needs weight_stashing=True: it chooses which stashed version to use.")
@@ -82,11 +83,19 @@ class WeightVersions:
         self._names = {id(p): n for n, p in self.params.items()}
         self._hidden: dict[str, Tensor] = {}  # gradients kept from the optimizer that already applied them
         self._hooks: list[Any] = []
+        # A stage that never holds two minibatches at an update (the last of a straight pipedream pipeline): its
+        # forwards run on the parameters themselves (no leaves, no functional_call), which is the live version.
+        self.direct = direct and stashing and not vertical_sync and not two_versions
         self.copies = 0  # updates that copied a stash (the fallback), for tests and benchmarks
         self.gradients_reused = 0  # parameters whose out-of-place update wrote into their gradient's storage
 
-    def forward_params(self, microbatch: int, version: int | None = None) -> dict[str, Tensor]:
-        """Leaves to run ``microbatch``'s forward on: the live weights, or an older ``version`` (vertical sync)."""
+    def forward_params(self, microbatch: int, version: int | None = None) -> dict[str, Tensor] | None:
+        """Leaves to run ``microbatch``'s forward on: the live weights, or an older ``version`` (vertical sync);
+        None when the stage is ``direct`` (run the module on its own parameters)."""
+        if self.direct:
+            self._version_of[microbatch] = self.num_updates
+            self._live_users.add(microbatch)
+            return None
         if version is None or version >= self.num_updates:
             source = {n: p.data for n, p in self.params.items()}
             self._live_users.add(microbatch)
@@ -107,6 +116,8 @@ class WeightVersions:
         """Right before ``microbatch``'s backward: its leaves start from the gradients the parameters have
         accumulated already (2BW's micro-batches, ``accumulate_grad_batches``), so autograd adds into those in
         place instead of holding a second set of gradients until :meth:`collect_grads` sums the two."""
+        if self.direct:  # the backward lands on the parameters' .grad itself
+            return
         aliased = set()
         for name, leaf in self._leaves[microbatch].items():
             grad = self.params[name].grad
@@ -117,6 +128,10 @@ class WeightVersions:
 
     def collect_grads(self, microbatch: int) -> None:
         """After ``microbatch``'s backward: add the gradients its leaves received to the parameters' ``.grad``."""
+        if self.direct:
+            self.staleness.append(self.num_updates - self._version_of.pop(microbatch))
+            self._live_users.discard(microbatch)
+            return
         leaves = self._leaves.pop(microbatch)
         aliased = self._aliased.pop(microbatch, set())
         self.staleness.append(self.num_updates - self._version_of.pop(microbatch))
@@ -146,6 +161,13 @@ class WeightVersions:
         """Call right before the optimizer writes into the parameters."""
         if self.two_versions:
             self._swap_buffers()
+            return
+        if self.direct:
+            if self._live_users:
+                raise RuntimeError(
+                    f"Minibatches {sorted(self._live_users)} ran their forward on this stage's parameters and are "
+                    "still in flight at an update; a stage that holds several needs WeightVersions(direct=False)."
+                )
             return
         # Only a minibatch still in flight needs the old storage (on the last stage none is: its
         # forward and backward both come before the update, so it updates in place).

@@ -318,3 +318,18 @@ def test_an_in_place_update_outside_an_optimizer_is_refused_while_a_stash_needs_
         layer.weight -= 0.5
     copying.after_update()
     assert torch.equal(leaves["weight"], kept)  # the copy path protected minibatch 0's weights
+
+
+def test_a_direct_stage_runs_on_its_parameters_and_refuses_to_update_under_a_minibatch_in_flight():
+    # the last stage of a straight pipedream pipeline: forward, backward, update, in that order, on the parameters
+    layer = _linear()
+    versions = WeightVersions(layer, direct=True)
+    assert versions.forward_params(0) is None  # the stage runs the module itself
+    layer(torch.ones(1, 2)).sum().backward()
+    versions.collect_grads(0)
+    _sgd_step(layer, versions)  # in place: nothing in flight
+    assert versions.staleness == [0] and versions.stored_versions() == 1
+    versions.forward_params(1)
+    with pytest.raises(RuntimeError, match=r"Minibatches \[1\] ran their forward on this stage's parameters and are "
+                       r"still in flight at an update; a stage that holds several needs WeightVersions\(direct=False\)"):
+        versions.before_update()
