@@ -14,6 +14,7 @@ from lightning_pipedream.plan.memory import (
     Held,
     StageBytes,
     StageMemory,
+    backward_working,
     layer_keeps,
     layer_work,
     optimizer_state_ratio,
@@ -385,7 +386,7 @@ class _Search:
         ratio = optimizer_state_ratio(self.optimizer)
         params = np.where(np.isfinite(r.params), r.params, 0.0)
         weights = 2 * np.round(params) + np.round(ratio * params) + np.round((versions - 1) * params)
-        working = np.round(r.grad_working / chunks + (r.grad_temps if chunks > 1 else 0.0))  # as predict_memory
+        working = np.round(backward_working(r.grad_working, r.grad_temps, chunks))
         update = np.round(OPTIMIZER_TEMPORARIES[self.optimizer] * r.largest)
         per_mb, per_mb_rc = (r.input + r.acts) / chunks, (r.input + r.output) / chunks
         pending = held.most_pending * r.pending / chunks if held.most_pending else 0.0  # (0 x an empty range's inf)

@@ -21,6 +21,13 @@ OPTIMIZER_STATE = {"sgd": 0, "momentum": 1, "adam": 2}
 OPTIMIZER_TEMPORARIES = {"sgd": 0, "momentum": 1, "adam": 2}
 
 
+def backward_working(grad_working: Any, grad_temps: Any, chunks: int) -> Any:
+    """What one backward holds while it runs (bytes, or a table of them): its activation gradients, 1/chunks of the
+    whole batch's, and with several micro-batches the parameter gradients computed before they are added into
+    ``.grad`` (with one micro-batch per update each becomes ``.grad`` as it is: the gradients term holds it)."""
+    return grad_working / chunks + (grad_temps if chunks > 1 else 0.0)
+
+
 def optimizer_state_ratio(optimizer: str) -> int:
     """Bytes of optimizer state per parameter byte for ``optimizer`` (one of :data:`OPTIMIZER_STATE`)."""
     try:
@@ -320,10 +327,7 @@ def predict_memory(
         replay = max(
             ((sizes[s].layers - sizes[s].output) / chunks if flags[s] else 0.0 for s in mine), default=0.0
         )
-        # With one micro-batch per update each parameter's gradient becomes its .grad as it is (no temporary: the
-        # gradients term holds it); from the second micro-batch on it is computed apart and then added in.
-        temps = 1.0 if chunks > 1 else 0.0
-        working = max(sizes[s].grad_working / chunks + temps * sizes[s].grad_temps for s in mine)
+        working = max(backward_working(sizes[s].grad_working, sizes[s].grad_temps, chunks) for s in mine)
         out.append(
             StageMemory(
                 stage=rank,

@@ -119,13 +119,12 @@ class PipelineEngine:
                 )
         else:
             chunk_modules = [module]
-        # The last stage of a straight pipedream pipeline runs each minibatch's forward and backward before the
-        # update that follows them: it never needs a second version, and runs on its parameters themselves.
-        direct = (weight_stashing and not vertical_sync and not self.spec.two_weight_versions and self.layout is None
-                  and stage_index == num_stages - 1)
+        # The last stage of a straight pipeline runs each minibatch's forward and backward before the update that
+        # follows them: it never needs a second version (WeightVersions says when it may run on its parameters).
         self.weights = (
             WeightVersions(module, stashing=weight_stashing, vertical_sync=vertical_sync,
-                           two_versions=self.spec.two_weight_versions, direct=direct)
+                           two_versions=self.spec.two_weight_versions,
+                           direct=self.layout is None and stage_index == num_stages - 1)
             if self.asynchronous
             else None
         )

@@ -30,9 +30,9 @@ class WeightVersions:
     storage, which stays with the minibatches in flight) instead of copying the old weights there and
     updating in place: into the gradient's own storage when it is a whole tensor of the parameter's
     layout (the gradient is spent: ``.grad`` is None after the step, as the pipeline's next
-    ``zero_grad`` would leave it), else into the spare buffer. That holds for ``torch.optim.SGD`` without momentum (any
-    learning rate, weight decay, ``maximize``), the results equal to the bit; every other optimizer
-    gets the copy, made inside its ``step`` before it writes. The out-of-place update runs inside
+    ``zero_grad`` would leave it), else into the spare buffer. That holds for ``torch.optim.SGD``
+    without momentum (any learning rate, weight decay, ``maximize``), the results equal to the bit;
+    every other optimizer gets the copy, made inside its ``step`` before it writes. The out-of-place update runs inside
     the optimizer's ``step`` (through torch's optimizer step hooks, as the closure's last act), so
     whatever runs before it there (Lightning's ``on_before_optimizer_step`` and gradient clipping)
     still sees and changes the gradients first. An update that bypasses ``torch.optim`` (an
@@ -81,10 +81,12 @@ class WeightVersions:
         # the update must not write into (name -> their version counter then), and the optimizer hooks.
         self._pending: dict[str, int] = {}
         self._names = {id(p): n for n, p in self.params.items()}
-        self._hidden: dict[str, Tensor] = {}  # gradients kept from the optimizer that already applied them
+        # gradients kept from the optimizer that already applied them (None: spent as the new weights' storage)
+        self._hidden: dict[str, Tensor | None] = {}
         self._hooks: list[Any] = []
-        # A stage that never holds two minibatches at an update (the last of a straight pipedream pipeline): its
-        # forwards run on the parameters themselves (no leaves, no functional_call), which is the live version.
+        # A stage that never holds two minibatches at an update (the last of a straight pipeline): with plain
+        # stashing its forwards run on the parameters themselves (no leaves, no functional_call), the live version;
+        # vertical sync and 2BW choose older versions, and the ablation without stashing keeps its leaves.
         self.direct = direct and stashing and not vertical_sync and not two_versions
         self.copies = 0  # updates that copied a stash (the fallback), for tests and benchmarks
         self.gradients_reused = 0  # parameters whose out-of-place update wrote into their gradient's storage
