@@ -12,7 +12,9 @@ freed memory (``--malloc keep``, PipeDreamStrategy's default ``keep_freed_memory
 samples, in the same order; two groups do the same number of updates:
 
 * **minibatch 64** (one update per 64 samples): ``one_device_64`` (one process), ``ddp`` (2 processes
-  x 32 samples, gloo), ``pipedream`` (PipeDreamStrategy(schedule="pipedream"), 2 stages, balance [8, 8]);
+  x 32 samples, gloo), ``pipedream`` (PipeDreamStrategy(schedule="pipedream"), 2 stages, balance [8, 8]),
+  ``pipedream_per_batch`` (the same on batches of 512, each cut into 8 minibatches of 64 with
+  ``minibatches_per_batch=8``: Lightning's per-step work once per 8 updates; its figures are per minibatch);
 * **batch 512** (one update per 512 samples): ``one_device_512`` (one process, the whole batch),
   ``gpipe`` and ``1f1b`` (PipeDreamStrategy(schedule=..., chunks=8), 2 stages, balance [8, 8]).
 
@@ -45,8 +47,10 @@ from pathlib import Path
 
 from benchmarks.worker_process import run_worker
 
-# pipedream_gloo: the same as pipedream with the ranks talking through gloo's TCP pairs instead of shared memory
-GROUP_64 = ("one_device_64", "ddp", "pipedream", "pipedream_gloo")
+# pipedream_gloo: the same as pipedream with the ranks talking through gloo's TCP pairs instead of shared memory;
+# pipedream_per_batch: the same updates from batches of 512, each cut into 8 minibatches (minibatches_per_batch=8)
+PER_BATCH = "pipedream_per_batch"
+GROUP_64 = ("one_device_64", "ddp", "pipedream", "pipedream_gloo", PER_BATCH)
 GROUP_512 = ("one_device_512", "gpipe", "1f1b")
 LIGHTNING = GROUP_64 + GROUP_512
 ENGINE = ("engine_gpipe", "engine_1f1b", "engine_pipedream")
@@ -127,22 +131,24 @@ def _worker(spec: dict) -> None:
         out = Path(spec["out"]) / name
         out.mkdir(parents=True, exist_ok=True)
         steps = spec["warmup"][name] + spec["steps"][name]
-        batch = cfg.micro if name in GROUP_64 else cfg.batch
+        batch = cfg.micro if name in GROUP_64 and name != PER_BATCH else cfg.batch
         n = steps * batch
         g = torch.Generator().manual_seed(1)
         data = TensorDataset(torch.randn(n, cfg.width, generator=g), torch.randn(n, cfg.width, generator=g))
         devices, per_rank = 1, batch
         if name == "ddp":
             devices, per_rank, strategy = 2, batch // 2, "ddp"
-        elif name in ("pipedream", "pipedream_gloo", "gpipe", "1f1b"):
-            schedule = name.removesuffix("_gloo")
+        elif name in ("pipedream", "pipedream_gloo", PER_BATCH, "gpipe", "1f1b"):
+            schedule = name.removesuffix("_gloo").removesuffix("_per_batch")
             chunks = 1 if schedule == "pipedream" else cfg.chunks
+            per_batch = cfg.chunks if name == PER_BATCH else 1
             half = cfg.layers  # the Sequential has 2 * layers modules (Linear, ReLU): [8, 8]
             trace = str(out / "trace") if schedule == "pipedream" else None  # for the per-action breakdown
             # the second rank, which Lightning starts at fit, inherits it
             os.environ[TRANSPORT_ENV] = "gloo" if name.endswith("_gloo") else "auto"
             devices, strategy = 2, PipeDreamStrategy(schedule=schedule, chunks=chunks, balance=[half, half],
-                                                        keep_freed_memory=keep, trace=trace)
+                                                        keep_freed_memory=keep, trace=trace,
+                                                        minibatches_per_batch=per_batch)
         else:
             strategy = "auto"
         profiler = None
@@ -213,24 +219,29 @@ def run_lightning_many(names: list[str], cfg_dict: dict, units: dict, timeout: f
         proc = run_worker("benchmarks.lightning", spec, tmp, timeout)
         if proc.returncode != 0:
             raise RuntimeError(f"{names} failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-        return {n: _collect(n, out / n, *units[n]) for n in names}
+        return {n: _collect(n, out / n, *units[n], per_step=cfg_dict["chunks"] if n == PER_BATCH else 1)
+                for n in names}
 
 
 def run_lightning(name: str, cfg_dict: dict, units: dict, timeout: float, malloc: str = "keep") -> dict:
     return run_lightning_many([name], cfg_dict, units, timeout, malloc=malloc)[name]
 
 
-def _collect(name: str, out: Path, warmup: int, steps: int) -> dict:
+def _collect(name: str, out: Path, warmup: int, steps: int, per_step: int = 1) -> dict:
+    """One run's figures from its ranks' files; ``per_step``: minibatches per Lightning step (PER_BATCH), whose
+    figures are per minibatch, as the other contenders' of its group."""
     ranks = sorted((json.loads(p.read_text()) for p in out.glob("rank*.json")), key=lambda r: r["rank"])
     t0 = min(r["ends"][warmup - 1] for r in ranks)
     t1 = max(r["ends"][-1] for r in ranks)
     data_parallel = len(ranks) if name == "ddp" else 1
+    steps_done = steps
+    steps *= per_step
     return {
         "seconds": t1 - t0,
         "seconds_per_step": (t1 - t0) / steps,
         "timed_steps": steps,
         "samples": sum(r["samples"] for r in ranks[:data_parallel]),
-        "timed_samples": steps * (ranks[0]["samples"] // ranks[0]["batches"]) * data_parallel,
+        "timed_samples": steps_done * (ranks[0]["samples"] // ranks[0]["batches"]) * data_parallel,
         "updates": ranks[0]["updates"],
         "updates_per_rank": [r["updates"] for r in ranks],
         "batches_per_rank": [r["batches"] for r in ranks],
@@ -405,7 +416,8 @@ def main(argv: list[str] | None = None) -> dict:
     cfg_dict = {"layers": cfg.layers, "width": cfg.width, "batch": cfg.batch, "chunks": cfg.chunks}
 
     # (warm-up, timed) Lightning steps per contender: a step is a batch of 64 or of 512
-    units = {n: (warmup * cfg.chunks, steps * cfg.chunks) if n in GROUP_64 else (warmup, steps) for n in CONTENDERS}
+    units = {n: (warmup * cfg.chunks, steps * cfg.chunks) if n in GROUP_64 and n != PER_BATCH else (warmup, steps)
+             for n in CONTENDERS}
     shared = args.shared or args.quick
     if args.malloc == "keep" and not keep_freed_memory():  # here too: the engine's runs fork from this process
         parser.error("--malloc keep needs glibc; use --malloc default")
@@ -496,7 +508,7 @@ def plot(doc: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     c = doc["contenders"]
-    order = [n for n in ("one_device_64", "ddp", "pipedream", "pipedream_gloo", "engine_pipedream",
+    order = [n for n in ("one_device_64", "ddp", "pipedream", "pipedream_gloo", PER_BATCH, "engine_pipedream",
                          "one_device_512", "gpipe", "engine_gpipe", "1f1b", "engine_1f1b") if n in c]
     per_step = {n: c[n]["timed_samples"] / c[n]["timed_steps"] for n in order}
     fig, ax = plt.subplots(figsize=(9, 4))
@@ -510,9 +522,12 @@ def plot(doc: dict, path: Path) -> None:
     load = doc["machine"]["loadavg_1m_during"]
     ax.set_title(f"MLP under Lightning, 1 thread per process; load average {load['min']:.1f}-{load['max']:.1f} "
                  f"on {doc['machine']['cpus']} CPUs", fontsize=10)
-    ax.axvline(3.5, color="k", lw=0.5)
-    ax.text(1.5, ax.get_ylim()[1] * 0.95, "one update per 64 samples", ha="center", fontsize=9)
-    ax.text(6.5, ax.get_ylim()[1] * 0.95, "one update per 512 samples", ha="center", fontsize=9)
+    split = order.index("one_device_512") - 0.5 if "one_device_512" in order else len(order) - 0.5
+    ax.axvline(split, color="k", lw=0.5)
+    ax.text(split / 2 - 0.5, ax.get_ylim()[1] * 0.95, "one update per 64 samples", ha="center", fontsize=9)
+    if split < len(order) - 1:
+        ax.text((split + len(order)) / 2 - 0.5, ax.get_ylim()[1] * 0.95, "one update per 512 samples", ha="center",
+                fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -543,7 +558,7 @@ def _print_table(doc: dict) -> None:
               f"{_fmt(r.get('share_of_bound'), '.2f')} | {_fmt(r.get('speedup_vs_one_device'), '.2f')} | "
               f"{_fmt(r.get('speedup_vs_ddp'), '.2f')} | "
               f"{_fmt(r.get('strategy_over_engine'), '.2f')} |")
-    for name in ("pipedream", "pipedream_gloo", "engine_pipedream", "bound_64"):
+    for name in ("pipedream", "pipedream_gloo", PER_BATCH, "engine_pipedream", "bound_64"):
         for rank, parts in enumerate(c.get(name, {}).get("breakdown_s_per_step", [])):
             print(f"{name} rank {rank}, ms per step: " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in parts.items()))
         for rank, threads in enumerate(c.get(name, {}).get("threads_cpu_s_per_step", [])):

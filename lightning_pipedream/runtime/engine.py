@@ -171,9 +171,15 @@ class PipelineEngine:
         for stage in self.stages.values():
             stage.track_activations = on
 
-    def step_actions(self, micro_batches: int | None = None) -> list[Action]:
+    def step_actions(self, micro_batches: int | None = None, minibatches: int = 1) -> list[Action]:
         """This rank's actions for the next training step; ``micro_batches`` fewer than ``chunks``: a flushed step
-        of that many (a batch with fewer samples than ``chunks``, such as an epoch's last)."""
+        of that many (a batch with fewer samples than ``chunks``, such as an epoch's last). ``minibatches``
+        (``pipedream`` on a straight pipeline): admit that many minibatches in one step, each with its own update;
+        the actions are exactly those of as many one-minibatch steps, one after another."""
+        if minibatches != 1:
+            self._check_minibatches(minibatches)
+            return [a for t in range(self._admitted, self._admitted + minibatches)
+                    for a in pipedream_step(self.num_stages, self.stage.index, t)]
         if self._flushed is not None:
             schedule = self._flushed
             if micro_batches is not None and micro_batches != self.chunks:
@@ -197,21 +203,35 @@ class PipelineEngine:
         return pipedream_step(self.num_stages, self.stage.index, self._admitted)
 
     def train_step(self, inputs: InputFn, loss: LossFn, update: UpdateFn,
-                   micro_batches: int | None = None) -> StepResult:
+                   micro_batches: int | None = None, minibatches: int = 1) -> StepResult:
         """Run one training step. ``inputs``/``loss`` receive the micro-batch number (for
-        ``pipedream``: the minibatch number since the last drain, which is also the step's; for
+        ``pipedream``: the minibatch number since the last drain; for
         ``2bw``: ``step * chunks + i`` for the step's i-th micro-batch, counted since the last drain).
-        ``micro_batches``: this step's count when it has fewer than ``chunks`` (flushed schedules only)."""
+        ``micro_batches``: this step's count when it has fewer than ``chunks`` (flushed schedules only).
+        ``minibatches``: ``pipedream`` on a straight pipeline only: minibatches admitted in this step (numbers
+        :attr:`next_minibatch` on), each with its own update, as that many one-minibatch steps would."""
         flight = recorder()
         flight.step, flight.unit = self._train_steps, "micro-batch" if self._flushed is not None else "minibatch"
-        result = self._run(self.step_actions(micro_batches), inputs, loss, update, self.next_minibatch)
+        result = self._run(self.step_actions(micro_batches, minibatches), inputs, loss, update, self.next_minibatch)
         self._train_steps += 1
         if self._flushed is None:
-            self._admitted += 1
+            self._admitted += minibatches
         else:
             self._steps += 1
             self._wait_for_sends()
         return result
+
+    def _check_minibatches(self, minibatches: int) -> None:
+        if isinstance(minibatches, bool) or not isinstance(minibatches, int) or minibatches < 1:
+            raise ValueError(f"minibatches must be an integer >= 1 (minibatches admitted in one step), "
+                             f"got {minibatches!r}.")
+        if not self.spec.several_minibatches_per_step or self.layout is not None:
+            where = f"schedule={self.schedule!r}" if self.layout is None else "replicated stages (1F1B-RR)"
+            raise ValueError(
+                f"Several minibatches per step (minibatches={minibatches}) run under schedule='pipedream' on a "
+                f"straight pipeline only, not with {where}: there a step is one update of chunks micro-batches "
+                "(or the replicas' round). Give minibatches=1."
+            )
 
     def drain(self, update: UpdateFn) -> StepResult:
         """Finish every minibatch in flight (pipedream), so that all weights are final."""

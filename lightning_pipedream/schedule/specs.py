@@ -39,6 +39,12 @@ class ScheduleSpec:
         return not self.asynchronous
 
     @property
+    def several_minibatches_per_step(self) -> bool:
+        """A training step may admit several minibatches, each with its own update: its actions are those of as many
+        one-minibatch steps, one after another (pipedream; ``minibatches_per_batch``)."""
+        return self.asynchronous and self.minibatch_updates and not self.microbatches
+
+    @property
     def two_weight_versions(self) -> bool:
         """PipeDream-2BW's rule: gradients coalesced over a step's micro-batches, the update applied a step late."""
         return self.weight_versions == 2

@@ -42,6 +42,7 @@ class PipelineOptions:
     exact: bool = False  # schedule='auto': only schedules equal to one device
     on_divergence: str | None = None  # "flush": back to the last drained weights, then 1f1b (see strategy/divergence)
     divergence_factor: float = DEFAULT_FACTOR
+    minibatches_per_batch: int = 1  # pipedream: minibatches (each its own update) a batch is cut into
 
     def __post_init__(self) -> None:
         if self.auto:
@@ -80,6 +81,7 @@ class PipelineOptions:
                 f"it, e.g. mean_over=lambda batch: (batch['labels'] != -100).sum(); got {self.mean_over!r}."
             )
         self._check_divergence_guard()
+        self._check_minibatches_per_batch()
         if self.stages is not None and (not isinstance(self.stages, int) or isinstance(self.stages, bool)
                                         or self.stages < 1):
             raise ValueError(f"stages must be an integer >= 1 (the pipeline's length), got {self.stages!r}.")
@@ -97,6 +99,18 @@ class PipelineOptions:
             raise ValueError(f"on_divergence={self.on_divergence!r} guards the asynchronous schedules (pipedream, "
                              f"2bw), whose stale weights can diverge; schedule={self.schedule!r} computes what one "
                              "device would. Drop on_divergence, or use schedule='pipedream' or '2bw'.")
+
+    def _check_minibatches_per_batch(self) -> None:
+        k = self.minibatches_per_batch
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"minibatches_per_batch={k!r}: give an integer >= 1, the minibatches (each with its own "
+                             "update) that schedule='pipedream' cuts each batch into.")
+        if k > 1 and (self.auto or not self.spec.several_minibatches_per_step):
+            raise ValueError(
+                f"minibatches_per_batch={k} cuts each batch into PipeDream minibatches, each with its own update: "
+                f"schedule='pipedream' only. schedule={self.schedule!r} makes one update per batch; cut the batch "
+                "into micro-batches with chunks= instead, or use schedule='pipedream'."
+            )
 
     @property
     def auto(self) -> bool:

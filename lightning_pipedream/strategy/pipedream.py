@@ -170,6 +170,14 @@ class PipeDreamStrategy(DDPStrategy):
             on under ``1f1b`` (``chunks`` = max(chunks, stages)), saying so in a warning and logging
             ``pipeline/switched_to_1f1b``. Costs a copy of each stage's weights and optimizer state. Off by default.
         divergence_factor: how many times its lowest value the smoothed loss may reach (default 2).
+        minibatches_per_batch: ``pipedream`` on a straight pipeline: cut each batch into this many minibatches,
+            each a PipeDream minibatch with its own update, all run in one training step (default 1: the batch is
+            the minibatch). The updates are those of a DataLoader giving the minibatches one per step, but
+            Lightning's per-step work (fetching the batch, its hooks, ``self.log``) and the strategy's (the step
+            summary) are paid once per batch: on a small model that work is a tenth of a pipeline step
+            (docs/strategy.md, "Several minibatches per batch"). A step then counts ``minibatches_per_batch``
+            updates for ``max_steps``, step-wise LR schedulers (every minibatch of a batch gets the rate of its
+            step) and checkpoints every n steps; its logged values and loss are the mean over its minibatches.
     """
 
     strategy_name = "pipedream"
@@ -198,6 +206,7 @@ class PipeDreamStrategy(DDPStrategy):
         exact: bool = False,
         on_divergence: str | None = None,
         divergence_factor: float = DEFAULT_FACTOR,
+        minibatches_per_batch: int = 1,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -212,7 +221,7 @@ class PipeDreamStrategy(DDPStrategy):
             vertical_sync, tuple(bandwidth) if isinstance(bandwidth, (list, tuple)) else bandwidth, trace, stages,
             tuple_or_none(replicas), check_finite, straight, virtual_stages,
             tuple(recompute) if isinstance(recompute, (list, tuple)) else recompute, keep_freed_memory, mean_over,
-            memory_limit, exact, on_divergence, divergence_factor,
+            memory_limit, exact, on_divergence, divergence_factor, minibatches_per_batch,
         )
         if start_method != "popen":
             # spawn/fork launchers copy only rank 0's weights back to the main process: wrong for a pipeline.
@@ -329,6 +338,7 @@ class PipeDreamStrategy(DDPStrategy):
                                      replicas=self._replicas(self.plan))
         if self.options.on_divergence is not None:
             _refuse_guard_with_unequal_replicas(placement)
+        _refuse_minibatches_with_replicas(placement, self.options.minibatches_per_batch)
         if self.plan is not None and len(self.plan.stages) != placement.num_stages:
             raise ValueError(
                 f"The plan {self.options.plan_path} has {len(self.plan.stages)} stages but the Trainer runs "
@@ -353,6 +363,13 @@ class PipeDreamStrategy(DDPStrategy):
             self._choose_automatically(trainer, module, fitting)
         if fitting:
             check_training_supported(module, self.precision_plugin)
+            k = self.options.minibatches_per_batch
+            if k > 1 and trainer.accumulate_grad_batches > 1:
+                raise ValueError(
+                    f"PipeDreamStrategy(minibatches_per_batch={k}) makes an update per minibatch; "
+                    f"accumulate_grad_batches={trainer.accumulate_grad_batches} would add up several. Use a larger "
+                    "batch with fewer minibatches_per_batch, or drop accumulate_grad_batches."
+                )
             if self.asynchronous and self.options.chunks > 1:  # 2bw: every step admits chunks micro-batches
                 check_last_batch_fits(loop_loader(trainer.fit_loop), self.options.chunks, self.placement.num_pipelines,
                                       self.options.schedule)
@@ -410,6 +427,7 @@ class PipeDreamStrategy(DDPStrategy):
             self.plan = planner.replicated_plan(found[1], self.world_size, len(self.parallel_devices or [None]),
                                                 self.num_nodes)
         placement = self._decide_placement(self.plan, trainer.accumulate_grad_batches if fitting else 1)
+        _refuse_minibatches_with_replicas(placement, options.minibatches_per_batch)
         groups = ProcessGroups.make(placement, self._process_group_backend, self._timeout)
         full_keys = list(module.state_dict())
         # The full model's optimizer layout maps checkpoints (single-device form) to this rank's stage.
@@ -452,7 +470,7 @@ class PipeDreamStrategy(DDPStrategy):
             checkpoint=CheckpointGather(self.global_rank, self.world_size, full_keys),
             optimizer_layouts=optimizer_layouts, local_names=local_names, graph=graph,
         )
-        pipeline.lagged = lagged_summaries(placement, groups, pipeline.summary)
+        pipeline.lagged = lagged_summaries(placement, groups, pipeline.summary, options.minibatches_per_batch)
         pipeline.ties = tied
         if groups.replicas is not None:
             pipeline.reducer = GradientReducer(stage.parameters(), groups.replicas)
@@ -645,10 +663,15 @@ class PipeDreamStrategy(DDPStrategy):
         step_outputs: list[Any] = []
         batch_loss = [0.0]
 
+        # minibatches_per_batch: the batch's minibatches, numbered on from ``first`` by the engine, from 0 by the shares.
+        minibatches = len(shares.parts) if self.options.minibatches_per_batch > 1 else 1
+        first = pipeline.engine.next_minibatch if self.options.minibatches_per_batch > 1 else 0
+
         def inputs(mb: int) -> Any:
-            return pipeline.call.input_of(module, "training_step", shares.part(mb), batch_idx)
+            return pipeline.call.input_of(module, "training_step", shares.part(mb - first), batch_idx)
 
         def loss(mb: int, output: Any) -> Tensor:
+            mb -= first
             logged = recorder.capture(module, shares.log_weight(mb), shares.size(mb))
             with pipeline.call.replaying(module, output), logged:
                 step_output = module.training_step(shares.part(mb), batch_idx)
@@ -661,13 +684,13 @@ class PipeDreamStrategy(DDPStrategy):
         if pipeline.graph is not None:
             pipeline.graph.ensure_captured(module, "training_step", shares.parts, batch_idx)
         self._step_context = f"training step {batch_idx} of epoch {trainer.current_epoch}"
-        for minibatch in self._admitted_here(pipeline.engine.next_minibatch):
+        for minibatch in self._admitted_here(pipeline.engine.next_minibatch, minibatches):
             updates.admit(minibatch, batch_idx, closes_group)
         # A batch with fewer samples than chunks (an epoch's last) runs one micro-batch per sample.
-        micro_batches = len(shares.parts) if shares.shards == 1 else None
+        micro_batches = len(shares.parts) if shares.shards == 1 and minibatches == 1 else None
         drained = self.asynchronous and (end_of_data or last_step)
         with self.precision_plugin.train_step_context(), updates.pipeline_grads():
-            pipeline.engine.train_step(inputs, loss, updates.apply, micro_batches)
+            pipeline.engine.train_step(inputs, loss, updates.apply, micro_batches, minibatches)
             if drained:
                 # Every stage finishes its minibatches before the epoch's end hooks, validation and checkpoints.
                 pipeline.engine.drain(updates.apply)
@@ -708,9 +731,9 @@ class PipeDreamStrategy(DDPStrategy):
                 LogRecorder.replay(module, each.logs)
         self._drained_weights.restore(pipeline.stage, self.optimizers)
         before = self.options.schedule
-        chunks = max(self.options.chunks, pipeline.placement.num_stages)
+        chunks = max(self.options.chunks, self.options.minibatches_per_batch, pipeline.placement.num_stages)
         self.options = dataclasses.replace(self.options, schedule="1f1b", chunks=chunks, vertical_sync=False,
-                                           on_divergence=None)
+                                           on_divergence=None, minibatches_per_batch=1)
         pipeline.placement = dataclasses.replace(pipeline.placement, asynchronous=False)
         pipeline.lagged = None
         pipeline.engine = self._make_engine(pipeline.stage, [pipeline.stage], pipeline.placement, pipeline.groups)
@@ -726,6 +749,9 @@ class PipeDreamStrategy(DDPStrategy):
     def _shares(self, batch: Any) -> BatchShares:
         """A training batch's micro-batches and their loss weights (see :class:`BatchShares`)."""
         placement = self.placement
+        k = self.options.minibatches_per_batch
+        if k > 1:  # each piece a minibatch of its own: its loss counts fully in its own update
+            return BatchShares.of(batch, k, minibatch_updates=True, fewer_if_small=True, mean_over=self.options.mean_over)
         shares = BatchShares.of(batch, self.options.chunks, placement.input_shards,
                                 minibatch_updates=placement.round_robin and self.options.spec.minibatch_updates,
                                 fewer_if_small=True, mean_over=self.options.mean_over)
@@ -774,13 +800,14 @@ class PipeDreamStrategy(DDPStrategy):
         loss_tensor = torch.tensor(newest.loss, device=self.root_device, requires_grad=True)
         return {"loss": loss_tensor, **newest.extra} if newest.extra else loss_tensor
 
-    def _admitted_here(self, first: int) -> list[int]:
-        """The minibatches of this step whose updates this rank will make: the step's one, or under 1F1B-RR
-        pipedream those of the step's ``d`` minibatches that this rank's replica owns (m % replicas)."""
+    def _admitted_here(self, first: int, minibatches: int = 1) -> list[int]:
+        """The minibatches of this step whose updates this rank will make: the step's one (its ``minibatches``
+        under ``minibatches_per_batch``), or under 1F1B-RR pipedream those of the step's ``d`` minibatches that
+        this rank's replica owns (m % replicas)."""
         placement = self.placement
         layout = placement.layout
         if layout is None or not self.options.spec.minibatch_updates:
-            return [first]
+            return list(range(first, first + minibatches))
         r = layout.replicas[placement.stage_index]
         return [m for m in range(first, first + layout.input_replicas) if m % r == placement.replica_index]
 
@@ -1014,6 +1041,16 @@ def _refuse_guard_with_unequal_replicas(placement: Placement) -> None:
         raise ValueError(
             "on_divergence='flush' goes over to 1f1b, which does not run unequal stage replicas (1F1B-RR, "
             f"replicas={list(placement.layout.replicas)}). Drop on_divergence, or replicate whole pipelines (stages=)."
+        )
+
+
+def _refuse_minibatches_with_replicas(placement: Placement, minibatches_per_batch: int) -> None:
+    if minibatches_per_batch > 1 and placement.layout is not None:
+        raise ValueError(
+            f"PipeDreamStrategy(minibatches_per_batch={minibatches_per_batch}) runs on a straight pipeline (or "
+            f"data-parallel copies of one); stages with unequal replicas {list(placement.layout.replicas)} (1F1B-RR) "
+            "already cut each batch into one minibatch per input replica. Drop minibatches_per_batch, or use equal "
+            "replicas."
         )
 
 

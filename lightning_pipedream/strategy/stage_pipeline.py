@@ -49,17 +49,19 @@ def summary_channel(placement: Placement, groups: ProcessGroups, device: torch.d
                           placement.num_pipelines, source=sources[0], sources=sources)
 
 
-def lagged_summaries(placement: Placement, groups: ProcessGroups,
-                      channel: SummaryChannel) -> LaggedFromSources | None:
+def lagged_summaries(placement: Placement, groups: ProcessGroups, channel: SummaryChannel,
+                     minibatches_per_step: int = 1) -> LaggedFromSources | None:
     """pipedream and 2bw: step summaries sent point to point on their own group and used ``stages - 1`` steps
-    late, so that no rank waits for the last stage within a step."""
+    late, so that no rank waits for the last stage within a step. With ``minibatches_per_step`` k, stage 0
+    back-propagates a step's last minibatch ``ceil((stages - 1) / k)`` steps later: that is the lag."""
     if groups.summaries is None:
         return None
+    lag = -(-(placement.num_stages - 1) // minibatches_per_step)
     me = dist.get_rank(groups.summaries)
     size = dist.get_world_size(groups.summaries)
     return LaggedFromSources([
         LaggedSummaries(channel, groups.summaries, source=source, receivers=[r for r in range(size) if r != source],
-                        lag=placement.num_stages - 1, is_source=me == source)
+                        lag=lag, is_source=me == source)
         for source in placement.last_stage_ranks()
     ])
 

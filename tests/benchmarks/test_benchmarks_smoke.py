@@ -88,9 +88,11 @@ def test_lightning_quick_runs(tmp_path):
     assert len({c["samples"] for c in contenders.values()}) == 1  # the same samples for all
     cfg = saved["config"]
     batches = cfg["warmup_batches_of_512"] + cfg["timed_batches_of_512"]
-    for name in ("one_device_64", "ddp", "pipedream", "engine_pipedream", "bound_64"):  # one update per minibatch
-        assert contenders[name]["updates"] == batches * cfg["chunks"], name
+    for name in ("one_device_64", "ddp", "pipedream", lightning.PER_BATCH, "engine_pipedream", "bound_64"):
+        assert contenders[name]["updates"] == batches * cfg["chunks"], name  # one update per minibatch
         assert contenders[name]["bound"] == "bound_64", name
+    # minibatches_per_batch: Lightning steps of a whole batch, its figures per minibatch as the others'
+    assert contenders[lightning.PER_BATCH]["timed_steps"] == contenders["pipedream"]["timed_steps"]
     for name in ("one_device_512", "gpipe", "1f1b", "engine_gpipe", "engine_1f1b", "bound_512"):  # one per batch
         assert contenders[name]["updates"] == batches, name
         assert contenders[name]["bound"] == "bound_512", name

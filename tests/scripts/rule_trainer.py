@@ -196,6 +196,8 @@ def train(out: str, options: dict[str, Any]) -> None:
     trainer_args.update(options.pop("trainer", {}))
     trainer = L.Trainer(**trainer_args)
     items = batches(options.pop("batches", 6))
+    merge = options.pop("merge", 1)  # every `merge` batches as one (for minibatches_per_batch=merge)
+    items = [tuple(torch.cat(column) for column in zip(*items[i : i + merge])) for i in range(0, len(items), merge)]
     pipelines = options.pop("pipelines", 1)
     if pipelines > 1:  # data-parallel pipelines: pipeline k reads rows k, k + d, ... of every batch (its shard)
         shard = int(os.environ.get("LOCAL_RANK", 0)) % pipelines  # stage-major ranks: rank % d is the pipeline

@@ -36,6 +36,10 @@ def saved_plan(tmp_path: Path, workers: int, replicas_allowed: bool = False) -> 
     (lambda tmp: PipeDreamStrategy(replicas=[2, 1], on_divergence="flush"), 3,
      "on_divergence='flush' goes over to 1f1b, which does not run unequal stage replicas (1F1B-RR, replicas=[2, 1]). "
      "Drop on_divergence, or replicate whole pipelines (stages=)."),
+    (lambda tmp: PipeDreamStrategy(replicas=[2, 1], minibatches_per_batch=4), 3,
+     "PipeDreamStrategy(minibatches_per_batch=4) runs on a straight pipeline (or data-parallel copies of one); stages "
+     "with unequal replicas [2, 1] (1F1B-RR) already cut each batch into one minibatch per input replica. Drop "
+     "minibatches_per_batch, or use equal replicas."),
     (lambda tmp: PipeDreamStrategy(plan=saved_plan(tmp, 3)), 2,
      "has 3 stages but the Trainer runs 2 processes. Make a plan for 2 workers, or set devices/num_nodes to give 3 "
      "processes."),
@@ -67,6 +71,20 @@ def test_a_malformed_plan_file_is_named_when_the_strategy_is_built(tmp_path: Pat
     with pytest.raises(ValueError, match=words) as err:
         PipeDreamStrategy(plan=path)
     assert str(path) in str(err.value)
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"minibatches_per_batch": 0}, "minibatches_per_batch=0: give an integer >= 1, the minibatches (each with its own "
+     "update) that schedule='pipedream' cuts each batch into."),
+    ({"schedule": "1f1b", "chunks": 4, "minibatches_per_batch": 2},
+     "minibatches_per_batch=2 cuts each batch into PipeDream minibatches, each with its own update: "
+     "schedule='pipedream' only. schedule='1f1b' makes one update per batch; cut the batch into micro-batches with "
+     "chunks= instead, or use schedule='pipedream'."),
+])
+def test_minibatches_per_batch_is_pipedreams_and_positive(options: dict, message: str) -> None:
+    with pytest.raises(ValueError) as err:
+        PipeDreamStrategy(**options)
+    assert str(err.value) == message
 
 
 def test_a_good_configuration_builds_without_starting_anything(tmp_path: Path) -> None:

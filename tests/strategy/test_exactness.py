@@ -36,17 +36,20 @@ def reference(
     *, balance: list[int], model: dict | None = None, epochs: list[list[int]], accumulate: int = 1,
     drain_after: tuple[int, ...] = (), clip_norm: float | None = None, clip_value: float | None = None,
     vertical_sync: bool = False, frozen_first_layer_epochs: tuple[int, ...] = (), num_batches: int = 6,
-    stashing: bool = True,
+    stashing: bool = True, per_step: int = 1,
 ) -> dict[str, torch.Tensor]:
     """The rule's weights after training on ``epochs`` (each a list of batch indices), draining at each
-    epoch's end and after the given numbers of batches into an epoch."""
+    epoch's end and after the given numbers of batches into an epoch. ``per_step``: the Trainer's steps each
+    took that many of these batches as minibatches (minibatches_per_batch), so a step-wise scheduler changes
+    the rate every ``per_step`` minibatches."""
     model = model or {}
     L.seed_everything(0, verbose=False)
     module = RuleMLP(**model)
     kind, lr = model.get("optimizer", "sgd"), model.get("lr", 0.2)
     data = batches(num_batches)
     closes = [[(i + 1) % accumulate == 0 or i == len(epoch) - 1 for i in range(len(epoch))] for epoch in epochs]
-    rates = _learning_rates(kind, lr, model.get("scheduler"), [c for epoch in closes for c in epoch])
+    rates = _learning_rates(kind, lr, model.get("scheduler"), [c for epoch in closes for c in epoch][::per_step])
+    rates = [rates[t // per_step] for t in range(sum(len(epoch) for epoch in epochs))]
     rule = PipeDreamRule(
         module.layers, balance, lambda params: make_optimizer(kind, lr, params), torch.nn.functional.mse_loss,
         lambda t: {"lr": rates[t]}, accumulate=accumulate, clip_norm=clip_norm, clip_value=clip_value,
@@ -145,6 +148,12 @@ RUNS: dict[str, dict[str, Any]] = {
     # under 1f1b from batch 5
     "guard-normal-3": pipedream(THREE, on_divergence="flush"),
     "guard-blow-up-2": {**pipedream(TWO, on_divergence="flush"), "model": {"blow_up_at": 3}},
+    # minibatches_per_batch: each Trainer batch is 3 (2) of the rule's minibatches, each with its own update;
+    # the scheduler steps once per Trainer step; validation in the middle of the epoch drains between steps
+    "3-per-batch-2": {**pipedream(TWO, minibatches_per_batch=3), "model": SCHEDULED, "merge": 3},
+    "2-per-batch-3-vertical-sync": {**pipedream(THREE, minibatches_per_batch=2, vertical_sync=True),
+                                    "model": {"optimizer": "adam", "lr": 0.01}, "merge": 2,
+                                    "trainer": {"val_check_interval": 2, "limit_val_batches": 1}},
 }
 
 
@@ -202,6 +211,20 @@ def test_two_epochs_follow_the_rule(runs, name, extra):
     want = reference(balance=options["strategy"]["balance"], model=options["model"], epochs=TWO_EPOCHS, **extra)
     assert_weights(runs[name], want)
     assert result(runs[name])["global_step"] == 12
+
+
+@pytest.mark.parametrize("name,per_step,extra", [
+    ("3-per-batch-2", 3, {}), ("2-per-batch-3-vertical-sync", 2, {"vertical_sync": True, "drain_after": (4,)}),
+])
+def test_several_minibatches_per_batch_follow_the_rule(runs, name, per_step, extra):
+    """Each Trainer batch of ``per_step`` minibatches trains as that many PipeDream steps (one update each)."""
+    options = RUNS[name]
+    want = reference(balance=options["strategy"]["balance"], model=options["model"], epochs=TWO_EPOCHS,
+                     per_step=per_step, **extra)
+    assert_weights(runs[name], want)
+    got = result(runs[name])
+    assert got["global_step"] == 12 // per_step  # a step is a batch: max_steps and schedulers count batches
+    assert 0 < got["metrics"]["train_loss"] < 10
 
 
 def test_without_weight_stashing_the_backward_uses_the_newest_weights(runs):
@@ -346,6 +369,10 @@ def test_what_is_refused_says_what_to_use_instead():
     with pytest.raises(RuntimeError, match="The optimizer's parameter groups changed during training .*"
                                            "BackboneFinetuning.*unfreeze by setting requires_grad=True"):
         _fit_one_device(RuleMLP(), callbacks=[AddsParamGroup()])
+    with pytest.raises(ValueError, match=r"PipeDreamStrategy\(minibatches_per_batch=2\) makes an update per "
+                                         r"minibatch; accumulate_grad_batches=2 would add up several\. Use a larger "
+                                         "batch with fewer minibatches_per_batch, or drop accumulate_grad_batches."):
+        _fit_one_device(RuleMLP(), PipeDreamStrategy(minibatches_per_batch=2), accumulate_grad_batches=2)
 
 
 def test_cpu_ranks_keep_freed_memory_unless_told_not_to(monkeypatch):

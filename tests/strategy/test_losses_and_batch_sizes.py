@@ -7,8 +7,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_pipedream.runtime.engine import PipelineEngine
 from lightning_pipedream.runtime.shares import BatchShares
-from lightning_pipedream.schedule.builders import build_schedule
+from lightning_pipedream.schedule.builders import build_schedule, pipedream_drain
 from lightning_pipedream.strategy.checks import check_last_batch_fits
 
 
@@ -80,8 +81,6 @@ def test_a_last_batch_that_2bw_cannot_run_is_refused_before_training():
 def test_a_step_of_fewer_micro_batches_than_2bw_admits_is_refused():
     from torch import nn
 
-    from lightning_pipedream.runtime.engine import PipelineEngine
-
     engine = PipelineEngine(nn.Linear(2, 2), 0, 2, None, schedule="2bw", chunks=2)  # refused before any transfer
     with pytest.raises(ValueError) as info:
         engine.step_actions(1)
@@ -126,3 +125,40 @@ def test_weights_tied_across_stages_are_refused_where_they_cannot_run():
     assert plain._layer_ties(module, shared, module.layers, Placement.decide("1f1b", 2)) == {"0.weight": [0, 1]}
     plain.balance = [4]  # both users on one stage: no tie to keep
     assert plain._layer_ties(module, shared, module.layers, Placement.decide("1f1b", 1)) == {}
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_a_step_of_several_minibatches_runs_the_one_minibatch_steps_in_turn(stages):
+    """minibatches_per_batch: a step's actions on every rank are those of as many pipedream steps, one after another;
+    a run of such steps then a drain is PipeDream's whole schedule (validated: every send received, every forward
+    back-propagated once, updates after backwards)."""
+    from torch import nn
+
+    from lightning_pipedream.schedule.check import validate
+
+    for per_step in (2, 3):
+        engines = [PipelineEngine(nn.Linear(2, 2), s, stages, None, schedule="pipedream") for s in range(stages)]
+        whole = build_schedule("pipedream", stages, 1, minibatches=3 * per_step)
+        for s, engine in enumerate(engines):
+            actions = []
+            for _ in range(3):
+                actions += engine.step_actions(minibatches=per_step)
+                engine._admitted += per_step  # as train_step does after running them
+            drain = pipedream_drain(stages, s, engine._admitted)
+            assert actions + drain == list(whole.actions[s])
+        validate(whole)
+
+
+def test_several_minibatches_per_step_are_refused_where_a_step_is_one_update():
+    from torch import nn
+
+    for engine, where in [
+        (PipelineEngine(nn.Linear(2, 2), 0, 2, None, schedule="1f1b", chunks=2), "schedule='1f1b'"),
+        (PipelineEngine(nn.Linear(2, 2), 0, 2, None, schedule="2bw", chunks=2), "schedule='2bw'"),
+    ]:
+        with pytest.raises(ValueError) as info:
+            engine.step_actions(minibatches=2)
+        assert str(info.value) == (
+            f"Several minibatches per step (minibatches=2) run under schedule='pipedream' on a straight pipeline only, "
+            f"not with {where}: there a step is one update of chunks micro-batches (or the replicas' round). Give "
+            "minibatches=1.")
