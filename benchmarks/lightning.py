@@ -509,10 +509,12 @@ def plot(doc: dict, path: Path) -> None:
 
     c = doc["contenders"]
     order = [n for n in ("one_device_64", "ddp", "pipedream", "pipedream_gloo", PER_BATCH, "engine_pipedream",
-                         "one_device_512", "gpipe", "engine_gpipe", "1f1b", "engine_1f1b") if n in c]
-    per_step = {n: c[n]["timed_samples"] / c[n]["timed_steps"] for n in order}
+                         "bound_64", "one_device_512", "gpipe", "engine_gpipe", "1f1b", "engine_1f1b", "bound_512")
+             if n in c]
+    cfg = doc["config"]  # seconds per step are per minibatch (the bound_64 group) or per batch
+    per_step = {n: cfg["micro"] if bound_of(n) == "bound_64" else cfg["batch"] for n in order}
     fig, ax = plt.subplots(figsize=(9, 4))
-    colors = ["tab:gray" if n.startswith("one_device") else "tab:red" if n == "ddp"
+    colors = ["tab:gray" if n.startswith("one_device") else "tab:red" if n == "ddp" else "k" if n in BOUNDS
               else "tab:green" if n.startswith("engine") else "tab:blue" for n in order]
     ax.bar(range(len(order)), [per_step[n] / c[n]["seconds_per_step"] for n in order], color=colors, alpha=0.8)
     for i, n in enumerate(order):
@@ -523,9 +525,15 @@ def plot(doc: dict, path: Path) -> None:
     ax.set_title(f"MLP under Lightning, 1 thread per process; load average {load['min']:.1f}-{load['max']:.1f} "
                  f"on {doc['machine']['cpus']} CPUs", fontsize=10)
     split = order.index("one_device_512") - 0.5 if "one_device_512" in order else len(order) - 0.5
-    ax.axvline(split, color="k", lw=0.5)
+    for bound in BOUNDS:  # the target: 90 % of the bound doing the same updates
+        if bound in c:
+            group = [i for i, n in enumerate(order) if bound_of(n) == bound]
+            rate = 0.9 * per_step[bound] / c[bound]["seconds_per_step"]
+            ax.hlines(rate, min(group) - 0.4, max(group) + 0.4, colors="k", linestyles="dashed", lw=0.8)
+            ax.text(min(group) - 0.4, rate, "90 % of the bound", va="bottom", fontsize=8)
     ax.text(split / 2 - 0.5, ax.get_ylim()[1] * 0.95, "one update per 64 samples", ha="center", fontsize=9)
     if split < len(order) - 1:
+        ax.axvline(split, color="k", lw=0.5)
         ax.text((split + len(order)) / 2 - 0.5, ax.get_ylim()[1] * 0.95, "one update per 512 samples", ha="center",
                 fontsize=9)
     fig.tight_layout()

@@ -663,7 +663,7 @@ class PipeDreamStrategy(DDPStrategy):
         step_outputs: list[Any] = []
         batch_loss = [0.0]
 
-        # minibatches_per_batch: the batch's minibatches, numbered on from ``first`` by the engine, from 0 by the shares.
+        # minibatches_per_batch: the batch's minibatches, numbered from ``first`` by the engine, from 0 by the shares.
         minibatches = len(shares.parts) if self.options.minibatches_per_batch > 1 else 1
         first = pipeline.engine.next_minibatch if self.options.minibatches_per_batch > 1 else 0
 
@@ -751,7 +751,8 @@ class PipeDreamStrategy(DDPStrategy):
         placement = self.placement
         k = self.options.minibatches_per_batch
         if k > 1:  # each piece a minibatch of its own: its loss counts fully in its own update
-            return BatchShares.of(batch, k, minibatch_updates=True, fewer_if_small=True, mean_over=self.options.mean_over)
+            return BatchShares.of(batch, k, minibatch_updates=True, fewer_if_small=True,
+                                  mean_over=self.options.mean_over)
         shares = BatchShares.of(batch, self.options.chunks, placement.input_shards,
                                 minibatch_updates=placement.round_robin and self.options.spec.minibatch_updates,
                                 fewer_if_small=True, mean_over=self.options.mean_over)
