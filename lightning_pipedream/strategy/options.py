@@ -105,7 +105,13 @@ class PipelineOptions:
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"minibatches_per_batch={k!r}: give an integer >= 1, the minibatches (each with its own "
                              "update) that schedule='pipedream' cuts each batch into.")
-        if k > 1 and (self.auto or not self.spec.several_minibatches_per_step):
+        if k > 1 and self.auto:
+            raise ValueError(
+                f"minibatches_per_batch={k} cuts each batch into PipeDream minibatches, each with its own update; "
+                "schedule='auto' chooses the schedule (and how a batch is cut) when training starts. Name "
+                "schedule='pipedream', or drop minibatches_per_batch."
+            )
+        if k > 1 and not self.spec.several_minibatches_per_step:
             raise ValueError(
                 f"minibatches_per_batch={k} cuts each batch into PipeDream minibatches, each with its own update: "
                 f"schedule='pipedream' only. schedule={self.schedule!r} makes one update per batch; cut the batch "

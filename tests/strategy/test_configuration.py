@@ -80,6 +80,10 @@ def test_a_malformed_plan_file_is_named_when_the_strategy_is_built(tmp_path: Pat
      "minibatches_per_batch=2 cuts each batch into PipeDream minibatches, each with its own update: "
      "schedule='pipedream' only. schedule='1f1b' makes one update per batch; cut the batch into micro-batches with "
      "chunks= instead, or use schedule='pipedream'."),
+    ({"schedule": "auto", "minibatches_per_batch": 2},
+     "minibatches_per_batch=2 cuts each batch into PipeDream minibatches, each with its own update; schedule='auto' "
+     "chooses the schedule (and how a batch is cut) when training starts. Name schedule='pipedream', or drop "
+     "minibatches_per_batch."),
 ])
 def test_minibatches_per_batch_is_pipedreams_and_positive(options: dict, message: str) -> None:
     with pytest.raises(ValueError) as err:
