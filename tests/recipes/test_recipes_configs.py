@@ -53,3 +53,19 @@ def test_strategy_group_builds_the_strategy() -> None:
     assert isinstance(strategy, PipeDreamStrategy)
     assert (strategy.schedule, strategy.chunks, strategy.options.balance) == ("gpipe", 4, (4, 6))
     assert build_strategy(composed("strategy=auto").strategy) == "auto"
+
+
+def test_trainer_keys_override_from_the_command_line() -> None:
+    """`trainer.max_steps=2` (any key of conf/trainer) reaches the Trainer the recipe builds, as in any Lightning +
+    Hydra project; the smoke sweep in test_recipes_runs.py stops at conf/trainer/smoke's max_steps end to end."""
+    import torch
+
+    from recipes.train import build
+
+    threads = torch.get_num_threads()  # build() sets the process's threads for its ranks
+    try:
+        trainer, *_ = build(composed("trainer.max_steps=2", "trainer.limit_val_batches=1",
+                                     "trainer.val_check_interval=2"), 0.0)
+    finally:
+        torch.set_num_threads(threads)
+    assert (trainer.max_steps, trainer.limit_val_batches, trainer.val_check_interval) == (2, 1, 2)

@@ -214,15 +214,6 @@ def test_main_job_defaults_train_digits_to_90_percent(tmp_path: Path) -> None:
     assert len(epochs) == 10 and all("val_acc=" in line and "samples/s" in line for line in epochs)
 
 
-def test_trainer_keys_override_from_the_command_line(tmp_path: Path) -> None:
-    """`trainer.max_steps=2` works as in any Lightning + Hydra project (the key is in conf/trainer)."""
-    proc = train(["trainer.max_steps=2", "trainer.limit_val_batches=1", "trainer.val_check_interval=2",
-                  f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, timeout=180)
-    assert "`max_steps=2` reached" in proc.stdout + proc.stderr
-    results = json.loads((tmp_path / "run" / "results.json").read_text())
-    check_results(results, "image", "pipedream", 1)
-
-
 def test_reproduction_sweep_writes_curves_and_table(tmp_path: Path) -> None:
     """`train.py -m experiment=paper_image` at its smallest (2 contenders, 1 seed, 2 epochs): each job's history,
     and the sweep's reproduction table, CSV and PNG. DDP reads half of each global batch per process and 1f1b the

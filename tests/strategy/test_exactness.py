@@ -149,8 +149,10 @@ RUNS: dict[str, dict[str, Any]] = {
     "guard-normal-3": pipedream(THREE, on_divergence="flush"),
     "guard-blow-up-2": {**pipedream(TWO, on_divergence="flush"), "model": {"blow_up_at": 3}},
     # minibatches_per_batch: each Trainer batch is 3 (2) of the rule's minibatches, each with its own update;
-    # the scheduler steps once per Trainer step; validation in the middle of the epoch drains between steps
-    "3-per-batch-2": {**pipedream(TWO, minibatches_per_batch=3), "model": SCHEDULED, "merge": 3},
+    # the scheduler steps once per Trainer step; validation in the middle of the epoch drains between steps. With
+    # two data-parallel pipelines each reads half of every merged batch: its minibatch j is half of the rule's j.
+    "3-per-batch-2x2": {**pipedream(TWO, stages=2, minibatches_per_batch=3), "devices": 4, "pipelines": 2,
+                        "model": SCHEDULED, "merge": 3},
     "2-per-batch-3-vertical-sync": {**pipedream(THREE, minibatches_per_batch=2, vertical_sync=True),
                                     "model": {"optimizer": "adam", "lr": 0.01}, "merge": 2,
                                     "trainer": {"val_check_interval": 2, "limit_val_batches": 1}},
@@ -214,7 +216,7 @@ def test_two_epochs_follow_the_rule(runs, name, extra):
 
 
 @pytest.mark.parametrize("name,per_step,extra", [
-    ("3-per-batch-2", 3, {}), ("2-per-batch-3-vertical-sync", 2, {"vertical_sync": True, "drain_after": (4,)}),
+    ("3-per-batch-2x2", 3, {}), ("2-per-batch-3-vertical-sync", 2, {"vertical_sync": True, "drain_after": (4,)}),
 ])
 def test_several_minibatches_per_batch_follow_the_rule(runs, name, per_step, extra):
     """Each Trainer batch of ``per_step`` minibatches trains as that many PipeDream steps (one update each)."""
