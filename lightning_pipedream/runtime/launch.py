@@ -55,6 +55,10 @@ def run_local(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     this raises :class:`RankFailedError` with every failing rank's traceback; if the ranks have
     not all finished after ``timeout`` seconds they are killed and this raises too, so a broken
     pipeline fails instead of hanging.
+
+    The ranks are forked and compute on one thread each. A rank that raises its threads (``torch.set_num_threads``)
+    in a process forked from one whose OpenMP threads have already run can hang in its first parallel operation
+    (GNU OpenMP does not survive a fork); start such work from a fresh interpreter.
     """
     # A file rendezvous: no port to pick, and no store thread in this process, which forks below
     # (forking while a TCPStore server thread runs has deadlocked children).
