@@ -53,6 +53,12 @@ PER_BATCH = "pipedream_per_batch"
 GROUP_64 = ("one_device_64", "ddp", "pipedream", "pipedream_gloo", PER_BATCH)
 GROUP_512 = ("one_device_512", "gpipe", "1f1b")
 LIGHTNING = GROUP_64 + GROUP_512
+
+
+def minibatches_per_step(name: str, chunks: int) -> int:
+    """Minibatches of 64 in one Lightning step of contender ``name`` in the minibatch-64 group (PER_BATCH: chunks)."""
+    return chunks if name == PER_BATCH else 1
+
 ENGINE = ("engine_gpipe", "engine_1f1b", "engine_pipedream")
 BOUNDS = ("bound_64", "bound_512")  # the machine's bound, an update per minibatch of 64 or per batch of 512
 CONTENDERS = LIGHTNING + ENGINE + BOUNDS
@@ -131,7 +137,7 @@ def _worker(spec: dict) -> None:
         out = Path(spec["out"]) / name
         out.mkdir(parents=True, exist_ok=True)
         steps = spec["warmup"][name] + spec["steps"][name]
-        batch = cfg.micro if name in GROUP_64 and name != PER_BATCH else cfg.batch
+        batch = cfg.micro * minibatches_per_step(name, cfg.chunks) if name in GROUP_64 else cfg.batch
         n = steps * batch
         g = torch.Generator().manual_seed(1)
         data = TensorDataset(torch.randn(n, cfg.width, generator=g), torch.randn(n, cfg.width, generator=g))
@@ -141,14 +147,13 @@ def _worker(spec: dict) -> None:
         elif name in ("pipedream", "pipedream_gloo", PER_BATCH, "gpipe", "1f1b"):
             schedule = name.removesuffix("_gloo").removesuffix("_per_batch")
             chunks = 1 if schedule == "pipedream" else cfg.chunks
-            per_batch = cfg.chunks if name == PER_BATCH else 1
             half = cfg.layers  # the Sequential has 2 * layers modules (Linear, ReLU): [8, 8]
             trace = str(out / "trace") if schedule == "pipedream" else None  # for the per-action breakdown
             # the second rank, which Lightning starts at fit, inherits it
             os.environ[TRANSPORT_ENV] = "gloo" if name.endswith("_gloo") else "auto"
             devices, strategy = 2, PipeDreamStrategy(schedule=schedule, chunks=chunks, balance=[half, half],
                                                         keep_freed_memory=keep, trace=trace,
-                                                        minibatches_per_batch=per_batch)
+                                                        minibatches_per_batch=minibatches_per_step(name, cfg.chunks))
         else:
             strategy = "auto"
         profiler = None
@@ -219,8 +224,7 @@ def run_lightning_many(names: list[str], cfg_dict: dict, units: dict, timeout: f
         proc = run_worker("benchmarks.lightning", spec, tmp, timeout)
         if proc.returncode != 0:
             raise RuntimeError(f"{names} failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-        return {n: _collect(n, out / n, *units[n], per_step=cfg_dict["chunks"] if n == PER_BATCH else 1)
-                for n in names}
+        return {n: _collect(n, out / n, *units[n], minibatches_per_step(n, cfg_dict["chunks"])) for n in names}
 
 
 def run_lightning(name: str, cfg_dict: dict, units: dict, timeout: float, malloc: str = "keep") -> dict:
@@ -228,20 +232,20 @@ def run_lightning(name: str, cfg_dict: dict, units: dict, timeout: float, malloc
 
 
 def _collect(name: str, out: Path, warmup: int, steps: int, per_step: int = 1) -> dict:
-    """One run's figures from its ranks' files; ``per_step``: minibatches per Lightning step (PER_BATCH), whose
-    figures are per minibatch, as the other contenders' of its group."""
+    """One run's figures from its ranks' files, ``steps`` Lightning steps timed; with ``per_step`` minibatches in a
+    step (PER_BATCH) the figures are per minibatch, as the other contenders' of its group."""
     ranks = sorted((json.loads(p.read_text()) for p in out.glob("rank*.json")), key=lambda r: r["rank"])
     t0 = min(r["ends"][warmup - 1] for r in ranks)
     t1 = max(r["ends"][-1] for r in ranks)
     data_parallel = len(ranks) if name == "ddp" else 1
-    steps_done = steps
-    steps *= per_step
+    samples_per_step = ranks[0]["samples"] // ranks[0]["batches"]
+    steps *= per_step  # from here on, minibatches
     return {
         "seconds": t1 - t0,
         "seconds_per_step": (t1 - t0) / steps,
         "timed_steps": steps,
         "samples": sum(r["samples"] for r in ranks[:data_parallel]),
-        "timed_samples": steps_done * (ranks[0]["samples"] // ranks[0]["batches"]) * data_parallel,
+        "timed_samples": steps // per_step * samples_per_step * data_parallel,
         "updates": ranks[0]["updates"],
         "updates_per_rank": [r["updates"] for r in ranks],
         "batches_per_rank": [r["batches"] for r in ranks],
@@ -415,9 +419,9 @@ def main(argv: list[str] | None = None) -> dict:
     names = [n for n in CONTENDERS if not args.only or n in args.only.split(",")]
     cfg_dict = {"layers": cfg.layers, "width": cfg.width, "batch": cfg.batch, "chunks": cfg.chunks}
 
-    # (warm-up, timed) Lightning steps per contender: a step is a batch of 64 or of 512
-    units = {n: (warmup * cfg.chunks, steps * cfg.chunks) if n in GROUP_64 and n != PER_BATCH else (warmup, steps)
-             for n in CONTENDERS}
+    # (warm-up, timed) Lightning steps per contender: a step is a batch of 64 or of 512 (PER_BATCH: 8 minibatches)
+    per = {n: cfg.chunks // minibatches_per_step(n, cfg.chunks) for n in GROUP_64}  # Lightning steps per batch
+    units = {n: (warmup * per[n], steps * per[n]) if n in GROUP_64 else (warmup, steps) for n in CONTENDERS}
     shared = args.shared or args.quick
     if args.malloc == "keep" and not keep_freed_memory():  # here too: the engine's runs fork from this process
         parser.error("--malloc keep needs glibc; use --malloc default")

@@ -153,6 +153,8 @@ RUNS: dict[str, dict[str, Any]] = {
     # two data-parallel pipelines each reads half of every merged batch: its minibatch j is half of the rule's j.
     "3-per-batch-2x2": {**pipedream(TWO, stages=2, minibatches_per_batch=3), "devices": 4, "pipelines": 2,
                         "model": SCHEDULED, "merge": 3},
+    # 7 batches of 8 merged by 4: Trainer batches of 32 and 24 rows, the second cut into 4 minibatches of 6
+    "4-per-batch-ragged": {**pipedream(TWO, minibatches_per_batch=4), "merge": 4, "batches": 7},
     "2-per-batch-3-vertical-sync": {**pipedream(THREE, minibatches_per_batch=2, vertical_sync=True),
                                     "model": {"optimizer": "adam", "lr": 0.01}, "merge": 2,
                                     "trainer": {"val_check_interval": 2, "limit_val_batches": 1}},
@@ -227,6 +229,20 @@ def test_several_minibatches_per_batch_follow_the_rule(runs, name, per_step, ext
     got = result(runs[name])
     assert got["global_step"] == 12 // per_step  # a step is a batch: max_steps and schedulers count batches
     assert 0 < got["metrics"]["train_loss"] < 10
+
+
+def test_a_smaller_last_batch_is_cut_into_as_many_near_equal_minibatches(runs):
+    L.seed_everything(0, verbose=False)
+    module = RuleMLP()
+    data = batches(7)
+    last = tuple(torch.cat(column) for column in zip(*data[4:]))
+    minibatches = data[:4] + [tuple(t.tensor_split(4)[j] for t in last) for j in range(4)]
+    rule = PipeDreamRule(module.layers, TWO, lambda params: make_optimizer("sgd", 0.2, params),
+                         torch.nn.functional.mse_loss, lambda t: {"lr": 0.2})
+    for epoch in range(2):
+        rule.segment([Minibatch(8 * epoch + i, *mb) for i, mb in enumerate(minibatches)])
+    assert_weights(runs["4-per-batch-ragged"], rule.state_dict("layers.", [str(i) for i in range(len(module.layers))]))
+    assert result(runs["4-per-batch-ragged"])["global_step"] == 4
 
 
 def test_without_weight_stashing_the_backward_uses_the_newest_weights(runs):
