@@ -13,7 +13,7 @@ from lightning_pipedream.plan.balance import check_balance, even_balance, stage_
 from lightning_pipedream.runtime.engine import PipelineEngine, StepResult
 from lightning_pipedream.runtime.replicas import ReplicaGroups
 from lightning_pipedream.runtime.shares import BatchShares
-from lightning_pipedream.runtime.transport import Transport
+from lightning_pipedream.runtime.transport import Transport, transport_kind
 from lightning_pipedream.schedule.actions import Layout
 from lightning_pipedream.schedule.builders import check_schedule_options
 from lightning_pipedream.schedule.specs import spec_of
@@ -52,7 +52,9 @@ class Pipeline:
     batch's count, and the step equals one process on the whole batch.
 
     ``transport``: how ranks on one machine talk: ``"auto"`` (shared memory for CPU tensors over gloo, see
-    :mod:`.shared_memory`), ``"gloo"`` (torch.distributed always) or ``"shm"``; None reads the environment's
+    :mod:`.shared_memory`), ``"gloo"`` (torch.distributed always), ``"shm"``, or ``"directional"`` (the path
+    NCCL takes, which GPUs always use: messages to lower ranks on ``reverse_group``, a second group of the same
+    ranks; made here when ``group`` is None, to be given with any other ``group``); None reads the environment's
     ``LIGHTNING_PIPEDREAM_TRANSPORT`` (default ``"auto"``). Every rank must choose alike.
     """
 
@@ -76,6 +78,7 @@ class Pipeline:
         virtual_stages: int = 1,
         mean_over: Callable[[Any], Any] | None = None,
         transport: str | None = None,
+        reverse_group: dist.ProcessGroup | None = None,
     ) -> None:
         # Prebuilt stages (e.g. lightning_pipedream.graph's GraphStage): a list with one module per rank.
         prebuilt = isinstance(layers, (list, tuple))
@@ -123,7 +126,9 @@ class Pipeline:
         params = [p for p in self.module.parameters() if p.requires_grad]
         # A stage of parameter-free layers (an activation, a reshape) has nothing to optimize.
         self.optimizer = optimizer(params) if params else None
-        self.transport = Transport(group=group, device=self.device, kind=transport)
+        if reverse_group is None and group is None and _needs_reverse_group(self.device, transport):
+            reverse_group = dist.new_group()  # every rank builds its Pipeline alike: this collective is safe
+        self.transport = Transport(group=group, device=self.device, kind=transport, reverse_group=reverse_group)
         self.reducer = None if self.layout is None else self.groups.reducer(params)
         self.engine = PipelineEngine(
             self.module,
@@ -194,3 +199,9 @@ class Pipeline:
         if isinstance(self.module, nn.ModuleList):  # interleaved: every chunk's, under the model's names
             return {k: v for chunk in self.module for k, v in chunk.state_dict().items()}
         return self.module.state_dict()
+
+
+def _needs_reverse_group(device: torch.device, transport: str | None) -> bool:
+    """Whether this pipeline's transport sends each direction of a link on a group of its own (see Transport)."""
+    nccl = device.type == "cuda" or (dist.is_initialized() and dist.get_backend() == "nccl")
+    return nccl or transport_kind(transport) == "directional"

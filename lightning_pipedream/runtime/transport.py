@@ -115,9 +115,9 @@ def _dtype_name(dtype: torch.dtype) -> str:
         name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
     return name
 
-TRANSPORT_ENV = "LIGHTNING_PIPEDREAM_TRANSPORT"  # auto (default), gloo or shm: how ranks on one machine talk
+TRANSPORT_ENV = "LIGHTNING_PIPEDREAM_TRANSPORT"  # auto (default), gloo, shm or directional: how ranks talk
 RING_BYTES_ENV = "LIGHTNING_PIPEDREAM_SHM_RING_BYTES"  # each direction's ring (default 2 MiB)
-_TRANSPORTS = ("auto", "gloo", "shm")
+_TRANSPORTS = ("auto", "gloo", "shm", "directional")
 _HOST_KEY = "lightning_pipedream/transport/"  # + global rank, in the store: where and how each rank talks
 
 
@@ -127,7 +127,9 @@ def transport_kind(kind: str | None = None) -> str:
     if chosen not in _TRANSPORTS:
         where = "transport=" if kind is not None else f"{TRANSPORT_ENV}="
         raise ValueError(f"{where}{chosen!r} is not a transport: use 'auto' (shared memory between ranks on one "
-                         "machine, torch.distributed otherwise), 'gloo' (always torch.distributed) or 'shm'.")
+                         "machine, torch.distributed otherwise), 'gloo' (always torch.distributed), 'shm' or "
+                         "'directional' (torch.distributed, each direction of a link on a group of its own: the "
+                         "path NCCL takes).")
     return chosen
 
 
@@ -155,7 +157,7 @@ class _SharedMemoryLink:
             ring = shared_memory.Ring.create(int(os.environ.get(RING_BYTES_ENV, 2 << 20)))
             name = torch.zeros(shared_memory.NAME_BYTES, dtype=torch.uint8)
             name[: len(ring.path)].copy_(torch.frombuffer(bytearray(ring.path.encode()), dtype=torch.uint8))
-            self.transport._pending.append((self.transport._call(dist.isend, name, self.peer), [name]))
+            self.transport._pending.append((self.transport._call(dist.isend, name, self.peer, True), [name]))
             self.sender = shared_memory.Sender(ring, self.check, self._timeout_s())
         return _SentThroughRing(self.sender, self.sender.send(tensor))
 
@@ -165,7 +167,7 @@ class _SharedMemoryLink:
     def receive_into(self, tensor: Tensor) -> None:
         if self.reader is None:
             name = torch.empty(shared_memory.NAME_BYTES, dtype=torch.uint8)
-            self.transport._wait(self.transport._call(dist.irecv, name, self.peer))
+            self.transport._wait(self.transport._call(dist.irecv, name, self.peer, False))
             path = bytes(name.numpy()).rstrip(b"\0").decode()
             self.reader = shared_memory.Ring.open(path)
             self.reader.unlink()
@@ -237,6 +239,16 @@ class Transport:
     gloo a few milliseconds each on a busy machine: a send queued before its receive is posted
     waits for the receiver's notification.) Sends are asynchronous; every handle is waited on,
     at the latest in :meth:`wait_all` (gloo has hung on unwaited batched p2p).
+
+    Under NCCL every send and receive between two ranks of one process group goes on one CUDA stream, in call
+    order, and a send ends only together with the peer's receive, both at the heads of their streams: two ranks
+    that each send to the other before receiving (1F1B's steady state), or a receive posted ahead of a send the
+    peer waits for, block each other for good. So messages to higher ranks travel on ``group`` and messages to
+    lower ranks on ``reverse_group`` (the same ranks, communicators and streams of its own): each stream then
+    carries one direction of one link, where the n-th send always meets the n-th receive, and receives may be
+    posted ahead as on gloo. This is :attr:`directional`: always under NCCL (which refuses a transport without
+    ``reverse_group``), and with ``kind="directional"`` on gloo too, so that CPU processes run the same code.
+    (:mod:`~lightning_pipedream.runtime.p2p_model` checks every schedule against a model of these rules.)
     """
 
     group: Any = None
@@ -254,12 +266,23 @@ class Transport:
     _timeout: timedelta | None = None  # what a wait may last: the world's timeout (see _world_timeout)
     _links: dict[int, _SharedMemoryLink | None] = field(default_factory=dict)  # global peer -> its link (None: gloo)
     _card: dict | None = None  # this rank's host card, published in the store (None: torch.distributed only)
+    # Messages to lower ranks (None: on ``group`` too); see the class's text. Its members are ``group``'s.
+    reverse_group: Any = None
+    directional: bool = False  # set from kind, backend and reverse_group: see the class's text
 
     def __post_init__(self) -> None:
         self.kind = transport_kind(self.kind)
-        if self.kind == "gloo" or self.device.type != "cpu" or not dist.is_initialized():
-            return
-        if dist.get_backend(self.group) != "gloo":
+        backend = dist.get_backend(self.group) if dist.is_initialized() else None
+        nccl = backend == "nccl" or self.device.type == "cuda"
+        self.directional = self.reverse_group is not None and (self.kind == "directional" or nccl)
+        if nccl and backend is not None and not self.directional:
+            raise ValueError(
+                "Transport over NCCL needs reverse_group= (a second process group of the same ranks): on one group "
+                "NCCL's point-to-point streams deadlock the pipeline. Make it with dist.new_group(same ranks).")
+        if self.kind == "directional" and self.reverse_group is None:
+            raise ValueError("transport='directional' needs reverse_group= (a second process group of the same "
+                             "ranks, for the messages to lower ranks).")
+        if self.kind == "gloo" or self.directional or self.device.type != "cpu" or backend != "gloo":
             return
         store = _default_store()
         if store is None:
@@ -396,7 +419,7 @@ class Transport:
 
     def _isend(self, tensor: Tensor, dst: int) -> None:
         link = self._link(dst)
-        work = link.isend(tensor) if link is not None else self._call(dist.isend, tensor, dst)
+        work = link.isend(tensor) if link is not None else self._call(dist.isend, tensor, dst, True)
         self._pending.append((work, [tensor]))
 
     def wait_all(self) -> None:
@@ -416,13 +439,21 @@ class Transport:
     def _irecv(self, tensor: Tensor, src: int) -> Any:
         """The receive of the next message from global rank ``src`` into ``tensor``, through its link."""
         link = self._link(src)
-        return link.irecv(tensor) if link is not None else self._call(dist.irecv, tensor, src)
+        return link.irecv(tensor) if link is not None else self._call(dist.irecv, tensor, src, False)
 
-    def _call(self, fn: Any, tensor: Tensor, peer: int) -> Any:
+    def _call(self, fn: Any, tensor: Tensor, peer: int, sending: bool) -> Any:
         try:
-            return fn(tensor, peer, group=self.group)
+            return fn(tensor, peer, group=self._group_to(peer, sending))
         except RuntimeError as err:
             raise PeerFailedError(f"Pipeline communication with rank {peer} failed: {err}") from err
+
+    def _group_to(self, peer: int, sending: bool) -> Any:
+        """The group a message to (``sending``) or from global rank ``peer`` travels on: see the class's text."""
+        if not self.directional:
+            return self.group
+        me = dist.get_rank()
+        upwards = me < peer if sending else peer < me
+        return self.group if upwards else self.reverse_group
 
     def _wait_timeout(self) -> timedelta:
         if self._timeout is None:

@@ -591,7 +591,7 @@ class PipeDreamStrategy(DDPStrategy):
             model_chunks if options.virtual_stages > 1 else stage,
             placement.stage_index,
             placement.num_stages,
-            Transport(group=groups.pipeline, device=self.root_device),
+            Transport(group=groups.pipeline, device=self.root_device, reverse_group=groups.pipeline_reverse),
             schedule=options.schedule,
             chunks=options.chunks,
             weight_stashing=options.weight_stashing,

@@ -156,11 +156,18 @@ class Placement:
 
 @dataclass(frozen=True)
 class ProcessGroups:
-    """This rank's process groups: its pipeline's, its summaries' (asynchronous schedules) and its replicas'."""
+    """This rank's process groups: its pipeline's, its summaries' (asynchronous schedules) and its replicas'.
+
+    Each point-to-point group has a twin of the same ranks for the messages that go the other way (to lower
+    ranks; the data check's fingerprints, to the last stage): under NCCL both directions of a link on one group
+    share one stream and block each other (see :class:`~lightning_pipedream.runtime.transport.Transport`).
+    """
 
     pipeline: dist.ProcessGroup | None = None
     summaries: dist.ProcessGroup | None = None
     replicas: dist.ProcessGroup | None = None
+    pipeline_reverse: dist.ProcessGroup | None = None
+    summaries_reverse: dist.ProcessGroup | None = None
 
     @classmethod
     def make(cls, placement: Placement, backend: str | None, timeout: timedelta | None) -> ProcessGroups:
@@ -174,21 +181,24 @@ class ProcessGroups:
         pipeline: dist.ProcessGroup | None = None
         summaries: dist.ProcessGroup | None = None
         replicas: dist.ProcessGroup | None = None
+        pipeline_reverse: dist.ProcessGroup | None = None
+        summaries_reverse: dist.ProcessGroup | None = None
         single = placement.layout is None and placement.num_pipelines == 1
         for ranks in placement.pipeline_ranks():
             if single and placement.num_stages == 1:
                 break  # one process per pipeline and no replicas: nothing to talk to
             # One pipeline over the whole world: the default group's members, but a group of its own.
             members = None if single or placement.layout is not None else ranks
-            group = new_group(members)
-            lagged = new_group(members) if placement.lagged_summaries else None
+            group, reverse = new_group(members), new_group(members)
+            lagged = (new_group(members), new_group(members)) if placement.lagged_summaries else (None, None)
             if rank in ranks:
-                pipeline, summaries = group, lagged
+                pipeline, pipeline_reverse = group, reverse
+                summaries, summaries_reverse = lagged
         for ranks in placement.replica_ranks():
             replica_group = new_group(ranks) if len(ranks) > 1 else None
             if rank in ranks:
                 replicas = replica_group
-        return cls(pipeline, summaries, replicas)
+        return cls(pipeline, summaries, replicas, pipeline_reverse, summaries_reverse)
 
 
 def _check_unequal_replicas(spec: ScheduleSpec, replicas: list[int], accumulate_grad_batches: int) -> None:

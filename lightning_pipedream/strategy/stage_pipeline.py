@@ -61,7 +61,7 @@ def lagged_summaries(placement: Placement, groups: ProcessGroups, channel: Summa
     size = dist.get_world_size(groups.summaries)
     return LaggedFromSources([
         LaggedSummaries(channel, groups.summaries, source=source, receivers=[r for r in range(size) if r != source],
-                        lag=lag, is_source=me == source)
+                        lag=lag, is_source=me == source, reverse_group=groups.summaries_reverse)
         for source in placement.last_stage_ranks()
     ])
 

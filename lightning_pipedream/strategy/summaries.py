@@ -223,7 +223,9 @@ class LaggedSummaries:
     with it, with the words of :func:`~.consistency.mismatch_words`.
 
     The summaries travel on their own process group, so that they never interleave with the
-    pipeline's activations (NCCL matches point-to-point messages by order, not by tag). A receiver
+    pipeline's activations (NCCL matches point-to-point messages by order, not by tag), and messages to a
+    lower rank of it on ``reverse_group`` (same ranks), so that under NCCL a link's two directions (summaries
+    one way, fingerprints the other) never share a stream, where each would wait behind the other. A receiver
     posts the receive of the next summary it expects as soon as it knows one will come (one at a
     time, so the order of the messages stays that of the calls): gloo holds a send until its
     receive is posted, and a receive posted only when the summary is needed cost rank 0 about
@@ -231,9 +233,10 @@ class LaggedSummaries:
     """
 
     def __init__(self, channel: SummaryChannel, group: dist.ProcessGroup, source: int, receivers: list[int],
-                 lag: int, is_source: bool) -> None:
+                 lag: int, is_source: bool, reverse_group: dist.ProcessGroup | None = None) -> None:
         self.channel = channel
         self.group = group
+        self.reverse_group = reverse_group
         self.source = source  # the last stage, a rank of ``group``
         self.receivers = receivers  # the other ranks of ``group``
         self.record_peers = list(receivers)  # the ranks whose fingerprints the last stage receives
@@ -294,10 +297,11 @@ class LaggedSummaries:
             receives = []
             for peer in self.record_peers:
                 buffer = torch.empty(RECORD_SLOTS, dtype=torch.float64, device=self.channel.device)
-                receives.append((dist.irecv(buffer, group=self.group, group_src=peer), buffer))
+                receives.append((dist.irecv(buffer, group=self._group(peer, False), group_src=peer), buffer))
             self._records.append((self._steps, record, receives))
             return
-        self._record_sends.append((self._steps, dist.isend(record, group=self.group, group_dst=self.source), record))
+        send = dist.isend(record, group=self._group(self.source, True), group_dst=self.source)
+        self._record_sends.append((self._steps, send, record))
         while self._record_sends and self._record_sends[0][0] < self._steps - self.lag:  # received by now
             self._wait([self._record_sends.popleft()[1:]])
 
@@ -323,7 +327,7 @@ class LaggedSummaries:
         """Post the receive of the oldest summary still on its way, unless one is posted already."""
         if self._posted is None and None in self._pending:
             header = torch.zeros(SummaryChannel.SLOTS, dtype=torch.float64, device=self.channel.device)
-            self._posted = (dist.irecv(header, group=self.group, group_src=self.source), header)
+            self._posted = (dist.irecv(header, group=self._group(self.source, False), group_src=self.source), header)
 
     def _send(self, summary: StepSummary) -> None:
         values = summary.numbers()
@@ -341,11 +345,18 @@ class LaggedSummaries:
         for tensor in [header] + ([payload] if payload is not None else []):
             on_device = tensor.to(self.channel.device)
             for peer in self.receivers:
-                works.append((dist.isend(on_device, group=self.group, group_dst=peer), on_device))
+                works.append((dist.isend(on_device, group=self._group(peer, True), group_dst=peer), on_device))
         self._sends.append((self._steps, works))
         # Sends older than lag + 1 steps were received (their receivers finished the step that takes them).
         while self._sends and self._sends[0][0] < self._steps - self.lag:
             self._wait(self._sends.popleft()[1])
+
+    def _group(self, peer: int, sending: bool) -> dist.ProcessGroup:
+        """The group of a message to (``sending``) or from ``peer`` (a rank of ``group``): see the class's text."""
+        if self.reverse_group is None:
+            return self.group
+        me = dist.get_rank(self.group)
+        return self.group if (me < peer if sending else peer < me) else self.reverse_group
 
     def _wait(self, works: list[Any]) -> None:
         with pipeline_failures(self.channel.stage_index, waiting="a step summary's delivery to the other stages"):
@@ -363,7 +374,7 @@ class LaggedSummaries:
             header = header.cpu()
             if header[0] == 0.0:  # something new: it travels pickled, and its layout is remembered
                 payload = torch.empty(int(header[2]), dtype=torch.uint8, device=device)
-                dist.recv(payload, group=self.group, group_src=self.source)
+                dist.recv(payload, group=self._group(self.source, False), group_src=self.source)
                 summary = pickle.loads(payload.cpu().numpy().tobytes())
                 self._layout = summary.layout()
                 return summary

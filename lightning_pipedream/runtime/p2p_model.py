@@ -1,0 +1,308 @@
+"""An in-process model of NCCL's point-to-point semantics: ranks as threads, one FIFO stream per pair of ranks.
+
+No CPU backend shows how NCCL orders point-to-point messages, so the code that GPUs run is checked here against a
+model of it, in one process, with each rank's code running in a thread of its own:
+
+- Every ``isend``/``irecv`` between two ranks goes on one stream for that pair and process group, in call order
+  (torch's ``ProcessGroupNCCL`` keys its point-to-point communicator and stream by the pair ``low:high``, and
+  each process group has communicators of its own). A ``batch_isend_irecv`` is one entry on the stream of
+  each peer it names.
+- An entry starts only when it is at the head of every stream it is on; its operations then progress
+  independently of each other (an NCCL group), and it ends when all of them have. A send and the peer's
+  receive complete together, the n-th send from a to b with b's n-th receive from a, and both only while
+  their entries are at the heads of their streams. (Real NCCL may finish a small send early from a buffer;
+  the model never does, so an order it accepts works whatever the message sizes.)
+- Waiting on a work blocks the calling thread until its entry has ended (a host reading a received tensor
+  blocks there; waiting on sends as well is the conservative choice).
+- Sizes must match: a receive of another size than its send is an error, as NCCL's truncation is.
+
+When every rank still running waits on an entry that cannot progress, the model raises :class:`DeadlockError`
+in each of them, naming the entries at the heads of every stream. Use :meth:`PointToPointModel.run`::
+
+    model = PointToPointModel(world_size=2)
+    results = model.run(lambda rank: train_one_step(rank), timeout=60.0)
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+from unittest import mock
+
+import torch.distributed as dist
+from torch import Tensor
+
+
+class DeadlockError(RuntimeError):
+    """Every running rank waits on communication that can never complete under NCCL's rules."""
+
+
+@dataclass
+class _Op:
+    is_send: bool
+    rank: int  # the rank that called it
+    peer: int
+    tensor: Tensor
+    done: bool = False
+
+    def __str__(self) -> str:
+        nbytes = self.tensor.numel() * self.tensor.element_size()
+        return f"{'send to' if self.is_send else 'recv from'} {self.peer} ({nbytes} B)"
+
+
+@dataclass(eq=False)
+class _Entry:
+    """One call's operations on the streams of the peers it names."""
+
+    rank: int
+    ops: list[_Op]
+    number: int  # the rank's n-th entry, for the words of a deadlock
+    grouped: bool
+    group: Any  # the process group: each has streams of its own
+    peers: list[int] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return all(op.done for op in self.ops)
+
+    def __str__(self) -> str:
+        kind = "group" if self.grouped else "call"
+        return f"{kind} #{self.number} [" + ", ".join(str(op) for op in self.ops if not op.done) + "]"
+
+
+@dataclass
+class P2POp:
+    """torch.distributed's ``P2POp`` as the model takes it (the real one needs an initialized process group)."""
+
+    op: Callable[..., Any]
+    tensor: Tensor
+    peer: int | None = None
+    group: Any = None
+    tag: int = 0
+    group_peer: int | None = None
+
+
+class _Work:
+    """The handle an ``isend``/``irecv``/``batch_isend_irecv`` returns: waits on its entry."""
+
+    def __init__(self, model: PointToPointModel, entry: _Entry) -> None:
+        self.model, self.entry = model, entry
+
+    def is_completed(self) -> bool:
+        with self.model._cond:
+            return self.entry.done
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        self.model._wait(self.entry)
+        return True
+
+
+class PointToPointModel:
+    """``world_size`` ranks exchanging messages under NCCL's point-to-point rules (see the module's text)."""
+
+    def __init__(self, world_size: int, watchdog_s: float = 60.0) -> None:
+        self.world_size = world_size
+        self.watchdog_s = watchdog_s  # a last resort: the deadlock check should always answer first
+        self._cond = threading.Condition()
+        self._streams: dict[tuple[Any, int, int], deque[_Entry]] = {}  # (group, rank, peer) -> rank's entries
+        self._entries = [0] * world_size
+        self._waiting: dict[int, _Entry] = {}  # rank -> the entry its thread waits on
+        self._finished: set[int] = set()
+        self._deadlock: str | None = None
+        self._error: str | None = None
+        self._local = threading.local()
+        self.messages = 0  # sends matched so far
+
+    # ---------------------------------------------------------------- torch.distributed's calls, replaced
+    def isend(self, tensor: Tensor, dst: int | None = None, group: Any = None, tag: int = 0,
+              group_dst: int | None = None) -> _Work:
+        return self._post([(True, self._peer(dst, group_dst), tensor)], grouped=False, group=group)
+
+    def irecv(self, tensor: Tensor, src: int | None = None, group: Any = None, tag: int = 0,
+              group_src: int | None = None) -> _Work:
+        return self._post([(False, self._peer(src, group_src), tensor)], grouped=False, group=group)
+
+    def send(self, tensor: Tensor, dst: int | None = None, group: Any = None, tag: int = 0,
+             group_dst: int | None = None) -> None:
+        self.isend(tensor, dst, group, tag, group_dst).wait()
+
+    def recv(self, tensor: Tensor, src: int | None = None, group: Any = None, tag: int = 0,
+             group_src: int | None = None) -> None:
+        self.irecv(tensor, src, group, tag, group_src).wait()
+
+    def batch_isend_irecv(self, p2p_op_list: Sequence[Any]) -> list[_Work]:
+        ops = []
+        groups = {p2p.group for p2p in p2p_op_list}
+        if len(groups) != 1:
+            raise ValueError(f"batch_isend_irecv's operations must all be on one process group, got {len(groups)}")
+        for p2p in p2p_op_list:
+            name = getattr(p2p.op, "__name__", "")
+            if name not in ("isend", "irecv"):
+                raise ValueError(f"batch_isend_irecv takes isend and irecv operations, got {p2p.op!r}")
+            ops.append((name == "isend", self._peer(p2p.peer, p2p.group_peer), p2p.tensor))
+        work = self._post(ops, grouped=True, group=groups.pop())
+        return [work]  # NCCL's coalesced group: one work for all of its operations
+
+    @staticmethod
+    def _peer(peer: int | None, group_peer: int | None) -> int:
+        chosen = peer if peer is not None else group_peer
+        if chosen is None:
+            raise ValueError("a point-to-point call names no peer")
+        return int(chosen)
+
+    # ---------------------------------------------------------------- running ranks
+    @property
+    def rank(self) -> int:
+        rank = getattr(self._local, "rank", None)
+        if rank is None:
+            raise RuntimeError("PointToPointModel's calls are made from the threads that PointToPointModel.run starts")
+        return rank
+
+    @contextmanager
+    def patched(self) -> Iterator[PointToPointModel]:
+        """torch.distributed's point-to-point calls replaced by this model's (for threads of :meth:`run`)."""
+        c10d = dist.distributed_c10d
+        calls: dict[str, Any] = {n: getattr(self, n) for n in ("isend", "irecv", "send", "recv", "batch_isend_irecv")}
+        calls["P2POp"] = P2POp
+        with mock.patch.multiple(dist, **calls), mock.patch.multiple(c10d, **calls), \
+                mock.patch.object(dist, "get_rank", lambda group=None: self.rank):
+            yield self
+
+    def run(self, fn: Callable[[int], Any], timeout: float = 60.0) -> list[Any]:
+        """Run ``fn(rank)`` for every rank, each in a thread of its own, under :meth:`patched`; returns their results.
+
+        The first error of any rank is raised here (a :class:`DeadlockError` if the ranks deadlocked); a rank still
+        running after ``timeout`` seconds is an error too.
+        """
+        results: list[Any] = [None] * self.world_size
+        errors: dict[int, BaseException] = {}
+
+        def main(rank: int) -> None:
+            self._local.rank = rank
+            try:
+                results[rank] = fn(rank)
+            except BaseException as err:  # noqa: BLE001  (reported by the calling thread)
+                errors[rank] = err
+                with self._cond:
+                    if self._error is None and not isinstance(err, DeadlockError):
+                        self._error = f"rank {rank} raised {type(err).__name__}: {err}"
+                    self._cond.notify_all()
+            finally:
+                with self._cond:
+                    self._finished.add(rank)
+                    self._check_deadlock()
+                    self._cond.notify_all()
+
+        with self.patched():
+            threads = [threading.Thread(target=main, args=(r,), name=f"rank{r}", daemon=True)
+                       for r in range(self.world_size)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(timeout)
+        alive = [r for r, t in enumerate(threads) if t.is_alive()]
+        if alive:
+            with self._cond:
+                self._error = self._error or f"ranks {alive} still running after {timeout} s"
+                self._cond.notify_all()
+            raise TimeoutError(f"ranks {alive} still running after {timeout} s; stream heads: {self.heads()}")
+        if self._deadlock is not None:  # whatever the ranks made of it (their own words wrap the model's)
+            raise DeadlockError(self._deadlock) from next(iter(errors.values()), None)
+        if errors:
+            raise errors[min(errors)]
+        return results
+
+    # ---------------------------------------------------------------- the streams
+    def _post(self, ops: list[tuple[bool, int, Tensor]], grouped: bool, group: Any) -> _Work:
+        rank = self.rank
+        with self._cond:
+            for _, peer, _ in ops:
+                if not 0 <= peer < self.world_size or peer == rank:
+                    raise ValueError(f"rank {rank} named peer {peer} in a world of {self.world_size}")
+            entry = _Entry(rank, [_Op(is_send, rank, peer, t) for is_send, peer, t in ops], self._entries[rank],
+                           grouped, group)
+            self._entries[rank] += 1
+            entry.peers = sorted({op.peer for op in entry.ops})
+            for peer in entry.peers:
+                self._streams.setdefault((group, rank, peer), deque()).append(entry)
+            self._progress()
+            self._cond.notify_all()
+        return _Work(self, entry)
+
+    def _started(self, entry: _Entry) -> bool:
+        return all(self._streams[(entry.group, entry.rank, peer)][0] is entry for peer in entry.peers)
+
+    def _progress(self) -> None:
+        """Match whatever can be matched now (called with the lock held)."""
+        moved = True
+        while moved:
+            moved = False
+            for (group, rank, peer), stream in list(self._streams.items()):
+                if not stream or not self._started(stream[0]):
+                    continue
+                theirs = self._streams.get((group, peer, rank))
+                if not theirs or not self._started(theirs[0]):
+                    continue
+                send = next((op for op in stream[0].ops if op.is_send and op.peer == peer and not op.done), None)
+                recv = next((op for op in theirs[0].ops if not op.is_send and op.peer == rank and not op.done), None)
+                if send is None or recv is None:
+                    continue
+                self._match(send, recv)
+                moved = True
+                for entry in (stream[0], theirs[0]):
+                    if entry.done:
+                        for p in entry.peers:
+                            self._streams[(entry.group, entry.rank, p)].popleft()
+
+    def _match(self, send: _Op, recv: _Op) -> None:
+        sent = send.tensor.numel() * send.tensor.element_size()
+        room = recv.tensor.numel() * recv.tensor.element_size()
+        if sent != room or send.tensor.dtype != recv.tensor.dtype:
+            self._error = (f"rank {send.rank}'s send of {sent} B ({send.tensor.dtype}) met rank {recv.rank}'s "
+                           f"receive of {room} B ({recv.tensor.dtype}): NCCL matches messages by order alone, "
+                           "and these two disagree")
+            self._cond.notify_all()
+            raise RuntimeError(self._error)
+        recv.tensor.copy_(send.tensor.detach())
+        send.done = recv.done = True
+        self.messages += 1
+
+    def _wait(self, entry: _Entry) -> None:
+        rank = entry.rank
+        with self._cond:
+            self._waiting[rank] = entry
+            try:
+                self._check_deadlock()
+                while not entry.done:
+                    if self._deadlock is not None:
+                        raise DeadlockError(self._deadlock)
+                    if self._error is not None:
+                        raise RuntimeError(f"rank {rank} stopped waiting: {self._error}")
+                    if not self._cond.wait(self.watchdog_s):
+                        raise DeadlockError(f"no progress in {self.watchdog_s} s; stream heads: {self.heads()}")
+            finally:
+                del self._waiting[rank]
+
+    def _check_deadlock(self) -> None:
+        """Every rank still running waits on an entry that cannot progress: nothing will ever change."""
+        if self._deadlock is not None:
+            return
+        running = [r for r in range(self.world_size) if r not in self._finished]
+        if running and all(r in self._waiting and not self._waiting[r].done for r in running):
+            waits = "; ".join(f"rank {r} waits on {self._waiting[r]}" for r in running)
+            self._deadlock = f"deadlock under NCCL's point-to-point rules: {waits}. Stream heads: {self.heads()}"
+            self._cond.notify_all()
+
+    def heads(self) -> str:
+        """The entry at the head of each rank's stream with each peer, for the words of a deadlock."""
+        parts = [f"rank {rank} with {peer}{'' if group is None else f' on {group}'}: {stream[0]}"
+                 for (group, rank, peer), stream in sorted(self._streams.items(), key=lambda kv: str(kv[0])) if stream]
+        return "; ".join(parts) if parts else "all empty"
+
+
+__all__ = ["DeadlockError", "P2POp", "PointToPointModel"]
