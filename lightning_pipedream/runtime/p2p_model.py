@@ -15,6 +15,8 @@ model of it, in one process, with each rank's code running in a thread of its ow
 - Waiting on a work blocks the calling thread until its entry has ended (a host reading a received tensor
   blocks there; waiting on sends as well is the conservative choice).
 - Sizes must match: a receive of another size than its send is an error, as NCCL's truncation is.
+- Collectives (``all_reduce``) and groups (``new_group``) are modelled simply: a group's n-th collective on every
+  member meets the others' n-th, on communicators of their own, apart from the point-to-point streams.
 
 When every rank still running waits on an entry that cannot progress, the model raises :class:`DeadlockError`
 in each of them, naming the entries at the heads of every stream. Use :meth:`PointToPointModel.run`::
@@ -87,6 +89,43 @@ class P2POp:
     group_peer: int | None = None
 
 
+@dataclass(eq=False)
+class _InCollective:
+    """What a rank waits on inside a collective, for the deadlock check: done once every member has called it."""
+
+    call: list[Any]  # [tensors by member, True once summed]
+    number: int
+    group: Any
+
+    @property
+    def done(self) -> bool:
+        return self.call[1] is not None
+
+    def __str__(self) -> str:
+        return f"collective #{self.number} on {self.group or 'the world'}"
+
+
+@dataclass(frozen=True)
+class ModelGroup:
+    """A process group of the model: its members (global ranks, sorted) and its place among the groups made."""
+
+    ranks: tuple[int, ...]
+    number: int
+
+    def __str__(self) -> str:
+        return f"group{self.number}{list(self.ranks)}"
+
+
+class _Done:
+    """The work of a collective that has ended."""
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        return True
+
+
 class _Work:
     """The handle an ``isend``/``irecv``/``batch_isend_irecv`` returns: waits on its entry."""
 
@@ -111,12 +150,15 @@ class PointToPointModel:
         self._cond = threading.Condition()
         self._streams: dict[tuple[Any, int, int], deque[_Entry]] = {}  # (group, rank, peer) -> rank's entries
         self._entries = [0] * world_size
-        self._waiting: dict[int, _Entry] = {}  # rank -> the entry its thread waits on
+        self._waiting: dict[int, _Entry | _InCollective] = {}  # rank -> what its thread waits on
         self._finished: set[int] = set()
         self._deadlock: str | None = None
         self._error: str | None = None
         self._local = threading.local()
         self.messages = 0  # sends matched so far
+        self._groups_made = [0] * world_size  # new_group calls per rank: the n-th of each rank is the same group
+        self._collectives: dict[tuple[Any, int], list[Any]] = {}  # (group, n-th call) -> [tensors by member, result]
+        self._calls: dict[tuple[Any, int], int] = {}  # (group, rank) -> collectives it has called
 
     # ---------------------------------------------------------------- torch.distributed's calls, replaced
     def isend(self, tensor: Tensor, dst: int | None = None, group: Any = None, tag: int = 0,
@@ -148,6 +190,59 @@ class PointToPointModel:
         work = self._post(ops, grouped=True, group=groups.pop())
         return [work]  # NCCL's coalesced group: one work for all of its operations
 
+    def new_group(self, ranks: Sequence[int] | None = None, *args: Any, **kwargs: Any) -> ModelGroup:
+        rank = self.rank
+        with self._cond:
+            number = self._groups_made[rank]
+            self._groups_made[rank] += 1
+        return ModelGroup(tuple(sorted(ranks)) if ranks is not None else tuple(range(self.world_size)), number)
+
+    def _members(self, group: Any) -> tuple[int, ...]:
+        return group.ranks if isinstance(group, ModelGroup) else tuple(range(self.world_size))
+
+    def get_rank(self, group: Any = None) -> int:
+        return self._members(group).index(self.rank)
+
+    def get_world_size(self, group: Any = None) -> int:
+        return len(self._members(group))
+
+    def get_global_rank(self, group: Any, group_rank: int) -> int:
+        return self._members(group)[group_rank]
+
+    def get_process_group_ranks(self, group: Any) -> list[int]:
+        return list(self._members(group))
+
+    def all_reduce(self, tensor: Tensor, op: Any = None, group: Any = None, async_op: bool = False) -> _Done | None:
+        """The sum over ``group``'s members (blocking until every member has called its n-th collective)."""
+        if op is not None and op != dist.ReduceOp.SUM:
+            raise NotImplementedError(f"the model's all_reduce sums; got {op}")
+        rank, members = self.rank, self._members(group)
+        with self._cond:
+            key = (group, rank)
+            n = self._calls.get(key, 0)
+            self._calls[key] = n + 1
+            call = self._collectives.setdefault((group, n), [{}, None])
+            call[0][rank] = tensor
+            if len(call[0]) == len(members):
+                total = sum(t.detach().clone() for t in call[0].values())
+                for t in call[0].values():
+                    t.copy_(total)
+                call[1] = True
+                self._cond.notify_all()
+            self._waiting[rank] = _InCollective(call, n, group)
+            try:
+                while call[1] is None:
+                    self._check_deadlock()
+                    if self._deadlock is not None:
+                        raise DeadlockError(self._deadlock)
+                    if self._error is not None:
+                        raise RuntimeError(f"rank {rank} stopped waiting: {self._error}")
+                    if not self._cond.wait(self.watchdog_s):
+                        raise DeadlockError(f"no progress in {self.watchdog_s} s in a collective on {group}")
+            finally:
+                del self._waiting[rank]
+        return _Done() if async_op else None
+
     @staticmethod
     def _peer(peer: int | None, group_peer: int | None) -> int:
         chosen = peer if peer is not None else group_peer
@@ -167,10 +262,11 @@ class PointToPointModel:
     def patched(self) -> Iterator[PointToPointModel]:
         """torch.distributed's point-to-point calls replaced by this model's (for threads of :meth:`run`)."""
         c10d = dist.distributed_c10d
-        calls: dict[str, Any] = {n: getattr(self, n) for n in ("isend", "irecv", "send", "recv", "batch_isend_irecv")}
+        names = ("isend", "irecv", "send", "recv", "batch_isend_irecv", "new_group", "get_rank", "get_world_size",
+                 "get_global_rank", "get_process_group_ranks", "all_reduce")
+        calls: dict[str, Any] = {n: getattr(self, n) for n in names}
         calls["P2POp"] = P2POp
-        with mock.patch.multiple(dist, **calls), mock.patch.multiple(c10d, **calls), \
-                mock.patch.object(dist, "get_rank", lambda group=None: self.rank):
+        with mock.patch.multiple(dist, **calls), mock.patch.multiple(c10d, **calls):
             yield self
 
     def run(self, fn: Callable[[int], Any], timeout: float = 60.0) -> list[Any]:
@@ -290,7 +386,7 @@ class PointToPointModel:
 
     def _check_deadlock(self) -> None:
         """Every rank still running waits on an entry that cannot progress: nothing will ever change."""
-        if self._deadlock is not None:
+        if self._deadlock is not None or self._error is not None:  # a rank's own error came first: that is the news
             return
         running = [r for r in range(self.world_size) if r not in self._finished]
         if running and all(r in self._waiting and not self._waiting[r].done for r in running):
