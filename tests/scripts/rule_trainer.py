@@ -21,6 +21,7 @@ from script_runs import main_runs  # noqa: E402
 from torch import nn
 
 from lightning_pipedream import PipeDreamStrategy
+from lightning_pipedream.runtime.transport import TRANSPORT_ENV
 from lightning_pipedream.strategy.checkpoint import AtomicCheckpointIO
 
 INPUTS, WIDTH, OUTPUTS = 4, 8, 2
@@ -204,7 +205,18 @@ def train(out: str, options: dict[str, Any]) -> None:
         items = [(x[shard::pipelines], y[shard::pipelines]) for x, y in items]
     train = ResumableBatches(items)
     val = ResumableBatches(batches(2, seed=9))
-    trainer.fit(model, train, val, ckpt_path=options.pop("resume", None))
+    # "directional": the transport GPUs take (each direction of a link on a process group of its own), over gloo
+    transport = options.pop("transport", None)
+    before = os.environ.get(TRANSPORT_ENV)
+    if transport is not None:
+        os.environ[TRANSPORT_ENV] = transport
+    try:
+        trainer.fit(model, train, val, ckpt_path=options.pop("resume", None))
+    finally:
+        os.environ.pop(TRANSPORT_ENV, None)
+        if before is not None:
+            os.environ[TRANSPORT_ENV] = before
+    pipeline = getattr(trainer.strategy, "_pipeline", None)
     trainer.save_checkpoint(os.path.join(out, "final.ckpt"))
     if trainer.is_global_zero:
         result = {
@@ -213,6 +225,7 @@ def train(out: str, options: dict[str, Any]) -> None:
             "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
             "checkpoints": {os.path.basename(k): float(v) for k, v in checkpoint.best_k_models.items()}
             if checkpoint is not None else {},
+            "directional": bool(pipeline is not None and pipeline.engine.transport.directional),
         }
         with open(os.path.join(out, "result.json"), "w") as f:
             json.dump(result, f)

@@ -195,6 +195,16 @@ for _name, _schedule, _p, _balance, _options in (
                                           "model": SCHEDULED, "trainer": {"max_epochs": 2}}
 
 
+# These runs take the transport that NCCL needs (each direction of a link on a process group of its own) over gloo,
+# so that real processes run the code GPUs run; the others take the CPU default (shared memory).
+DIRECTIONAL = ["3-momentum-vertical-sync", "data-parallel", "validation", "guard-blow-up-2", "bf16", "checkpoints-whole",
+               "3-per-batch-2x2", "2-per-batch-3-vertical-sync", "zb-h1-2x4", "zb-h1-3x8", "interleaved-2x8",
+               "interleaved-3x4", "2bw-3x4", "interleaved-validation-2x4", "zb-h1-two-epochs-2x4",
+               "interleaved-two-epochs-3x4", "2bw-two-epochs-3x4", "1f1b-recompute-first-2x4"]
+for _name in DIRECTIONAL:
+    RUNS[_name]["transport"] = "directional"
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     """Train every run of RUNS; returns each one's folder."""
@@ -587,3 +597,10 @@ def test_the_divergence_guard_goes_back_to_the_drained_weights_and_on_under_1f1b
     assert result(out)["global_step"] == 12
     # 1f1b equals one device: from the initial weights, batch 5 of the first epoch and the whole second one
     assert_weights(out, reference(balance=[7], epochs=[[5], list(range(6))]))
+
+
+def test_the_directional_transport_ran_where_asked(runs):
+    """The runs of DIRECTIONAL took the path NCCL takes; the others kept the CPU default."""
+    for name in RUNS:
+        result = json.loads((runs[name] / "result.json").read_text())
+        assert result["directional"] == (name in DIRECTIONAL), name
