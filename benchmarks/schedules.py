@@ -1,14 +1,16 @@
-"""Steps/s of every schedule against the machine's bound, torch.distributed.pipelining and one process, on 2 stages.
+"""Steps/s of every schedule against the machine's bound, torch.distributed.pipelining and one process, on N stages.
 
 Run from the repository root::
 
     python -m benchmarks.schedules --json benchmarks/results/schedules.json          # 8-12 minutes
     python -m benchmarks.schedules --quick --json /tmp/quick.json                     # < 3 minutes
     python -m benchmarks.schedules --only ours_pipedream,ours_pipedream_trace --malloc keep   # a few contenders
+    python -m benchmarks.schedules --stages 4 --layers 16 --json /tmp/four.json     # 4 stages: needs >= 4 cores
 
 The model is 8 x (Linear(1024, 1024) + ReLU) with MSE loss and plain SGD; a step is a batch of
-512 samples in 8 micro-batches of 64. Every multi-process contender runs 2 processes (one stage
-each, the model split in the middle) with 1 thread each, over gloo on loopback. Contenders:
+512 samples in 8 micro-batches of 64. Every multi-process contender runs ``--stages`` processes (default 2; one
+stage each, the model split evenly) with 1 thread each, over gloo on loopback; interleaved needs
+``--layers`` >= 2 x stages (a Linear in every model chunk), the default ``--layers`` is 8 or that. Contenders:
 
 * ``bound``: the machine's bound for PipeDream's work: each process runs only its own stage (8
   forwards and backwards of 64 on stand-in inputs, an SGD step after each), both at once, with no
@@ -27,7 +29,8 @@ each, the model split in the middle) with 1 thread each, over gloo on loopback. 
   accumulation), then one SGD step: the work of one step with no parallelism.
 * ``one_thread_per_minibatch``: one process, 1 thread, an SGD step after every 64 samples: the
   work PipeDream does (8 optimizer steps per 512 samples), without its pipeline.
-* ``two_threads``: one process, 2 threads (intra-op), the whole batch of 512 at once.
+* ``two_threads`` (``threads_<N>`` on N != 2 stages): one process, as many threads (intra-op) as stages, the whole
+  batch of 512 at once.
 
 The one-process contenders and the bound zero their gradients as the best plain loop does
 (``workload.zero_grads``: freed under ``--malloc keep``, where the next backward hands over new ones with no pass of
@@ -119,7 +122,12 @@ def schedule_of(name: str) -> str:
 # The run
 
 
-def contenders(include_trace: bool = True) -> list[str]:
+def threads_contender(stages: int = 2) -> str:
+    """The one-process contender with as many intra-op threads as the pipeline has stages."""
+    return "two_threads" if stages == 2 else f"threads_{stages}"
+
+
+def contenders(include_trace: bool = True, stages: int = 2) -> list[str]:
     names = []
     for s in ALL_OURS:
         names.append(f"ours_{s}")
@@ -128,7 +136,7 @@ def contenders(include_trace: bool = True) -> list[str]:
         if s in OVER_GLOO:
             names.append(f"ours_{s}_gloo")
     names += [f"torch_{s}" for s in ALL_TORCH]
-    names += ["one_thread", "one_thread_per_minibatch", "two_threads", *BOUNDS]
+    names += ["one_thread", "one_thread_per_minibatch", threads_contender(stages), *BOUNDS]
     return names
 
 
@@ -157,7 +165,7 @@ def run_contender(name: str, cfg: Config, warmup: int, steps: int, timeout: floa
     elif name in BOUNDS:
         results = run_local(bound_worker, cfg.stages, cfg, name == "bound", warmup, steps, timeout=timeout)
     else:
-        threads = 2 if name == "two_threads" else 1
+        threads = cfg.stages if name == threads_contender(cfg.stages) else 1
         results = run_local(
             single_worker, 1, cfg, threads, warmup, steps, name == "one_thread_per_minibatch", timeout=timeout
         )
@@ -335,17 +343,23 @@ def main(argv: list[str] | None = None) -> dict:
         args.max_wait = 5.0 if args.quick else 20.0
     if args.wait_budget is None:
         args.wait_budget = 20.0 if args.quick else 150.0
-    cfg = Config(layers=args.layers, width=args.width, batch=args.batch, chunks=args.chunks)
+    layers = args.layers if args.layers is not None else max(8, VIRTUAL * args.stages)
+    cfg = Config(layers=layers, width=args.width, batch=args.batch, chunks=args.chunks, stages=args.stages)
     if args.malloc == "keep" and not keep_freed_memory():
         parser.error("--malloc keep needs glibc")
     os.environ[GRADS_ENV] = "free" if args.malloc == "keep" else "keep"  # the workers' zero_grads
-    names = contenders(include_trace=not args.no_trace_contenders)
+    names = contenders(include_trace=not args.no_trace_contenders, stages=cfg.stages)
     if args.only:
         wanted = set(args.only.split(",")) | {"one_thread", *BOUNDS}
-        unknown = wanted - set(contenders())
+        unknown = wanted - set(contenders(stages=cfg.stages))
         if unknown:
-            parser.error(f"unknown contenders {sorted(unknown)}; choose from {contenders()}")
+            parser.error(f"unknown contenders {sorted(unknown)}; choose from {contenders(stages=cfg.stages)}")
         names = [n for n in names if n in wanted]
+    if cfg.stages < 2:
+        parser.error("--stages must be at least 2")
+    if any(schedule_of(n) == "interleaved" for n in names) and cfg.layers < VIRTUAL * cfg.stages:
+        parser.error(f"interleaved on {cfg.stages} stages holds {VIRTUAL * cfg.stages} model chunks: "
+                     f"--layers must be at least {VIRTUAL * cfg.stages} (a Linear in each)")
     started = time.time()
 
     load0 = _report_machine_load(args.quick)
@@ -395,7 +409,8 @@ def _parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpar
     )
     parser.add_argument("--only", default="",
                         help="comma-separated contenders to run (one_thread, bound and bound_batch always run)")
-    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--stages", type=int, default=2, help="pipeline stages = processes of each contender")
+    parser.add_argument("--layers", type=int, default=None, help="Linear+ReLU blocks (default max(8, 2 x stages))")
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=512)
     parser.add_argument("--chunks", type=int, default=8)
@@ -762,7 +777,7 @@ def _newer_bubbles(kept_events: dict[str, list[TimedAction]], cfg: Config, plots
             chunks = f", {VIRTUAL} chunks each)" if s == "interleaved" else ")"
             plot_timeline([TimedAction(e.rank, e.action, e.start - origin, e.end - origin) for e in window],
                           plots / f"newer_real_{s}.png",
-                          title=f"{s}, measured step (2 processes x {cfg.chunks} micro-batches" + chunks)
+                          title=f"{s}, measured step ({cfg.stages} processes x {cfg.chunks} micro-batches" + chunks)
             plot_timeline(sim.events, plots / f"newer_sim2_{s}.png", title=f"{s}, simulated with the measured costs")
     return out
 

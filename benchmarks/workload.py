@@ -465,9 +465,13 @@ def profile(cfg: Config, repeats: int, concurrent: bool, timeout: float) -> dict
 
 
 def link_worker(rank: int, world: int, cfg: Config, repeats: int) -> dict | None:
-    """One-way time of our transport's messages between two ranks (ping-pong / 2), small and activation-sized."""
+    """One-way time of our transport's messages between ranks 0 and 1 (ping-pong / 2), small and activation-sized.
+
+    Every rank of the world takes part in the barriers (the probe runs in the pipeline's ``world`` processes), but
+    only ranks 0 and 1 exchange messages: with more ranks, a pairing such as ``peer = 1 - rank`` would send rank 2 to
+    rank -1 and wait for ever. On one machine every link is the same kind, so one pair stands for all of them."""
     transport = Transport()
-    peer = 1 - rank
+    peer = 1 - rank if rank < 2 else None  # ranks 2.. only meet the others at the barriers
     result = {}
     for name, shape in (("small", (1,)), ("activation", (cfg.micro, cfg.width))):
         t = torch.randn(shape)
@@ -475,7 +479,9 @@ def link_worker(rank: int, world: int, cfg: Config, repeats: int) -> dict | None
         for i in range(repeats + 3):
             dist.barrier()
             start = time.perf_counter()
-            if rank == 0:
+            if peer is None:
+                pass
+            elif rank == 0:
                 transport.send(t, peer)
                 transport.recv(peer)
             else:
