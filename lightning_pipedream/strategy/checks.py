@@ -14,7 +14,8 @@ from torch import nn
 from lightning_pipedream.tree import tensors
 
 
-def check_training_supported(module: LightningModule, precision: Precision) -> None:
+def check_training_supported(module: LightningModule, precision: Precision, schedule: str = "1f1b",
+                             asynchronous: bool = False) -> None:
     """Refuse, before anything runs, what the pipeline cannot train correctly."""
     if not module.automatic_optimization:
         raise ValueError(
@@ -22,11 +23,13 @@ def check_training_supported(module: LightningModule, precision: Precision) -> N
             "PipeDreamStrategy does not support: the pipeline runs each stage's optimizer steps itself, at the "
             "points its schedule gives. Use automatic optimization (return the loss from training_step)."
         )
-    if getattr(precision, "scaler", None) is not None:
+    if getattr(precision, "scaler", None) is not None and asynchronous:
         raise ValueError(
-            "PipeDreamStrategy does not support precision='16-mixed' with a gradient scaler: every stage would have "
-            "to scale its backward and all stages agree to skip a step together. Use precision='bf16-mixed' "
-            "(no scaler needed) or '32-true'."
+            f"PipeDreamStrategy(schedule={schedule!r}) does not support precision='16-mixed' with a gradient scaler: "
+            "its stages update at different times, for different minibatches, so skipping an overflowing step on "
+            "every stage would stop the whole pipeline at each update to agree. Use precision='bf16-mixed' (no "
+            "scaler needed), or a flushed schedule (1f1b, gpipe, zb-h1, interleaved), where every stage skips the "
+            "step together."
         )
 
 

@@ -4,7 +4,6 @@ directional transport and equals one process (or its schedule's rule); the one-g
 from __future__ import annotations
 
 import copy
-import time
 
 import pytest
 import torch
@@ -85,11 +84,10 @@ def both_send_then_receive(rank: int, grouped: bool, directional: bool) -> float
 
 
 def test_two_ranks_that_both_send_first_deadlock_and_the_model_names_both_stream_heads():
-    start = time.perf_counter()
     with pytest.raises(DeadlockError) as caught:
         PointToPointModel(2).run(lambda rank: both_send_then_receive(rank, False, False), timeout=30)
-    assert time.perf_counter() - start < 20  # found by the model, not by its watchdog (30 s) or the run's timeout
     words = str(caught.value)
+    assert "no progress in" not in words  # found by the model, not by its watchdog; the run's timeout raises another
     assert "rank 0 with 1: call #0 [send to 1 (16 B)]" in words
     assert "rank 1 with 0: call #0 [send to 0 (16 B)]" in words
 
@@ -219,13 +217,14 @@ def test_several_minibatches_per_step_and_evaluation_under_nccl_rules():
         pipe = Pipeline(copy.deepcopy(layers), loss_fn=nn.functional.mse_loss, optimizer=sgd, schedule="pipedream",
                         transport="directional", reverse_group="reverse")
         engine = pipe.engine
-        for first in range(0, n, 3):
-            def inputs(mb: int) -> torch.Tensor:
-                return data[mb][0]
 
-            def loss(mb: int, out: torch.Tensor) -> torch.Tensor:
-                return nn.functional.mse_loss(out, data[mb][1])
+        def inputs(mb: int) -> torch.Tensor:
+            return data[mb][0]
 
+        def loss(mb: int, out: torch.Tensor) -> torch.Tensor:
+            return nn.functional.mse_loss(out, data[mb][1])
+
+        for _ in range(n // 3):
             engine.train_step(inputs, loss, pipe._update, minibatches=3)
         pipe.drain()
         outputs = engine.executor.run(inference(stages, 2).actions[rank], inputs=lambda mb: x.chunk(2)[mb],
@@ -248,11 +247,10 @@ def test_several_minibatches_per_step_and_evaluation_under_nccl_rules():
 def test_one_group_for_both_directions_deadlocks_under_nccl_rules(schedule, stages, chunks):
     """What ran before the directional transport (both directions of a link on one group, receives posted
     ahead): the model finds its deadlock within seconds and names the ranks' stream heads."""
-    start = time.perf_counter()
     with pytest.raises(DeadlockError) as caught:
         train(stages, schedule, chunks, 3, transport="gloo")
-    assert time.perf_counter() - start < 20
     words = str(caught.value)
+    assert "no progress in" not in words  # the deadlock check answered, not the model's watchdog
     assert "deadlock under NCCL's point-to-point rules: rank 0 waits on" in words
     assert "Stream heads: rank 0 with 1: call #" in words
 

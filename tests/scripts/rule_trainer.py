@@ -17,6 +17,7 @@ import lightning as L
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))  # the libraries the tests share
+from lightning.pytorch.plugins.precision import MixedPrecision
 from script_runs import main_runs  # noqa: E402
 from torch import nn
 
@@ -31,13 +32,18 @@ class RuleMLP(L.LightningModule):
     """7 layers (Linear/Tanh), MSE; SGD, SGD with momentum or Adam; optional per-step scheduler."""
 
     def __init__(self, optimizer: str = "sgd", lr: float = 0.2, scheduler: str | None = None,
-                 blow_up_at: int | None = None) -> None:
+                 blow_up_at: int | None = None, overflow_at: int | None = None) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.layers = nn.Sequential(
             nn.Linear(INPUTS, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.Tanh(),
             nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, OUTPUTS),
         )
+        if overflow_at is not None:  # a planted overflow in the first layer's gradient only (stage 0's) at that step
+            self.layers[0].weight.register_hook(self._overflow)
+
+    def _overflow(self, grad: torch.Tensor) -> torch.Tensor:
+        return grad * float("inf") if self.trainer.global_step == self.hparams.overflow_at else grad
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.layers(x)
@@ -190,6 +196,9 @@ def train(out: str, options: dict[str, Any]) -> None:
         enable_checkpointing=checkpoint is not None, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks,
     )
+    if "fp16" in options:  # 16-mixed with a gradient scaler (GradScaler keyword arguments)
+        scaler = torch.amp.GradScaler("cpu", **options.pop("fp16"))
+        trainer_args["plugins"] = [MixedPrecision("16-mixed", "cpu", scaler=scaler)]
     if strategy is not None:
         if "kill_during_save" in options:
             strategy = {**strategy, "checkpoint_io": KillDuringSave(options.pop("kill_during_save"))}
@@ -218,6 +227,10 @@ def train(out: str, options: dict[str, Any]) -> None:
             os.environ[TRANSPORT_ENV] = before
     pipeline = getattr(trainer.strategy, "_pipeline", None)
     trainer.save_checkpoint(os.path.join(out, "final.ckpt"))
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    if scaler is not None:  # every rank's loss scale: they must agree
+        with open(os.path.join(out, f"scale{trainer.global_rank}.txt"), "w") as f:
+            f.write(str(scaler.get_scale()))
     if trainer.is_global_zero:
         result = {
             "global_step": trainer.global_step,
