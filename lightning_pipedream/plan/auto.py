@@ -10,12 +10,16 @@ from typing import Any
 import numpy as np
 
 from lightning_pipedream.plan.memory import (
+    FOREACH_TEMPORARIES,
     OPTIMIZER_TEMPORARIES,
     Held,
     StageBytes,
     StageMemory,
     backward_working,
+    cublas_workspace_bytes,
+    cut_bytes,
     layer_keeps,
+    layer_parameters,
     layer_work,
     optimizer_state_ratio,
     predict_memory,
@@ -214,7 +218,7 @@ def _bytes(value: float) -> str:
 class _Ranges:
     """``[i, j]`` tables over layers i..j (inf or 0 where j < i), and what a stage starting or ending there moves."""
 
-    def __init__(self, profile: Profile, input_bytes: float) -> None:
+    def __init__(self, profile: Profile, input_bytes: float, device: str = "cpu") -> None:
         layers = profile.layers
         self.n = len(layers)
         self.forward = self._table([layer.forward_s for layer in layers])
@@ -222,14 +226,15 @@ class _Ranges:
         # the weight-gradient part of the backward (zero bubble): measured, or half
         self.weight = self._table([layer.backward_s / 2 if layer.weight_s is None else layer.weight_s
                                    for layer in layers])
-        self.params = self._table([float(layer.parameter_bytes) for layer in layers])
-        saved, ending = layer_keeps(profile)
+        # device="cuda": every byte figure as CUDA's caching allocator counts it, as plan.memory.stage_bytes does
+        self.params = self._table(layer_parameters(profile, device))
+        saved, ending = layer_keeps(profile, device)
         self.acts = self._table(saved) + np.array(ending)[None, :]  # what layers i..j keep as one stage
-        cuts = [float(c) for c in profile.cut_bytes()]
-        self.input = np.array([float(input_bytes)] + cuts)[:, None]  # what stage i.. receives
-        self.output = np.array(cuts + [0.0])[None, :]  # what stage ..j sends on
+        cuts = cut_bytes(profile, input_bytes, device)
+        self.input = np.array(cuts)[:, None]  # what stage i.. receives
+        self.output = np.array(cuts[1:] + [0.0])[None, :]  # what stage ..j sends on
         # what a backward and an optimizer step need on top (plan.memory.layer_work): per stage, the most of any layer
-        working, temps, pending, largest = layer_work(profile)
+        working, temps, pending, largest = layer_work(profile, device)
         self.grad_working = self._range_max(working)
         self.grad_temps = self._range_max(temps)
         self.pending = self._table(pending) + self.output  # a split backward keeps its output's gradient too
@@ -320,6 +325,8 @@ class _Search:
     sized: dict[tuple[int, ...], list[StageBytes]] = field(default_factory=dict)
     considered: int = 0
     simulated: int = 0
+    device: str = "cpu"  # "cuda": what CUDA adds (plan.memory: the allocator's blocks, foreach temporaries, cuBLAS)
+    cuda_capability: tuple[int, int] = (9, 0)
 
     @property
     def limit(self) -> float:
@@ -387,7 +394,11 @@ class _Search:
         params = np.where(np.isfinite(r.params), r.params, 0.0)
         weights = 2 * np.round(params) + np.round(ratio * params) + np.round((versions - 1) * params)
         working = np.round(backward_working(r.grad_working, r.grad_temps, chunks))
-        update = np.round(OPTIMIZER_TEMPORARIES[self.optimizer] * r.largest)
+        if self.device == "cuda":  # foreach: the temporaries of all the stage's parameters at once; cuBLAS's workspaces
+            update = np.round(FOREACH_TEMPORARIES[self.optimizer] * params)
+            weights = weights + cublas_workspace_bytes(self.cuda_capability)
+        else:
+            update = np.round(OPTIMIZER_TEMPORARIES[self.optimizer] * r.largest)
         per_mb, per_mb_rc = (r.input + r.acts) / chunks, (r.input + r.output) / chunks
         pending = held.most_pending * r.pending / chunks if held.most_pending else 0.0  # (0 x an empty range's inf)
         at_update = held.count_at_update
@@ -510,14 +521,15 @@ class _Search:
     def sizes(self, balance: list[int]) -> list[StageBytes]:
         key = tuple(balance)
         if key not in self.sized:
-            self.sized[key] = stage_bytes(self.profile, balance, self.input_bytes)
+            self.sized[key] = stage_bytes(self.profile, balance, self.input_bytes, self.device)
         return self.sized[key]
 
     def memory_of(self, schedule: str, sizes: list[StageBytes], replicas: tuple[int, ...], chunks: int, v: int,
                   recompute: list[bool]) -> list[StageMemory]:
         flight = self.flight(schedule, len(replicas), chunks, replicas, v)
         return predict_memory(sizes, schedule, chunks, replicas=list(replicas), virtual_stages=v,
-                              recompute=recompute, optimizer=self.optimizer, flight=flight)
+                              recompute=recompute, optimizer=self.optimizer, flight=flight, device=self.device,
+                              cuda_capability=self.cuda_capability)
 
     def time(self, schedule: str, balance: list[int], replicas: tuple[int, ...], chunks: int, v: int,
              recompute: list[bool]) -> float:
@@ -629,6 +641,8 @@ def auto_plan(
     max_chunks: int = 16,
     microbatch_overhead_s: float = 0.0,
     input_bytes: float | None = None,
+    device: str = "cpu",
+    cuda_capability: tuple[int, int] = (9, 0),
 ) -> AutoPlan:
     """Choose the stage split, replicas, schedule, micro-batches and per-stage recompute for ``topology``.
 
@@ -639,6 +653,7 @@ def auto_plan(
     state. Micro-batch counts are powers of two up to ``max_chunks`` (and the profile's batch size);
     ``microbatch_overhead_s`` is a fixed cost per micro-batch forward and backward on each stage, which makes
     splitting finer a trade. ``input_bytes``: the batch stage 0 keeps (default: ``profile.extra["input_bytes"]``).
+    ``device="cuda"`` predicts memory as a GPU of ``cuda_capability`` counts it (see ``plan.memory.predict_memory``).
 
     Raises :class:`NoPlanFitsError`, naming the smallest limit that fits, when nothing fits.
     """
@@ -661,7 +676,8 @@ def auto_plan(
     if input_bytes is None:
         input_bytes = float(profile.extra.get("input_bytes", 0) or 0)
     search = _Search(profile, topology, memory_limit, optimizer, float(microbatch_overhead_s), float(input_bytes),
-                     _Ranges(profile, float(input_bytes)))
+                     _Ranges(profile, float(input_bytes), device), device=device,
+                     cuda_capability=tuple(cuda_capability))  # type: ignore[arg-type]
     stages_possible = 1 + int(search.ranges.cuttable.sum())
     groups = _groups(profile, topology, names, stages_possible)
     chunk_counts = _chunk_counts(max_chunks, profile.batch_size)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -19,6 +20,66 @@ OPTIMIZER_STATE = {"sgd": 0, "momentum": 1, "adam": 2}
 # one tensor at a time: Adam's denominator (a square root, then a division: two at once), Adagrad's and RMSprop's
 # square root (one), plain SGD none. (Its multi-tensor loops, the default on GPUs, make them for all tensors at once.)
 OPTIMIZER_TEMPORARIES = {"sgd": 0, "momentum": 1, "adam": 2}
+
+# ---- What CUDA adds (device="cuda"); every number from torch's own code, as of torch 2.x:
+# Temporaries of one step on CUDA, in bytes of *all* the worker's parameters: torch's optimizers default to their
+# multi-tensor ("foreach") loops there (torch/optim/optimizer.py, _default_to_fused_or_foreach), which make each
+# temporary for every parameter tensor in one call. torch/optim/adam.py, _multi_tensor_adam: ``exp_avg_sq_sqrt =
+# torch._foreach_sqrt(exp_avg_sqs)`` is the one list alive at the update (everything after it is in place; the
+# weight-decay copy of the gradients, ``torch._foreach_add``, is deleted before it is made): 1. torch/optim/sgd.py,
+# _multi_tensor_sgd: the momentum buffers are updated in place (``_foreach_mul_``, ``_foreach_add_``) and added into
+# the parameters: 0 (weight decay would add one list, 1; not modelled). Plain SGD: ``_foreach_add_``, 0. (Adagrad's
+# and RMSprop's foreach loops make one list, ``_foreach_sqrt``, but share the "momentum" kind with SGD: 1 too few.)
+FOREACH_TEMPORARIES = {"sgd": 0, "momentum": 0, "adam": 1}
+# The caching allocator (c10/cuda/CUDACachingAllocator.cpp): ``round_size`` makes every block a multiple of
+# kMinBlockSize = 512 B (at least 512); a request of kMinLargeAlloc = 10 MiB or more gets a segment of its own,
+# rounded to kRoundLarge = 2 MiB, and ``should_split`` leaves a large block whole when what would remain is
+# kSmallSize = 1 MiB or less: ``memory_allocated`` then counts the whole segment.
+CUDA_BLOCK = 512
+CUDA_SMALL_SIZE = 1 << 20
+CUDA_MIN_LARGE_ALLOC = 10 << 20
+CUDA_ROUND_LARGE = 2 << 20
+# cuBLAS's workspace, allocated through the caching allocator once per (cuBLAS handle, stream) and kept
+# (aten/src/ATen/cuda/CublasHandlePool.cpp, parseChosenWorkspaceSize): by default 4096 KiB x 8 = 32 MiB on Hopper
+# (compute capability 9.0), else ":4096:2:16:8" = 4096 KiB x 2 + 16 KiB x 8; CUBLAS_WORKSPACE_CONFIG overrides it.
+# cuBLASLt's own (getCUDABlasLtWorkspace; CUBLASLT_WORKSPACE_SIZE, default 1024 KiB) comes on top unless
+# TORCH_CUBLASLT_UNIFIED_WORKSPACE=1 shares cuBLAS's.
+CUBLAS_WORKSPACE_HOPPER = 4096 * 1024 * 8
+CUBLAS_WORKSPACE_DEFAULT = 4096 * 1024 * 2 + 16 * 1024 * 8
+CUBLASLT_WORKSPACE = 1024 * 1024
+# Handles are per thread (a thread-local pool window): a training process runs its forward's matrix products on its
+# own thread and its backward's on autograd's thread for the device (torch/csrc/autograd/engine.cpp runs CUDA
+# backwards on a device thread): two workspaces.
+CUBLAS_THREADS = 2
+DEVICES = ("cpu", "cuda")
+
+
+def cuda_block_bytes(nbytes: float) -> int:
+    """What CUDA's caching allocator counts (``torch.cuda.memory_allocated``) for one tensor of ``nbytes`` taken from a
+    fresh segment: rounded up to 512 B; from 10 MiB on, the whole 2 MiB-rounded segment when the rest would be 1 MiB
+    or less (see :data:`CUDA_BLOCK`). A cached larger block reused whole (up to 1 MiB more) is not modelled."""
+    if nbytes <= 0:
+        return 0  # an empty tensor takes no block
+    size = max(CUDA_BLOCK, CUDA_BLOCK * math.ceil(nbytes / CUDA_BLOCK))
+    if size >= CUDA_MIN_LARGE_ALLOC:
+        segment = CUDA_ROUND_LARGE * math.ceil(size / CUDA_ROUND_LARGE)
+        if segment - size <= CUDA_SMALL_SIZE:
+            return segment
+    return size
+
+
+def cublas_workspace_bytes(capability: tuple[int, int] = (9, 0), threads: int = CUBLAS_THREADS) -> int:
+    """The cuBLAS (and cuBLASLt) workspaces a process training on a GPU of compute ``capability`` holds, with its matrix
+    products run on ``threads`` threads (see :data:`CUBLAS_THREADS`); each rounded as the allocator does."""
+    cublas = CUBLAS_WORKSPACE_HOPPER if tuple(capability) == (9, 0) else CUBLAS_WORKSPACE_DEFAULT
+    return threads * (cuda_block_bytes(cublas) + cuda_block_bytes(CUBLASLT_WORKSPACE))
+
+
+def _check_device(device: str) -> str:
+    if device not in DEVICES:
+        raise ValueError(f"device={device!r}: the memory model knows {', '.join(DEVICES)} (what CUDA's allocator, "
+                         "foreach optimizers and cuBLAS add is modelled under 'cuda').")
+    return device
 
 
 def backward_working(grad_working: Any, grad_temps: Any, chunks: int) -> Any:
@@ -85,17 +146,20 @@ class StageMemory:
     backward_working: int = 0
     activations_at_update: int = 0
     update_working: int = 0
+    workspace: int = 0  # device="cuda": cuBLAS's workspaces, allocated once and held for good
 
     @property
     def predicted_peak_bytes(self) -> int:
         weights = self.parameters + self.gradients + self.optimizer_state + self.stashed_weights
         in_backward = self.activations + self.replay + self.backward_working
         in_update = self.activations_at_update + self.update_working
-        return weights + max(in_backward, in_update)
+        return weights + self.workspace + max(in_backward, in_update)
 
     def to_json(self) -> dict:
         data = asdict(self)
         data["chunks"] = list(self.chunks)
+        if not self.workspace:  # the CPU's terms: the JSON as before the CUDA terms came
+            del data["workspace"]
         data["predicted_peak_bytes"] = self.predicted_peak_bytes
         return data
 
@@ -177,11 +241,13 @@ class StageBytes:
     largest_parameter: float = 0.0  # its largest parameter tensor (the optimizer's temporaries are that big)
 
 
-def layer_work(profile: Profile) -> tuple[list[float], list[float], list[float], list[float]]:
+def layer_work(profile: Profile, device: str = "cpu") -> tuple[list[float], list[float], list[float], list[float]]:
     """Per layer: the activation gradients its backward holds at once, its parameter-gradient temporaries, what a split
     backward keeps for the weight half, and its largest parameter tensor. Measured by ``profile_module``; for a
     profile without them (PipeDream's graph.txt, a traced graph's), estimated: the gradients of its output and of its
-    input, all its parameters, its output's gradient when it has parameters, all its parameters as one tensor."""
+    input, all its parameters, its output's gradient when it has parameters, all its parameters as one tensor.
+    ``device="cuda"``: each as the caching allocator counts it (:func:`cuda_block_bytes`, the layer's figure as one
+    block: the profile does not list its tensors)."""
     cuts = [float(profile.extra.get("input_bytes", 0) or 0)] + [float(c) for c in profile.cut_bytes()]
     working, temps, pending, largest = [], [], [], []
     for index, layer in enumerate(profile.layers):
@@ -192,44 +258,69 @@ def layer_work(profile: Profile) -> tuple[list[float], list[float], list[float],
         pending.append(float(layer.pending_bytes) if layer.pending_bytes is not None
                        else float(layer.activation_bytes) if params else 0.0)
         largest.append(float(layer.largest_parameter_bytes) if layer.largest_parameter_bytes is not None else params)
+    if _check_device(device) == "cuda":
+        return tuple(_blocks(values) for values in (working, temps, pending, largest))  # type: ignore[return-value]
     return working, temps, pending, largest
 
 
-def layer_keeps(profile: Profile) -> tuple[list[float], list[float]]:
+def _blocks(values: Sequence[float]) -> list[float]:
+    return [float(cuda_block_bytes(v)) for v in values]
+
+
+def layer_keeps(profile: Profile, device: str = "cpu") -> tuple[list[float], list[float]]:
     """Per layer, the bytes its forward keeps for the backward (the profiler's ``saved_bytes``; unmeasured: its
     output), and what a stage ending at the layer keeps on top: its output, which the stage holds to start the
-    backward from, when no layer saves it (0 on the last layer, whose output only the loss reads)."""
+    backward from, when no layer saves it (0 on the last layer, whose output only the loss reads).
+    ``device="cuda"``: as the caching allocator counts them (:func:`cuda_block_bytes`, each layer's as one block)."""
     cuts = profile.cut_bytes() + [0]
     saved = [float(layer.activation_bytes if layer.saved_bytes is None else layer.saved_bytes)
              for layer in profile.layers]
     ending = [0.0 if layer.output_saved in (None, True) else float(cut) for layer, cut in zip(profile.layers, cuts)]
+    if _check_device(device) == "cuda":
+        return _blocks(saved), _blocks(ending)
     return saved, ending
 
 
-def stage_bytes(profile: Profile, balance: Sequence[int], input_bytes: float | None = None) -> list[StageBytes]:
+def layer_parameters(profile: Profile, device: str = "cpu") -> list[float]:
+    """Per layer, its parameter bytes (``device="cuda"``: as one allocator block, :func:`cuda_block_bytes`)."""
+    params = [float(layer.parameter_bytes) for layer in profile.layers]
+    return _blocks(params) if _check_device(device) == "cuda" else params
+
+
+def cut_bytes(profile: Profile, input_bytes: float, device: str = "cpu") -> list[float]:
+    """What each stage boundary carries: the batch stage 0 receives, then each layer's output (``device="cuda"``:
+    rounded as the allocator rounds one tensor)."""
+    cuts = [float(input_bytes)] + [float(c) for c in profile.cut_bytes()]
+    return _blocks(cuts) if _check_device(device) == "cuda" else cuts
+
+
+def stage_bytes(
+    profile: Profile, balance: Sequence[int], input_bytes: float | None = None, device: str = "cpu"
+) -> list[StageBytes]:
     """The bytes of each stage of ``balance`` (layers per stage) under ``profile``.
 
     ``input_bytes``: the batch stage 0 receives (default: the profile's ``extra["input_bytes"]``, else 0).
+    ``device="cuda"``: every figure as CUDA's caching allocator counts it (:func:`cuda_block_bytes`, per layer).
     """
     if input_bytes is None:
         input_bytes = float(profile.extra.get("input_bytes", 0) or 0)
-    cuts = profile.cut_bytes() + [0]
-    saved, ending = layer_keeps(profile)
-    working, temps, pending, largest = layer_work(profile)
+    cuts = cut_bytes(profile, input_bytes, device) + [0.0]  # cuts[k]: what layer k receives
+    params = layer_parameters(profile, device)
+    saved, ending = layer_keeps(profile, device)
+    working, temps, pending, largest = layer_work(profile, device)
     out, first = [], 0
     for count in balance:
         last = first + count - 1
-        layers = profile.layers[first : last + 1]
         span = slice(first, last + 1)
         out.append(
             StageBytes(
-                parameters=float(sum(layer.parameter_bytes for layer in layers)),
-                input=float(cuts[first - 1]) if first > 0 else float(input_bytes),
+                parameters=float(sum(params[span])),
+                input=cuts[first],
                 layers=float(np.sum(saved[span])) + ending[last],
-                output=float(cuts[last]),
+                output=cuts[last + 1],
                 grad_working=max(working[span]),
                 grad_temps=max(temps[span]),
-                pending=float(np.sum(pending[span])) + float(cuts[last]),
+                pending=float(np.sum(pending[span])) + cuts[last + 1],
                 largest_parameter=max(largest[span]),
             )
         )
@@ -273,6 +364,8 @@ def predict_memory(
     recompute: bool | Sequence[bool] = False,
     optimizer: str = "adam",
     flight: Schedule | None = None,
+    device: str = "cpu",
+    cuda_capability: tuple[int, int] = (9, 0),
 ) -> list[StageMemory]:
     """Each worker's predicted peak memory under ``schedule`` (one entry per stage; interleaved: per rank).
 
@@ -282,8 +375,12 @@ def predict_memory(
     Stashed versions: pipedream keeps one per minibatch in flight on the worker (``stages - s`` in a straight
     pipeline, ``ceil(workers from s on / replicas of s)`` under replicas), 2bw two, the rest one.
     ``flight``: the schedule to count in-flight micro-batches on (default: :func:`flight_schedule`).
+    ``device="cuda"`` (``sizes`` from :func:`stage_bytes` with the same device): the optimizer's foreach temporaries
+    for all the worker's parameters at once (:data:`FOREACH_TEMPORARIES`) instead of the CPU's per-tensor ones, and
+    the cuBLAS workspaces of a GPU of ``cuda_capability`` (:func:`cublas_workspace_bytes`; default 9.0, Hopper).
     """
     spec = spec_of(schedule)
+    cuda = _check_device(device) == "cuda"
     ratio = optimizer_state_ratio(optimizer)
     v = virtual_stages if spec.virtual_stages else 1
     total = len(sizes)
@@ -311,6 +408,7 @@ def predict_memory(
     else:
         by_stage = held
     temporaries = OPTIMIZER_TEMPORARIES[optimizer]
+    workspace = cublas_workspace_bytes(cuda_capability) if cuda else 0
     out = []
     for rank in range(ranks):
         mine = list(range(rank, total, ranks))
@@ -344,7 +442,9 @@ def predict_memory(
                 replay=round(max(0.0, replay)),
                 backward_working=round(working),
                 activations_at_update=round(at_update),
-                update_working=round(temporaries * max(sizes[s].largest_parameter for s in mine)),
+                update_working=round(FOREACH_TEMPORARIES[optimizer] * params if cuda
+                                     else temporaries * max(sizes[s].largest_parameter for s in mine)),
+                workspace=workspace,
             )
         )
     return out

@@ -309,3 +309,97 @@ def test_the_profiler_measures_what_each_backward_needs_on_top():
     assert all(p.grad is None for p in layers.parameters())  # measured without leaving gradients behind
     again = Profile.from_json(profile.to_json())  # and they survive the JSON file
     assert [layer.pending_bytes for layer in again.layers] == [0, 0, 80]
+
+
+# ------------------------------------------------------------------------------------------ what CUDA adds
+MiB = 1 << 20
+
+
+def test_the_caching_allocator_s_blocks():
+    from lightning_pipedream.plan.memory import cuda_block_bytes
+
+    assert [cuda_block_bytes(n) for n in (0, 1, 512, 513, 4000)] == [0, 512, 512, 1024, 4096]  # 512 B blocks
+    assert cuda_block_bytes(MiB + 1) == MiB + 512
+    assert cuda_block_bytes(9 * MiB + 1) == 9 * MiB + 512  # under 10 MiB: split from a 20 MiB segment
+    assert cuda_block_bytes(10 * MiB) == 10 * MiB  # a segment of its own, nothing left over
+    assert cuda_block_bytes(10 * MiB + 1) == 10 * MiB + 512  # 12 MiB segment: 2 MiB - 512 B left, split off
+    assert cuda_block_bytes(11 * MiB + 1) == 12 * MiB  # 1 MiB - 512 B left: too small to split, the block is whole
+
+
+def test_cublas_workspaces_per_thread_by_architecture():
+    from lightning_pipedream.plan.memory import cublas_workspace_bytes
+
+    # Hopper: 32 MiB (cuBLAS) + 1 MiB (cuBLASLt) on the forward's thread and on autograd's device thread
+    assert cublas_workspace_bytes((9, 0)) == 2 * (32 * MiB + MiB)
+    # others: 4096 KiB x 2 + 16 KiB x 8 = 8 MiB + 128 KiB, + 1 MiB, twice
+    assert cublas_workspace_bytes((8, 0)) == 2 * (8 * MiB + 128 * 1024 + MiB) == 19136512
+    assert cublas_workspace_bytes((9, 0), threads=1) == 33 * MiB
+
+
+def test_cuda_rounds_every_layer_s_figures_to_allocator_blocks():
+    work = {"grad_working": 512, "grad_temps": 512, "largest_parameter": 512}  # 100, 500 and 200 B: one block each
+    # parameters 4 x 1000 -> 4 x 1024; the batch 40 -> 512; 4 layers keeping 100 -> 4 x 512; a cut of 100 -> 512;
+    # pending 4 x 80 -> 4 x 512, + the output's gradient
+    assert stage_bytes(eight_layers(), [4, 4], device="cuda") == [
+        StageBytes(parameters=4096, input=512, layers=2048, output=512, pending=2560, **work),
+        StageBytes(parameters=4096, input=512, layers=2048, output=0, pending=2048, **work),
+    ]
+
+
+def test_cuda_adds_foreach_temporaries_for_all_parameters_and_the_workspaces():
+    sizes_cuda = stage_bytes(eight_layers(), [4, 4], device="cuda")
+    memory = predict_memory(sizes_cuda, "gpipe", 2, optimizer="adam", device="cuda")
+    workspace = 2 * (32 * MiB + MiB)
+    # gpipe on 2 micro-batches holds both: 2 x (512 + 2048) / 2; its backward 512 / 2 + 512; Adam's foreach step makes
+    # one temporary for each of the 4096 parameter bytes at once (sqrt of exp_avg_sq); weights 4096 x (1 + 1 + 2)
+    assert terms(memory, "update_working") == [4096, 4096] and terms(memory, "workspace") == [workspace] * 2
+    assert terms(memory, "activations") == [2560, 2560] and terms(memory, "backward_working") == [768, 768]
+    assert terms(memory, "predicted_peak_bytes") == [16384 + workspace + max(2560 + 768, 4096)] * 2
+    # SGD with momentum updates its buffers in place under foreach: no temporaries (the CPU's loop: the largest)
+    momentum = predict_memory(sizes_cuda, "gpipe", 2, optimizer="momentum", device="cuda")
+    assert terms(momentum, "update_working") == [0, 0]
+    assert terms(predict_memory(sizes(), "gpipe", 2, optimizer="momentum"), "update_working") == [200] * 4
+    # an Ampere card's smaller workspace
+    ampere = predict_memory(sizes_cuda, "gpipe", 2, optimizer="adam", device="cuda", cuda_capability=(8, 0))
+    assert terms(ampere, "workspace") == [19136512] * 2
+
+
+def test_the_cpu_model_is_unchanged_and_its_json_too():
+    memory = predict_memory(sizes(), "gpipe", 2, optimizer="adam")
+    assert terms(memory, "workspace") == [0] * 4
+    assert "workspace" not in memory[0].to_json()  # the CPU's JSON as it was
+    assert "workspace" in predict_memory(stage_bytes(eight_layers(), [4, 4], device="cuda"), "gpipe", 2,
+                                         device="cuda")[0].to_json()
+    with pytest.raises(ValueError, match="device='tpu'"):
+        predict_memory(sizes(), "gpipe", 2, device="tpu")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_planner_s_cuda_tables_are_the_model_s(seed):
+    """auto_plan(device="cuda"): the chosen plan's memory is predict_memory's under cuda, and within the limit that
+    the planner's own tables (the same terms) allowed."""
+    import math
+    import random
+
+    from lightning_pipedream.plan.auto import NoPlanFitsError, auto_plan
+    from lightning_pipedream.plan.topology import Topology
+
+    rng = random.Random(seed)
+    n = rng.randint(4, 8)
+    layers = [LayerProfile(f"l{i}", rng.uniform(0.1, 2), rng.uniform(0.1, 4), rng.randint(0, 5 * MiB),
+                           rng.randint(0, 30 * MiB)) for i in range(n)]
+    profile = Profile(layers, extra={"input_bytes": rng.randint(0, 3000)})
+    limit = 2 * 33 * MiB + rng.randint(20, 200) * MiB
+    kwargs = {"optimizer": rng.choice(["sgd", "momentum", "adam"]), "max_chunks": 8, "device": "cuda"}
+    try:
+        result = auto_plan(profile, Topology.flat(3, math.inf), limit, **kwargs)
+    except NoPlanFitsError as err:
+        result = auto_plan(profile, Topology.flat(3, math.inf), err.smallest_limit, **kwargs)
+        limit = err.smallest_limit
+    c = result.chosen
+    expected = predict_memory(stage_bytes(profile, c.balance, device="cuda"), c.schedule, c.chunks,
+                              replicas=c.replicas, virtual_stages=c.virtual_stages, recompute=c.recompute,
+                              optimizer=kwargs["optimizer"], device="cuda")
+    assert list(c.memory) == expected
+    assert c.peak_bytes <= limit
+    assert all(m.workspace == 2 * 33 * MiB for m in c.memory)
