@@ -350,25 +350,49 @@ def _call(layer: nn.Module, inputs: Any) -> Any:
     return layer(inputs)
 
 
-def _synchronize(tensors: list[torch.Tensor]) -> None:
-    import torch
+class _Stopwatch:
+    """Times one piece of work on the device of ``tensors``: with CUDA events on a GPU (the time the device spent
+    between them, which is what a pipeline stage costs once the host runs ahead of it), else the host's clock."""
 
-    devices = {t.device for t in tensors if t.device.type == "cuda"}
-    for device in devices:
-        torch.cuda.synchronize(device)
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        import torch
+
+        gpus = sorted({t.device for t in tensors if t.device.type == "cuda"}, key=str)
+        self.device = gpus[0] if gpus else None
+        self._cuda = torch.cuda if gpus else None
+        self._started: Any = None
+
+    def sync(self) -> None:
+        if self._cuda is not None:
+            self._cuda.synchronize(self.device)
+
+    def start(self) -> None:
+        if self._cuda is None:
+            self._started = time.perf_counter()
+            return
+        self._started = self._cuda.Event(enable_timing=True)
+        self._started.record(self._cuda.current_stream(self.device))
+
+    def stop(self) -> float:
+        """Seconds since :meth:`start` (waits for the device's work to end)."""
+        if self._cuda is None:
+            return time.perf_counter() - self._started
+        end = self._cuda.Event(enable_timing=True)
+        end.record(self._cuda.current_stream(self.device))
+        end.synchronize()
+        return self._started.elapsed_time(end) / 1000.0  # elapsed_time gives milliseconds
 
 
-def _median_time(fn: Callable[[], Any], sync: Callable[[], None], warmup: int, repeats: int) -> tuple[float, Any]:
+def _median_time(fn: Callable[[], Any], watch: _Stopwatch, warmup: int, repeats: int) -> tuple[float, Any]:
     result = None
     for _ in range(warmup):
         result = fn()
-    sync()
+    watch.sync()
     samples = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        watch.start()
         result = fn()
-        sync()
-        samples.append(time.perf_counter() - start)
+        samples.append(watch.stop())
     return statistics.median(samples), result
 
 
@@ -461,10 +485,10 @@ def _profile_layer(
 
     in_tensors = tensors(inputs)
     params = [p for p in layer.parameters() if p.requires_grad]
-    sync = lambda: _synchronize(in_tensors)  # noqa: E731
+    watch = _Stopwatch(in_tensors + [p for p in layer.parameters()])
     saved, output_saved, inputs_saved = _saved_by_forward(layer, inputs)
 
-    forward_s, output = _median_time(lambda: _call(layer, inputs), sync, warmup, repeats)
+    forward_s, output = _median_time(lambda: _call(layer, inputs), watch, warmup, repeats)
     out_tensors = tensors(output)
     activation_bytes = sum(t.numel() * t.element_size() for t in out_tensors)
     parameter_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in layer.parameters()}.values())
@@ -476,12 +500,12 @@ def _profile_layer(
         for attempt in range(warmup + repeats):
             out = [t for t in tensors(_call(layer, inputs)) if t.requires_grad]
             grads = [torch.ones_like(t) for t in out]
-            sync()
-            start = time.perf_counter()
+            watch.sync()
+            watch.start()
             torch.autograd.grad(out, targets, grad_outputs=grads, allow_unused=True)
-            sync()
+            elapsed = watch.stop()
             if attempt >= warmup:
-                samples.append(time.perf_counter() - start)
+                samples.append(elapsed)
         return statistics.median(samples)
 
     backward_s = 0.0
