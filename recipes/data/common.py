@@ -53,7 +53,7 @@ class RecipeDataModule(L.LightningDataModule):
     """Base: subclasses fill `self.train_set`/`self.val_set` in `load()`; `setup` calls it once."""
 
     def __init__(self, batch_size: int, val_batch_size: int | None = None, num_workers: int = 0, seed: int = 0,
-                 global_batch_size: int | None = None) -> None:
+                 global_batch_size: int | None = None, pin_memory: bool | None = None) -> None:
         super().__init__()
         self.batch_size = batch_size
         # rows of one update over all data-parallel processes (DDP: batch_size per process x processes)
@@ -61,6 +61,7 @@ class RecipeDataModule(L.LightningDataModule):
         self.val_batch_size = val_batch_size or batch_size
         self.num_workers = num_workers
         self.seed = seed
+        self.pin_memory = pin_memory  # None: when training on a GPU (Lightning then copies batches non-blocking)
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
 
@@ -74,15 +75,23 @@ class RecipeDataModule(L.LightningDataModule):
     def collate(self, samples: list[Any]) -> Any:
         return torch.utils.data.default_collate(samples)
 
+    @property
+    def pinned(self) -> bool:
+        """Whether the loaders pin their batches: asked for, or else whether the Trainer trains on a GPU."""
+        if self.pin_memory is not None:
+            return self.pin_memory
+        trainer = self.trainer
+        return trainer is not None and trainer.strategy.root_device.type == "cuda"
+
     def train_dataloader(self) -> DataLoader:
         # drop_last keeps every batch the same size, so it always splits into the configured micro-batches
         return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True,
-                          num_workers=self.num_workers, collate_fn=self.collate,
+                          num_workers=self.num_workers, collate_fn=self.collate, pin_memory=self.pinned,
                           generator=torch.Generator().manual_seed(self.seed))
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.val_batch_size, shuffle=False,
-                          num_workers=self.num_workers, collate_fn=self.collate)
+                          num_workers=self.num_workers, collate_fn=self.collate, pin_memory=self.pinned)
 
     def model_kwargs(self) -> dict[str, Any]:
         """What the model builder needs to know about the data (classes, vocabulary sizes, feature size)."""

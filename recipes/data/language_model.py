@@ -81,7 +81,8 @@ class LanguageModelDataModule(RecipeDataModule):
         if replicas and self.trainer._accelerator_connector.use_distributed_sampler:
             sampler = DistributedSampler(self.train_set, shuffle=False, **replicas)
         return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=False, sampler=sampler,
-                          drop_last=True, num_workers=self.num_workers, collate_fn=self.collate)
+                          drop_last=True, num_workers=self.num_workers, collate_fn=self.collate,
+                          pin_memory=self.pinned)
 
     def model_kwargs(self) -> dict[str, Any]:
         self.setup()

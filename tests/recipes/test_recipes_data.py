@@ -118,3 +118,17 @@ def test_offline_defaults_are_deterministic_and_well_formed() -> None:
     lm = build_datamodule("shakespeare", "language_model", bptt=32)
     lm.setup()
     assert "".join(lm.vocab.itos[i] for i in lm.train_set[0][0][:10]) == "THE SONNET"
+
+
+def test_loaders_pin_memory_when_asked_or_when_training_on_a_gpu():
+    from types import SimpleNamespace
+
+    from recipes.data.image import DigitsDataModule
+
+    data = DigitsDataModule(batch_size=4)
+    assert data.pinned is False  # no Trainer yet: nothing to copy to
+    data.trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cuda", 0)))
+    assert data.pinned is True  # a GPU: page-locked batches, which Lightning copies with non_blocking=True
+    data.trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")))
+    assert data.pinned is False
+    assert DigitsDataModule(batch_size=4, pin_memory=True).pinned is True
