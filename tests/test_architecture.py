@@ -158,6 +158,93 @@ def test_the_other_checkers_catch_planted_violations(tmp_path: Path) -> None:
         probe.unlink()
 
 
+# Clock readings of the time module; a difference of two, or a name holding one, is a measured duration.
+CLOCKS = {"time", "time_ns", "monotonic", "monotonic_ns", "perf_counter", "perf_counter_ns"}
+HANG_BOUND_WORDS = ("timeout", "watchdog", "deadline", "limit")
+
+
+def _reads_clock(node: ast.AST, measured: set[str]) -> bool:
+    for n in ast.walk(node):
+        if isinstance(n, ast.Name) and n.id in measured:
+            return True
+        if isinstance(n, ast.Call):
+            func = n.func
+            if (isinstance(func, ast.Attribute) and func.attr in CLOCKS and isinstance(func.value, ast.Name)
+                    and func.value.id == "time") or (isinstance(func, ast.Name) and func.id in CLOCKS):
+                return True
+    return False
+
+
+def _names_a_timeout(node: ast.AST) -> bool:
+    words = [n.id for n in ast.walk(node) if isinstance(n, ast.Name)]
+    words += [n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)]
+    return any(hint in word.lower() for word in words for hint in HANG_BOUND_WORDS)
+
+
+def duration_asserts(path: Path) -> list[str]:
+    """Asserts that bound a measured time from above by a plain number: a claim about speed, not behaviour.
+
+    The rule: no test asserts how fast something ran (a busy or a slower machine fails it; speed belongs in
+    benchmarks/). A time measured with the ``time`` module's clocks (a reading, a name assigned from one, or a
+    difference of them) may appear in an assert only
+    - as a lower bound (``waited > 0.25``: it waited as long as it had to; a busy machine only makes that longer),
+      or against another measured time (``profiling_s <= wall``); or
+    - as a hang bound: an upper bound written from the timeout the code under test was given, so that its name
+      says so (``elapsed < timeout + 10``, ``< WATCHDOG_S``, ``now < deadline``, ``< limit``): the code promises to end by
+      then instead of hanging, which is behaviour. A bare number (``elapsed < 5.0``) is a speed claim and fails.
+    pytest-timeout bounds every test against a hang anyway.
+    """
+    tree = ast.parse(path.read_text(), str(path))
+    measured: set[str] = set()
+    for node in ast.walk(tree):  # names that hold a clock reading or a duration, anywhere in the file
+        if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)) and node.value is not None \
+                and _reads_clock(node.value, set()):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            measured.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Assert):
+            continue
+        for compare in (n for n in ast.walk(node.test) if isinstance(n, ast.Compare)):
+            sides = [compare.left, *compare.comparators]
+            for op, left, right in zip(compare.ops, sides, sides[1:]):
+                if isinstance(op, (ast.Lt, ast.LtE)):
+                    small, big = left, right
+                elif isinstance(op, (ast.Gt, ast.GtE)):
+                    small, big = right, left
+                else:
+                    continue
+                if _reads_clock(small, measured) and not _reads_clock(big, measured) and not _names_a_timeout(big):
+                    found.append(f"{path.relative_to(ROOT)}:{compare.lineno} asserts a duration: "
+                                 f"{ast.unparse(compare)}")
+    return found
+
+
+def test_no_test_asserts_how_fast_something_ran() -> None:
+    bad = [line for path in sorted((ROOT / "tests").rglob("*.py")) for line in duration_asserts(path)]
+    assert not bad, "assert behaviour, not speed (see duration_asserts for the rule):\n" + "\n".join(bad)
+
+
+def test_the_duration_checker_catches_a_planted_speed_assert(tmp_path: Path) -> None:
+    probe = ROOT / "tests" / "_probe_for_test.py"
+    probe.write_text(
+        "import time\nfrom time import perf_counter\n"
+        "def test_speed(run, timeout):\n"
+        "    start = time.monotonic()\n    run()\n"
+        "    assert time.monotonic() - start < 5.0\n"  # a speed claim, inline
+        "    wall = perf_counter() - start\n"
+        "    assert run() and 2 > wall\n"  # a speed claim through a name, reversed
+        "    assert 0.25 < wall < timeout + 10\n"  # a lower bound and a hang bound: allowed
+        "    deadline = time.monotonic() + 60\n"
+        "    assert time.monotonic() < deadline\n"  # a watchdog: allowed
+    )
+    try:
+        assert [line.split(" asserts")[0] for line in duration_asserts(probe)] == [
+            "tests/_probe_for_test.py:6", "tests/_probe_for_test.py:8"]
+    finally:
+        probe.unlink()
+
+
 def _fresh(code: str) -> dict:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -9,10 +9,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 import random
-import time
 import warnings
 from dataclasses import dataclass
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
@@ -76,9 +76,8 @@ def check_capture_cache():
     assert not cap.cached and cap.capture_s > 0
     torch.manual_seed(5)
     second = HFStyleLM()  # the same structure, other weights
-    started = time.perf_counter()
     again = capture(second, (ids,), {"use_cache": False})
-    assert again.cached and time.perf_counter() - started < 0.5
+    assert again.cached and again.capture_s == 0.0
     # The cached graph runs on the second model's own weights.
     stages = build_stages(second, split_graph(again, ["blocks.1"]))
     torch.testing.assert_close(stages[1](stages[0](((ids,), {"use_cache": False}))).logits,
@@ -94,9 +93,8 @@ def check_capture_cache():
     # The profile comes from the cache too: the same split points without timing anything.
     second.train()
     points, _ = choose_split_points(again, second, (ids,), {"use_cache": False}, 3)
-    started = time.perf_counter()
-    assert choose_split_points(again, second, (ids,), {"use_cache": False}, 3)[0] == points
-    assert time.perf_counter() - started < 0.5
+    with mock.patch("lightning_pipedream.graph.split_points.profile_graph", side_effect=AssertionError("profiled")):
+        assert choose_split_points(again, second, (ids,), {"use_cache": False}, 3)[0] == points
 
 
 class Scaled(nn.Module):

@@ -7,7 +7,6 @@ import json
 import math
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import lightning as L
@@ -201,9 +200,7 @@ def test_pipedream_recipe_follows_the_rule(tmp_path: Path) -> None:
 
 def test_main_job_defaults_train_digits_to_90_percent(tmp_path: Path) -> None:
     """`python recipes/train.py` with no task arguments: the plan, per-epoch accuracy and throughput, >= 90%."""
-    start = time.perf_counter()
-    proc = train([f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, timeout=180)
-    assert time.perf_counter() - start < 180
+    proc = train([f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, timeout=180)  # a hang fails at 180 s
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     check_results(results, "image", "pipedream", 1)
     assert results["metric"] >= 0.9 and results["time_to_target_s"] is not None  # target: 95%

@@ -215,10 +215,11 @@ def failing_stage(rank, world):
 
 
 def test_failing_stage_stops_every_rank_quickly():
+    timeout = 60  # run_local's watchdog: ranks still running then are killed
     start = time.monotonic()
     with pytest.raises(RankFailedError) as info:
-        run_local(failing_stage, 2, timeout=60)
-    assert time.monotonic() - start < 60
+        run_local(failing_stage, 2, timeout=timeout)
+    assert time.monotonic() - start < timeout  # the failure stopped them, not the watchdog
     text = str(info.value)
     assert "2 of 2 ranks failed" in text
     rank0 = text.split("--- rank 1 ---")[0]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 
 import pytest
@@ -56,8 +55,7 @@ def _build(name: str, stages: int, count: int) -> Schedule:
 FIRST_SCHEDULES = ("gpipe", "1f1b", "pipedream")  # the newer ones: tests/schedule/test_newer_schedules.py
 
 
-def test_every_builder_and_size_is_valid_and_fast():
-    start = time.perf_counter()
+def test_every_builder_and_size_is_valid():
     count = 0
     for name in FIRST_SCHEDULES:
         for stages in range(1, MAX_STAGES + 1):
@@ -67,9 +65,7 @@ def test_every_builder_and_size_is_valid_and_fast():
                 placement = place(schedule)
                 assert all(i is None for i in placement.stuck)
                 count += 1
-    elapsed = time.perf_counter() - start
     assert count == len(FIRST_SCHEDULES) * MAX_STAGES * MAX_CHUNKS
-    assert elapsed < 15, f"exhaustive validation took {elapsed:.1f} s"
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])

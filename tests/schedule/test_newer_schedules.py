@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 
 import pytest
@@ -29,12 +28,11 @@ def _compute(actions) -> list[str]:
 # Every size.
 
 
-def test_every_new_builder_and_size_is_valid_and_fast():
+def test_every_new_builder_and_size_is_valid():
     """Every size is validated; the shapes are checked on each, the timings on a sample (the simulator is slower).
 
-    About 10 s on an idle 2-core machine (three times that on a busy one); the bound only guards
-    against a validator or builder gone quadratic."""
-    start = time.perf_counter()
+    About 10 s on an idle 2-core machine (three times that on a busy one); pytest's timeout catches a validator or
+    builder gone quadratic."""
     count = 0
     for p in range(1, MAX_STAGES + 1):
         for m in range(1, MAX_CHUNKS + 1):
@@ -49,9 +47,7 @@ def test_every_new_builder_and_size_is_valid_and_fast():
                     validate(s)
                 _check_interleaved(s, p, m, v, timed=m % p == 0 and m <= 16)
                 count += 1
-    elapsed = time.perf_counter() - start
     assert count == MAX_STAGES * MAX_CHUNKS * (2 + MAX_VIRTUAL)
-    assert elapsed < 90, f"exhaustive validation took {elapsed:.1f} s"
 
 
 def _check_zero_bubble(s: Schedule, p: int, m: int, timed: bool) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import lightning as L
@@ -46,11 +45,9 @@ def saved_plan(tmp_path: Path, workers: int, replicas_allowed: bool = False) -> 
 ])
 def test_placement_errors_come_when_the_trainer_is_built(tmp_path: Path, make, devices: int, message: str) -> None:
     strategy = make(tmp_path)
-    start = time.perf_counter()
     with pytest.raises(ValueError) as err:
         trainer(strategy, devices)
     assert message in str(err.value)
-    assert time.perf_counter() - start < 2.0
 
 
 def test_a_missing_plan_file_is_named_when_the_strategy_is_built(tmp_path: Path) -> None:
