@@ -124,10 +124,22 @@ def _measure(run: dict) -> dict:
     stages.clear()  # the thrown-away stage's last references
     del pipe, x, y
     _trim(run)
+    measured = metered_run(lambda: _pipeline(run), steps, run["quick"])
+    measured["peak_activation_bytes"] = counted["peak"]  # the runtime's own count, from the thrown-away stage
+    return measured
+
+
+def metered_run(build: Callable[[], tuple[Pipeline, Any, Any]], steps: int, quick: bool) -> dict:
+    """Build a stage with ``build`` (pipeline, inputs, targets) and train it ``steps`` steps (then drain) under
+    :class:`LiveTensorBytes`: its peak live tensor bytes and the phase at the peak, its RSS, and the terms measured
+    (weights, gradients, optimizer state, weight versions). The meter counts the calling thread's tensors only (a
+    dispatch mode is per thread), so ranks run as threads of one process are measured apart
+    (``benchmarks/gpu_check.py``); the RSS figures are the whole process's."""
+    run = {"quick": quick}
     rss_base = status_kb("VmRSS")
     meter = LiveTensorBytes()
     with meter:
-        pipe, x, y = _pipeline(run)
+        pipe, x, y = build()
     for t in (*pipe.module.parameters(), x, y):  # made before the meter could see them (parameters: by the model)
         if t is not None:
             meter.add(t)
@@ -136,7 +148,7 @@ def _measure(run: dict) -> dict:
     meter.reset_peak()  # the full model's construction is not part of training's peak
     reset = _reset_peak_rss()
     weights = pipe.engine.weights
-    peaks = {"activations": counted["peak"], "versions": 1, "gradients": 0}
+    peaks = {"activations": 0, "versions": 1, "gradients": 0}  # activations: what the caller counted, if it did
 
     def versions_after(forward: Callable) -> Callable:
         def wrapped(*args: Any, **kwargs: Any) -> Any:

@@ -1,0 +1,42 @@
+"""`python -m benchmarks.gpu_check --device cpu --quick`: the GPU check's code paths on the CPU, its JSON and table."""
+
+from __future__ import annotations
+
+import importlib
+import json
+
+import pytest
+
+
+@pytest.mark.timeout(120)
+def test_gpu_check_runs_every_section_on_the_cpu(tmp_path, capsys):
+    check = importlib.import_module("benchmarks.gpu_check")  # the repository root is on pytest's pythonpath
+    memory_model = importlib.import_module("benchmarks.memory_model")
+    out = tmp_path / "gpu_check.json"
+    check.main(["--device", "cpu", "--quick", "--json", str(out)])
+    doc = json.loads(out.read_text())
+    assert doc["device"] == "cpu" and doc["torch"] and doc["date"] and "lightning" in doc
+    # (a): every schedule, every stage, measured (the rank's thread's live tensors) against the CPU model
+    rows = doc["memory"]
+    assert {(r["schedule"], r["rank"]) for r in rows} == {
+        (s, rank) for s in memory_model.SCHEDULES for rank in range(memory_model.STAGES)}
+    for r in rows:
+        assert r["measured"]["peak_bytes"] > 0 and r["predicted"]["predicted_peak_bytes"] > 0
+        assert "workspace" not in r["predicted"]  # the CPU's model: no CUDA terms
+        # tiny sizes: the measured peaks sit at 0.85-1.0 of the model (benchmarks/memory_model.py --quick alike)
+        assert 0.7 < r["measured_over_predicted"] < 1.2, (r["schedule"], r["rank"])
+    # (b): every schedule under the model of NCCL's rules, equal to one device (or to the CPU's run)
+    assert {r["schedule"] for r in doc["executor"]} == set(check.SCHEDULES)
+    assert all(r["equal"] and r["max_relative_difference"] <= check.TOLERANCE for r in doc["executor"])
+    # (c): needs 2 GPUs, and says so
+    assert doc["trainer"]["skipped"].startswith("skipped: needs 2 or more GPUs")
+    printed = capsys.readouterr().out
+    assert "measured / predicted: median" in printed and "max rel diff" in printed
+
+
+def test_cuda_without_a_gpu_says_so():
+    check = importlib.import_module("benchmarks.gpu_check")
+    if check.torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(SystemExit, match="torch sees no GPU here"):
+        check.resolve_device("cuda")
