@@ -8,8 +8,9 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
@@ -27,6 +28,13 @@ from lightning_pipedream.runtime.mailbox import ANSWERED, GONE, SILENT, mailbox,
 from lightning_pipedream.runtime.transport import PeerFailedError, posted_error
 
 log = logging.getLogger("lightning_pipedream")
+
+T = TypeVar("T")
+
+
+class SetupFailedError(PeerFailedError):
+    """Rank 0 failed in a step of setup that it does for every rank (profiling, capture, planning); raised on the
+    other ranks with rank 0's reason (see :func:`from_rank_zero`)."""
 
 
 def failure_reason() -> str | None:
@@ -150,7 +158,8 @@ def _unexplained(stage: int | None) -> str:
 
 
 @contextmanager
-def pipeline_failures(stage: int | None, waiting: str | None = None, peers: tuple[int, ...] = ()) -> Iterator[None]:
+def pipeline_failures(stage: int | None, waiting: str | None = None, peers: tuple[int, ...] = (),
+                      during: str = "") -> Iterator[None]:
     """Around a rank's pipeline work: post this rank's own errors; name the peer's error when a peer failed.
 
     A communication error (the peer's sockets closed) becomes a :class:`PeerFailedError` that
@@ -158,7 +167,8 @@ def pipeline_failures(stage: int | None, waiting: str | None = None, peers: tupl
     wait becomes a :class:`PipelineTimeoutError` that names the peer waited for and what it last reported.
     ``waiting`` names a wait run inside (e.g. "the step summary's broadcast") for those words, ``peers`` the global
     ranks it waits for (none: a collective of the pipeline's ranks); ``stage`` is
-    this rank's stage (None: not a stage's work, e.g. a checkpoint's gather). Every failure leaves a stop request in
+    this rank's stage (None: not a stage's work, e.g. a checkpoint's gather); ``during`` goes into this rank's own
+    failure's words (``" in setup"``). Every failure leaves a stop request in
     every peer's mailbox (:func:`end_run`), so that no rank outlives the run, and writes this rank's flight
     recorder (its last actions) to a file.
     """
@@ -169,12 +179,13 @@ def pipeline_failures(stage: int | None, waiting: str | None = None, peers: tupl
     with flight.waiting(f"{waiting}{where}", peers) if waiting is not None else nullcontext():
         try:
             yield
-        except PipelineTimeoutError:
+        except (PipelineTimeoutError, SetupFailedError):  # explained already, on every rank
             raise
         except (PeerFailedError, RuntimeError) as err:
-            timed_out = is_timeout(err)
+            # DistStoreError: a store wait (a group being made) ran out, e.g. for a rank that stopped before it.
+            timed_out = is_timeout(err) or isinstance(err, dist.DistStoreError)
             if not (timed_out or _is_communication_error(err)):
-                end_run(_own_failure(stage, err))
+                end_run(_own_failure(stage, err, during))
                 _record(err)
                 raise
             # A peer that failed first left its reason here (this wait may have timed out because of it).
@@ -196,15 +207,53 @@ def pipeline_failures(stage: int | None, waiting: str | None = None, peers: tupl
             raise PeerFailedError(f"{cause} (this rank, {flight.rank}{_stage_words(stage)}, stopped because of it)"
                                   ) from err
         except Exception as err:
-            end_run(_own_failure(stage, err))
+            end_run(_own_failure(stage, err, during))
             _record(err)
             raise
 
 
-def _own_failure(stage: int | None, err: BaseException) -> str:
+def _own_failure(stage: int | None, err: BaseException, during: str = "") -> str:
     flight = recorder()
     what = f"Pipeline stage {stage}" if stage is not None else f"Rank {flight.rank}"
-    return f"{what} failed with {type(err).__name__}: {err} (on rank {flight.rank})"
+    return f"{what} failed{during} with {type(err).__name__}: {err} (on rank {flight.rank})"
+
+
+@contextmanager
+def setup_failures() -> Iterator[None]:
+    """Around a rank's part of setup (before its stage is known): as :func:`pipeline_failures` does in training,
+    this rank's own error reaches every peer (``Rank 0 failed in setup with ...``), and a wait that fails because a
+    peer failed raises :class:`PeerFailedError` with that peer's reason and rank, never gloo's "connection closed"."""
+    with pipeline_failures(None, waiting="setup", during=" in setup"):
+        yield
+
+
+def from_rank_zero(what: str, compute: Callable[[], T]) -> T:
+    """``compute()`` on rank 0 and its result on every rank: rank 0 broadcasts the result, or the words of the error
+    ``compute`` raised (then raised on rank 0 as it was). The other ranks, waiting in that broadcast, return the
+    result or raise :class:`SetupFailedError` with rank 0's reason at once, rather than a closed connection when
+    rank 0 exits. ``what`` says what rank 0 does, for those words (``"profile the layers to plan the stages"``).
+
+    Every rank of the default process group calls it at the same point; in one process it is ``compute()``.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return compute()
+    rank = dist.get_rank()
+    failure: Exception | None = None
+    payload: list[Any] = [None]
+    if rank == 0:
+        try:
+            payload = [(True, compute())]
+        except Exception as err:  # noqa: BLE001 - every rank must learn why, not only rank 0
+            failure, payload = err, [(False, f"{type(err).__name__}: {err}")]
+    with pipeline_failures(None, waiting=f"rank 0's work to {what}", peers=(0,)) if rank else nullcontext():
+        dist.broadcast_object_list(payload, src=0)
+    if failure is not None:
+        raise failure
+    done, value = payload[0]
+    if not done:
+        raise SetupFailedError(f"Rank 0 could not {what}, so this rank stops too. Rank 0's error: {value} (on rank "
+                               f"0; this rank is rank {rank})")
+    return value
 
 
 def report_failure(err: BaseException, stage: int | None) -> None:
@@ -213,7 +262,9 @@ def report_failure(err: BaseException, stage: int | None) -> None:
     if isinstance(err, PeerFailedError) or getattr(err, "_flight_recorded", False) or isinstance(
             err, (KeyboardInterrupt, SystemExit)):
         return
-    if mailbox().here("stop") is not None:  # a peer failed first: this error follows from it
+    cause = failure_reason() if not _is_communication_error(err) else wait_for_posted_error()
+    if cause is not None:  # a peer failed first: this error follows from it; say which and why
+        log.error("lightning_pipedream: rank %d stops because another rank failed first: %s", recorder().rank, cause)
         return
     end_run(_own_failure(stage, err))
     _record(err)
@@ -235,4 +286,6 @@ def _record(err: BaseException, cause: str | None = None) -> None:
 
 def _is_communication_error(err: BaseException) -> bool:
     text = str(err)
-    return isinstance(err, PeerFailedError) or "Connection closed" in text or "Connection reset" in text
+    # DistNetworkError: the store's host (rank 0) is gone, e.g. while a group is being made in setup.
+    return (isinstance(err, (PeerFailedError, dist.DistNetworkError)) or "Connection closed" in text
+            or "Connection reset" in text)

@@ -1,4 +1,4 @@
-"""Start N local processes joined by a gloo process group, with a deadline, and collect their results."""
+"""Joining a process group (a rendezvous that outwaits late ranks), and N local test processes run with a deadline."""
 
 from __future__ import annotations
 
@@ -18,6 +18,22 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+RENDEZVOUS_TIMEOUT = timedelta(minutes=30)  # torch's (and Lightning's) default: how long a rank may start late
+
+
+def rendezvous_store(address: str, port: int, rank: int, world_size: int, timeout: timedelta | None,
+                     rendezvous_timeout: timedelta = RENDEZVOUS_TIMEOUT) -> dist.Store:
+    """The store for ``init_process_group(store=...)``, joined at ``address:port`` as torch's own ``env://``
+    rendezvous does (under torchrun, its agent's store), waiting up to ``rendezvous_timeout`` (or ``timeout``, if
+    longer) for every rank to join: one rank may start many seconds after another (a busy machine, a slow file
+    system, a queue). The store's own operations then wait at most ``timeout``, as the process group's do: a short
+    pipeline timeout bounds the pipeline's waits, never the start."""
+    timeout = timeout if timeout is not None else RENDEZVOUS_TIMEOUT
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = address, str(port)
+    store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=max(timeout, rendezvous_timeout)))
+    store.set_timeout(timeout)
+    return dist.PrefixStore("default_pg", store)  # the prefix torch's own rendezvous gives (a shared store's keys)
 
 
 class RankFailedError(RuntimeError):

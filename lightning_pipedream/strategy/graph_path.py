@@ -6,11 +6,11 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_pipedream.graph import GraphCaptureError
+from lightning_pipedream.runtime.failures import from_rank_zero
 from lightning_pipedream.runtime.graph_stage import CapturedStage
 from lightning_pipedream.runtime.microbatch import batch_size, split
 from lightning_pipedream.strategy.batches import EVALUATION_LOOP, STEP_OF, batch_shapes, first_batch
@@ -65,31 +65,22 @@ class GraphPath:
         points = list(options.split_points) if options.split_points is not None else None
         captured = None
         if points is None:
-            payload: list[Any] = [None]
-            failure: BaseException | None = None
-            if self.is_global_zero:
+            on_rank_zero: dict[str, Any] = {}  # what rank 0 keeps of its work besides the points: the graph, the plan
+
+            def choose() -> list[str]:
                 from lightning_pipedream.graph import capture
                 from lightning_pipedream.graph.split_points import choose_split_points
 
-                try:
-                    captured = capture(module, args, kwargs)
-                    points, plan = choose_split_points(captured, module, args, kwargs, placement.num_stages,
-                                                       bandwidth=options.link_bandwidth)
-                except Exception as err:  # noqa: BLE001 - every rank must learn why, not only rank 0
-                    failure, payload = err, [("failed", f"{type(err).__name__}: {err}")]
-                else:
-                    self.plan = plan
-                    log.info("PipeDreamStrategy split points (%d stages, schedule=%s): %s", placement.num_stages,
-                             options.schedule, points)
-                    payload = [points]
-            if placement.num_stages > 1:
-                dist.broadcast_object_list(payload, src=0)
-            if failure is not None:
-                raise failure
-            if isinstance(payload[0], tuple):  # rank 0 could not capture or profile the model
-                raise GraphCaptureError(f"Rank 0 could not split {type(module).__name__} into stages, so this rank "
-                                        f"stops too. Rank 0's error: {payload[0][1]}")
-            points = payload[0]
+                on_rank_zero["captured"] = captured = capture(module, args, kwargs)
+                chosen, on_rank_zero["plan"] = choose_split_points(captured, module, args, kwargs,
+                                                                   placement.num_stages,
+                                                                   bandwidth=options.link_bandwidth)
+                log.info("PipeDreamStrategy split points (%d stages, schedule=%s): %s", placement.num_stages,
+                         options.schedule, chosen)
+                return chosen
+
+            points = from_rank_zero(f"split {type(module).__name__} into stages", choose)
+            captured, self.plan = on_rank_zero.get("captured"), on_rank_zero.get("plan")
         if options.split_points is None:
             self.graph = CapturedStage(module, placement.stage_index, placement.num_stages, points, args, kwargs,
                                        captured)

@@ -17,13 +17,14 @@ from collections import OrderedDict
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+from lightning.fabric.utilities.distributed import DistributedSamplerWrapper, _init_dist_connection
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
@@ -38,7 +39,8 @@ from lightning_pipedream.graph.split import get_path
 from lightning_pipedream.plan.balance import stage_slice
 from lightning_pipedream.runtime import allocator, flight
 from lightning_pipedream.runtime.engine import PipelineEngine
-from lightning_pipedream.runtime.failures import report_failure
+from lightning_pipedream.runtime.failures import from_rank_zero, pipeline_failures, report_failure, setup_failures
+from lightning_pipedream.runtime.launch import rendezvous_store
 from lightning_pipedream.runtime.materialize import has_meta_tensors, materialize
 from lightning_pipedream.runtime.replicas import GradientReducer
 from lightning_pipedream.runtime.shares import BatchShares
@@ -86,6 +88,7 @@ from lightning_pipedream.strategy.divergence import (
 from lightning_pipedream.strategy.evaluation import evaluate, to_cpu
 from lightning_pipedream.strategy.graph_path import GraphPath
 from lightning_pipedream.strategy.logs import LogRecorder
+from lightning_pipedream.strategy.loss_scale import agreed_step, scaled, scaler_of
 from lightning_pipedream.strategy.options import PipelineOptions, tuple_or_none
 from lightning_pipedream.strategy.placement import Placement, ProcessGroups
 from lightning_pipedream.strategy.planning import LayerPlanner
@@ -101,6 +104,7 @@ from lightning_pipedream.tree import map_tensors
 
 log = logging.getLogger(__name__)
 
+TBroadcast = TypeVar("TBroadcast")
 _DEFAULT_TIMEOUT = timedelta(minutes=30)
 # Under pipedream, Lightning's per-batch SIGTERM broadcast (a collective over all ranks) runs every this many batches.
 SIGTERM_CHECK_EVERY = 32
@@ -349,7 +353,39 @@ class PipeDreamStrategy(DDPStrategy):
 
     # ---------------------------------------------------------------------------------- setup
     @override
+    def setup_distributed(self) -> None:
+        """DDPStrategy's, but the rendezvous waits up to 30 minutes for a rank that starts late, while ``timeout``
+        bounds the process group's waits (:func:`rendezvous_store`); then every rank's mailbox opens, so that a
+        failure anywhere in setup reaches the others."""
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._get_process_group_backend()
+        environment = self.cluster_environment
+        assert environment is not None
+        store = None if dist.is_initialized() else rendezvous_store(
+            environment.main_address, environment.main_port, self.global_rank, self.world_size, self._timeout)
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(environment, self._process_group_backend, timeout=self._timeout, store=store,
+                              device_id=device_id)
+        flight.recorder().start_heartbeat()
+
+    @override
     def setup(self, trainer: Trainer) -> None:
+        with setup_failures():  # a rank's failure in setup reaches every rank, with its reason
+            self._setup(trainer)
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        # Lightning's barriers (after restoring a checkpoint, at the end of a fit): a peer's failure reaches this rank.
+        with pipeline_failures(None, waiting=f"Lightning's barrier{f' {name!r}' if name else ''}"):
+            super().barrier(name)
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        with pipeline_failures(None, waiting=f"Lightning's broadcast from rank {src}"):
+            return super().broadcast(obj, src)
+
+    def _setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         if self.options.keep_freed_memory and self.root_device.type == "cpu" and not self._keeping_freed_memory:
@@ -362,7 +398,7 @@ class PipeDreamStrategy(DDPStrategy):
         if self.options.auto:
             self._choose_automatically(trainer, module, fitting)
         if fitting:
-            check_training_supported(module, self.precision_plugin)
+            check_training_supported(module, self.precision_plugin, self.options.schedule, self.asynchronous)
             k = self.options.minibatches_per_batch
             if k > 1 and trainer.accumulate_grad_batches > 1:
                 raise ValueError(
@@ -608,10 +644,7 @@ class PipeDreamStrategy(DDPStrategy):
     def _shared_seed(self) -> int:
         """Rank 0's initial seed, from which every layer built on the meta device is initialized (see
         :func:`materialize`): the weights do not depend on which rank holds a layer."""
-        payload = [torch.initial_seed()]
-        if self.world_size > 1:
-            dist.broadcast_object_list(payload, src=0)
-        return int(payload[0])
+        return int(from_rank_zero("share its random seed", torch.initial_seed))
 
     @override
     @contextmanager
@@ -679,7 +712,7 @@ class PipeDreamStrategy(DDPStrategy):
             step_outputs.append(step_output)
             batch_loss[0] += float(value.detach()) * shares.share(mb)
             weight = shares.weight(mb) * scale
-            return value * weight if weight != 1.0 else value
+            return scaled(value * weight if weight != 1.0 else value, self.precision_plugin)  # 16-mixed
 
         if pipeline.graph is not None:
             pipeline.graph.ensure_captured(module, "training_step", shares.parts, batch_idx)
@@ -853,6 +886,10 @@ class PipeDreamStrategy(DDPStrategy):
 
     def _optimizer_step_now(self, optimizer: torch.optim.Optimizer) -> None:
         """One of the pipeline's updates, through the precision plugin: Lightning's hooks, clipping, the step."""
+        if scaler_of(self.precision_plugin) is not None:  # 16-mixed: every stage skips an overflowing step
+            assert self._pipeline is not None
+            agreed_step(self.precision_plugin, optimizer, self.lightning_module, self._pipeline.groups.pipeline)
+            return
         self.precision_plugin.optimizer_step(optimizer, model=self.lightning_module, closure=_gradients_ready)
 
     def _before_update(self, batch_idx: int) -> None:

@@ -6,12 +6,12 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
 from lightning_pipedream.plan.balance import check_balance, check_stage_count, even_balance
+from lightning_pipedream.runtime.failures import from_rank_zero
 from lightning_pipedream.runtime.materialize import balance_by_parameters, has_meta_tensors
 from lightning_pipedream.strategy.batches import first_batch
 from lightning_pipedream.strategy.calls import SequentialCall
@@ -24,7 +24,8 @@ class LayerPlanner:
     """Decides the layers per stage of a module whose layers are one ``nn.Sequential``.
 
     Every rank calls the same methods at the same point of ``setup``; profiling happens on rank 0, whose
-    plan is broadcast, so that every rank splits the model alike.
+    plan (or error) is broadcast (:func:`from_rank_zero`), so that every rank splits the model alike, or stops with
+    rank 0's reason.
     """
 
     def __init__(self, options: PipelineOptions, trainer: Trainer, module: LightningModule, call: SequentialCall,
@@ -58,11 +59,8 @@ class LayerPlanner:
             return even_balance(len(layers), num_stages), plan
         if has_meta_tensors(layers):  # nothing to run yet: balance the weights, which decide the memory
             return balance_by_parameters(layers, num_stages), plan
-        payload: list[Any] = [None]
-        if self.is_global_zero:
-            payload = [self._profile_and_partition(layers, num_stages)]
-        dist.broadcast_object_list(payload, src=0)
-        plan_json, balance = payload[0]
+        plan_json, balance = from_rank_zero("profile the layers to plan the stages",
+                                            lambda: self._profile_and_partition(layers, num_stages))
         if plan_json is not None:
             from lightning_pipedream.plan.partition import Plan
 
@@ -123,8 +121,8 @@ class LayerPlanner:
         from lightning_pipedream.plan.topology import Topology
 
         options = self.options
-        payload: list[Any] = [None]
-        if self.is_global_zero:
+
+        def choose() -> tuple[dict[str, Any] | None, dict | None, str | None]:
             profile = self._profile_layers(layers, working_sets=True)
             try:
                 if profile is None:
@@ -134,12 +132,13 @@ class LayerPlanner:
                     )
                 topology = Topology.of_cluster(processes_per_node, num_nodes, options.bandwidth)
                 chosen = auto_plan(profile, topology, options.memory_limit, exact=options.exact, optimizer=optimizer)
-                log.info("PipeDreamStrategy(schedule='auto') chose:\n%s", chosen.describe())
-                payload = [(chosen.strategy_arguments(), chosen.plan.to_json(), None)]
-            except ValueError as refused:  # every rank raises it, rather than waiting for a plan
-                payload = [(None, None, str(refused))]
-        dist.broadcast_object_list(payload, src=0)
-        arguments, plan_json, refused_words = payload[0]
+            except ValueError as refused:  # every rank raises the refusal itself, as if it had planned
+                return None, None, str(refused)
+            log.info("PipeDreamStrategy(schedule='auto') chose:\n%s", chosen.describe())
+            return chosen.strategy_arguments(), chosen.plan.to_json(), None
+
+        arguments, plan_json, refused_words = from_rank_zero("profile the layers and plan the pipeline "
+                                                             "(schedule='auto')", choose)
         if refused_words is not None:
             raise ValueError(refused_words)
         return arguments, Plan.from_json(plan_json)
@@ -151,23 +150,24 @@ class LayerPlanner:
         from lightning_pipedream.plan.topology import Topology
 
         options = self.options
-        payload: list[Any] = [None]
-        if self.is_global_zero:
+
+        def plan_on_rank_zero() -> dict | None:
             topology = Topology.of_cluster(processes_per_node, num_nodes, options.bandwidth)
             profile = self._profile_layers(layers)
-            plan = None
-            if profile is not None:
-                plan = partition(profile, topology, "pipedream", straight=False)
-                flat = Topology.flat(world_size, options.link_bandwidth)
-                if sum(stage.replicas for stage in plan.stages) != world_size:  # it left processes idle
-                    plan = partition(profile, flat, "time")
-                plan = _every_stage_trains_or_repartition(plan, profile, flat)
-                plan.schedule, plan.chunks = options.schedule, options.chunks
-                log.info("PipeDreamStrategy plan (%d processes, replication allowed, schedule=%s):\n%s",
-                         world_size, options.schedule, plan.describe())
-            payload = [None if plan is None else plan.to_json()]
-        dist.broadcast_object_list(payload, src=0)
-        return None if payload[0] is None else Plan.from_json(payload[0])
+            if profile is None:
+                return None
+            plan = partition(profile, topology, "pipedream", straight=False)
+            flat = Topology.flat(world_size, options.link_bandwidth)
+            if sum(stage.replicas for stage in plan.stages) != world_size:  # it left processes idle
+                plan = partition(profile, flat, "time")
+            plan = _every_stage_trains_or_repartition(plan, profile, flat)
+            plan.schedule, plan.chunks = options.schedule, options.chunks
+            log.info("PipeDreamStrategy plan (%d processes, replication allowed, schedule=%s):\n%s",
+                     world_size, options.schedule, plan.describe())
+            return plan.to_json()
+
+        plan_json = from_rank_zero("profile the layers to plan replicated stages (straight=False)", plan_on_rank_zero)
+        return None if plan_json is None else Plan.from_json(plan_json)
 
 
 def _every_stage_trains_or_repartition(plan: Any, profile: Any, topology: Any) -> Any:

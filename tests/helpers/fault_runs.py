@@ -1,13 +1,15 @@
-"""Running tests/scripts/hang_trainer.py, whose ranks go wrong on purpose, and checking that every process ended."""
+"""Trainer scripts whose ranks go wrong on purpose, run in subprocesses, and checks that every process ended."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 HANG_TRAINER = Path(__file__).resolve().parents[1] / "scripts" / "hang_trainer.py"
@@ -65,3 +67,73 @@ def unused_pid() -> int:
         except PermissionError:
             pass
         pid -= 1
+
+
+SETUP_FAULT_TRAINER = Path(__file__).resolve().parents[1] / "scripts" / "setup_fault_trainer.py"
+
+
+@dataclass
+class RankRun:
+    """One rank's process, as :func:`run_ranks` saw it end: exit code, stderr, and when it ended (``time.time()``)."""
+
+    code: int | None
+    err: str
+    ended: float
+
+
+def free_port() -> int:
+    """A port no process listens on now (the kernel's choice), for one run's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(out: Path, options: dict, world: int = 2, delays: dict[int, float] | None = None,
+              limit: float = 120.0) -> list[RankRun]:
+    """setup_fault_trainer.py once per rank, each started by the test as torchrun would (rank ``r`` after
+    ``delays[r]`` seconds), on 127.0.0.1 and a port of its own; see :func:`run_many`."""
+    return run_many([(out, options, delays or {})], world, limit)[0]
+
+
+def run_many(runs: list[tuple[Path, dict, dict[int, float]]], world: int = 2, limit: float = 120.0
+             ) -> list[list[RankRun]]:
+    """Several runs of setup_fault_trainer.py side by side, each ``(out, options, delays)`` as :func:`run_ranks`
+    describes; returns each run's ranks. Every rank of every run must end within ``limit`` s (a hung one is killed,
+    with its session, and fails the test). Each rank's stderr goes to a file (a stopped rank would hold a pipe)."""
+    started = time.monotonic()
+    procs: dict[tuple[int, int], subprocess.Popen] = {}
+    ended: dict[tuple[int, int], float] = {}
+    ports = [free_port() for _ in runs]
+    for out, _, _ in runs:
+        out.mkdir(parents=True, exist_ok=True)
+    try:
+        while len(ended) < len(runs) * world:
+            elapsed = time.monotonic() - started
+            if elapsed > limit:
+                hung = [f"--- {runs[i][0].name}, rank {r} ---\n{runs[i][0].joinpath(f'stderr_rank{r}.txt').read_text()}"
+                        for (i, r) in procs if (i, r) not in ended]
+                raise AssertionError(f"ranks still running after {limit} s:\n" + "\n".join(h[-3000:] for h in hung))
+            for i, (out, options, delays) in enumerate(runs):
+                for rank in range(world):
+                    if (i, rank) not in procs and elapsed >= delays.get(rank, 0.0):
+                        procs[i, rank] = _start_rank(out, options, rank, world, ports[i])
+            for key, proc in procs.items():
+                if key not in ended and proc.poll() is not None:
+                    ended[key] = time.time()
+            time.sleep(0.05)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    return [[RankRun(procs[i, r].returncode, (out / f"stderr_rank{r}.txt").read_text(), ended[i, r])
+             for r in range(world)] for i, (out, _, _) in enumerate(runs)]
+
+
+def _start_rank(out: Path, options: dict, rank: int, world: int, port: int) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "LOCAL_RANK": str(rank), "NODE_RANK": "0", "WORLD_SIZE": str(world), "GLOO_SOCKET_IFNAME": "lo",
+           "LIGHTNING_PIPEDREAM_FLIGHT_RECORDER": str(out / "flight")}
+    with (out / f"stderr_rank{rank}.txt").open("w") as err:
+        return subprocess.Popen([sys.executable, str(SETUP_FAULT_TRAINER), str(out), json.dumps(options)], cwd=out,
+                                env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)

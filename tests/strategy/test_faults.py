@@ -1,5 +1,6 @@
 """Faults a pipeline meets: a stopped (SIGSTOP) or spinning rank is named by every other rank and ended with them, a
-failing rank's reason reaches every rank (rank 0's included), and each leaves a flight recorder."""
+failing rank's reason reaches every rank (rank 0's included, in training and in each step of setup), each leaves a
+flight recorder, and a rank that starts late still joins."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from fault_runs import run_hang_trainer
+from fault_runs import RankRun, run_hang_trainer, run_many
 from torch import nn
 
 from lightning_pipedream.cli import main as cli_main
@@ -206,3 +207,84 @@ def test_a_timed_out_collective_is_named(tmp_path, monkeypatch):
     assert ": the step summary's broadcast from the last stage (stage 1) got no answer within " in text
     assert "(Timed out waiting 10000ms for recv operation to complete), in a collective of the pipeline's ranks." in text
     assert f"are in {tmp_path / 'rank0.json'}" in text and (tmp_path / "rank0.json").exists()
+
+
+SETUP_TIMEOUT = 10  # the pipeline's timeout in the setup runs, seconds
+# Where rank 0 fails in setup, and the words every other rank stops with.
+SETUP_FAULTS = {
+    "profile": "SetupFailedError: Rank 0 could not profile the layers to plan the stages, so this rank stops too. "
+               "Rank 0's error: ValueError: planted failure in a layer on rank 0 (on rank 0; this rank is rank 1)",
+    "auto": "SetupFailedError: Rank 0 could not profile the layers and plan the pipeline (schedule='auto'), so this "
+            "rank stops too. Rank 0's error: ValueError: planted failure in a layer on rank 0 (on rank 0; this rank is "
+            "rank 1)",
+    "capture": "SetupFailedError: Rank 0 could not split Branches into stages, so this rank stops too. Rank 0's "
+               "error: GraphCaptureError: Could not trace Branches.forward into a graph at ",
+    "plan": "Rank 0 failed in setup with ValueError: The plan {out}/plan_rank0.json was made for another model: it "
+            "plans 4 layers and the model's nn.Sequential (layers) has 6;",
+    "restore": "Rank 0 failed with CheckpointReadError: The checkpoint {out}/damaged.ckpt cannot be read: it is cut "
+               "short (14 bytes,",
+}
+# Rank 0 failed in a step of its own (rank 1 does it too, or has nothing to do): rank 1 learns of it in its next wait,
+# or, when that wait is on a store that rank 0's exit has not closed yet, from its watchdog (a stop request's grace).
+LATER = {"plan", "restore"}
+# What rank 0 itself stops with.
+OWN_ERRORS = {
+    "profile": "ValueError: planted failure in a layer on rank 0",
+    "auto": "ValueError: planted failure in a layer on rank 0",
+    "capture": "GraphCaptureError: Could not trace Branches.forward into a graph at ",
+    "plan": "ValueError: The plan {out}/plan_rank0.json was made for another model",
+    "restore": "CheckpointReadError: The checkpoint {out}/damaged.ckpt cannot be read",
+}
+
+
+@pytest.fixture(scope="module")
+def setup_runs(tmp_path_factory) -> dict[str, tuple[Path, list[RankRun]]]:
+    """The two-process runs of tests/scripts/setup_fault_trainer.py, side by side (one launch for all: each waits
+    more than it computes): rank 0 failing in each step of setup, every rank refusing ``balance=``, and rank 1
+    starting 15 s after rank 0 with a pipeline timeout of 5 s."""
+    root = tmp_path_factory.mktemp("setup_faults")
+    runs = {fault: (root / fault, {"fault": fault, "timeout": SETUP_TIMEOUT}, {}) for fault in [*SETUP_FAULTS,
+                                                                                                "balance"]}
+    runs["late"] = (root / "late", {"fault": "none", "timeout": 5}, {1: 15.0})
+    results = run_many(list(runs.values()), limit=150)
+    return {name: (run[0], ranks) for (name, run), ranks in zip(runs.items(), results)}
+
+
+@pytest.mark.parametrize("fault", list(SETUP_FAULTS))
+def test_a_failure_of_rank_0_in_setup_reaches_every_rank(setup_runs, fault):
+    # Rank 0 profiles, captures and plans for every rank, and reads its own plan= and checkpoint: wherever it fails,
+    # rank 1 stops within the timeout with rank 0's reason and rank, never gloo's "Connection closed by peer".
+    out, ranks = setup_runs[fault]
+    failed_at = float((out / "fault_time").read_text())
+    for rank, run in enumerate(ranks):
+        assert run.code not in (0, None), (rank, run.code, run.err[-3000:])
+        assert run.ended - failed_at < SETUP_TIMEOUT + 10, (rank, run.ended - failed_at, run.err[-3000:])
+    assert OWN_ERRORS[fault].format(out=out) in ranks[0].err, ranks[0].err[-3000:]
+    words = SETUP_FAULTS[fault].format(out=out)
+    if fault in LATER:
+        raised = f"[rank1]: lightning_pipedream.runtime.transport.PeerFailedError: {words}"
+        ended = f"lightning_pipedream: rank 1 ends its process: rank 0 stopped the run. {words}"
+        assert raised in ranks[1].err or ended in ranks[1].err, ranks[1].err[-3000:]
+        if raised in ranks[1].err:
+            assert "(on rank 0) (this rank, 1, stopped because of it)" in ranks[1].err, ranks[1].err[-3000:]
+    else:
+        assert f"[rank1]: lightning_pipedream.runtime.failures.{words}" in ranks[1].err, ranks[1].err[-3000:]
+    assert "Connection closed" not in ranks[1].err
+
+
+def test_a_balance_every_rank_refuses_ends_every_rank(setup_runs):
+    out, ranks = setup_runs["balance"]
+    failed_at = float((out / "fault_time").read_text())
+    words = "ValueError: balance=[3, 3] must list 2 positive layer counts (one per stage) that add up to the model's 4"
+    for rank, run in enumerate(ranks):
+        assert run.code not in (0, None) and f"[rank{rank}]: {words}" in run.err, (rank, run.err[-3000:])
+        assert run.ended - failed_at < SETUP_TIMEOUT + 10, (rank, run.ended - failed_at)
+
+
+def test_a_rank_that_starts_15_s_late_joins_despite_a_5_s_timeout(setup_runs):
+    # The rendezvous waits for late ranks (30 minutes); PipeDreamStrategy(timeout=5 s) bounds the pipeline's waits.
+    out, ranks = setup_runs["late"]
+    for rank, run in enumerate(ranks):
+        assert run.code == 0, (rank, run.err[-3000:])
+        assert (out / f"trained_rank{rank}").read_text() == "3"
+    assert ranks[1].ended - ranks[0].ended < 5  # they trained together, once rank 1 came

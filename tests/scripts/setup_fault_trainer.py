@@ -1,0 +1,150 @@
+"""One rank of a two-process Trainer whose rank 0 fails in a step of setup, or that starts late:
+`python setup_fault_trainer.py OUT JSON_OPTIONS`, started once per rank by the test (LOCAL_RANK, MASTER_PORT set).
+
+Options: ``fault`` is where rank 0 fails: ``profile`` (a layer raises while rank 0 profiles the nn.Sequential),
+``auto`` (the same under ``schedule="auto"``), ``capture`` (the forward raises while rank 0 captures a module that
+is not one nn.Sequential), ``plan`` (rank 0's ``plan=`` file was made for another model), ``restore`` (rank 0's
+checkpoint cannot be read), ``balance`` (every rank refuses ``balance=``), or ``none``; ``timeout`` is the pipeline's in seconds. Each rank writes the error it
+stops with to ``error_rank<r>.txt``; rank 0 writes ``fault_time`` (seconds since the epoch) when its failure begins.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_pipedream import PipeDreamStrategy
+from lightning_pipedream.plan.partition import partition
+from lightning_pipedream.plan.profile import LayerProfile, Profile
+from lightning_pipedream.plan.topology import Topology
+
+RANK = int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def mark_fault(out: str) -> None:
+    """Rank 0's clock for the test: its planted failure begins now (only the first mark counts)."""
+    path = Path(out) / "fault_time"
+    if RANK == 0 and not path.exists():
+        path.write_text(str(time.time()))
+
+
+class FailsOnRankZero(nn.Module):
+    """Raises on rank 0, whenever it runs (rank 0 alone profiles or captures the model)."""
+
+    def __init__(self, out: str) -> None:
+        super().__init__()
+        self.out = out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if RANK == 0:
+            mark_fault(self.out)
+            raise ValueError("planted failure in a layer on rank 0")
+        return x
+
+
+class Layers(L.LightningModule):
+    """Its layers are one nn.Sequential; ``faulty`` puts a layer in it that fails on rank 0; ``extra`` (a model of
+    its own) adds a layer, so that a plan made for the others does not fit it."""
+
+    def __init__(self, out: str, faulty: bool = False, extra: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        middle = [FailsOnRankZero(out)] if faulty else []
+        tail = [nn.Tanh(), nn.Linear(16, 16)] if extra else []
+        self.layers = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), *middle, nn.Linear(16, 16), *tail, nn.Linear(16, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+    def training_step(self, batch: tuple, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class Branches(Layers):
+    """Not one nn.Sequential: the strategy captures its forward call, on rank 0, to choose the split."""
+
+    def __init__(self, out: str) -> None:
+        L.LightningModule.__init__(self)
+        torch.manual_seed(0)
+        self.first, self.second, self.head = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+        self.out = out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if RANK == 0:
+            mark_fault(self.out)
+            raise ValueError("planted failure in the forward call on rank 0")
+        return self.head(torch.tanh(self.second(torch.tanh(self.first(x)))))
+
+
+class FaultClock(L.Callback):
+    """For failures raised inside the strategy: rank 0's fault begins after its setup hook (an upper bound)."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        mark_fault(self.out)
+
+
+def write_plan(path: Path, names: list[str]) -> None:
+    """A two-stage plan over layers ``names`` (the first two on stage 0)."""
+    profile = Profile([LayerProfile(name, 1e-3, 2e-3, 64, 64 if i != 1 else 0) for i, name in enumerate(names)])
+    plan = partition(profile, Topology.flat(2), "time")
+    path.write_text(json.dumps(plan.to_json()))
+
+
+def train(out: str, options: dict[str, Any]) -> None:
+    fault = options.get("fault", "none")
+    strategy_options: dict[str, Any] = {"schedule": options.get("schedule", "1f1b"), "chunks": 2}
+    model: L.LightningModule = Layers(out, faulty=fault in ("profile", "auto"), extra=fault == "plan" and RANK == 0)
+    ckpt_path = None
+    if fault == "auto":
+        strategy_options = {"schedule": "auto", "memory_limit": 1e9}
+    elif fault == "capture":
+        model = Branches(out)
+    elif fault == "plan":  # every rank reads its plan= file; rank 0's model has a layer more than the plan
+        plan = Path(out) / f"plan_rank{RANK}.json"
+        write_plan(plan, list(Layers(out).layers._modules))
+        strategy_options["plan"] = str(plan)
+    elif fault == "restore" and RANK == 0:  # a damaged copy of the checkpoint on rank 0's disk; rank 1 has none
+        ckpt_path = Path(out) / "damaged.ckpt"
+        ckpt_path.write_bytes(b"PK\x03\x04 cut short")
+    if fault == "balance":  # every rank refuses it (4 layers), at once
+        strategy_options["balance"] = [3, 3]
+    elif fault not in ("profile", "auto", "capture", "plan"):
+        strategy_options["balance"] = [2, 2]
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(32, 8, generator=g)
+    data = DataLoader(TensorDataset(x, x[:, :4].argmax(-1)), batch_size=4)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, max_steps=options.get("max_steps", 3), logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[FaultClock(out)] if fault in ("plan", "restore", "balance") else [],
+        strategy=PipeDreamStrategy(timeout=timedelta(seconds=options.get("timeout", 10)), **strategy_options),
+    )
+    try:
+        trainer.fit(model, data, ckpt_path=ckpt_path)
+    except BaseException as err:
+        (Path(out) / f"error_rank{RANK}.txt").write_text(f"{time.time()}\n{type(err).__name__}: {err}\n"
+                                                         f"{traceback.format_exc()}")
+        raise
+    (Path(out) / f"trained_rank{RANK}").write_text(str(trainer.global_step))
+
+
+if __name__ == "__main__":
+    train(sys.argv[1], json.loads(sys.argv[2]))
