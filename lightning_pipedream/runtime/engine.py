@@ -84,6 +84,7 @@ class PipelineEngine:
         allreduce: AllReduceFn | None = None,
         recompute: bool | Sequence[bool] = False,
         virtual_stages: int = 1,
+        gradient_sync: Callable[[int, bool], None] | None = None,
     ) -> None:
         check_schedule_options(schedule, chunks, vertical_sync, virtual_stages=virtual_stages, recompute=recompute)
         layout = Layout.of(replicas, num_stages) if replicas is not None else None
@@ -104,6 +105,9 @@ class PipelineEngine:
                 )
         self.rank = stage_index if rank is None else rank
         self.allreduce = allreduce
+        # Sharded stages (see runtime/sharding.py): (stage, sync) says whether a stage's next backward reduce-scatters
+        # the gradients (its last of a flushed step) or only adds them up.
+        self.gradient_sync = gradient_sync
         self.schedule = schedule
         self.spec = spec_of(schedule)
         self.num_stages = num_stages
@@ -303,6 +307,17 @@ class PipelineEngine:
             self.allreduce(average=self._flushed is None)
 
         vertical = weights is not None and (weights.vertical_sync or weights.two_versions)
+        before_backward = None
+        if self.gradient_sync is not None:
+            sync = self.gradient_sync
+            last = {a.stage: a for a in actions if a.op is Op.BACKWARD}  # each stage's last backward of the step
+            for stage_index in self.stages:
+                sync(stage_index, False)
+
+            def before_backward(action: Action) -> None:
+                if last.get(action.stage) == action:
+                    sync(action.stage, True)
+
         with pipeline_failures(self.stage.index):
             result.losses = self.executor.run(
                 actions,
@@ -311,6 +326,7 @@ class PipelineEngine:
                 optimizer_step=optimizer_step,
                 version=self.version_for if vertical else None,
                 allreduce=allreduce if self.allreduce is not None else None,
+                before_backward=before_backward,
             )
         return result
 

@@ -66,11 +66,12 @@ class Executor:
         version: VersionFn | None = None,
         train: bool = True,
         allreduce: StepFn | None = None,
+        before_backward: StepFn | None = None,
     ) -> dict[int, Any]:
         """Run ``actions``; returns the losses (detached) of the micro-batches whose forward ended here.
 
         ``allreduce`` runs at ALLREDUCE_GRAD (replicated stages): the gradient all-reduce among the
-        stage's replicas.
+        stage's replicas. ``before_backward`` runs before each BACKWARD (sharded stages: whether it reduces).
 
         With ``train=False`` forwards run without autograd and keep nothing, and the values
         ``loss`` returns on the last stage (any step output) are returned as they are.
@@ -124,6 +125,8 @@ class Executor:
                 self._send(self._outputs.pop(key), action, f"output of stage {stage.index}")
             elif op is Op.BACKWARD:
                 output_grads = self._grads.pop(key, None)
+                if before_backward is not None:
+                    before_backward(action)
                 if key in split:
                     grads = stage.backward_input(mb, output_grads)
                 else:

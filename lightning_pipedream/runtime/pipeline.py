@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from lightning_pipedream.plan.balance import check_balance, even_balance, stage_slice
 from lightning_pipedream.runtime.engine import PipelineEngine, StepResult
 from lightning_pipedream.runtime.replicas import ReplicaGroups
+from lightning_pipedream.runtime.sharding import check_shard, full_state, set_gradient_sync, shard_stage
 from lightning_pipedream.runtime.shares import BatchShares
 from lightning_pipedream.runtime.transport import Transport, transport_kind
 from lightning_pipedream.schedule.actions import Layout
@@ -79,6 +80,7 @@ class Pipeline:
         mean_over: Callable[[Any], Any] | None = None,
         transport: str | None = None,
         reverse_group: dist.ProcessGroup | None = None,
+        shard: str | None = None,
     ) -> None:
         # Prebuilt stages (e.g. lightning_pipedream.graph's GraphStage): a list with one module per rank.
         prebuilt = isinstance(layers, (list, tuple))
@@ -89,6 +91,9 @@ class Pipeline:
             raise ValueError(f"schedule={schedule!r} does not support replicas yet; use replicas=None.")
         if prebuilt and virtual_stages != 1:
             raise ValueError("Prebuilt stage modules run one stage per process; use virtual_stages=1 with them.")
+        spec = spec_of(schedule)
+        check_shard(shard, schedule, asynchronous=spec.asynchronous, splits_backward=spec.splits_backward,
+                    replicas=replicas)
         self.rank = dist.get_rank(group)
         self.num_stages = dist.get_world_size(group)
         self.virtual_stages = virtual_stages
@@ -118,6 +123,9 @@ class Pipeline:
         else:
             stage = stage_slice(layers, self.balance, self.stage_index)
         self.module = stage.to(self.device)
+        self.shard = shard
+        if shard is not None:  # before the optimizer: it keeps state for this rank's shards only
+            self.module = shard_stage(self.module, self.groups.data_group, shard, self.device)
         self.before_update = before_update  # e.g. TiedParameters.allreduce_grads
         self.schedule = schedule
         self.chunks = chunks
@@ -129,7 +137,8 @@ class Pipeline:
         if reverse_group is None and group is None and _needs_reverse_group(self.device, transport):
             reverse_group = dist.new_group()  # every rank builds its Pipeline alike: this collective is safe
         self.transport = Transport(group=group, device=self.device, kind=transport, reverse_group=reverse_group)
-        self.reducer = None if self.layout is None else self.groups.reducer(params)
+        # Sharded replicas reduce-scatter their gradients in the step's last backward: nothing to all-reduce after.
+        self.reducer = None if self.layout is None or shard is not None else self.groups.reducer(params)
         self.engine = PipelineEngine(
             self.module,
             self.stage_index,
@@ -142,9 +151,11 @@ class Pipeline:
             record=record,
             replicas=None if self.layout is None else self.layout.replicas,
             rank=self.rank,
-            allreduce=None if self.reducer is None else self.reducer.reduce,
+            allreduce=_reduced_in_backward if shard is not None else (
+                None if self.reducer is None else self.reducer.reduce),
             recompute=recompute,
             virtual_stages=virtual_stages,
+            gradient_sync=(lambda stage, sync: set_gradient_sync([self.module], sync)) if shard is not None else None,
         )
 
     @property
@@ -195,13 +206,18 @@ class Pipeline:
         return self.engine.drain(self._update)
 
     def state_dict(self) -> dict[str, Tensor]:
-        """This stage's parameters and buffers, under the full model's names."""
+        """This stage's parameters and buffers, under the full model's names (sharded ones gathered whole: call it on
+        every replica of the stage)."""
         if isinstance(self.module, nn.ModuleList):  # interleaved: every chunk's, under the model's names
             return {k: v for chunk in self.module for k, v in chunk.state_dict().items()}
-        return self.module.state_dict()
+        return full_state(self.module) if self.shard is not None else self.module.state_dict()
 
 
 def _needs_reverse_group(device: torch.device, transport: str | None) -> bool:
     """Whether this pipeline's transport sends each direction of a link on a group of its own (see Transport)."""
     nccl = device.type == "cuda" or (dist.is_initialized() and dist.get_backend() == "nccl")
     return nccl or transport_kind(transport) == "directional"
+
+
+def _reduced_in_backward(average: bool = False) -> None:
+    """Sharded replicas: the step's last backward reduce-scattered the gradients already."""

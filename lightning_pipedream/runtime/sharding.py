@@ -1,0 +1,111 @@
+"""Sharded stage replicas (pipeline x FSDP): a stage's replicas shard its weights, gradients and optimizer state.
+
+With ``d`` data-parallel copies of a pipeline, each stage has ``d`` replicas, which by default keep whole copies and
+all-reduce their gradients. Sharded, each replica keeps ``1/d`` of every parameter, of its gradient and of its
+optimizer state, through torch's FSDP2 (``fully_shard``) over the stage's replica group:
+
+- ``"full"``: parameters gathered for each forward and each backward and freed after (least memory);
+- ``"grad_op"``: parameters kept whole from a forward to its backward (one gather per forward, none for the
+  backward), gradients and optimizer state sharded.
+
+Every micro-batch's backward adds into whole gradients without communication; the step's last backward on the
+stage reduce-scatters their sum once (FSDP2's ``set_requires_gradient_sync``), so the replicas' shards hold the
+sum over the union batch, as the replicated path's all-reduce does: the flushed schedules equal one process.
+Weight stashing would need every version's gather; the asynchronous schedules (and zero bubble's split backward,
+whose halves FSDP2's hooks cannot tell apart) are refused with words.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+SHARD_MODES = (None, "full", "grad_op")
+
+
+def check_shard(shard: str | None, schedule: str, *, asynchronous: bool, splits_backward: bool,
+                replicas: Sequence[int] | None) -> None:
+    """Refuse, with the way out, what sharding cannot run."""
+    if shard not in SHARD_MODES:
+        raise ValueError(f"shard={shard!r} is not a sharding mode: use 'full' (parameters, gradients and optimizer "
+                         "state sharded), 'grad_op' (gradients and optimizer state sharded) or None (replicas keep "
+                         "whole copies).")
+    if shard is None:
+        return
+    if replicas is None or len(set(replicas)) != 1 or replicas[0] < 2:
+        raise ValueError(f"shard={shard!r} shards each stage over its replicas: give every stage the same number of "
+                         f"replicas, at least 2 (replicas=[2, 2] for two copies of a 2-stage pipeline), not "
+                         f"{None if replicas is None else list(replicas)}.")
+    if asynchronous:
+        raise ValueError(f"shard={shard!r} with schedule={schedule!r}: weight stashing keeps several versions of every "
+                         "weight, and each forward would gather the whole of its version, which takes back what "
+                         "sharding saves. Use a flushed schedule (1f1b, gpipe, interleaved), or shard=None.")
+    if splits_backward:
+        raise ValueError(f"shard={shard!r} with schedule={schedule!r}: the split backward's two halves cannot keep "
+                         "FSDP's gathered parameters between them. Use 1f1b, gpipe or interleaved, or shard=None.")
+
+
+def shard_stage(module: nn.Module, group: dist.ProcessGroup, shard: str, device: torch.device) -> nn.Module:
+    """Wrap ``module`` (a stage, or one model chunk) with ``fully_shard`` over ``group``: each child with parameters
+    a unit of its own (gathered and freed one at a time), then the stage; gradients reduce by their sum."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    if not hasattr(FSDPModule, "set_force_sum_reduction_for_comms"):
+        raise RuntimeError(f"shard={shard!r} needs FSDP2's plain-sum gradient reduction, which torch "
+                           f"{torch.__version__} lacks; install the torch that lightning_pipedream pins, or shard=None.")
+    mesh = DeviceMesh.from_group(group, device.type)
+    keep = shard == "grad_op"  # parameters stay gathered from a forward to its backward
+    for child in module.children():
+        if any(p.requires_grad for p in child.parameters()):
+            fully_shard(child, mesh=mesh, reshard_after_forward=not keep)
+    fully_shard(module, mesh=mesh, reshard_after_forward=not keep)
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            # The replicas' gradients add up (each micro-batch's loss already counts its share of the union batch),
+            # by a plain sum, which every backend has (gloo has no pre-multiplied sum).
+            unit.set_gradient_divide_factor(1.0)
+            unit.set_force_sum_reduction_for_comms(True)
+    return module
+
+
+def set_gradient_sync(modules: Iterable[nn.Module], sync: bool) -> None:
+    """Whether the next backward on ``modules`` reduce-scatters the gradients (the step's last) or only adds them."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in modules:
+        if isinstance(module, FSDPModule):
+            module.set_requires_gradient_sync(sync)
+
+
+def full_state(module: nn.Module) -> dict[str, Tensor]:
+    """``module``'s state dict with every sharded tensor gathered whole (a collective over its replicas)."""
+    from torch.distributed.tensor import DTensor
+
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in module.state_dict().items()}
+
+
+def local_bytes(tensors: Iterable[Any]) -> int:
+    """Bytes of the storages these tensors (this rank's shards, for sharded ones) hold here, each storage once."""
+    from torch.distributed.tensor import DTensor
+
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is None:
+            continue
+        local = t.to_local() if isinstance(t, DTensor) else t
+        storage = local.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def training_state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
+    """Measured bytes of a stage's parameters, gradients and optimizer state on this rank."""
+    params = list(module.parameters())
+    state = [v for s in (optimizer.state.values() if optimizer is not None else []) for v in s.values()
+             if isinstance(v, Tensor)]
+    return local_bytes(params) + local_bytes(p.grad for p in params) + local_bytes(state)
