@@ -76,6 +76,30 @@ def test_schedules_memory_and_timelines_run(tmp_path):
     assert all(r["peak_activation_mb"] > 0 and r["peak_rss_mb"] > 0 for r in ranks)
 
 
+@pytest.mark.timeout(90)
+def test_schedules_parts_run_on_three_stages():
+    """--stages N: the link probe (which paired rank r with 1 - r and hung from 3 ranks on) and the bound on 3
+    processes; the one-process contender takes as many threads. (No capsys here: a forked rank's faulthandler needs
+    the real stderr.)"""
+    from lightning_pipedream.runtime.launch import run_local
+
+    workload, schedules = _load("workload"), _load("schedules")
+    cfg = workload.Config(layers=3, width=32, batch=16, chunks=4, stages=3)
+    link = run_local(workload.link_worker, 3, cfg, 2, timeout=60)
+    assert link[0]["latency_s"] > 0 and link[0]["bandwidth_Bps"] > 0 and link[1:] == [None, None]
+    bound = run_local(workload.bound_worker, 3, cfg, False, 0, 1, timeout=60)
+    assert len(bound) == 3 and all(r["op_mean_s"]["F"] > 0 for r in bound)
+    names = schedules.contenders(stages=3)
+    assert "threads_3" in names and "two_threads" not in names and "two_threads" in schedules.contenders()
+
+
+def test_schedules_on_three_stages_ask_interleaved_for_a_layer_per_model_chunk(capsys):
+    schedules = _load("schedules")
+    with pytest.raises(SystemExit):  # interleaved on 3 processes holds 6 model chunks: 3 layers are too few
+        schedules.main(["--stages", "3", "--layers", "3", "--json", ""])
+    assert "--layers must be at least 6" in capsys.readouterr().err
+
+
 @pytest.mark.timeout(240)
 def test_lightning_quick_runs(tmp_path):
     """`python -m benchmarks.lightning --quick`: every contender trains on the same samples, with the same updates
