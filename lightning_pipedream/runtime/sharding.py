@@ -43,10 +43,10 @@ def check_shard(shard: str | None, schedule: str, *, asynchronous: bool, splits_
     if asynchronous:
         raise ValueError(f"shard={shard!r} with schedule={schedule!r}: weight stashing keeps several versions of every "
                          "weight, and each forward would gather the whole of its version, which takes back what "
-                         "sharding saves. Use a flushed schedule (1f1b, gpipe, interleaved), or shard=None.")
+                         "sharding saves. Use 1f1b or gpipe, or shard=None.")
     if splits_backward:
         raise ValueError(f"shard={shard!r} with schedule={schedule!r}: the split backward's two halves cannot keep "
-                         "FSDP's gathered parameters between them. Use 1f1b, gpipe or interleaved, or shard=None.")
+                         "FSDP's gathered parameters between them. Use 1f1b or gpipe, or shard=None.")
 
 
 def shard_stage(module: nn.Module, group: dist.ProcessGroup, shard: str, device: torch.device) -> nn.Module:
@@ -57,7 +57,8 @@ def shard_stage(module: nn.Module, group: dist.ProcessGroup, shard: str, device:
 
     if not hasattr(FSDPModule, "set_force_sum_reduction_for_comms"):
         raise RuntimeError(f"shard={shard!r} needs FSDP2's plain-sum gradient reduction, which torch "
-                           f"{torch.__version__} lacks; install the torch that lightning_pipedream pins, or shard=None.")
+                           f"{torch.__version__} lacks; install the torch that lightning_pipedream pins, or use "
+                           "shard=None.")
     mesh = DeviceMesh.from_group(group, device.type)
     keep = shard == "grad_op"  # parameters stay gathered from a forward to its backward
     for child in module.children():

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_pipedream.runtime.transport import transport_kind
 from lightning_pipedream.schedule.builders import check_schedule_options
 from lightning_pipedream.schedule.specs import AUTO, ScheduleSpec, spec_of
 from lightning_pipedream.strategy.divergence import DEFAULT_FACTOR, ON_DIVERGENCE
@@ -43,8 +44,11 @@ class PipelineOptions:
     on_divergence: str | None = None  # "flush": back to the last drained weights, then 1f1b (see strategy/divergence)
     divergence_factor: float = DEFAULT_FACTOR
     minibatches_per_batch: int = 1  # pipedream: minibatches (each its own update) a batch is cut into
+    transport: str | None = None  # how stages talk (runtime/transport.py); None: LIGHTNING_PIPEDREAM_TRANSPORT or auto
 
     def __post_init__(self) -> None:
+        if self.transport is not None:
+            transport_kind(self.transport)  # an unknown name is refused here, with the choices
         if self.auto:
             self._check_auto()
         else:

@@ -182,6 +182,10 @@ class PipeDreamStrategy(DDPStrategy):
             (docs/strategy.md, "Several minibatches per batch"). A step then counts ``minibatches_per_batch``
             updates for ``max_steps``, step-wise LR schedulers (every minibatch of a batch gets the rate of its
             step) and checkpoints every n steps; its logged values and loss are the mean over its minibatches.
+        transport: how the stages talk: ``"auto"`` (shared memory between CPU ranks on one machine over gloo,
+            torch.distributed otherwise), ``"gloo"``, ``"shm"``, or ``"directional"`` (each direction of a link on a
+            process group of its own: the path NCCL takes, which GPU runs always use; docs/strategy.md, "On GPUs").
+            None (default): the environment's ``LIGHTNING_PIPEDREAM_TRANSPORT``, else ``"auto"``.
     """
 
     strategy_name = "pipedream"
@@ -211,6 +215,7 @@ class PipeDreamStrategy(DDPStrategy):
         on_divergence: str | None = None,
         divergence_factor: float = DEFAULT_FACTOR,
         minibatches_per_batch: int = 1,
+        transport: str | None = None,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -225,7 +230,7 @@ class PipeDreamStrategy(DDPStrategy):
             vertical_sync, tuple(bandwidth) if isinstance(bandwidth, (list, tuple)) else bandwidth, trace, stages,
             tuple_or_none(replicas), check_finite, straight, virtual_stages,
             tuple(recompute) if isinstance(recompute, (list, tuple)) else recompute, keep_freed_memory, mean_over,
-            memory_limit, exact, on_divergence, divergence_factor, minibatches_per_batch,
+            memory_limit, exact, on_divergence, divergence_factor, minibatches_per_batch, transport,
         )
         if start_method != "popen":
             # spawn/fork launchers copy only rank 0's weights back to the main process: wrong for a pipeline.
@@ -627,7 +632,8 @@ class PipeDreamStrategy(DDPStrategy):
             model_chunks if options.virtual_stages > 1 else stage,
             placement.stage_index,
             placement.num_stages,
-            Transport(group=groups.pipeline, device=self.root_device, reverse_group=groups.pipeline_reverse),
+            Transport(group=groups.pipeline, device=self.root_device, kind=options.transport,
+                      reverse_group=groups.pipeline_reverse),
             schedule=options.schedule,
             chunks=options.chunks,
             weight_stashing=options.weight_stashing,

@@ -92,3 +92,11 @@ def test_a_good_configuration_builds_without_starting_anything(tmp_path: Path) -
     built = trainer(PipeDreamStrategy(plan=saved_plan(tmp_path, 2)), 2)
     assert built.strategy.plan is not None and len(built.strategy.plan.stages) == 2
     assert built.strategy.num_stages == 2
+
+
+def test_an_unknown_transport_is_refused_when_the_strategy_is_built() -> None:
+    with pytest.raises(ValueError, match=r"transport='tcp' is not a transport: use 'auto' .*'gloo' \(always "
+                                         r"torch.distributed\), 'shm' or 'directional' \(torch.distributed, each "
+                                         r"direction of a link on a group of its own: the path NCCL takes\)"):
+        PipeDreamStrategy(schedule="1f1b", transport="tcp")
+    assert PipeDreamStrategy(schedule="1f1b", transport="directional").options.transport == "directional"

@@ -207,8 +207,9 @@ DIRECTIONAL = ["3-momentum-vertical-sync", "data-parallel", "validation", "guard
                "3-per-batch-2x2", "2-per-batch-3-vertical-sync", "zb-h1-2x4", "zb-h1-3x8", "interleaved-2x8",
                "interleaved-3x4", "2bw-3x4", "interleaved-validation-2x4", "zb-h1-two-epochs-2x4",
                "interleaved-two-epochs-3x4", "2bw-two-epochs-3x4", "1f1b-recompute-first-2x4", "fp16-zb-h1-3"]
-for _name in DIRECTIONAL:
-    RUNS[_name]["transport"] = "directional"
+for _name in DIRECTIONAL[1:]:
+    RUNS[_name]["transport"] = "directional"  # LIGHTNING_PIPEDREAM_TRANSPORT
+RUNS[DIRECTIONAL[0]]["strategy"]["transport"] = "directional"  # PipeDreamStrategy(transport=...)
 
 
 @pytest.fixture(scope="module")
