@@ -3,7 +3,8 @@
 
 Options: ``fault`` is where rank 0 fails: ``profile`` (a layer raises while rank 0 profiles the nn.Sequential),
 ``auto`` (the same under ``schedule="auto"``), ``capture`` (the forward raises while rank 0 captures a module that
-is not one nn.Sequential), ``plan`` (rank 0's ``plan=`` file was made for another model), ``restore`` (rank 0's
+is not one nn.Sequential), ``materialize`` (a layer of
+rank 0's stage of a model built on the meta device fails to initialize), ``plan`` (rank 0's ``plan=`` file was made for another model), ``restore`` (rank 0's
 checkpoint cannot be read), ``balance`` (every rank refuses ``balance=``), or ``none``; ``timeout`` is the pipeline's in seconds. Each rank writes the error it
 stops with to ``error_rank<r>.txt``; rank 0 writes ``fault_time`` (seconds since the epoch) when its failure begins.
 """
@@ -28,6 +29,7 @@ from lightning_pipedream import PipeDreamStrategy
 from lightning_pipedream.plan.partition import partition
 from lightning_pipedream.plan.profile import LayerProfile, Profile
 from lightning_pipedream.plan.topology import Topology
+from lightning_pipedream.runtime.transport import _world_timeout
 
 RANK = int(os.environ.get("LOCAL_RANK", "0"))
 
@@ -51,6 +53,19 @@ class FailsOnRankZero(nn.Module):
             mark_fault(self.out)
             raise ValueError("planted failure in a layer on rank 0")
         return x
+
+
+class FailsToInitialize(nn.Linear):
+    """Its initialization fails on rank 0 once it has real storage (when rank 0 materializes its stage)."""
+
+    def reset_parameters(self) -> None:
+        if RANK == 0 and not self.weight.is_meta:
+            mark_fault(OUT[0])
+            raise ValueError("planted failure initializing a layer on rank 0")
+        super().reset_parameters()
+
+
+OUT = [""]  # the run's directory, for layers built before it is known
 
 
 class Layers(L.LightningModule):
@@ -91,6 +106,18 @@ class Branches(Layers):
         return self.head(torch.tanh(self.second(torch.tanh(self.first(x)))))
 
 
+class BuiltPerStage(Layers):
+    """Built in configure_model, on the meta device under the strategy: each rank materializes its own stage."""
+
+    def __init__(self, out: str) -> None:
+        L.LightningModule.__init__(self)
+        self.layers = None
+
+    def configure_model(self) -> None:
+        if self.layers is None:
+            self.layers = nn.Sequential(FailsToInitialize(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Linear(16, 4))
+
+
 class FaultClock(L.Callback):
     """For failures raised inside the strategy: rank 0's fault begins after its setup hook (an upper bound)."""
 
@@ -117,6 +144,9 @@ def train(out: str, options: dict[str, Any]) -> None:
         strategy_options = {"schedule": "auto", "memory_limit": 1e9}
     elif fault == "capture":
         model = Branches(out)
+    elif fault == "materialize":  # rank 0 fails to initialize its stage's first layer; rank 1's stage is fine
+        OUT[0] = out
+        model = BuiltPerStage(out)
     elif fault == "plan":  # every rank reads its plan= file; rank 0's model has a layer more than the plan
         plan = Path(out) / f"plan_rank{RANK}.json"
         write_plan(plan, list(Layers(out).layers._modules))
@@ -144,6 +174,8 @@ def train(out: str, options: dict[str, Any]) -> None:
                                                          f"{traceback.format_exc()}")
         raise
     (Path(out) / f"trained_rank{RANK}").write_text(str(trainer.global_step))
+    # What the pipeline's waits are bounded by (every wait of runtime/transport.py honours the world's timeout).
+    (Path(out) / f"wait_timeout_rank{RANK}").write_text(str(_world_timeout().total_seconds()))
 
 
 if __name__ == "__main__":

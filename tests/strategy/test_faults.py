@@ -5,6 +5,7 @@ flight recorder, and a rank that starts late still joins."""
 from __future__ import annotations
 
 import json
+import logging
 import multiprocessing as mp
 import os
 import queue as queue_module
@@ -22,8 +23,10 @@ from fault_runs import RankRun, run_hang_trainer, run_many
 from torch import nn
 
 from lightning_pipedream.cli import main as cli_main
-from lightning_pipedream.runtime.failures import pipeline_failures
+from lightning_pipedream.runtime.failures import from_rank_zero, pipeline_failures, report_failure
 from lightning_pipedream.runtime.flight import PipelineTimeoutError
+from lightning_pipedream.runtime.launch import run_local
+from lightning_pipedream.runtime.mailbox import mailbox
 from lightning_pipedream.runtime.pipeline import Pipeline
 from lightning_pipedream.schedule.timeline import from_chrome_trace
 
@@ -219,6 +222,8 @@ SETUP_FAULTS = {
             "rank 1)",
     "capture": "SetupFailedError: Rank 0 could not split Branches into stages, so this rank stops too. Rank 0's "
                "error: GraphCaptureError: Could not trace Branches.forward into a graph at ",
+    "materialize": "Rank 0 failed in setup with ValueError: planted failure initializing a layer on rank 0 (on rank "
+                   "0)",
     "plan": "Rank 0 failed in setup with ValueError: The plan {out}/plan_rank0.json was made for another model: it "
             "plans 4 layers and the model's nn.Sequential (layers) has 6;",
     "restore": "Rank 0 failed with CheckpointReadError: The checkpoint {out}/damaged.ckpt cannot be read: it is cut "
@@ -226,12 +231,13 @@ SETUP_FAULTS = {
 }
 # Rank 0 failed in a step of its own (rank 1 does it too, or has nothing to do): rank 1 learns of it in its next wait,
 # or, when that wait is on a store that rank 0's exit has not closed yet, from its watchdog (a stop request's grace).
-LATER = {"plan", "restore"}
+LATER = {"materialize", "plan", "restore"}
 # What rank 0 itself stops with.
 OWN_ERRORS = {
     "profile": "ValueError: planted failure in a layer on rank 0",
     "auto": "ValueError: planted failure in a layer on rank 0",
     "capture": "GraphCaptureError: Could not trace Branches.forward into a graph at ",
+    "materialize": "ValueError: planted failure initializing a layer on rank 0",
     "plan": "ValueError: The plan {out}/plan_rank0.json was made for another model",
     "restore": "CheckpointReadError: The checkpoint {out}/damaged.ckpt cannot be read",
 }
@@ -252,8 +258,9 @@ def setup_runs(tmp_path_factory) -> dict[str, tuple[Path, list[RankRun]]]:
 
 @pytest.mark.parametrize("fault", list(SETUP_FAULTS))
 def test_a_failure_of_rank_0_in_setup_reaches_every_rank(setup_runs, fault):
-    # Rank 0 profiles, captures and plans for every rank, and reads its own plan= and checkpoint: wherever it fails,
-    # rank 1 stops within the timeout with rank 0's reason and rank, never gloo's "Connection closed by peer".
+    # Rank 0 profiles, captures and plans for every rank, reads its own plan= and checkpoint and materializes its own
+    # stage: wherever it fails, rank 1 stops within the timeout with rank 0's reason and rank, never gloo's
+    # "Connection closed by peer".
     out, ranks = setup_runs[fault]
     failed_at = float((out / "fault_time").read_text())
     for rank, run in enumerate(ranks):
@@ -287,4 +294,40 @@ def test_a_rank_that_starts_15_s_late_joins_despite_a_5_s_timeout(setup_runs):
     for rank, run in enumerate(ranks):
         assert run.code == 0, (rank, run.err[-3000:])
         assert (out / f"trained_rank{rank}").read_text() == "3"
+        assert (out / f"wait_timeout_rank{rank}").read_text() == "5.0"  # the pipeline's waits keep timeout=
     assert ranks[1].ended - ranks[0].ended < 5  # they trained together, once rank 1 came
+
+
+def _rank_zero_computes(rank: int, world: int, fails: bool) -> str:
+    def compute() -> str:
+        if fails:
+            raise ValueError("no plan today")
+        return "the plan"
+
+    try:
+        return from_rank_zero("plan the stages", compute)
+    except Exception as err:  # noqa: BLE001 - what each rank raised is the result
+        return f"{type(err).__name__}: {err}"
+
+
+def test_from_rank_zero_gives_every_rank_the_result_or_rank_0s_error():
+    assert run_local(_rank_zero_computes, 2, False, timeout=60) == ["the plan", "the plan"]
+    assert run_local(_rank_zero_computes, 2, True, timeout=60) == [
+        "ValueError: no plan today",
+        "SetupFailedError: Rank 0 could not plan the stages, so this rank stops too. Rank 0's error: ValueError: no "
+        "plan today (on rank 0; this rank is rank 1)",
+    ]
+
+
+def test_an_error_that_follows_a_peers_failure_names_it(caplog):
+    # An error outside the pipeline's waits (a raw collective of Lightning's) on a rank that a peer asked to stop.
+    box = mailbox()
+    box.put_here("stop", {"rank": 0, "message": "Rank 0 failed in setup with ValueError: bad (on rank 0)"})
+    try:
+        with caplog.at_level(logging.ERROR, logger="lightning_pipedream"):
+            report_failure(RuntimeError("a collective failed"), None)
+    finally:
+        with box.lock:
+            box.values.pop("stop", None)
+    assert ("lightning_pipedream: rank 0 stops because another rank failed first: Rank 0 failed in setup with "
+            "ValueError: bad (on rank 0)") in caplog.text
