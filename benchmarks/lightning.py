@@ -12,7 +12,8 @@ freed memory (``--malloc keep``, PipeDreamStrategy's default ``keep_freed_memory
 samples, in the same order; two groups do the same number of updates:
 
 * **minibatch 64** (one update per 64 samples): ``one_device_64`` (one process), ``ddp`` (2 processes
-  x 32 samples, gloo), ``pipedream`` (PipeDreamStrategy(schedule="pipedream"), 2 stages, balance [8, 8]),
+  x 32 samples, gloo), ``pipedream`` (PipeDreamStrategy(schedule="pipedream"), 2 stages, balance [8, 8]; with
+  ``--stages N``: N processes x 64 / N samples, N stages, the modules split evenly),
   ``pipedream_per_batch`` (the same on batches of 512, each cut into 8 minibatches of 64 with
   ``minibatches_per_batch=8``: Lightning's per-step work once per 8 updates; its figures are per minibatch);
 * **batch 512** (one update per 512 samples): ``one_device_512`` (one process, the whole batch),
@@ -77,6 +78,7 @@ def _worker(spec: dict) -> None:
 
     from benchmarks.workload import LR, Config, build_model, threads_cpu, threads_cpu_since, zero_grads
     from lightning_pipedream import PipeDreamStrategy
+    from lightning_pipedream.plan.balance import even_balance
     from lightning_pipedream.runtime.allocator import keep_freed_memory
     from lightning_pipedream.runtime.transport import TRANSPORT_ENV
 
@@ -143,15 +145,16 @@ def _worker(spec: dict) -> None:
         data = TensorDataset(torch.randn(n, cfg.width, generator=g), torch.randn(n, cfg.width, generator=g))
         devices, per_rank = 1, batch
         if name == "ddp":
-            devices, per_rank, strategy = 2, batch // 2, "ddp"
+            devices, per_rank, strategy = cfg.stages, batch // cfg.stages, "ddp"
         elif name in ("pipedream", "pipedream_gloo", PER_BATCH, "gpipe", "1f1b"):
             schedule = name.removesuffix("_gloo").removesuffix("_per_batch")
             chunks = 1 if schedule == "pipedream" else cfg.chunks
-            half = cfg.layers  # the Sequential has 2 * layers modules (Linear, ReLU): [8, 8]
+            # the Sequential has 2 * layers modules (Linear, ReLU): [8, 8] on 2 stages
+            balance = even_balance(2 * cfg.layers, cfg.stages)
             trace = str(out / "trace") if schedule == "pipedream" else None  # for the per-action breakdown
             # the second rank, which Lightning starts at fit, inherits it
             os.environ[TRANSPORT_ENV] = "gloo" if name.endswith("_gloo") else "auto"
-            devices, strategy = 2, PipeDreamStrategy(schedule=schedule, chunks=chunks, balance=[half, half],
+            devices, strategy = cfg.stages, PipeDreamStrategy(schedule=schedule, chunks=chunks, balance=balance,
                                                         keep_freed_memory=keep, trace=trace,
                                                         minibatches_per_batch=minibatches_per_step(name, cfg.chunks))
         else:
@@ -214,7 +217,8 @@ def _breakdown(trace_file: Path, t0: float, t1: float) -> dict[str, float]:
 
 def run_lightning_many(names: list[str], cfg_dict: dict, units: dict, timeout: float, profile: bool = False,
                        profile_dir: Path | None = None, malloc: str = "keep") -> dict[str, dict]:
-    """Run ``names`` one after the other in the same processes (2 ranks, or 1 for the one-device contenders)."""
+    """Run ``names`` one after the other in the same processes (``stages`` ranks, or 1 for the one-device
+    contenders)."""
     with tempfile.TemporaryDirectory(prefix="bench_lightning_") as tmp:
         out = Path(profile_dir) if profile_dir is not None else Path(tmp)
         out.mkdir(parents=True, exist_ok=True)
@@ -391,6 +395,9 @@ def main(argv: list[str] | None = None) -> dict:
                         help="keep (default, as PipeDreamStrategy's keep_freed_memory=True): glibc keeps freed memory "
                         "for reuse in every contender; default: glibc's own behaviour everywhere")
     parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("--stages", type=int, default=2,
+                        help="pipeline stages = processes of the pipelines, DDP and the bound (must divide the "
+                        "minibatch: DDP's ranks share it)")
     parser.add_argument("--max-wait", type=float, default=None,
                         help="seconds to wait before each run for other processes to use < 0.25 cores (default 20; "
                         "quick 0)")
@@ -406,10 +413,13 @@ def main(argv: list[str] | None = None) -> dict:
     from benchmarks.workload import Config
     from lightning_pipedream.runtime.allocator import keep_freed_memory
 
-    if args.quick:
-        cfg = Config(layers=2, width=32, batch=16, chunks=4)
+    if args.quick:  # a Linear on every stage
+        cfg = Config(layers=max(2, args.stages), width=32, batch=16, chunks=4, stages=args.stages)
     else:
-        cfg = Config()
+        cfg = Config(stages=args.stages)
+    if args.stages < 2 or cfg.micro % args.stages or 2 * cfg.layers < args.stages:
+        parser.error(f"--stages {args.stages}: give 2 or more that divide the minibatch of {cfg.micro} (DDP's ranks "
+                     f"share it) and at most {2 * cfg.layers} (the model's modules)")
     rounds = args.rounds or (1 if args.quick else 3)
     steps = args.steps or (1 if args.quick else 6)
     warmup = args.warmup if args.warmup is not None else 1
@@ -417,7 +427,8 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("--warmup must be at least 1: the timing starts at the end of the last warm-up step")
     json_path = args.json or Path("benchmarks/results/lightning.json")
     names = [n for n in CONTENDERS if not args.only or n in args.only.split(",")]
-    cfg_dict = {"layers": cfg.layers, "width": cfg.width, "batch": cfg.batch, "chunks": cfg.chunks}
+    cfg_dict = {"layers": cfg.layers, "width": cfg.width, "batch": cfg.batch, "chunks": cfg.chunks,
+                "stages": cfg.stages}
 
     # (warm-up, timed) Lightning steps per contender: a step is a batch of 64 or of 512 (PER_BATCH: 8 minibatches)
     per = {n: cfg.chunks // minibatches_per_step(n, cfg.chunks) for n in GROUP_64}  # Lightning steps per batch
