@@ -1,4 +1,4 @@
-"""Shared test set-up: the `multiprocess` marker (set by each file that starts processes), Hypothesis without a database in the checkout, CI strictness."""
+"""Shared test set-up: the `multiprocess` marker, Hypothesis without a database, CI strictness, ports and folders per xdist worker."""
 
 from __future__ import annotations
 
@@ -8,14 +8,18 @@ from pathlib import Path
 
 import pytest
 from hypothesis import settings
+from script_runs import free_port
 
 # Hypothesis would write .hypothesis/ into the checkout; examples that failed are printed anyway.
 settings.register_profile("lightning_pipedream", database=None)
 settings.load_profile("lightning_pipedream")
 
-# Ranks that fail write their flight recorder (runtime/flight.py); keep those files out of the checkout.
-os.environ.setdefault("LIGHTNING_PIPEDREAM_FLIGHT_RECORDER",
-                      os.path.join(tempfile.gettempdir(), f"lightning_pipedream_flight_{os.getpid()}"))
+# Ranks that fail write their flight recorder (runtime/flight.py); keep those files out of the checkout, in a
+# folder of this process's own: pytest-xdist workers inherit the controller's environment, and two workers' ranks
+# would write over each other's rank<R>.json.
+if "PYTEST_XDIST_WORKER" in os.environ or "LIGHTNING_PIPEDREAM_FLIGHT_RECORDER" not in os.environ:
+    os.environ["LIGHTNING_PIPEDREAM_FLIGHT_RECORDER"] = os.path.join(
+        tempfile.gettempdir(), f"lightning_pipedream_flight_{os.environ.get('PYTEST_XDIST_WORKER', 'main')}_{os.getpid()}")
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
@@ -30,8 +34,12 @@ def pytest_configure(config: pytest.Config) -> None:
 def _no_process_group_leaks_into_later_tests():
     """A Trainer run in the pytest process (one device, a DDP-like strategy) leaves a process group and
     MASTER_PORT/RANK variables behind; processes started by later tests would inherit the port, which this
-    process still holds, and fail with EADDRINUSE. Put both back as they were."""
+    process still holds, and fail with EADDRINUSE. Put both back as they were.
+
+    Each test gets a MASTER_PORT of this worker's own (see script_runs.free_port), which the processes it starts
+    inherit: under `pytest -n auto` no two workers' runs meet at one port."""
     before = dict(os.environ)
+    os.environ["MASTER_PORT"] = str(free_port())
     yield
     import torch.distributed as dist
 

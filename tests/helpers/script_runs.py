@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +33,59 @@ def run_script(script: Path, out: Path, options: dict, timeout: float, expect_ok
     pytest); ``{"--runs": path}`` runs a batch. A hung run is killed with its ranks and fails the test."""
     out.mkdir(parents=True, exist_ok=True)
     args = ["--runs", options["--runs"]] if "--runs" in options else [str(out), json.dumps(options)]
-    proc = run_killable([sys.executable, str(script), *args], out, timeout, {**os.environ, "PYTHONWARNINGS": "ignore"})
+    proc = run_killable([sys.executable, str(script), *args], out, timeout, script_env())
     if expect_ok:
         assert proc.returncode == 0, f"{script.name} failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
     return proc
+
+
+def script_env(**extra: str) -> dict[str, str]:
+    """The environment of a training script: a rendezvous port of this pytest worker's own, and one thread per
+    process. Lightning's launcher gives each rank ``cpus // processes`` threads unless OMP_NUM_THREADS is set, while
+    a one-device run keeps the script's own count: on a 16-core machine the ranks summed in another order than the
+    reference they are compared with (ResNet's BatchNorm over two values made that 5e-2 apart)."""
+    return {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port()), **extra}
+
+
+# Rendezvous ports come from below the kernel's ephemeral range (which bind(0) and every outgoing connection draw
+# from, so a port found free that way can be taken again before the run listens on it), in a block per pytest-xdist
+# worker: gw3 never picks one of gw5's ports. A random start in the block keeps two suites on one machine apart.
+_PORTS_FROM, _BLOCK = 10_000, 512
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32_768
+
+
+def _port_cycle() -> Iterator[int]:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    blocks = max(1, (_ephemeral_low() - _PORTS_FROM) // _BLOCK)
+    first = _PORTS_FROM + (index % blocks) * _BLOCK
+    start = random.randrange(_BLOCK)
+    return itertools.cycle([first + (start + k) % _BLOCK for k in range(_BLOCK)])
+
+
+_PORTS: Iterator[int] | None = None
+
+
+def free_port() -> int:
+    """A port nobody listens on now, from this pytest worker's own block (see above), for one run's rendezvous."""
+    global _PORTS
+    if _PORTS is None:
+        _PORTS = _port_cycle()
+    for _ in range(_BLOCK):
+        port = next(_PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port in this worker's block of {_BLOCK} from {_PORTS_FROM}")
 
 
 def run_killable(argv: list[str], cwd: Path, timeout: float, env: dict[str, str] | None = None

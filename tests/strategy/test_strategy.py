@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections import OrderedDict
@@ -20,6 +19,7 @@ import pytest
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from pipedream_reference import RoundRobinRule
+from script_runs import free_port
 from tiny import TinyClassifier, data
 from torch import nn
 
@@ -396,12 +396,6 @@ def test_stages_that_see_different_batches_are_stopped(tmp_path):
 def test_one_device_is_a_single_stage_run(runs):
     # One stage has nothing in flight: PipeDream's rule reduces to plain training.
     assert_same_weights(runs["one_device_pipedream"] / "final.ckpt", runs["reference"] / "final.ckpt")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun_two_nodes(out: Path, options: dict, per_node: int) -> None:
