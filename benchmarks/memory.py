@@ -1,4 +1,4 @@
-"""Peak memory per rank of gpipe, 1f1b and pipedream on 2 stages at 8 micro-batches (the benchmark's model).
+"""Peak memory per rank of gpipe, 1f1b and pipedream on 2 stages (``--stages N``) at 8 micro-batches.
 
 Run from the repository root::
 
@@ -203,9 +203,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=512)
     parser.add_argument("--chunks", type=int, default=8)
+    parser.add_argument("--stages", type=int, default=2, help="pipeline stages = processes")
     parser.add_argument("--one", choices=OURS, help=argparse.SUPPRESS)  # run one schedule in this process
     args = parser.parse_args(argv)
-    cfg = Config(layers=args.layers, width=args.width, batch=args.batch, chunks=args.chunks)
+    cfg = Config(layers=args.layers, width=args.width, batch=args.batch, chunks=args.chunks, stages=args.stages)
     if args.one:
         print(json.dumps(measure(args.one, cfg, args.steps)))
         return {}
@@ -227,6 +228,8 @@ def main(argv: list[str] | None = None) -> dict:
             str(args.batch),
             "--chunks",
             str(args.chunks),
+            "--stages",
+            str(args.stages),
         ]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=REPO)
         if proc.returncode != 0:
