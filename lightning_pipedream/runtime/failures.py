@@ -223,6 +223,9 @@ def setup_failures() -> Iterator[None]:
     """Around a rank's part of setup (before its stage is known): as :func:`pipeline_failures` does in training,
     this rank's own error reaches every peer (``Rank 0 failed in setup with ...``), and a wait that fails because a
     peer failed raises :class:`PeerFailedError` with that peer's reason and rank, never gloo's "connection closed"."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:  # no peer to tell or to wait for
+        yield
+        return
     with pipeline_failures(None, waiting="setup", during=" in setup"):
         yield
 

@@ -38,7 +38,9 @@ def run_hang_trainer(tmp_path: Path, options: dict) -> tuple[str, int, float]:
             proc.wait()
     text = log.read_text()
     assert not left, f"processes left: {left}\n{text[-4000:]}"
-    return text, proc.returncode, ended - float((tmp_path / "fault_time").read_text())
+    fault_time = tmp_path / "fault_time"
+    assert fault_time.exists(), f"the run ended before its planted fault:\n{text[-4000:]}"  # say why, not "no file"
+    return text, proc.returncode, ended - float(fault_time.read_text())
 
 
 def session_processes(session: int) -> list[int]:
