@@ -25,6 +25,7 @@ import gc
 import json
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -342,8 +343,11 @@ def _torch_pipelining(trainer: Any, width: int, data: list, chunks: int) -> floa
 
     from lightning_pipedream.plan.balance import even_balance, stage_slice
 
+    device = torch.device("cuda", trainer.local_rank)
+    torch.cuda.set_device(device)
+    if not dist.is_initialized():  # the strategy's teardown may have ended its group: Lightning's env:// still holds
+        dist.init_process_group("nccl", rank=trainer.global_rank, world_size=trainer.world_size)
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device())
     model = mlp(width)
     module = stage_slice(model, even_balance(len(model), world), rank).to(device)
     stage = PipelineStage(module, rank, world, device)
@@ -402,7 +406,7 @@ def main(argv: list[str] | None = None) -> dict:
     sections = set(args.sections.split(","))
     started = time.time()
     doc: dict[str, Any] = {
-        "command": "python -m benchmarks.gpu_check " + " ".join(argv if argv is not None else []),
+        "command": " ".join(["python -m benchmarks.gpu_check", *(sys.argv[1:] if argv is None else argv)]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": device,
         "device_name": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
