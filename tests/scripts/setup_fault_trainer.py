@@ -29,7 +29,6 @@ from lightning_pipedream import PipeDreamStrategy
 from lightning_pipedream.plan.partition import partition
 from lightning_pipedream.plan.profile import LayerProfile, Profile
 from lightning_pipedream.plan.topology import Topology
-from lightning_pipedream.runtime.transport import _world_timeout
 
 RANK = int(os.environ.get("LOCAL_RANK", "0"))
 
@@ -174,8 +173,10 @@ def train(out: str, options: dict[str, Any]) -> None:
                                                          f"{traceback.format_exc()}")
         raise
     (Path(out) / f"trained_rank{RANK}").write_text(str(trainer.global_step))
-    # What the pipeline's waits are bounded by (every wait of runtime/transport.py honours the world's timeout).
-    (Path(out) / f"wait_timeout_rank{RANK}").write_text(str(_world_timeout().total_seconds()))
+    # What the pipeline's waits are bounded by: the default group's timeout (runtime/transport.py waits that long).
+    world = torch.distributed.distributed_c10d._get_default_group()
+    (Path(out) / f"wait_timeout_rank{RANK}").write_text(
+        str(world._get_backend(torch.device("cpu")).options._timeout.total_seconds()))
 
 
 if __name__ == "__main__":
