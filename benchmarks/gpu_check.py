@@ -28,6 +28,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -137,9 +138,13 @@ def memory_section(device: str, quick: bool, timeout: float) -> list[dict]:
     for name, (width, batch) in sizes.items():
         model = memory_model.build_model(name, width)  # once: the ranks' threads share torch's generator
         x, _ = memory_model.make_batch(name, width, batch)
-        # profiled where it trains (saved tensors differ by device: attention's, say)
-        profile = profile_module(copy.deepcopy(model).to(device), x.to(device), warmup=0, repeats=1,
-                                 working_sets=True)
+        try:  # profiled where it trains (saved tensors differ by device: attention's, say)
+            profile = profile_module(copy.deepcopy(model).to(device), x.to(device), warmup=0, repeats=1,
+                                     working_sets=True)
+        except Exception as err:  # noqa: BLE001  (recorded: the other model still runs)
+            out.append({"model": name, "schedule": "(profile)", "error": _words(err)})
+            print(f"(a) {name}: profiling FAILED {_words(err)}", flush=True)
+            continue
         for run in memory_model.runs_for(name, len(profile.layers), quick):
             run.update(model=name, width=width, batch=batch, steps=1 if quick else 2)
             sized = stage_bytes(profile, run["balance"], device=device)
@@ -147,11 +152,16 @@ def memory_section(device: str, quick: bool, timeout: float) -> list[dict]:
                                        recompute=run["recompute"], optimizer=memory_model.OPTIMIZER, device=device,
                                        cuda_capability=capability)  # type: ignore[arg-type]
             for rank in range(memory_model.STAGES):
-                measured = measure_stage(model, run, rank, device, timeout)
+                keys = {k: run[k] for k in ("model", "schedule", "recompute", "chunks", "balance")}
+                try:
+                    measured = measure_stage(model, run, rank, device, timeout)
+                except Exception as err:  # noqa: BLE001  (a GPU's time is scarce: record it, check the rest)
+                    out.append({**keys, "rank": rank, "error": _words(err)})
+                    print(f"(a) {name} {run['schedule']} rank {rank}: FAILED {_words(err)}", flush=True)
+                    continue
                 terms = predicted[rank].to_json()
                 ratio = measured["peak_bytes"] / terms["predicted_peak_bytes"]
-                row = {**{k: run[k] for k in ("model", "schedule", "recompute", "chunks", "balance")}, "rank": rank,
-                       "measured": measured, "predicted": terms, "measured_over_predicted": ratio,
+                row = {**keys, "rank": rank, "measured": measured, "predicted": terms, "measured_over_predicted": ratio,
                        "within_10_percent": abs(ratio - 1) <= MEMORY_TOLERANCE}
                 out.append(row)
                 mib = (measured["peak_bytes"] / 2**20, terms["predicted_peak_bytes"] / 2**20)
@@ -214,14 +224,19 @@ def executor_section(device: str, quick: bool, timeout: float) -> list[dict]:
     out = []
     for schedule, stages, chunks, options in EXECUTOR_CASES:
         started = time.perf_counter()
-        got = pipeline_weights(schedule, stages, chunks, options, device, width, steps, timeout)
-        if schedule in ASYNCHRONOUS:
-            against = "the same pipeline on the CPU"
-            want = pipeline_weights(schedule, stages, chunks, options, "cpu", width, steps, timeout)
-        else:
-            against = f"one {device} device, plain loop"
-            want = one_device_weights(device, width, steps)
-        diff = max_relative_difference(got, want)
+        against = "the same pipeline on the CPU" if schedule in ASYNCHRONOUS else f"one {device} device, plain loop"
+        try:
+            got = pipeline_weights(schedule, stages, chunks, options, device, width, steps, timeout)
+            if schedule in ASYNCHRONOUS:
+                want = pipeline_weights(schedule, stages, chunks, options, "cpu", width, steps, timeout)
+            else:
+                want = one_device_weights(device, width, steps)
+            diff = max_relative_difference(got, want)
+        except Exception as err:  # noqa: BLE001  (recorded: the other schedules still run)
+            out.append({"schedule": schedule, "stages": stages, "chunks": chunks, **options, "against": against,
+                        "error": _words(err), "equal": False})
+            print(f"(b) {schedule} x{stages}: FAILED {_words(err)}", flush=True)
+            continue
         row = {"schedule": schedule, "stages": stages, "chunks": chunks, **options, "against": against,
                "max_relative_difference": diff, "equal": diff <= TOLERANCE,
                "seconds": round(time.perf_counter() - started, 2)}
@@ -229,6 +244,12 @@ def executor_section(device: str, quick: bool, timeout: float) -> list[dict]:
         print(f"(b) {schedule:11s} x{stages} chunks {chunks}: max relative difference {diff:.2e} against {against}",
               flush=True)
     return out
+
+
+def _words(err: BaseException) -> str:
+    """An error as the JSON keeps it: its type, its words and where it was raised."""
+    where = traceback.extract_tb(err.__traceback__)[-3:]
+    return f"{type(err).__name__}: {err}"[:2000] + " | " + " <- ".join(f"{f.filename}:{f.lineno}" for f in where)
 
 
 # ---------------------------------------------------------------------------------------------------------- (c)
@@ -371,7 +392,10 @@ def _torch_pipelining(trainer: Any, width: int, data: list, chunks: int) -> floa
 
 # ---------------------------------------------------------------------------------------------------------- main
 def _print_table(doc: dict) -> None:
-    rows = doc["memory"]
+    failed = [r for r in doc["memory"] + doc["executor"] if "error" in r]
+    for r in failed:
+        print(f"FAILED {r['schedule']} rank {r.get('rank', '-')}: {r['error']}")
+    rows = [r for r in doc["memory"] if "error" not in r]
     if rows:
         print(f"\n{'model':5s} {'schedule':11s} {'rc':2s} {'rank':4s} {'measured MiB':>12s} {'predicted MiB':>13s} "
               f"{'ratio':>6s}")
@@ -384,7 +408,7 @@ def _print_table(doc: dict) -> None:
               f"{sum(r['within_10_percent'] for r in rows)} of {len(rows)} within 10 %")
     if doc["executor"]:
         print(f"\n{'schedule':11s} {'stages':>6s} {'chunks':>6s} {'max rel diff':>12s}  against")
-        for r in doc["executor"]:
+        for r in (r for r in doc["executor"] if "error" not in r):
             print(f"{r['schedule']:11s} {r['stages']:6d} {r['chunks']:6d} {r['max_relative_difference']:12.2e}  "
                   f"{r['against']}")
     print(f"\n(c) {doc['trainer'].get('skipped', 'see the JSON')}")

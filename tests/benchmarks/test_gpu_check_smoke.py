@@ -18,6 +18,7 @@ def test_gpu_check_runs_every_section_on_the_cpu(tmp_path, capsys):
     assert doc["device"] == "cpu" and doc["torch"] and doc["date"] and "lightning" in doc
     # (a): every schedule, every stage, measured (the rank's thread's live tensors) against the CPU model
     rows = doc["memory"]
+    assert not [r for r in rows + doc["executor"] if "error" in r]
     assert {(r["schedule"], r["rank"]) for r in rows} == {
         (s, rank) for s in memory_model.SCHEDULES for rank in range(memory_model.STAGES)}
     for r in rows:
@@ -40,3 +41,20 @@ def test_cuda_without_a_gpu_says_so():
         pytest.skip("this machine has a GPU")
     with pytest.raises(SystemExit, match="torch sees no GPU here"):
         check.resolve_device("cuda")
+
+
+def test_a_failing_case_is_recorded_and_the_others_still_run(monkeypatch, tmp_path):
+    """A GPU's time is scarce: one case that fails is written into the JSON with its words, and the rest run."""
+    check = importlib.import_module("benchmarks.gpu_check")
+    real = check.pipeline_weights
+
+    def failing(schedule, *args, **kwargs):
+        if schedule == "zb-h1":
+            raise RuntimeError("planted")
+        return real(schedule, *args, **kwargs)
+
+    monkeypatch.setattr(check, "pipeline_weights", failing)
+    doc = check.main(["--device", "cpu", "--quick", "--sections", "executor", "--json", str(tmp_path / "x.json")])
+    failed = [r for r in doc["executor"] if "error" in r]
+    assert [r["schedule"] for r in failed] == ["zb-h1"] and failed[0]["error"].startswith("RuntimeError: planted")
+    assert len(doc["executor"]) == len(check.EXECUTOR_CASES) and doc["memory"] == []
