@@ -134,7 +134,7 @@ def memory_section(device: str, quick: bool, timeout: float) -> list[dict]:
     else:
         sizes = {"mlp": (64, 64)} if quick else {"mlp": (256, 256), "block": (128, 64)}
         capability = (9, 0)
-    out = []
+    out: list[dict[str, Any]] = []
     for name, (width, batch) in sizes.items():
         model = memory_model.build_model(name, width)  # once: the ranks' threads share torch's generator
         x, _ = memory_model.make_batch(name, width, batch)
@@ -152,7 +152,7 @@ def memory_section(device: str, quick: bool, timeout: float) -> list[dict]:
                                        recompute=run["recompute"], optimizer=memory_model.OPTIMIZER, device=device,
                                        cuda_capability=capability)  # type: ignore[arg-type]
             for rank in range(memory_model.STAGES):
-                keys = {k: run[k] for k in ("model", "schedule", "recompute", "chunks", "balance")}
+                keys: dict[str, Any] = {k: run[k] for k in ("model", "schedule", "recompute", "chunks", "balance")}
                 try:
                     measured = measure_stage(model, run, rank, device, timeout)
                 except Exception as err:  # noqa: BLE001  (a GPU's time is scarce: record it, check the rest)
@@ -221,7 +221,7 @@ def max_relative_difference(got: dict[str, torch.Tensor], want: dict[str, torch.
 def executor_section(device: str, quick: bool, timeout: float) -> list[dict]:
     """(b): every schedule's weights on ``device`` against one device (or, asynchronous, against the CPU's run)."""
     width, steps = (16, 2) if quick else (256, 4)
-    out = []
+    out: list[dict[str, Any]] = []
     for schedule, stages, chunks, options in EXECUTOR_CASES:
         started = time.perf_counter()
         against = "the same pipeline on the CPU" if schedule in ASYNCHRONOUS else f"one {device} device, plain loop"
