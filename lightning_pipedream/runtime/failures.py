@@ -265,7 +265,9 @@ def report_failure(err: BaseException, stage: int | None) -> None:
     if isinstance(err, PeerFailedError) or getattr(err, "_flight_recorded", False) or isinstance(
             err, (KeyboardInterrupt, SystemExit)):
         return
-    cause = failure_reason() if not _is_communication_error(err) else wait_for_posted_error()
+    request = mailbox().here("stop")  # the store only after a closed connection: its host may be stopped
+    cause = str(request.get("message")) if request is not None else (
+        wait_for_posted_error() if _is_communication_error(err) else None)
     if cause is not None:  # a peer failed first: this error follows from it; say which and why
         log.error("lightning_pipedream: rank %d stops because another rank failed first: %s", recorder().rank, cause)
         return
