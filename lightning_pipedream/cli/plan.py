@@ -52,6 +52,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --schedule: the optimizer's state per parameter (sgd none, momentum 1x, adam 2x; default adam)",
     )
     parser.add_argument("--max-chunks", type=int, default=16, help="with --schedule: most micro-batches per step")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="with --schedule: the memory model's device; cuda adds foreach optimizer temporaries, the "
+                             "caching allocator's rounding and cuBLAS workspaces (default: cpu)")
+    parser.add_argument("--cuda-capability", default="9.0",
+                        help="with --device cuda: the GPU's compute capability, e.g. 8.0 (default: 9.0, Hopper)")
     parser.add_argument(
         "--overhead", type=float, default=0.0,
         help="with --schedule: seconds each micro-batch's forward and backward cost on top of the profile's share",
@@ -72,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
         if args.schedule is not None:
             return _run_auto(args, profile, topology)
         given = [flag for flag, used in (("--exact", args.exact), ("--optimizer", args.optimizer != "adam"),
-                                         ("--max-chunks", args.max_chunks != 16), ("--overhead", args.overhead != 0.0))
+                                         ("--max-chunks", args.max_chunks != 16), ("--overhead", args.overhead != 0.0),
+                                         ("--device", args.device != "cpu"))
                  if used]
         if given:
             verb = "applies" if len(given) == 1 else "apply"
@@ -103,7 +109,8 @@ def _run_auto(args: argparse.Namespace, profile: Profile, topology: Topology) ->
     schedules = None if args.schedule == "auto" else [args.schedule]
     result = auto_plan(
         profile, topology, args.memory, exact=args.exact, optimizer=args.optimizer, schedules=schedules,
-        max_chunks=args.max_chunks, microbatch_overhead_s=args.overhead,
+        max_chunks=args.max_chunks, microbatch_overhead_s=args.overhead, device=args.device,
+        cuda_capability=_capability(args.cuda_capability),
     )
     if args.save is not None:
         result.plan.save(args.save)
@@ -135,3 +142,12 @@ def parse_topology(workers: str, bandwidth: str) -> Topology:
             "give one bandwidth per level, innermost first."
         )
     return Topology(list(zip(counts, speeds)))
+
+
+def _capability(text: str) -> tuple[int, int]:
+    """``"9.0"`` -> (9, 0): a compute capability as the memory model takes it."""
+    try:
+        major, minor = (int(part) for part in text.split("."))
+    except ValueError:
+        raise SystemExit(f"--cuda-capability {text!r} is not a compute capability such as 9.0 or 8.6.") from None
+    return major, minor

@@ -6,6 +6,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
@@ -111,11 +112,11 @@ class LayerPlanner:
         return profile_module(layers, sample, working_sets=working_sets)
 
     def auto_plan(self, layers: nn.Sequential, processes_per_node: int, num_nodes: int,
-                  optimizer: str) -> tuple[dict[str, Any], Any]:
+                  optimizer: str, device: torch.device | None = None) -> tuple[dict[str, Any], Any]:
         """``schedule='auto'``: rank 0 profiles the layers and the auto planner chooses the split, replicas,
         schedule, micro-batches and recompute within ``memory_limit`` (see :func:`~lightning_pipedream.plan.auto.
         auto_plan`); every rank gets the strategy arguments that run the choice, and its Plan. A refusal (nothing
-        fits) is raised on every rank."""
+        fits) is raised on every rank. On a GPU ``device``, the memory model counts what CUDA adds."""
         from lightning_pipedream.plan.auto import auto_plan
         from lightning_pipedream.plan.partition import Plan
         from lightning_pipedream.plan.topology import Topology
@@ -131,7 +132,11 @@ class LayerPlanner:
                         "dataloader gave none. Give a dataloader with at least one batch, or name a schedule."
                     )
                 topology = Topology.of_cluster(processes_per_node, num_nodes, options.bandwidth)
-                chosen = auto_plan(profile, topology, options.memory_limit, exact=options.exact, optimizer=optimizer)
+                on_gpu = device is not None and device.type == "cuda"
+                gpu = {"device": "cuda", "cuda_capability": tuple(torch.cuda.get_device_capability(device))} \
+                    if on_gpu else {}
+                chosen = auto_plan(profile, topology, options.memory_limit, exact=options.exact, optimizer=optimizer,
+                                   **gpu)
             except ValueError as refused:  # every rank raises the refusal itself, as if it had planned
                 return None, None, str(refused)
             log.info("PipeDreamStrategy(schedule='auto') chose:\n%s", chosen.describe())

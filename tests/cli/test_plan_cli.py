@@ -154,3 +154,17 @@ def test_auto_errors_exit_2(tmp_path, capsys, extra, message):
     rc, out, err = _run(_four_layers(tmp_path) + extra, capsys)
     assert rc == 2 and out == ""
     assert err.startswith(message)
+
+
+def test_device_cuda_counts_what_cuda_adds(tmp_path, capsys):
+    """--device cuda: the same choice's peak per worker grows by what CUDA adds (cuBLAS's workspaces alone are tens of
+    MiB), and a GPU of another compute capability holds smaller ones than Hopper's."""
+    base = _four_layers(tmp_path) + ["--schedule", "1f1b", "--json"]
+    cpu = json.loads(_run(base, capsys)[1])["predicted_peak_bytes"]
+    hopper = json.loads(_run(base + ["--device", "cuda"], capsys)[1])["predicted_peak_bytes"]
+    ampere = json.loads(_run(base + ["--device", "cuda", "--cuda-capability", "8.0"], capsys)[1])["predicted_peak_bytes"]
+    assert all(h > c + (32 << 20) for h, c in zip(hopper, cpu))
+    assert all(c < a < h for c, a, h in zip(cpu, ampere, hopper))
+    rc, out, err = _run(_four_layers(tmp_path) + ["--device", "cuda"], capsys)
+    assert rc == 2 and err.startswith("error: --optimizer, --max-chunks, --device apply to --schedule (auto or a name) "
+                                      "only: add --schedule auto.")
