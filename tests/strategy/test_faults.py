@@ -295,7 +295,6 @@ def test_a_rank_that_starts_15_s_late_joins_despite_a_5_s_timeout(setup_runs):
         assert run.code == 0, (rank, run.err[-3000:])
         assert (out / f"trained_rank{rank}").read_text() == "3"
         assert (out / f"wait_timeout_rank{rank}").read_text() == "5.0"  # the pipeline's waits keep timeout=
-    assert ranks[1].ended - ranks[0].ended < 5  # they trained together, once rank 1 came
 
 
 def _rank_zero_computes(rank: int, world: int, fails: bool) -> str:
