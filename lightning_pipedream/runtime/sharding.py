@@ -85,9 +85,12 @@ def set_gradient_sync(modules: Iterable[nn.Module], sync: bool) -> None:
 
 def full_state(module: nn.Module) -> dict[str, Tensor]:
     """``module``'s state dict with every sharded tensor gathered whole (a collective over its replicas)."""
-    from torch.distributed.tensor import DTensor
+    return whole_state(module.state_dict())
 
-    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in module.state_dict().items()}
+
+def whole_state(state: dict[str, Any]) -> dict[str, Any]:
+    """A state dict with every sharded tensor gathered whole (a collective over the replicas that hold them)."""
+    return {k: _whole(v) for k, v in state.items()}
 
 
 def local_bytes(tensors: Iterable[Any]) -> int:
@@ -110,3 +113,67 @@ def training_state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | N
     state = [v for s in (optimizer.state.values() if optimizer is not None else []) for v in s.values()
              if isinstance(v, Tensor)]
     return local_bytes(params) + local_bytes(p.grad for p in params) + local_bytes(state)
+
+
+def _whole(value: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+class WholeOptimizerState:
+    """An optimizer seen with its sharded state gathered whole, for a consolidated checkpoint (a collective over the
+    replicas: every replica of the stage reads it at once)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.param_groups = optimizer.param_groups
+
+    def state_dict(self) -> dict[str, Any]:
+        state = self.optimizer.state_dict()
+        whole = {i: {k: _whole(v) for k, v in s.items()} for i, s in state["state"].items()}
+        return {**state, "state": whole}
+
+
+def shard_like(value: Tensor, like: Any) -> Any:
+    """``value`` (a whole tensor, from a consolidated checkpoint) as ``like``'s shard when ``like`` is sharded; every
+    replica holds the whole value, so each takes its own shard without communicating."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(like, DTensor) or isinstance(value, DTensor) or value.shape != like.shape:
+        return value
+    return distribute_tensor(value.to(like.device, like.dtype), like.device_mesh, like.placements, src_data_rank=None)
+
+
+def sharded_model_state(module: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """A consolidated state dict with the entries of ``module``'s sharded tensors cut to this rank's shards."""
+    own = module.state_dict()
+    return {k: shard_like(v, own[k]) if k in own and isinstance(v, Tensor) else v for k, v in state.items()}
+
+
+def sharded_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state dict of whole tensors (this rank's parameters, by local index) cut to the shards of the
+    parameters they belong to, as the optimizer keeps them."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    cut = {i: {k: shard_like(v, params[int(i)]) if isinstance(v, Tensor) else v for k, v in s.items()}
+           for i, s in state["state"].items()}
+    return {**state, "state": cut}
+
+
+def local_square_norm(grads: Iterable[Tensor], device: torch.device) -> Tensor:
+    """The sum of squares of the gradients' entries held here (a sharded gradient's shard only)."""
+    from torch.distributed.tensor import DTensor
+
+    square = torch.zeros(1, device=device, dtype=torch.float32)
+    for g in grads:
+        local = g.to_local() if isinstance(g, DTensor) else g
+        square += local.detach().float().pow(2).sum()
+    return square
+
+
+def scale_gradient(grad: Tensor, factor: Tensor) -> None:
+    """``grad *= factor`` in place, on this rank's shard when ``grad`` is sharded."""
+    from torch.distributed.tensor import DTensor
+
+    local = grad.to_local() if isinstance(grad, DTensor) else grad
+    local.mul_(factor.to(local.dtype))

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_pipedream.runtime.sharding import check_shard
 from lightning_pipedream.runtime.transport import transport_kind
 from lightning_pipedream.schedule.builders import check_schedule_options
 from lightning_pipedream.schedule.specs import AUTO, ScheduleSpec, spec_of
@@ -45,10 +46,13 @@ class PipelineOptions:
     divergence_factor: float = DEFAULT_FACTOR
     minibatches_per_batch: int = 1  # pipedream: minibatches (each its own update) a batch is cut into
     transport: str | None = None  # how stages talk (runtime/transport.py); None: LIGHTNING_PIPEDREAM_TRANSPORT or auto
+    shard: str | None = None  # data-parallel pipelines: each stage's replicas shard it (runtime/sharding.py)
 
     def __post_init__(self) -> None:
         if self.transport is not None:
             transport_kind(self.transport)  # an unknown name is refused here, with the choices
+        if self.shard is not None:
+            self._check_shard()
         if self.auto:
             self._check_auto()
         else:
@@ -126,6 +130,19 @@ class PipelineOptions:
     def auto(self) -> bool:
         """The planner chooses the schedule and the split at setup (``schedule='auto'``)."""
         return self.schedule == AUTO
+
+    def _check_shard(self) -> None:
+        """What sharded replicas cannot run, refused before any process starts (the layout is checked at setup)."""
+        if self.auto:
+            raise ValueError(f"shard={self.shard!r} with schedule='auto': the planner does not weigh sharding yet. "
+                             "Give the schedule (1f1b or gpipe) and stages=, or drop shard=.")
+        spec = self.spec
+        check_shard(self.shard, self.schedule, asynchronous=spec.asynchronous, splits_backward=spec.splits_backward,
+                    replicas=(2, 2))
+        if self.virtual_stages > 1 or self.replicas is not None or not self.straight:
+            raise ValueError(f"shard={self.shard!r} shards the replicas of data-parallel pipelines (stages= with "
+                             "devices = stages x copies); it does not combine with virtual_stages, replicas= or "
+                             "straight=False yet. Drop those, or shard=None.")
 
     def _check_auto(self) -> None:
         given = [name for name, value in (("plan", self.plan_path), ("balance", self.balance),

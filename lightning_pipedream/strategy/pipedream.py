@@ -43,6 +43,13 @@ from lightning_pipedream.runtime.failures import from_rank_zero, pipeline_failur
 from lightning_pipedream.runtime.launch import rendezvous_store
 from lightning_pipedream.runtime.materialize import has_meta_tensors, materialize
 from lightning_pipedream.runtime.replicas import GradientReducer
+from lightning_pipedream.runtime.sharding import (
+    WholeOptimizerState,
+    set_gradient_sync,
+    sharded_model_state,
+    sharded_optimizer_state,
+    whole_state,
+)
 from lightning_pipedream.runtime.shares import BatchShares
 from lightning_pipedream.runtime.ties import TiedParameters
 from lightning_pipedream.runtime.transport import Transport
@@ -94,8 +101,10 @@ from lightning_pipedream.strategy.placement import Placement, ProcessGroups
 from lightning_pipedream.strategy.planning import LayerPlanner
 from lightning_pipedream.strategy.stage_pipeline import (
     StagePipeline,
+    check_shard_layout,
     clip_grad_by_norm,
     lagged_summaries,
+    shard_own_stage,
     summary_channel,
 )
 from lightning_pipedream.strategy.summaries import StepSummary
@@ -186,6 +195,11 @@ class PipeDreamStrategy(DDPStrategy):
             torch.distributed otherwise), ``"gloo"``, ``"shm"``, or ``"directional"`` (each direction of a link on a
             process group of its own: the path NCCL takes, which GPU runs always use; docs/strategy.md, "On GPUs").
             None (default): the environment's ``LIGHTNING_PIPEDREAM_TRANSPORT``, else ``"auto"``.
+        shard: with data-parallel pipelines (``stages=S`` on ``S x d`` devices) and ``gpipe`` or ``1f1b``: each stage's
+            ``d`` replicas shard its weights, gradients and optimizer state with torch's FSDP2 (``"full"``: weights
+            gathered for each forward and backward; ``"grad_op"``: kept whole from a forward to its backward) instead
+            of keeping whole copies; the step's last backward reduce-scatters the gradients once. Checkpoints stay
+            consolidated (single-device form). None (default): whole copies, gradients all-reduced.
     """
 
     strategy_name = "pipedream"
@@ -216,6 +230,7 @@ class PipeDreamStrategy(DDPStrategy):
         divergence_factor: float = DEFAULT_FACTOR,
         minibatches_per_batch: int = 1,
         transport: str | None = None,
+        shard: str | None = None,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -230,7 +245,7 @@ class PipeDreamStrategy(DDPStrategy):
             vertical_sync, tuple(bandwidth) if isinstance(bandwidth, (list, tuple)) else bandwidth, trace, stages,
             tuple_or_none(replicas), check_finite, straight, virtual_stages,
             tuple(recompute) if isinstance(recompute, (list, tuple)) else recompute, keep_freed_memory, mean_over,
-            memory_limit, exact, on_divergence, divergence_factor, minibatches_per_batch, transport,
+            memory_limit, exact, on_divergence, divergence_factor, minibatches_per_batch, transport, shard,
         )
         if start_method != "popen":
             # spawn/fork launchers copy only rank 0's weights back to the main process: wrong for a pipeline.
@@ -348,6 +363,8 @@ class PipeDreamStrategy(DDPStrategy):
         if self.options.on_divergence is not None:
             _refuse_guard_with_unequal_replicas(placement)
         _refuse_minibatches_with_replicas(placement, self.options.minibatches_per_batch)
+        if self.options.shard is not None:
+            check_shard_layout(placement, self.options.shard)
         if self.plan is not None and len(self.plan.stages) != placement.num_stages:
             raise ValueError(
                 f"The plan {self.options.plan_path} has {len(self.plan.stages)} stages but the Trainer runs "
@@ -447,7 +464,8 @@ class PipeDreamStrategy(DDPStrategy):
         planner = LayerPlanner(self.options, trainer, module, SequentialCall(found[0]), self.is_global_zero,
                                self.batch_to_device)
         arguments, self.plan = planner.auto_plan(found[1], len(self.parallel_devices or [None]), self.num_nodes,
-                                                 optimizer_kind(optimizers[0]) if optimizers else "adam")
+                                                 optimizer_kind(optimizers[0]) if optimizers else "adam",
+                                                 device=self.root_device)
         arguments = {k: tuple(v) if isinstance(v, list) else v for k, v in arguments.items()}
         self.options = dataclasses.replace(self.options, memory_limit=None, exact=False, **arguments)
 
@@ -504,6 +522,11 @@ class PipeDreamStrategy(DDPStrategy):
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         stage.to(self.root_device)  # a graph stage is not a child of the module
+        if options.shard is not None:  # before the optimizers: they keep state for this rank's shards only
+            before = {n: id(p) for n, p in stage.named_parameters()}
+            stage = shard_own_stage(stage, placement, groups, options.shard, graph is not None or tied is not None,
+                                    self.root_device)
+            local_names = {id(p): local_names[before[n]] for n, p in stage.named_parameters()}  # new parameters
         pipeline = StagePipeline(
             module, placement, groups, call, stage,
             engine=self._make_engine(stage, model_chunks, placement, groups),
@@ -513,7 +536,8 @@ class PipeDreamStrategy(DDPStrategy):
         )
         pipeline.lagged = lagged_summaries(placement, groups, pipeline.summary, options.minibatches_per_batch)
         pipeline.ties = tied
-        if groups.replicas is not None:
+        pipeline.shard = options.shard
+        if groups.replicas is not None and options.shard is None:  # sharded replicas reduce-scatter in the backward
             pipeline.reducer = GradientReducer(stage.parameters(), groups.replicas)
         if options.check_finite:
             pipeline.finite = FiniteChecks(stage, placement.stage_index, lambda: self._step_context,
@@ -645,6 +669,8 @@ class PipeDreamStrategy(DDPStrategy):
             allreduce=_reduced_in_updates if placement.layout is not None else None,
             recompute=options.recompute,
             virtual_stages=options.virtual_stages,
+            # sharded replicas: only the step's last backward on the stage reduce-scatters the gradients
+            gradient_sync=(lambda _, sync: set_gradient_sync([stage], sync)) if options.shard is not None else None,
         )
 
     def _shared_seed(self) -> int:
@@ -979,7 +1005,8 @@ class PipeDreamStrategy(DDPStrategy):
         module = self.lightning_module
         graph = self._pipeline.graph if self._pipeline is not None else None
         if graph is None or graph.graph is None:
-            return module.state_dict()
+            state = module.state_dict()
+            return whole_state(state) if self.options.shard is not None else state  # every replica gathers at once
         share = graph.stage.state_dict()
         if self.is_global_zero:  # state the graph never reads (metrics, unused layers) is the same on every rank
             share.update({k: v for k, v in module.state_dict().items() if k not in graph.graph.graph_state_names})
@@ -993,6 +1020,8 @@ class PipeDreamStrategy(DDPStrategy):
         assert pipeline is not None
         index = self.optimizers.index(optimizer) if optimizer in self.optimizers else 0
         raw = getattr(optimizer, "_optimizer", optimizer)
+        if self.options.shard is not None:  # gathered whole on every replica at once, then as without sharding
+            raw = WholeOptimizerState(raw)
         return pipeline.checkpoint.optimizer_state(raw, pipeline.optimizer_layouts[index], pipeline.local_names)
 
     def _refuse_after_failure(self) -> None:
@@ -1006,7 +1035,10 @@ class PipeDreamStrategy(DDPStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        load_own_share(self.lightning_module, checkpoint["state_dict"], strict)
+        state = checkpoint["state_dict"]
+        if self.options.shard is not None:  # each replica takes its shards of the consolidated tensors
+            state = sharded_model_state(self.lightning_module, dict(state))
+        load_own_share(self.lightning_module, state, strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -1015,7 +1047,8 @@ class PipeDreamStrategy(DDPStrategy):
         states = checkpoint["optimizer_states"]
         for i, optimizer in enumerate(self.optimizers):
             raw = getattr(optimizer, "_optimizer", optimizer)
-            raw.load_state_dict(pipeline.optimizer_layouts[i].to_local(raw, states[i], pipeline.local_names))
+            local = pipeline.optimizer_layouts[i].to_local(raw, states[i], pipeline.local_names)
+            raw.load_state_dict(sharded_optimizer_state(raw, local) if self.options.shard is not None else local)
 
     # ------------------------------------------------------------------------------------ end
     @override

@@ -11,6 +11,7 @@ from torch import nn
 
 from lightning_pipedream.runtime.engine import PipelineEngine
 from lightning_pipedream.runtime.replicas import GradientReducer
+from lightning_pipedream.runtime.sharding import local_square_norm, scale_gradient, shard_stage
 from lightning_pipedream.runtime.ties import TiedParameters
 from lightning_pipedream.strategy.calls import ForwardCall, SequentialCall
 from lightning_pipedream.strategy.checkpoint import CheckpointGather, OptimizerLayout
@@ -40,6 +41,28 @@ class StagePipeline:
     reducer: GradientReducer | None = None  # the stage's replicas' all-reduce
     finite: FiniteChecks | None = None
     ties: TiedParameters | None = None  # a Sequential's parameters used on several stages (tied embeddings)
+    shard: str | None = None  # each stage's replicas shard it (runtime/sharding.py); None: whole copies
+
+
+def shard_own_stage(stage: nn.Module, placement: Placement, groups: ProcessGroups, shard: str, unsupported: bool,
+                    device: torch.device) -> nn.Module:
+    """``shard=``: this rank's stage sharded over its replicas (the same stage in every data-parallel pipeline)."""
+    check_shard_layout(placement, shard)
+    assert groups.replicas is not None
+    if unsupported:
+        raise ValueError(f"PipeDreamStrategy(shard={shard!r}) shards a module whose layers are one nn.Sequential, "
+                         "without parameters shared between stages; the traced graph's stages and tied parameters are "
+                         "not sharded yet. Put the layers in one nn.Sequential without ties, or shard=None.")
+    return shard_stage(stage, groups.replicas, shard, device)
+
+
+def check_shard_layout(placement: Placement, shard: str) -> None:
+    """``shard=`` needs data-parallel copies of a straight pipeline: refused with the way out otherwise."""
+    if placement.layout is not None or placement.num_pipelines < 2:
+        raise ValueError(f"PipeDreamStrategy(shard={shard!r}) shards each stage over its copies in data-parallel "
+                         f"pipelines, but this run has {placement.num_pipelines} pipeline(s) of {placement.num_stages} "
+                         "stages. Run devices = stages x copies with stages= (e.g. stages=2 on 4 devices), or "
+                         "shard=None.")
 
 
 def summary_channel(placement: Placement, groups: ProcessGroups, device: torch.device) -> SummaryChannel:
@@ -88,9 +111,9 @@ def clip_grad_by_norm(pipeline: StagePipeline, optimizer: torch.optim.Optimizer,
         skip = ties.held_first_elsewhere() if ties is not None else set()
     grads = [p.grad for group in optimizer.param_groups for p in group["params"]
              if p.grad is not None and id(p) not in skip]
-    square = torch.zeros(1, device=device, dtype=torch.float32)
-    for g in grads:
-        square += g.detach().float().pow(2).sum()
+    square = local_square_norm(grads, device)
+    if pipeline.shard is not None and pipeline.groups.replicas is not None:
+        dist.all_reduce(square, group=pipeline.groups.replicas)  # each replica holds a shard of every gradient
     if placement.num_stages > 1 and not asynchronous:
         if placement.round_robin and placement.replica_index != 0:
             square.zero_()  # a stage's replicas hold the same (summed) gradients: count the stage once
@@ -99,4 +122,4 @@ def clip_grad_by_norm(pipeline: StagePipeline, optimizer: torch.optim.Optimizer,
     for group in optimizer.param_groups:
         for p in group["params"]:
             if p.grad is not None and not (asynchronous and id(p) in skip):
-                p.grad.mul_(factor.to(p.grad.dtype))
+                scale_gradient(p.grad, factor)

@@ -214,17 +214,10 @@ def train(out: str, options: dict[str, Any]) -> None:
         items = [(x[shard::pipelines], y[shard::pipelines]) for x, y in items]
     train = ResumableBatches(items)
     val = ResumableBatches(batches(2, seed=9))
-    # "directional": the transport GPUs take (each direction of a link on a process group of its own), over gloo
-    transport = options.pop("transport", None)
-    before = os.environ.get(TRANSPORT_ENV)
-    if transport is not None:
-        os.environ[TRANSPORT_ENV] = transport
-    try:
-        trainer.fit(model, train, val, ckpt_path=options.pop("resume", None))
-    finally:
-        os.environ.pop(TRANSPORT_ENV, None)
-        if before is not None:
-            os.environ[TRANSPORT_ENV] = before
+    # "directional": the transport GPUs take (each direction of a link on a process group of its own), over gloo.
+    # Set for every run, on every rank: the other ranks are started during the first run and inherit its environment.
+    os.environ[TRANSPORT_ENV] = options.pop("transport", "auto")
+    trainer.fit(model, train, val, ckpt_path=options.pop("resume", None))
     pipeline = getattr(trainer.strategy, "_pipeline", None)
     trainer.save_checkpoint(os.path.join(out, "final.ckpt"))
     scaler = getattr(trainer.precision_plugin, "scaler", None)

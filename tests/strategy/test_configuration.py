@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import lightning as L
@@ -39,6 +40,9 @@ def saved_plan(tmp_path: Path, workers: int, replicas_allowed: bool = False) -> 
      "PipeDreamStrategy(minibatches_per_batch=4) runs on a straight pipeline (or data-parallel copies of one); stages "
      "with unequal replicas [2, 1] (1F1B-RR) already cut each batch into one minibatch per input replica. Drop "
      "minibatches_per_batch, or use equal replicas."),
+    (lambda tmp: PipeDreamStrategy(schedule="1f1b", shard="full"), 2,
+     "PipeDreamStrategy(shard='full') shards each stage over its copies in data-parallel pipelines, but this run has 1 "
+     "pipeline(s) of 2 stages. Run devices = stages x copies with stages= (e.g. stages=2 on 4 devices), or shard=None."),
     (lambda tmp: PipeDreamStrategy(plan=saved_plan(tmp, 3)), 2,
      "has 3 stages but the Trainer runs 2 processes. Make a plan for 2 workers, or set devices/num_nodes to give 3 "
      "processes."),
@@ -100,3 +104,19 @@ def test_an_unknown_transport_is_refused_when_the_strategy_is_built() -> None:
                                          r"direction of a link on a group of its own: the path NCCL takes\)"):
         PipeDreamStrategy(schedule="1f1b", transport="tcp")
     assert PipeDreamStrategy(schedule="1f1b", transport="directional").options.transport == "directional"
+
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"schedule": "pipedream", "shard": "full"}, "shard='full' with schedule='pipedream': weight stashing keeps several "
+                                                 "versions of every weight"),
+    ({"schedule": "zb-h1", "chunks": 2, "shard": "grad_op"}, "shard='grad_op' with schedule='zb-h1': the split "
+                                                             "backward's two halves"),
+    ({"schedule": "auto", "shard": "full"}, "shard='full' with schedule='auto': the planner does not weigh sharding yet"),
+    ({"schedule": "interleaved", "chunks": 2, "virtual_stages": 2, "shard": "full"},
+     "it does not combine with virtual_stages, replicas= or straight=False yet"),
+    ({"schedule": "1f1b", "shard": "half"}, "shard='half' is not a sharding mode"),
+])
+def test_what_sharding_cannot_run_is_refused_when_the_strategy_is_built(options: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        PipeDreamStrategy(**options)

@@ -22,7 +22,9 @@ from script_runs import run_script
 
 from lightning_pipedream import PipeDreamStrategy
 
-pytestmark = pytest.mark.multiprocess  # starts several processes: not in the fast suite
+# Starts several processes: not in the fast suite. The module's three launches (every run of RUNS) are one fixture,
+# set up within its first test: that test may take as long as the launches' own limits (3 x 400 s), not pytest's 240.
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(1200)]
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "rule_trainer.py"
 
@@ -201,6 +203,20 @@ FP16 = {"model": {"overflow_at": 2}, "fp16": {"init_scale": 1024.0, "growth_inte
 RUNS["fp16-1f1b-2"] = {**FP16, "devices": 2, "strategy": {"schedule": "1f1b", "balance": TWO}}
 RUNS["fp16-zb-h1-3"] = {**FP16, "devices": 3, "strategy": {"schedule": "zb-h1", "balance": THREE}}
 
+# Two data-parallel pipelines of 2 stages whose stage replicas shard weights, gradients and optimizer state (FSDP2):
+# equal to one device on whole batches (momentum, a step-wise scheduler, clipping by the global norm, validation in
+# the middle of each epoch); a checkpoint written sharded resumes sharded, on one pipeline (2x1) and on one device.
+SHARDED = {"devices": 4, "pipelines": 2, "model": SCHEDULED, "checkpoint": MID_EPOCH_CHECKPOINTS,
+           "trainer": {"gradient_clip_val": 0.05, "val_check_interval": 3, "limit_val_batches": 1}}
+RUNS["shard-full-1f1b-2x2"] = {**SHARDED, "strategy": {"schedule": "1f1b", "balance": TWO, "stages": 2, "chunks": 2,
+                                                       "shard": "full"}}
+RUNS["shard-grad_op-gpipe-2x2"] = {**SHARDED, "strategy": {"schedule": "gpipe", "balance": TWO, "stages": 2,
+                                                           "chunks": 2, "shard": "grad_op"}}
+RUNS["shard-resumed-2x2"] = {**RUNS["shard-full-1f1b-2x2"], "resume": "{runs}/shard-full-1f1b-2x2/step=2.ckpt"}
+RUNS["shard-resumed-2x1"] = {"devices": 2, "model": SCHEDULED, "trainer": {"gradient_clip_val": 0.05},
+                             "strategy": {"schedule": "1f1b", "balance": TWO, "chunks": 2},
+                             "resume": "{runs}/shard-full-1f1b-2x2/step=2.ckpt"}
+
 # These runs take the transport that NCCL needs (each direction of a link on a process group of its own) over gloo,
 # so that real processes run the code GPUs run; the others take the CPU default (shared memory).
 DIRECTIONAL = ["3-momentum-vertical-sync", "data-parallel", "validation", "guard-blow-up-2", "bf16", "checkpoints-whole",
@@ -216,7 +232,7 @@ RUNS[DIRECTIONAL[0]]["strategy"]["transport"] = "directional"  # PipeDreamStrate
 def runs(tmp_path_factory) -> dict[str, Path]:
     """Train every run of RUNS; returns each one's folder."""
     base = tmp_path_factory.mktemp("rule")
-    for devices in (2, 3, 4):
+    for devices in (4, 3, 2):  # the 2-process runs resume from a 4-process one's checkpoint
         group = [[str(base / name), json.loads(json.dumps(options).replace("{runs}", str(base)))]
                  for name, options in RUNS.items() if options["devices"] == devices]
         (base / f"runs{devices}.json").write_text(json.dumps(group))
@@ -624,3 +640,22 @@ def test_fp16_stages_share_one_loss_scale_and_skip_an_overflow_together(runs, na
     assert scales == [float((tmp_path / "scale0.txt").read_text())] * ranks
     # 6 steps from 1024, growing x2 every 2 good steps: 0, 1 good -> 2048; step 2 skipped -> 1024; 3, 4 -> 2048; 5
     assert scales[0] == 2048.0  # (without the overflow: 8192)
+
+
+def test_sharded_data_parallel_pipelines_equal_one_device(runs):
+    clipped = reference(balance=[7], epochs=TWO_EPOCHS, model=SCHEDULED, clip_norm=0.05)
+    assert_weights(runs["shard-full-1f1b-2x2"], clipped)
+    assert_weights(runs["shard-grad_op-gpipe-2x2"], reference(balance=[7], epochs=TWO_EPOCHS, model=SCHEDULED,
+                                                             clip_norm=0.05))
+    assert result(runs["shard-full-1f1b-2x2"])["global_step"] == 12
+
+
+def test_a_sharded_checkpoint_resumes_sharded_on_one_pipeline_and_on_one_device(runs, tmp_path):
+    from rule_trainer import train as train_once  # one device, in this process
+
+    want = reference(balance=[7], epochs=TWO_EPOCHS, model=SCHEDULED, clip_norm=0.05)
+    assert_weights(runs["shard-resumed-2x2"], want)
+    assert_weights(runs["shard-resumed-2x1"], want)
+    train_once(str(tmp_path), {"devices": 1, "model": SCHEDULED, "trainer": {"gradient_clip_val": 0.05},
+                               "resume": str(runs["shard-full-1f1b-2x2"] / "step=2.ckpt")})
+    assert_weights(tmp_path, want)
