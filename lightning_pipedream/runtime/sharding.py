@@ -10,7 +10,8 @@ optimizer state, through torch's FSDP2 (``fully_shard``) over the stage's replic
 
 Every micro-batch's backward adds into whole gradients without communication; the step's last backward on the
 stage reduce-scatters their sum once (FSDP2's ``set_requires_gradient_sync``), so the replicas' shards hold the
-sum over the union batch, as the replicated path's all-reduce does: the flushed schedules equal one process.
+sum over the union batch, as the replicated path's all-reduce does: the flushed schedules equal one process. (So
+within a step the gradients are whole; they are sharded from the reduce-scatter to the next step.)
 Weight stashing would need every version's gather; the asynchronous schedules (and zero bubble's split backward,
 whose halves FSDP2's hooks cannot tell apart) are refused with words.
 """
