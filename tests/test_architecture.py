@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -243,6 +244,23 @@ def test_the_duration_checker_catches_a_planted_speed_assert(tmp_path: Path) -> 
             "tests/_probe_for_test.py:6", "tests/_probe_for_test.py:8"]
     finally:
         probe.unlink()
+
+
+def test_ci_runs_the_readme_commands_on_the_oldest_releases_pyproject_accepts() -> None:
+    # What the README tells a user to run is what .ci/run runs, line for line; and the second environment's pins
+    # are the lower bounds pyproject.toml claims, so that a claim cannot drift from what CI tests.
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("**Run the tests**", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    steps = re.findall(r"^step '(.*)'$", (ROOT / ".ci" / "run").read_text(), flags=re.M)
+    assert steps == block.strip().splitlines()
+    assert any("-c .ci/oldest.txt" in step for step in steps)
+    pins = dict(line.strip().split("==") for line in (ROOT / ".ci" / "oldest.txt").read_text().splitlines()
+                if line.strip() and not line.startswith("#"))
+    dependencies = (ROOT / "pyproject.toml").read_text().split("dependencies = [", 1)[1].split("]", 1)[0]
+    lower = dict(re.findall(r'^\s*"([A-Za-z0-9_.-]+)>=([0-9.]+)', dependencies, flags=re.M))
+    assert set(lower) == {"torch", "lightning", "torchmetrics"}
+    for name, bound in lower.items():
+        assert name in pins and (pins[name] + ".").startswith(bound + "."), (name, bound, pins.get(name))
 
 
 def _fresh(code: str) -> dict:
