@@ -60,13 +60,18 @@ def _ephemeral_low() -> int:
         return 32_768
 
 
-def _port_cycle() -> Iterator[int]:
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+def port_block(worker: str) -> range:
+    """The rendezvous ports of pytest-xdist worker ``worker`` ("gw3"; "master" or "" without xdist)."""
     index = int(worker[2:]) if worker[2:].isdigit() else 0
     blocks = max(1, (_ephemeral_low() - _PORTS_FROM) // _BLOCK)
     first = _PORTS_FROM + (index % blocks) * _BLOCK
+    return range(first, first + _BLOCK)
+
+
+def _port_cycle() -> Iterator[int]:
+    block = port_block(os.environ.get("PYTEST_XDIST_WORKER", ""))
     start = random.randrange(_BLOCK)
-    return itertools.cycle([first + (start + k) % _BLOCK for k in range(_BLOCK)])
+    return itertools.cycle([block[(start + k) % _BLOCK] for k in range(_BLOCK)])
 
 
 _PORTS: Iterator[int] | None = None
