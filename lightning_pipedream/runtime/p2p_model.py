@@ -229,18 +229,7 @@ class PointToPointModel:
                     t.copy_(total)
                 call[1] = True
                 self._cond.notify_all()
-            self._waiting[rank] = _InCollective(call, n, group)
-            try:
-                while call[1] is None:
-                    self._check_deadlock()
-                    if self._deadlock is not None:
-                        raise DeadlockError(self._deadlock)
-                    if self._error is not None:
-                        raise RuntimeError(f"rank {rank} stopped waiting: {self._error}")
-                    if not self._cond.wait(self.watchdog_s):
-                        raise DeadlockError(f"no progress in {self.watchdog_s} s in a collective on {group}")
-            finally:
-                del self._waiting[rank]
+            self._wait_locked(rank, _InCollective(call, n, group))
         return _Done() if async_op else None
 
     @staticmethod
@@ -277,6 +266,7 @@ class PointToPointModel:
         """
         results: list[Any] = [None] * self.world_size
         errors: dict[int, BaseException] = {}
+        first: list[int | None] = [None]  # the rank whose own error stopped the others
 
         def main(rank: int) -> None:
             self._local.rank = rank
@@ -287,6 +277,7 @@ class PointToPointModel:
                 with self._cond:
                     if self._error is None and not isinstance(err, DeadlockError):
                         self._error = f"rank {rank} raised {type(err).__name__}: {err}"
+                        first[0] = rank
                     self._cond.notify_all()
             finally:
                 with self._cond:
@@ -309,8 +300,8 @@ class PointToPointModel:
             raise TimeoutError(f"ranks {alive} still running after {timeout} s; stream heads: {self.heads()}")
         if self._deadlock is not None:  # whatever the ranks made of it (their own words wrap the model's)
             raise DeadlockError(self._deadlock) from next(iter(errors.values()), None)
-        if errors:
-            raise errors[min(errors)]
+        if errors:  # the error that came first, with its own traceback (the others only say they stopped for it)
+            raise errors[first[0] if first[0] is not None else min(errors)]
         return results
 
     # ---------------------------------------------------------------- the streams
@@ -369,20 +360,25 @@ class PointToPointModel:
         self.messages += 1
 
     def _wait(self, entry: _Entry) -> None:
-        rank = entry.rank
         with self._cond:
-            self._waiting[rank] = entry
-            try:
-                self._check_deadlock()
-                while not entry.done:
-                    if self._deadlock is not None:
-                        raise DeadlockError(self._deadlock)
-                    if self._error is not None:
-                        raise RuntimeError(f"rank {rank} stopped waiting: {self._error}")
-                    if not self._cond.wait(self.watchdog_s):
-                        raise DeadlockError(f"no progress in {self.watchdog_s} s; stream heads: {self.heads()}")
-            finally:
-                del self._waiting[rank]
+            self._wait_locked(entry.rank, entry)
+
+    def _wait_locked(self, rank: int, what: _Entry | _InCollective) -> None:
+        """Block ``rank``'s thread until ``what`` is done (the lock held), or raise on a deadlock or another rank's
+        error."""
+        self._waiting[rank] = what
+        try:
+            self._check_deadlock()
+            while not what.done:
+                if self._deadlock is not None:
+                    raise DeadlockError(self._deadlock)
+                if self._error is not None:
+                    raise RuntimeError(f"rank {rank} stopped waiting: {self._error}")
+                if not self._cond.wait(self.watchdog_s):
+                    raise DeadlockError(f"no progress in {self.watchdog_s} s waiting on {what}; stream heads: "
+                                        f"{self.heads()}")
+        finally:
+            del self._waiting[rank]
 
     def _check_deadlock(self) -> None:
         """Every rank still running waits on an entry that cannot progress: nothing will ever change."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -83,7 +84,8 @@ class WeightVersions:
         self._names = {id(p): n for n, p in self.params.items()}
         # gradients kept from the optimizer that already applied them (None: spent as the new weights' storage)
         self._hidden: dict[str, Tensor | None] = {}
-        self._hooks: list[Any] = []
+        self._armed = False  # the next step of an optimizer holding these parameters is ours (see _arm)
+        self._stepping: Any = None  # the optimizer whose step is updating these parameters now
         # A stage that never holds two minibatches at an update (the last of a straight pipeline): with plain
         # stashing its forwards run on the parameters themselves (no leaves, no functional_call), the live version;
         # vertical sync and 2BW choose older versions, and the ablation without stashing keeps its leaves.
@@ -202,23 +204,14 @@ class WeightVersions:
         """The next optimizer step that holds these parameters writes their new versions elsewhere."""
         self._disarm()
         self._pending = {name: p._version for name, p in self.params.items()}
-        me = weakref.ref(self)
-
-        def pre_hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-            versions = me()
-            return None if versions is None else versions._before_step(optimizer, args, kwargs)
-
-        def post_hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-            versions = me()
-            if versions is not None:
-                versions._after_step()
-
-        self._hooks = [register_optimizer_step_pre_hook(pre_hook), register_optimizer_step_post_hook(post_hook)]
+        _ArmedVersions.arm(self)
+        self._armed = True
 
     def _disarm(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
+        if self._armed:
+            _ArmedVersions.disarm(self)
+        self._armed = False
+        self._stepping = None
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         """Inside ``optimizer.step``, before it writes: copy the stash (the fallback), or have the step's closure
@@ -227,6 +220,7 @@ class WeightVersions:
                 if self._names.get(id(p)) in self._pending]
         if not mine:
             return None
+        self._stepping = optimizer  # its post-hook is ours: another optimizer's step leaves these parameters alone
         if not _plain_sgd(optimizer):
             self._stash_by_copy(mine)
             for name in mine:
@@ -310,7 +304,7 @@ class WeightVersions:
 
     def after_update(self, keep_from: int | None = None) -> None:
         """Call right after the optimizer step; ``keep_from`` is the oldest version a future forward may need."""
-        if self._hooks:
+        if self._armed:
             self._finish_out_of_place()
         self.num_updates += 1
         if keep_from is not None:
@@ -357,3 +351,54 @@ def _plain_sgd(optimizer: torch.optim.Optimizer) -> bool:
     return type(optimizer) is torch.optim.SGD and all(
         g["momentum"] == 0 and not g.get("fused") and not g.get("differentiable") for g in optimizer.param_groups
     )
+
+
+class _ArmedVersions:
+    """torch's global optimizer-step hooks, registered once for the process, calling every armed
+    :class:`WeightVersions` in turn.
+
+    The hooks are global because the optimizer is the user's (Lightning's); registering and removing a pair per update
+    would change torch's global hook tables while another thread's optimizer may be stepping through them (stages as
+    threads of one process: the NCCL model, the GPU check), which Python refuses ("OrderedDict mutated during
+    iteration"). Arming is a set under a lock instead; a versions object answers only for its own parameters, and only
+    the optimizer that updated them ends its step.
+    """
+
+    _lock = threading.Lock()
+    _armed: weakref.WeakSet[WeightVersions] = weakref.WeakSet()
+    _handles: list[Any] = []
+
+    @classmethod
+    def arm(cls, versions: WeightVersions) -> None:
+        with cls._lock:
+            if not cls._handles:
+                cls._handles = [register_optimizer_step_pre_hook(cls._pre),
+                                register_optimizer_step_post_hook(cls._post)]
+            cls._armed.add(versions)
+
+    @classmethod
+    def disarm(cls, versions: WeightVersions) -> None:
+        with cls._lock:
+            cls._armed.discard(versions)
+
+    @classmethod
+    def _current(cls) -> list[WeightVersions]:
+        with cls._lock:
+            return list(cls._armed)
+
+    @classmethod
+    def _pre(cls, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        changed = False
+        for versions in cls._current():  # each may wrap the step's closure in turn, as torch chains its hooks
+            result = versions._before_step(optimizer, args, kwargs)
+            if result is not None:
+                args, kwargs = result
+                changed = True
+        return (args, kwargs) if changed else None
+
+    @classmethod
+    def _post(cls, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        for versions in cls._current():
+            if versions._stepping is optimizer:
+                versions._stepping = None
+                versions._after_step()
