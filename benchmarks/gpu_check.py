@@ -265,7 +265,9 @@ def trainer_section(quick: bool, timeout: float) -> dict:
     spec_base = {"devices": count, "width": 256 if quick else 1024, "batches": 6 if quick else 20, "chunks": 4}
     out: dict[str, Any] = {"devices": count, "runs": {}}
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
-        for schedule in ("one_device", *SCHEDULES):
+        # *_fp16: precision="16-mixed" (1f1b: every stage must skip an overflowing step with the others and keep one
+        # loss scale, equal to one GPU's)
+        for schedule in ("one_device", *SCHEDULES, "one_device_fp16", "1f1b_fp16"):
             spec: dict[str, Any] = {**spec_base, "schedule": schedule, "out": str(Path(tmp) / schedule),
                     "torch_pipelining": schedule == "1f1b"}
             try:
@@ -274,18 +276,27 @@ def trainer_section(quick: bool, timeout: float) -> dict:
                     raise RuntimeError(f"rc {proc.returncode}: {proc.stderr[-3000:]}")
                 out["runs"][schedule] = json.loads((Path(spec["out"]) / "result.json").read_text())
                 out["runs"][schedule]["weights"] = str(Path(spec["out"]) / "final.ckpt")
+                scales = sorted(Path(spec["out"]).glob("scale_rank*.txt"))
+                if scales:  # every rank's final loss scale
+                    out["runs"][schedule]["loss_scales"] = [float(f.read_text()) for f in scales]
             except Exception as err:  # noqa: BLE001  (recorded: the other schedules still run)
                 out["runs"][schedule] = {"error": _words(err)}
                 print(f"(c) {schedule}: FAILED {_words(err)}", flush=True)
-        reference = out["runs"].get("one_device", {})
-        want = _checkpoint_weights(reference["weights"]) if "weights" in reference else None
+        references = {}
+        for name in ("one_device", "one_device_fp16"):
+            reference = out["runs"].get(name, {})
+            references[name] = _checkpoint_weights(reference["weights"]) if "weights" in reference else None
         for schedule, run in out["runs"].items():
             weights = run.pop("weights", None)
-            if schedule in ("one_device", *ASYNCHRONOUS) or want is None or weights is None:
+            want = references["one_device_fp16" if schedule.endswith("_fp16") else "one_device"]
+            if schedule.startswith("one_device") or schedule in ASYNCHRONOUS or want is None or weights is None:
                 continue  # the asynchronous schedules are not one device's training: their rules are tested on CPU
             try:
                 got = _checkpoint_weights(weights)
                 run["max_relative_difference_vs_one_device"] = max_relative_difference(got, want)
+                if schedule.endswith("_fp16"):
+                    one = out["runs"]["one_device_fp16"].get("loss_scales", [None])
+                    run["loss_scales_agree"] = len(set(run.get("loss_scales", [])) | set(one)) == 1
             except Exception as err:  # noqa: BLE001
                 run["error"] = _words(err)
     for schedule, run in out["runs"].items():
@@ -309,6 +320,8 @@ def trainer_worker(spec: dict) -> None:
     from lightning_pipedream import PipeDreamStrategy
 
     width, n, chunks, schedule = spec["width"], spec["batches"], spec["chunks"], spec["schedule"]
+    precision = "16-mixed" if schedule.endswith("_fp16") else "32-true"
+    schedule = schedule.removesuffix("_fp16")
 
     class Model(L.LightningModule):
         def __init__(self) -> None:
@@ -348,12 +361,16 @@ def trainer_worker(spec: dict) -> None:
         devices = spec["devices"]
         strategy = PipeDreamStrategy(schedule=schedule, chunks=1 if schedule == "pipedream" else chunks, **options)
     trainer = L.Trainer(accelerator="gpu", devices=devices, strategy=strategy, max_epochs=1, logger=False,
+                        precision=precision,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[timer], num_sanity_val_steps=0)
     trainer.fit(Model(), loader)
     out = Path(spec["out"])
     out.mkdir(parents=True, exist_ok=True)
     trainer.save_checkpoint(str(out / "final.ckpt"))
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    if scaler is not None:
+        (out / f"scale_rank{trainer.global_rank}.txt").write_text(str(scaler.get_scale()))
     timed = timer.ends[1:]  # from the end of the first (warm-up) step
     result: dict[str, Any] = {"steps_per_s": (len(timed) - 1) / (timed[-1] - timed[0]) if len(timed) > 1 else None,
                               "loss": float(trainer.callback_metrics.get("train_loss", float("nan")))}
