@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 from hypothesis import settings
-from script_runs import free_port
 
 # Hypothesis would write .hypothesis/ into the checkout; examples that failed are printed anyway.
 settings.register_profile("lightning_pipedream", database=None)
@@ -34,12 +33,10 @@ def pytest_configure(config: pytest.Config) -> None:
 def _no_process_group_leaks_into_later_tests():
     """A Trainer run in the pytest process (one device, a DDP-like strategy) leaves a process group and
     MASTER_PORT/RANK variables behind; processes started by later tests would inherit the port, which this
-    process still holds, and fail with EADDRINUSE. Put both back as they were.
-
-    Each test gets a MASTER_PORT of this worker's own (see script_runs.free_port), which the processes it starts
-    inherit: under `pytest -n auto` no two workers' runs meet at one port."""
+    process still holds, and fail with EADDRINUSE. Put both back as they were. (No MASTER_PORT is set here: a
+    Hydra sweep restores its environment between jobs so that each finds a fresh port; the scripts the tests
+    launch get a port of this worker's own from script_runs.script_env.)"""
     before = dict(os.environ)
-    os.environ["MASTER_PORT"] = str(free_port())
     yield
     import torch.distributed as dist
 
