@@ -168,7 +168,8 @@ def test_stream_batches_stay_in_order_under_a_multi_process_strategy() -> None:
                               global_batch_size=global_batch_size)
         dm.setup()
         dm.trainer = SimpleNamespace(distributed_sampler_kwargs=replicas,
-                                     _accelerator_connector=SimpleNamespace(use_distributed_sampler=True))
+                                     _accelerator_connector=SimpleNamespace(use_distributed_sampler=True),
+                                     strategy=SimpleNamespace(root_device=torch.device("cpu")))
         loader = dm.train_dataloader()
         assert isinstance(loader.sampler, DistributedSampler) == (replicas is not None)
         return list(loader)
