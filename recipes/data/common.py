@@ -80,8 +80,8 @@ class RecipeDataModule(L.LightningDataModule):
         """Whether the loaders pin their batches: asked for, or else whether the Trainer trains on a GPU."""
         if self.pin_memory is not None:
             return self.pin_memory
-        trainer = self.trainer
-        return trainer is not None and trainer.strategy.root_device.type == "cuda"
+        device = getattr(getattr(self.trainer, "strategy", None), "root_device", None)
+        return device is not None and device.type == "cuda"
 
     def train_dataloader(self) -> DataLoader:
         # drop_last keeps every batch the same size, so it always splits into the configured micro-batches
