@@ -79,8 +79,8 @@ def _worker(spec: dict) -> None:
     from benchmarks.workload import LR, Config, build_model, threads_cpu, threads_cpu_since, zero_grads
     from lightning_pipedream import PipeDreamStrategy
     from lightning_pipedream.plan.balance import even_balance
-    from lightning_pipedream.runtime.allocator import keep_freed_memory
-    from lightning_pipedream.runtime.transport import TRANSPORT_ENV
+    from lightning_pipedream.runtime.communication.transport import TRANSPORT_ENV
+    from lightning_pipedream.runtime.execution.allocator import keep_freed_memory
 
     torch.set_num_threads(1)
     cfg = Config(**spec["cfg"])
@@ -264,7 +264,7 @@ def _collect(name: str, out: Path, warmup: int, steps: int, per_step: int = 1) -
 def run_engine(name: str, cfg, warmup: int, steps: int, timeout: float) -> dict:
     """The standalone engine on the same work: ``steps`` batches of 512 (pipedream: 8 minibatches of 64 each)."""
     from benchmarks.workload import ours_worker
-    from lightning_pipedream.runtime.launch import run_local
+    from lightning_pipedream.runtime.faults.launch import run_local
 
     schedule = name.removeprefix("engine_")
     results = run_local(ours_worker, cfg.stages, cfg, schedule, False, warmup, steps, 0, timeout=timeout)
@@ -289,7 +289,7 @@ def run_engine(name: str, cfg, warmup: int, steps: int, timeout: float) -> dict:
 def run_bound(name: str, cfg, warmup: int, steps: int, timeout: float) -> dict:
     """The machine's bound on the same work: each stage alone in its process, both at once, no communication."""
     from benchmarks.workload import bound_worker
-    from lightning_pipedream.runtime.launch import run_local
+    from lightning_pipedream.runtime.faults.launch import run_local
 
     per_minibatch = name == "bound_64"
     results = run_local(bound_worker, cfg.stages, cfg, per_minibatch, warmup, steps, timeout=timeout)
@@ -411,7 +411,7 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
 
     from benchmarks.workload import Config
-    from lightning_pipedream.runtime.allocator import keep_freed_memory
+    from lightning_pipedream.runtime.execution.allocator import keep_freed_memory
 
     if args.quick:  # a Linear on every stage
         cfg = Config(layers=max(2, args.stages), width=32, batch=16, chunks=4, stages=args.stages)

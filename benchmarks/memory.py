@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from benchmarks.workload import OURS, Config, build_model, make_batch, sgd
-from lightning_pipedream.runtime.launch import run_local
+from lightning_pipedream.runtime.faults.launch import run_local
 from lightning_pipedream.runtime.pipeline import Pipeline
 
 REPO = Path(__file__).resolve().parent.parent  # the ranks' processes import benchmarks.workload from here

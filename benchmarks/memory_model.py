@@ -19,7 +19,7 @@ from lightning_pipedream.plan.balance import even_balance
 from lightning_pipedream.plan.live_bytes import LiveTensorBytes
 from lightning_pipedream.plan.memory import flight_schedule, held_bytes, predict_memory, stage_bytes
 from lightning_pipedream.plan.profile import Profile, profile_module
-from lightning_pipedream.runtime.launch import run_local
+from lightning_pipedream.runtime.faults.launch import run_local
 from lightning_pipedream.runtime.pipeline import Pipeline
 from lightning_pipedream.schedule.specs import spec_of
 

@@ -91,9 +91,9 @@ from benchmarks.workload import (
     torch_worker,
     wait_for_quiet,
 )
-from lightning_pipedream.runtime.allocator import keep_freed_memory
-from lightning_pipedream.runtime.launch import run_local
-from lightning_pipedream.runtime.transport import TRANSPORT_ENV
+from lightning_pipedream.runtime.communication.transport import TRANSPORT_ENV
+from lightning_pipedream.runtime.execution.allocator import keep_freed_memory
+from lightning_pipedream.runtime.faults.launch import run_local
 from lightning_pipedream.schedule.actions import Op
 from lightning_pipedream.schedule.builders import build_schedule
 from lightning_pipedream.schedule.simulate import simulate

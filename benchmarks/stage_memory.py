@@ -12,7 +12,7 @@ The model is one ``nn.Sequential`` of ``layers`` x ``Linear(width, width)`` (16 
 * ``whole``: the LightningModule builds its layers in ``__init__`` (every rank holds the whole model
   until the strategy keeps its stage);
 * ``per_stage``: it builds them in ``configure_model``, which the strategy runs on the meta device
-  and then materializes only the rank's own stage (``lightning_pipedream.runtime.materialize``).
+  and then materializes only the rank's own stage (``lightning_pipedream.runtime.stages.materialize``).
 
 Per rank: ``peak_setup_mb`` is the peak resident memory (VmHWM) up to the start of training
 (construction and the strategy's setup), ``peak_train_mb`` the peak at the end (weights + gradients

@@ -11,7 +11,7 @@ run in fresh processes (``run_local``); only the transport differs:
 * ``auto``: shared-memory rings between the two ranks (the CPU default);
 * ``gloo``: torch.distributed point to point over gloo, both directions of the link on one process group;
 * ``directional``: the same over gloo, messages to the higher rank on the pipeline's group and to the lower rank on a
-  second group of the same ranks (what runs under NCCL, see runtime/transport.py).
+  second group of the same ranks (what runs under NCCL, see runtime/communication/transport.py).
 
 A round runs each contender once, the order rotating from round to round; each run times ``steps`` steps after two
 warm-up steps (rank 1's wall time; both ranks end each flushed step together). Figures are medians over rounds and
@@ -56,7 +56,7 @@ def _rank(rank: int, world: int, transport: str, schedule: str, width: int, batc
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from lightning_pipedream.runtime.launch import run_local
+    from lightning_pipedream.runtime.faults.launch import run_local
 
     rounds: list[dict[str, float]] = []
     for r in range(args.rounds):

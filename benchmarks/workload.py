@@ -20,9 +20,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_pipedream.plan.balance import even_balance, stage_slice
-from lightning_pipedream.runtime.launch import run_local
+from lightning_pipedream.runtime.communication.transport import Transport
+from lightning_pipedream.runtime.faults.launch import run_local
 from lightning_pipedream.runtime.pipeline import Pipeline
-from lightning_pipedream.runtime.transport import Transport
 from lightning_pipedream.schedule.actions import Op
 
 OURS = ("gpipe", "1f1b", "pipedream")

@@ -13,7 +13,7 @@ from hypothesis import settings
 settings.register_profile("lightning_pipedream", database=None)
 settings.load_profile("lightning_pipedream")
 
-# Ranks that fail write their flight recorder (runtime/flight.py); keep those files out of the checkout, in a
+# Ranks that fail write their flight recorder (runtime/faults/flight.py); keep those files out of the checkout, in a
 # folder of this process's own: pytest-xdist workers inherit the controller's environment, and two workers' ranks
 # would write over each other's rank<R>.json.
 if "PYTEST_XDIST_WORKER" in os.environ or "LIGHTNING_PIPEDREAM_FLIGHT_RECORDER" not in os.environ:

@@ -1,6 +1,7 @@
-"""The layers import one way (strategy -> runtime -> graph -> plan -> schedule; cli -> plan, schedule), Lightning
-only under strategy/, no private names across modules, and no schedule names compared outside schedule/ and cli/.
-Every rule is checked over every file of the package, and each checker is shown to catch a planted violation."""
+"""The layers import one way (strategy -> runtime -> graph -> plan -> schedule; cli -> plan, schedule), and so do
+runtime/'s rooms (execution -> stages -> communication -> faults); no circle anywhere; Lightning only under strategy/;
+no private names across modules; no schedule names compared outside schedule/ and cli/. Every rule is checked over
+every file of the package, and each checker is shown to catch a planted violation."""
 
 from __future__ import annotations
 
@@ -135,7 +136,7 @@ def test_schedule_names_are_compared_only_in_schedule_and_cli() -> None:
     ("plan", "from ..graph import capture\n", "plan/ may import only ['schedule']"),
     ("runtime", "import lightning.pytorch\n", "Lightning is known only under strategy/"),
     ("runtime", "from lightning_pipedream.strategy import placement\n", "runtime/ may import only"),
-    ("graph", "from lightning_pipedream.runtime.engine import PipelineEngine\n", "graph/ may import only"),
+    ("graph", "from lightning_pipedream.runtime.execution.engine import PipelineEngine\n", "graph/ may import only"),
     ("cli", "from lightning_pipedream.runtime import engine\n", "cli/ may import only ['plan', 'schedule']"),
 ])
 def test_the_layering_checker_catches_a_planted_violation(layer: str, code: str, expected: str) -> None:
@@ -149,14 +150,154 @@ def test_the_layering_checker_catches_a_planted_violation(layer: str, code: str,
 
 def test_the_other_checkers_catch_planted_violations(tmp_path: Path) -> None:
     probe = PACKAGE / "runtime" / "_probe_for_test.py"
-    probe.write_text("from lightning_pipedream.runtime.engine import _private\n"
+    probe.write_text("from lightning_pipedream.runtime.execution.engine import _private\n"
                      "def f(s):\n    return s.schedule == '2bw' or s.name in ('gpipe', 'x')\n")
     try:
         assert private_imports(probe) == [
-            "lightning_pipedream/runtime/_probe_for_test.py imports lightning_pipedream.runtime.engine._private"]
+            "lightning_pipedream/runtime/_probe_for_test.py imports lightning_pipedream.runtime.execution.engine._private"]
         assert len(schedule_name_comparisons(probe)) == 2
     finally:
         probe.unlink()
+
+
+# runtime/'s rooms, by concern; a room may import only those below it (the top files, pipeline.py, import any).
+ROOMS = {
+    "faults": set(),  # errors between ranks, flight recorder, watchdog, mailboxes, the launcher: what ends a run
+    "communication": {"faults"},  # transport, shared memory, the NCCL model, micro-batches
+    "stages": {"communication", "faults"},  # one rank's layers, weight versions, ties, replicas and shards
+    "execution": {"stages", "communication", "faults"},  # the engine and its executor
+}
+
+
+def room_of(path: Path) -> str | None:
+    parts = path.relative_to(PACKAGE).parts
+    return parts[1] if len(parts) > 2 and parts[0] == "runtime" else None
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def package_imports(path: Path) -> set[str]:
+    """The package's modules that ``path`` imports (``from a import b`` counts ``a.b`` when b is a module)."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = module_name(path) if path.name == "__init__.py" else module_name(path).rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(tree):
+        bases: list[tuple[str, list[str]]] = []
+        if isinstance(node, ast.Import):
+            bases = [(alias.name, []) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{parent}.{base}" if base else parent
+            bases = [(base, [alias.name for alias in node.names])]
+        for base, names in bases:
+            if base.split(".")[0] != PACKAGE.name:
+                continue
+            for name in names:
+                if _module_path(f"{base}.{name}") is not None:
+                    found.add(f"{base}.{name}")
+            if _module_path(base) is not None and (not names or any(
+                    _module_path(f"{base}.{name}") is None for name in names)):
+                found.add(base)
+    return found
+
+
+def _module_path(module: str) -> Path | None:
+    where = PACKAGE.parent.joinpath(*module.split("."))
+    for candidate in (where.with_suffix(".py"), where / "__init__.py"):
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def room_violations(path: Path) -> list[str]:
+    """What a file under runtime/ imports from a room above its own."""
+    room = room_of(path)
+    if room is None:
+        return []
+    bad = []
+    for module in sorted(package_imports(path)):
+        parts = module.split(".")
+        if parts[1:2] == ["runtime"] and len(parts) > 2:
+            other = parts[2]
+            if other == "pipeline" or (other in ROOMS and other != room and other not in ROOMS[room]):
+                allowed = sorted(ROOMS[room]) or "no other room"
+                bad.append(f"{path.relative_to(ROOT)} imports {module}: runtime/{room}/ may import only {allowed}")
+    return bad
+
+
+def circles(files: list[Path]) -> list[list[str]]:
+    """Every circle of imports among ``files`` (each strongly connected set of modules, in a stable order)."""
+    graph = {module_name(p): package_imports(p) for p in files}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:  # Tarjan's strongly connected components
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for after in sorted(graph.get(node, ())):
+            if after not in graph:
+                continue
+            if after not in index:
+                visit(after)
+                low[node] = min(low[node], low[after])
+            elif after in stack:
+                low[node] = min(low[node], index[after])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1 or node in graph[node]:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_runtime_rooms_import_only_downwards() -> None:
+    rooms = sorted(p.name for p in (PACKAGE / "runtime").iterdir() if (p / "__init__.py").exists())
+    assert rooms == sorted(ROOMS), "a new room under runtime/ needs its place in ROOMS"
+    bad = [line for path in package_files() for line in room_violations(path)]
+    assert not bad, "imports against runtime/'s rooms:\n" + "\n".join(bad)
+
+
+def test_every_package_opens_with_a_one_line_docstring() -> None:
+    for init in sorted(PACKAGE.rglob("__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text()))
+        assert doc, f"{init.relative_to(ROOT)} says nothing about what lives there"
+
+
+def test_the_package_has_no_circle_of_imports() -> None:
+    found = circles(package_files())
+    assert not found, "circles of imports (move what both need below them):\n" + "\n".join(map(str, found))
+
+
+def test_the_room_and_circle_checkers_catch_planted_violations() -> None:
+    faults = PACKAGE / "runtime" / "faults"
+    one, two = faults / "_probe_one.py", faults / "_probe_two.py"
+    one.write_text("from lightning_pipedream.runtime.faults import _probe_two\n"
+                   "from lightning_pipedream.runtime.execution.engine import PipelineEngine\n")
+    two.write_text("def f():\n    from lightning_pipedream.runtime.faults._probe_one import x\n")
+    try:
+        assert circles(package_files()) == [["lightning_pipedream.runtime.faults._probe_one",
+                                             "lightning_pipedream.runtime.faults._probe_two"]]
+        assert room_violations(one) == [
+            "lightning_pipedream/runtime/faults/_probe_one.py imports lightning_pipedream.runtime.execution.engine: "
+            "runtime/faults/ may import only no other room"]
+    finally:
+        one.unlink()
+        two.unlink()
 
 
 # Clock readings of the time module; a difference of two, or a name holding one, is a measured duration.

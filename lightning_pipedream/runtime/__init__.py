@@ -1,1 +1,2 @@
-"""How it runs: transport, stages, weight versions and the executor (torch.distributed, no Lightning)."""
+"""How it runs (torch.distributed, no Lightning), in rooms that import one way: ``faults`` <- ``communication`` <-
+``stages`` <- ``execution`` <- :mod:`.pipeline`, the standalone API."""

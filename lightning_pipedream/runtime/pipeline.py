@@ -10,11 +10,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_pipedream.plan.balance import check_balance, even_balance, stage_slice
-from lightning_pipedream.runtime.engine import PipelineEngine, StepResult
-from lightning_pipedream.runtime.replicas import ReplicaGroups
-from lightning_pipedream.runtime.sharding import check_shard, full_state, set_gradient_sync, shard_stage
-from lightning_pipedream.runtime.shares import BatchShares
-from lightning_pipedream.runtime.transport import Transport, transport_kind
+from lightning_pipedream.runtime.communication.transport import Transport, transport_kind
+from lightning_pipedream.runtime.execution.engine import PipelineEngine, StepResult
+from lightning_pipedream.runtime.execution.shares import BatchShares
+from lightning_pipedream.runtime.stages.replicas import ReplicaGroups
+from lightning_pipedream.runtime.stages.sharding import check_shard, full_state, set_gradient_sync, shard_stage
 from lightning_pipedream.schedule.actions import Layout
 from lightning_pipedream.schedule.builders import check_schedule_options
 from lightning_pipedream.schedule.specs import spec_of

@@ -8,7 +8,7 @@ from typing import Any
 from lightning.pytorch import Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 
-from lightning_pipedream.runtime.microbatch import TensorTreeError, flatten, merge
+from lightning_pipedream.runtime.communication.microbatch import TensorTreeError, flatten, merge
 
 # The LightningModule hook each Trainer function runs, and the loop of the evaluating ones.
 STEP_OF = {

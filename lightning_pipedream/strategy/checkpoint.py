@@ -20,7 +20,7 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch import LightningModule
 from torch import Tensor
 
-from lightning_pipedream.runtime.failures import pipeline_failures
+from lightning_pipedream.runtime.faults.failures import pipeline_failures
 from lightning_pipedream.tree import map_tensors
 
 

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_pipedream.runtime.failures import pipeline_failures
-from lightning_pipedream.runtime.microbatch import flatten
+from lightning_pipedream.runtime.communication.microbatch import flatten
+from lightning_pipedream.runtime.faults.failures import pipeline_failures
 
 # Steps between two checks of the data; an epoch's first batch is always checked, an iterable dataset's every batch.
 CHECK_EVERY = 1  # gpipe, 1f1b, zb-h1, interleaved: the fingerprints ride with the step summary's collective, free

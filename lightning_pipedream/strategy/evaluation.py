@@ -10,7 +10,7 @@ import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor
 
-from lightning_pipedream.runtime.shares import BatchShares
+from lightning_pipedream.runtime.execution.shares import BatchShares
 from lightning_pipedream.schedule.actions import Action
 from lightning_pipedream.schedule.builders import inference
 from lightning_pipedream.strategy.batches import batch_args, merge_outputs

@@ -10,9 +10,9 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_pipedream.graph import GraphCaptureError
-from lightning_pipedream.runtime.failures import from_rank_zero
-from lightning_pipedream.runtime.graph_stage import CapturedStage
-from lightning_pipedream.runtime.microbatch import batch_size, split
+from lightning_pipedream.runtime.communication.microbatch import batch_size, split
+from lightning_pipedream.runtime.faults.failures import from_rank_zero
+from lightning_pipedream.runtime.stages.graph_stage import CapturedStage
 from lightning_pipedream.strategy.batches import EVALUATION_LOOP, STEP_OF, batch_shapes, first_batch
 from lightning_pipedream.strategy.calls import ForwardCall, SubmoduleCall, innermost_called_module
 from lightning_pipedream.strategy.options import PipelineOptions

@@ -7,8 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_pipedream.runtime.sharding import check_shard
-from lightning_pipedream.runtime.transport import transport_kind
+from lightning_pipedream.runtime.communication.transport import transport_kind
+from lightning_pipedream.runtime.stages.sharding import check_shard
 from lightning_pipedream.schedule.builders import check_schedule_options
 from lightning_pipedream.schedule.specs import AUTO, ScheduleSpec, spec_of
 from lightning_pipedream.strategy.divergence import DEFAULT_FACTOR, ON_DIVERGENCE
@@ -45,8 +45,8 @@ class PipelineOptions:
     on_divergence: str | None = None  # "flush": back to the last drained weights, then 1f1b (see strategy/divergence)
     divergence_factor: float = DEFAULT_FACTOR
     minibatches_per_batch: int = 1  # pipedream: minibatches (each its own update) a batch is cut into
-    transport: str | None = None  # how stages talk (runtime/transport.py); None: LIGHTNING_PIPEDREAM_TRANSPORT or auto
-    shard: str | None = None  # data-parallel pipelines: each stage's replicas shard it (runtime/sharding.py)
+    transport: str | None = None  # how stages talk (see transport_kind); None: LIGHTNING_PIPEDREAM_TRANSPORT or auto
+    shard: str | None = None  # data-parallel pipelines: each stage's replicas shard it (runtime/stages/sharding.py)
 
     def __post_init__(self) -> None:
         if self.transport is not None:

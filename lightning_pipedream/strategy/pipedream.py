@@ -37,22 +37,29 @@ from typing_extensions import override
 
 from lightning_pipedream.graph.split import get_path
 from lightning_pipedream.plan.balance import stage_slice
-from lightning_pipedream.runtime import allocator, flight
-from lightning_pipedream.runtime.engine import PipelineEngine
-from lightning_pipedream.runtime.failures import from_rank_zero, pipeline_failures, report_failure, setup_failures
-from lightning_pipedream.runtime.launch import rendezvous_store
-from lightning_pipedream.runtime.materialize import has_meta_tensors, materialize
-from lightning_pipedream.runtime.replicas import GradientReducer
-from lightning_pipedream.runtime.sharding import (
+from lightning_pipedream.runtime.communication.transport import Transport
+from lightning_pipedream.runtime.execution import allocator
+from lightning_pipedream.runtime.execution.engine import PipelineEngine
+from lightning_pipedream.runtime.execution.shares import BatchShares
+from lightning_pipedream.runtime.faults import flight
+from lightning_pipedream.runtime.faults.failures import (
+    from_rank_zero,
+    pipeline_failures,
+    report_failure,
+    setup_failures,
+)
+from lightning_pipedream.runtime.faults.launch import rendezvous_store
+from lightning_pipedream.runtime.faults.watchdog import watchdog
+from lightning_pipedream.runtime.stages.materialize import has_meta_tensors, materialize
+from lightning_pipedream.runtime.stages.replicas import GradientReducer
+from lightning_pipedream.runtime.stages.sharding import (
     WholeOptimizerState,
     set_gradient_sync,
     sharded_model_state,
     sharded_optimizer_state,
     whole_state,
 )
-from lightning_pipedream.runtime.shares import BatchShares
-from lightning_pipedream.runtime.ties import TiedParameters
-from lightning_pipedream.runtime.transport import Transport
+from lightning_pipedream.runtime.stages.ties import TiedParameters
 from lightning_pipedream.schedule.specs import SCHEDULES
 from lightning_pipedream.strategy.batches import batch_args, loop_loader
 from lightning_pipedream.strategy.calls import (
@@ -163,7 +170,7 @@ class PipeDreamStrategy(DDPStrategy):
             pipelines (each stage's replicas all-reduce their gradients). Default: one stage per process.
         trace: a directory; each rank writes a Chrome/Perfetto trace of its actions there at the end.
         keep_freed_memory: on CPU, tell each rank's C allocator (glibc) to keep freed blocks for reuse
-            rather than return them to the OS (:func:`~lightning_pipedream.runtime.allocator.keep_freed_memory`):
+            rather than return them to the OS (:func:`~.allocator.keep_freed_memory`):
             a stage allocates its gradients and activations anew every minibatch, and faulting their
             pages back in cost ``pipedream`` ~10 % of its step time in ``benchmarks/lightning.py``. The
             ranks' resident memory then stays at its peak until ``teardown`` gives the freed memory back.
@@ -389,7 +396,7 @@ class PipeDreamStrategy(DDPStrategy):
         device_id = self.root_device if self.root_device.type != "cpu" else None
         _init_dist_connection(environment, self._process_group_backend, timeout=self._timeout, store=store,
                               device_id=device_id)
-        flight.recorder().start_heartbeat()
+        watchdog().start()
 
     @override
     def setup(self, trainer: Trainer) -> None:
@@ -1082,7 +1089,7 @@ class PipeDreamStrategy(DDPStrategy):
                 self._keeping_freed_memory = False
             # The run is over in this process: its watchdog stops, so that a stop request a failure left in its
             # mailbox does not end the process later (a notebook, or a script that goes on after fit raised).
-            flight.recorder().stop_heartbeat()
+            watchdog().stop()
 
     def _teardown_module(self) -> None:
         module = self.lightning_module

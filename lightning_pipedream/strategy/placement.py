@@ -160,7 +160,7 @@ class ProcessGroups:
 
     Each point-to-point group has a twin of the same ranks for the messages that go the other way (to lower
     ranks; the data check's fingerprints, to the last stage): under NCCL both directions of a link on one group
-    share one stream and block each other (see :class:`~lightning_pipedream.runtime.transport.Transport`).
+    share one stream and block each other (see :class:`~lightning_pipedream.runtime.communication.transport.Transport`).
     """
 
     pipeline: dist.ProcessGroup | None = None

@@ -12,8 +12,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
 from lightning_pipedream.plan.balance import check_balance, check_stage_count, even_balance
-from lightning_pipedream.runtime.failures import from_rank_zero
-from lightning_pipedream.runtime.materialize import balance_by_parameters, has_meta_tensors
+from lightning_pipedream.runtime.faults.failures import from_rank_zero
+from lightning_pipedream.runtime.stages.materialize import balance_by_parameters, has_meta_tensors
 from lightning_pipedream.strategy.batches import first_batch
 from lightning_pipedream.strategy.calls import SequentialCall
 from lightning_pipedream.strategy.options import PipelineOptions

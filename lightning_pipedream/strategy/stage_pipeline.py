@@ -9,10 +9,10 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from torch import nn
 
-from lightning_pipedream.runtime.engine import PipelineEngine
-from lightning_pipedream.runtime.replicas import GradientReducer
-from lightning_pipedream.runtime.sharding import local_square_norm, scale_gradient, shard_stage
-from lightning_pipedream.runtime.ties import TiedParameters
+from lightning_pipedream.runtime.execution.engine import PipelineEngine
+from lightning_pipedream.runtime.stages.replicas import GradientReducer
+from lightning_pipedream.runtime.stages.sharding import local_square_norm, scale_gradient, shard_stage
+from lightning_pipedream.runtime.stages.ties import TiedParameters
 from lightning_pipedream.strategy.calls import ForwardCall, SequentialCall
 from lightning_pipedream.strategy.checkpoint import CheckpointGather, OptimizerLayout
 from lightning_pipedream.strategy.checks import FiniteChecks
@@ -41,7 +41,7 @@ class StagePipeline:
     reducer: GradientReducer | None = None  # the stage's replicas' all-reduce
     finite: FiniteChecks | None = None
     ties: TiedParameters | None = None  # a Sequential's parameters used on several stages (tied embeddings)
-    shard: str | None = None  # each stage's replicas shard it (runtime/sharding.py); None: whole copies
+    shard: str | None = None  # each stage's replicas shard it (runtime/stages/sharding.py); None: whole copies
 
 
 def shard_own_stage(stage: nn.Module, placement: Placement, groups: ProcessGroups, shard: str, unsupported: bool,

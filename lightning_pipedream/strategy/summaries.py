@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_pipedream.runtime.failures import pipeline_failures
+from lightning_pipedream.runtime.faults.failures import pipeline_failures
 from lightning_pipedream.strategy.consistency import RECORD_SLOTS, check_records
 
 

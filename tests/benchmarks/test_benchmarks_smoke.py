@@ -81,7 +81,7 @@ def test_schedules_parts_run_on_three_stages():
     """--stages N: the link probe (which paired rank r with 1 - r and hung from 3 ranks on) and the bound on 3
     processes; the one-process contender takes as many threads. (No capsys here: a forked rank's faulthandler needs
     the real stderr.)"""
-    from lightning_pipedream.runtime.launch import run_local
+    from lightning_pipedream.runtime.faults.launch import run_local
 
     workload, schedules = _load("workload"), _load("schedules")
     cfg = workload.Config(layers=3, width=32, batch=16, chunks=4, stages=3)

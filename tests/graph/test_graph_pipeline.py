@@ -9,9 +9,9 @@ import torch
 from graph_models import batches, loss_fn, make, padded
 
 from lightning_pipedream.graph import build_stages, capture, consolidate_state_dict, split_graph
-from lightning_pipedream.runtime.launch import run_local
+from lightning_pipedream.runtime.faults.launch import run_local
 from lightning_pipedream.runtime.pipeline import Pipeline
-from lightning_pipedream.runtime.ties import TiedParameters
+from lightning_pipedream.runtime.stages.ties import TiedParameters
 
 pytestmark = pytest.mark.multiprocess  # starts several processes: not in the fast suite
 

@@ -22,7 +22,7 @@ from torch import nn
 from lightning_pipedream.graph import GraphCaptureError, build_stages, capture, split_graph
 from lightning_pipedream.graph.capture import clear_capture_cache
 from lightning_pipedream.graph.split_points import choose_split_points, profile_graph
-from lightning_pipedream.runtime.launch import run_local
+from lightning_pipedream.runtime.faults.launch import run_local
 
 pytestmark = pytest.mark.multiprocess  # forks a child per check: not in the fast suite
 

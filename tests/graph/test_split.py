@@ -23,7 +23,7 @@ from lightning_pipedream.graph import (
     split_graph,
 )
 from lightning_pipedream.graph.split_points import choose_split_points, profile_graph
-from lightning_pipedream.runtime.launch import run_local
+from lightning_pipedream.runtime.faults.launch import run_local
 
 pytestmark = pytest.mark.multiprocess  # starts several processes: not in the fast suite
 

@@ -256,7 +256,7 @@ def test_a_stage_keeps_what_the_model_predicts():
     from torch import nn
 
     from lightning_pipedream.plan.profile import profile_module
-    from lightning_pipedream.runtime.stage import Stage
+    from lightning_pipedream.runtime.stages.stage import Stage
 
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Dropout(0.1), nn.Linear(64, 16))

@@ -11,9 +11,9 @@ from torch import nn
 from torch.func import functional_call
 
 from lightning_pipedream.plan.balance import stage_slice
-from lightning_pipedream.runtime.launch import RankFailedError, run_local
+from lightning_pipedream.runtime.communication.transport import Transport
+from lightning_pipedream.runtime.faults.launch import RankFailedError, run_local
 from lightning_pipedream.runtime.pipeline import Pipeline
-from lightning_pipedream.runtime.transport import Transport
 
 pytestmark = pytest.mark.multiprocess  # starts several processes: not in the fast suite
 
@@ -257,7 +257,7 @@ def test_bad_arguments_are_rejected_before_any_communication():
         Pipeline(layers, loss_fn=nn.functional.mse_loss, optimizer=sgd, schedule="2bw", replicas=[2, 1])
     with pytest.raises(ValueError, match="Prebuilt stage modules run one stage per process; use virtual_stages=1"):
         Pipeline([layers], loss_fn=nn.functional.mse_loss, optimizer=sgd, schedule="interleaved", virtual_stages=2)
-    from lightning_pipedream.runtime.engine import PipelineEngine
+    from lightning_pipedream.runtime.execution.engine import PipelineEngine
 
     with pytest.raises(ValueError, match=r"schedule='interleaved' with virtual_stages=2 needs that many model chunks "
                                          "on each rank, got 1"):
@@ -265,7 +265,7 @@ def test_bad_arguments_are_rejected_before_any_communication():
 
 
 def test_stage_output_that_is_not_a_tensor_tree():
-    from lightning_pipedream.runtime.stage import Stage
+    from lightning_pipedream.runtime.stages.stage import Stage
 
     class Odd(nn.Module):
         def forward(self, x):
@@ -430,7 +430,7 @@ class TiedTwice(nn.Module):
 @pytest.mark.parametrize("recompute", [False, True])
 @pytest.mark.parametrize("case", ["mlp", "lstm", "layernorm", "tied"])
 def test_split_backward_equals_the_whole_backward(case, recompute):
-    from lightning_pipedream.runtime.stage import Stage
+    from lightning_pipedream.runtime.stages.stage import Stage
 
     torch.manual_seed(0)
     module, shape = {

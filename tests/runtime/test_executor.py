@@ -13,9 +13,9 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pipedream.runtime.executor import Executor
-from lightning_pipedream.runtime.microbatch import flatten, split, unflatten
-from lightning_pipedream.runtime.stage import Stage
+from lightning_pipedream.runtime.communication.microbatch import flatten, split, unflatten
+from lightning_pipedream.runtime.execution.executor import Executor
+from lightning_pipedream.runtime.stages.stage import Stage
 from lightning_pipedream.schedule.builders import build_schedule
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch.distributed as dist
 from fault_runs import unused_pid
 
-from lightning_pipedream.runtime.mailbox import ANSWERED, GONE, SILENT, Mailbox, process_state
+from lightning_pipedream.runtime.faults.mailbox import ANSWERED, GONE, SILENT, Mailbox, process_state
 
 
 @pytest.fixture

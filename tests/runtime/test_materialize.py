@@ -8,7 +8,12 @@ import torch
 from torch import nn
 
 from lightning_pipedream import PipeDreamStrategy
-from lightning_pipedream.runtime.materialize import balance_by_parameters, has_meta_tensors, layer_seed, materialize
+from lightning_pipedream.runtime.stages.materialize import (
+    balance_by_parameters,
+    has_meta_tensors,
+    layer_seed,
+    materialize,
+)
 
 
 def _layers() -> nn.Sequential:

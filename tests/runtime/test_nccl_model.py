@@ -11,9 +11,9 @@ from pipedream_reference import Minibatch, PipeDreamRule, train_one_process
 from torch import nn
 from torch.func import functional_call
 
-from lightning_pipedream.runtime.p2p_model import DeadlockError, PointToPointModel
+from lightning_pipedream.runtime.communication.p2p_model import DeadlockError, PointToPointModel
+from lightning_pipedream.runtime.communication.transport import Transport
 from lightning_pipedream.runtime.pipeline import Pipeline
-from lightning_pipedream.runtime.transport import Transport
 from lightning_pipedream.schedule.builders import inference
 
 LR, MOMENTUM = 0.1, 0.9

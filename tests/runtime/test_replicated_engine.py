@@ -7,9 +7,9 @@ import torch
 from pipedream_reference import train_one_process
 from torch import nn
 
-from lightning_pipedream.runtime.launch import run_local
+from lightning_pipedream.runtime.faults.launch import run_local
 from lightning_pipedream.runtime.pipeline import Pipeline
-from lightning_pipedream.runtime.replicas import GradientReducer
+from lightning_pipedream.runtime.stages.replicas import GradientReducer
 
 pytestmark = pytest.mark.multiprocess  # starts several processes: not in the fast suite
 

@@ -8,9 +8,9 @@ import torch
 from pipedream_reference import train_one_process
 from torch import nn
 
-from lightning_pipedream.runtime.launch import run_local
+from lightning_pipedream.runtime.faults.launch import run_local
 from lightning_pipedream.runtime.pipeline import Pipeline
-from lightning_pipedream.runtime.sharding import check_shard, training_state_bytes
+from lightning_pipedream.runtime.stages.sharding import check_shard, training_state_bytes
 
 WIDTH, STEPS = 64, 3
 

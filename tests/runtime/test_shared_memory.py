@@ -9,10 +9,10 @@ import time
 import pytest
 import torch
 
-from lightning_pipedream.runtime.launch import run_local
+from lightning_pipedream.runtime.communication.shared_memory import Ring, RingClosedError, Sender, supported
+from lightning_pipedream.runtime.communication.transport import PeerFailedError, Transport, transport_kind
+from lightning_pipedream.runtime.faults.launch import run_local
 from lightning_pipedream.runtime.pipeline import Pipeline
-from lightning_pipedream.runtime.shared_memory import Ring, RingClosedError, Sender, supported
-from lightning_pipedream.runtime.transport import PeerFailedError, Transport, transport_kind
 
 pytestmark = [pytest.mark.multiprocess,
               pytest.mark.skipif(not supported(), reason="shared-memory rings need x86-64 Linux and /dev/shm")]

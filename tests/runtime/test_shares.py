@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_pipedream.runtime.shares import BatchShares
+from lightning_pipedream.runtime.execution.shares import BatchShares
 from lightning_pipedream.schedule.actions import Layout
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pipedream.runtime.stage import Stage
+from lightning_pipedream.runtime.stages.stage import Stage
 
 
 class Counted(nn.Module):

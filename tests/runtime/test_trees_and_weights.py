@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pipedream.runtime.microbatch import batch_size, merge, split
-from lightning_pipedream.runtime.weights import WeightVersions
+from lightning_pipedream.runtime.communication.microbatch import batch_size, merge, split
+from lightning_pipedream.runtime.stages.weights import WeightVersions
 from lightning_pipedream.tree import TensorTreeError, flatten, map_tensors, tensors, unflatten
 
 Pair = namedtuple("Pair", "x y")

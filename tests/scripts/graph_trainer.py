@@ -22,7 +22,7 @@ from graph_models import batches, loss_fn, make, padded, tied_sequential_lstm  #
 from script_runs import main_runs  # noqa: E402
 
 from lightning_pipedream import PipeDreamStrategy
-from lightning_pipedream.runtime.graph_stage import CapturedStage
+from lightning_pipedream.runtime.stages.graph_stage import CapturedStage
 
 
 class FamilyModule(L.LightningModule):

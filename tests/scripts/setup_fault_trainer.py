@@ -173,7 +173,7 @@ def train(out: str, options: dict[str, Any]) -> None:
                                                          f"{traceback.format_exc()}")
         raise
     (Path(out) / f"trained_rank{RANK}").write_text(str(trainer.global_step))
-    # What the pipeline's waits are bounded by: the default group's timeout (runtime/transport.py waits that long).
+    # What the pipeline's waits are bounded by: the default group's timeout (runtime/communication/transport.py waits that long).
     world = torch.distributed.distributed_c10d._get_default_group()
     (Path(out) / f"wait_timeout_rank{RANK}").write_text(
         str(world._get_backend(torch.device("cpu")).options._timeout.total_seconds()))

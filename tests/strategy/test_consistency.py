@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from fault_runs import run_hang_trainer
 
-from lightning_pipedream.runtime.launch import RankFailedError, run_local
+from lightning_pipedream.runtime.faults.launch import RankFailedError, run_local
 from lightning_pipedream.strategy.consistency import (
     CHECK_EVERY,
     CHECK_EVERY_ASYNC,
@@ -133,7 +133,7 @@ def test_a_trainer_whose_last_stage_drifts_at_step_5_stops_by_step_5_plus_k(tmp_
     words = (f"The pipeline stages received different training batches at batch {checked} of epoch 0: rank 1 (stage 1) "
              "and rank 0 (stage 0) disagree. The epoch began with the same batches, so they drifted apart")
     assert f"[rank1]: lightning_pipedream.strategy.consistency.DataMismatchError: {words}" in err, err[-4000:]
-    assert f"[rank0]: lightning_pipedream.runtime.transport.PeerFailedError: Pipeline stage 1 failed with " \
+    assert f"[rank0]: lightning_pipedream.runtime.faults.errors.PeerFailedError: Pipeline stage 1 failed with " \
            f"DataMismatchError: {words}" in err, err[-4000:]
     # The last stage finished step checked + stages - 2 at most: within k steps of the drift, and the lag.
     assert int((tmp_path / "ended_rank1").read_text()) <= checked <= 5 + CHECK_EVERY_ASYNC - 1

@@ -425,7 +425,7 @@ def test_what_is_refused_says_what_to_use_instead():
 
 
 def test_cpu_ranks_keep_freed_memory_unless_told_not_to(monkeypatch):
-    from lightning_pipedream.runtime import allocator
+    from lightning_pipedream.runtime.execution import allocator
 
     calls = []
     monkeypatch.setattr(allocator, "keep_freed_memory", lambda: calls.append("keep") or True)

@@ -23,10 +23,10 @@ from fault_runs import RankRun, run_hang_trainer, run_many
 from torch import nn
 
 from lightning_pipedream.cli import main as cli_main
-from lightning_pipedream.runtime.failures import from_rank_zero, pipeline_failures, report_failure
-from lightning_pipedream.runtime.flight import PipelineTimeoutError
-from lightning_pipedream.runtime.launch import run_local
-from lightning_pipedream.runtime.mailbox import mailbox
+from lightning_pipedream.runtime.faults.failures import from_rank_zero, pipeline_failures, report_failure
+from lightning_pipedream.runtime.faults.flight import PipelineTimeoutError
+from lightning_pipedream.runtime.faults.launch import run_local
+from lightning_pipedream.runtime.faults.mailbox import mailbox
 from lightning_pipedream.runtime.pipeline import Pipeline
 from lightning_pipedream.schedule.timeline import from_chrome_trace
 
@@ -189,7 +189,7 @@ def test_a_failure_on_rank_0_reaches_rank_1(tmp_path):
     err, code, seconds = run_hang_trainer(tmp_path, {"rank": 0, "at": 3, "how": "raise", "schedule": "pipedream"})
     assert code == 1 and seconds < 10, (code, seconds, err[-4000:])
     assert "[rank0]: ValueError: bad input on rank 0" in err
-    assert ("[rank1]: lightning_pipedream.runtime.transport.PeerFailedError: Pipeline stage 0 failed with ValueError: "
+    assert ("[rank1]: lightning_pipedream.runtime.faults.errors.PeerFailedError: Pipeline stage 0 failed with ValueError: "
             "bad input on rank 0 (on rank 0) (this rank, 1, stage 1, stopped because of it)") in err, err[-4000:]
 
 
@@ -269,13 +269,13 @@ def test_a_failure_of_rank_0_in_setup_reaches_every_rank(setup_runs, fault):
     assert OWN_ERRORS[fault].format(out=out) in ranks[0].err, ranks[0].err[-3000:]
     words = SETUP_FAULTS[fault].format(out=out)
     if fault in LATER:
-        raised = f"[rank1]: lightning_pipedream.runtime.transport.PeerFailedError: {words}"
+        raised = f"[rank1]: lightning_pipedream.runtime.faults.errors.PeerFailedError: {words}"
         ended = f"lightning_pipedream: rank 1 ends its process: rank 0 stopped the run. {words}"
         assert raised in ranks[1].err or ended in ranks[1].err, ranks[1].err[-3000:]
         if raised in ranks[1].err:
             assert "(on rank 0) (this rank, 1, stopped because of it)" in ranks[1].err, ranks[1].err[-3000:]
     else:
-        assert f"[rank1]: lightning_pipedream.runtime.failures.{words}" in ranks[1].err, ranks[1].err[-3000:]
+        assert f"[rank1]: lightning_pipedream.runtime.faults.failures.{words}" in ranks[1].err, ranks[1].err[-3000:]
     assert "Connection closed" not in ranks[1].err
 
 

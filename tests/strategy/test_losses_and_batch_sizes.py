@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_pipedream.runtime.engine import PipelineEngine
-from lightning_pipedream.runtime.shares import BatchShares
+from lightning_pipedream.runtime.execution.engine import PipelineEngine
+from lightning_pipedream.runtime.execution.shares import BatchShares
 from lightning_pipedream.schedule.builders import build_schedule, pipedream_drain
 from lightning_pipedream.strategy.checks import check_last_batch_fits
 

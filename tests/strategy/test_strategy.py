@@ -446,7 +446,7 @@ def test_a_non_finite_output_stops_training_with_stage_layer_and_step_named(tmp_
     assert proc.returncode != 0
     assert ("NonFiniteError: Stage 1: layer '5' (NaNOnThirdCall) produced nan in its output at training step 2 of "
             "epoch 0. Its inputs were finite.") in proc.stderr
-    assert "[rank0]: lightning_pipedream.runtime.transport.PeerFailedError: Pipeline stage 1 failed" in proc.stderr
+    assert "[rank0]: lightning_pipedream.runtime.faults.errors.PeerFailedError: Pipeline stage 1 failed" in proc.stderr
 
 
 def test_non_finite_values_are_named():
@@ -465,7 +465,7 @@ def test_a_failing_replicated_stage_stops_every_rank_with_its_error(tmp_path):
     assert proc.returncode != 0
     assert "ValueError: boom on the third forward" in proc.stderr
     # A first-stage rank names the failure (the other may stop on its replica's closed connection first).
-    assert any(f"[rank{rank}]: lightning_pipedream.runtime.transport.PeerFailedError: Pipeline stage 1 failed" in
+    assert any(f"[rank{rank}]: lightning_pipedream.runtime.faults.errors.PeerFailedError: Pipeline stage 1 failed" in
                proc.stderr for rank in (0, 1))
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_pipedream.runtime.p2p_model import DeadlockError, PointToPointModel
+from lightning_pipedream.runtime.communication.p2p_model import DeadlockError, PointToPointModel
 from lightning_pipedream.strategy.consistency import RECORD_SLOTS
 from lightning_pipedream.strategy.summaries import LaggedSummaries, LoggedValue, StepSummary, SummaryChannel
 

@@ -15,44 +15,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_pipedream.runtime import shared_memory
-from lightning_pipedream.runtime.mailbox import machine_id, process_start_time, process_state
-from lightning_pipedream.runtime.microbatch import flatten, unflatten
-
-
-class PeerFailedError(RuntimeError):
-    """Communication with another pipeline rank failed, usually because that rank raised and exited."""
-
-
-_ERROR_KEY = "lightning_pipedream/error"
-
-
-def post_error(message: str) -> None:
-    """Leave a failing rank's error in the process group's store, so that its peers can report it."""
-    store = _default_store()
-    if store is not None:
-        try:
-            store.set(_ERROR_KEY, message)
-        except Exception:  # the store may be gone already; the peers still see closed sockets
-            pass
-
-
-def posted_error() -> str | None:
-    """The error another rank left with :func:`post_error`, if any (without blocking)."""
-    store = _default_store()
-    try:
-        if store is not None and store.check([_ERROR_KEY]):
-            return store.get(_ERROR_KEY).decode()
-    except Exception:
-        pass
-    return None
-
-
-def _default_store() -> Any:
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:
-        return None
+from lightning_pipedream.runtime.communication import shared_memory
+from lightning_pipedream.runtime.communication.microbatch import flatten, unflatten
+from lightning_pipedream.runtime.faults.errors import PeerFailedError, default_store
+from lightning_pipedream.runtime.faults.mailbox import machine_id, process_start_time, process_state
 
 
 def _world_timeout() -> timedelta:
@@ -248,7 +214,7 @@ class Transport:
     carries one direction of one link, where the n-th send always meets the n-th receive, and receives may be
     posted ahead as on gloo. This is :attr:`directional`: always under NCCL (which refuses a transport without
     ``reverse_group``), and with ``kind="directional"`` on gloo too, so that CPU processes run the same code.
-    (:mod:`~lightning_pipedream.runtime.p2p_model` checks every schedule against a model of these rules.)
+    (:mod:`~lightning_pipedream.runtime.communication.p2p_model` checks every schedule against a model of these rules.)
     """
 
     group: Any = None
@@ -284,7 +250,7 @@ class Transport:
                              "ranks, for the messages to lower ranks).")
         if self.kind == "gloo" or self.directional or self.device.type != "cpu" or backend != "gloo":
             return
-        store = _default_store()
+        store = default_store()
         if store is None:
             return
         # Published as soon as the transport exists, so that a peer's first message never waits for this rank.
@@ -302,7 +268,7 @@ class Transport:
             return self._links[peer]
         link = None
         if self._card is not None:
-            theirs = json.loads(_default_store().get(_HOST_KEY + str(peer)).decode())
+            theirs = json.loads(default_store().get(_HOST_KEY + str(peer)).decode())
             same = (theirs["machine"] == self._card["machine"] and theirs["shm"] is not None
                     and theirs["shm"] == self._card["shm"])
             if "gloo" not in (theirs["kind"], self._card["kind"]) and same:

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from lightning_pipedream.runtime.microbatch import batch_size, flatten, split
+from lightning_pipedream.runtime.communication.microbatch import batch_size, flatten, split
 
 IGNORE_INDEX = -100  # the label torch's cross_entropy (and Hugging Face's models) leave out of a token mean
 

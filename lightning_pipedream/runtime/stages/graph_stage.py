@@ -8,7 +8,7 @@ from typing import Any
 from torch import nn
 
 from lightning_pipedream.graph import CapturedGraph, GraphStage, build_stages, call_signature, capture, split_graph
-from lightning_pipedream.runtime.ties import TiedParameters
+from lightning_pipedream.runtime.stages.ties import TiedParameters
 
 log = logging.getLogger("lightning_pipedream.graph")
 

@@ -8,12 +8,12 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from lightning_pipedream.runtime.executor import Executor, InputFn, LossFn
-from lightning_pipedream.runtime.failures import pipeline_failures
-from lightning_pipedream.runtime.flight import recorder
-from lightning_pipedream.runtime.stage import Stage
-from lightning_pipedream.runtime.transport import Transport
-from lightning_pipedream.runtime.weights import WeightVersions
+from lightning_pipedream.runtime.communication.transport import Transport
+from lightning_pipedream.runtime.execution.executor import Executor, InputFn, LossFn
+from lightning_pipedream.runtime.faults.failures import pipeline_failures
+from lightning_pipedream.runtime.faults.flight import recorder
+from lightning_pipedream.runtime.stages.stage import Stage
+from lightning_pipedream.runtime.stages.weights import WeightVersions
 from lightning_pipedream.schedule.actions import Action, Layout, Op
 from lightning_pipedream.schedule.builders import (
     build_schedule,
@@ -105,8 +105,8 @@ class PipelineEngine:
                 )
         self.rank = stage_index if rank is None else rank
         self.allreduce = allreduce
-        # Sharded stages (see runtime/sharding.py): (stage, sync) says whether a stage's next backward reduce-scatters
-        # the gradients (its last of a flushed step) or only adds them up.
+        # Sharded stages (see runtime/stages/sharding.py): (stage, sync) says whether a stage's next backward
+        # reduce-scatters the gradients (its last of a flushed step) or only adds them up.
         self.gradient_sync = gradient_sync
         self.schedule = schedule
         self.spec = spec_of(schedule)

@@ -11,8 +11,8 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
 
-from lightning_pipedream.runtime.microbatch import flatten
-from lightning_pipedream.runtime.weights import WeightVersions
+from lightning_pipedream.runtime.communication.microbatch import flatten
+from lightning_pipedream.runtime.stages.weights import WeightVersions
 from lightning_pipedream.tree import tensors
 from lightning_pipedream.weight_branches import WeightBranches
 

@@ -9,10 +9,10 @@ from typing import Any
 
 from torch import Tensor
 
-from lightning_pipedream.runtime.flight import recorder
-from lightning_pipedream.runtime.microbatch import flatten, unflatten
-from lightning_pipedream.runtime.stage import Stage
-from lightning_pipedream.runtime.transport import Transport
+from lightning_pipedream.runtime.communication.microbatch import flatten, unflatten
+from lightning_pipedream.runtime.communication.transport import Transport
+from lightning_pipedream.runtime.faults.flight import recorder
+from lightning_pipedream.runtime.stages.stage import Stage
 from lightning_pipedream.schedule.actions import Action, Op
 
 InputFn = Callable[[int], Any]  # micro-batch -> the first stage's input
@@ -26,7 +26,7 @@ class Executor:
 
     With ``record=True`` every action is appended to :attr:`records` as ``(action, start, end)``
     (``perf_counter`` seconds); a blocking receive's time is the time spent waiting for the peer.
-    Whatever ``record`` says, the process's flight recorder (:mod:`~lightning_pipedream.runtime.flight`)
+    Whatever ``record`` says, the process's flight recorder (:mod:`~lightning_pipedream.runtime.faults.flight`)
     keeps the last few hundred actions and the one in progress, for the words and the file of a failure.
 
     ``stage`` is this rank's stage, or (interleaved schedules) a mapping from stage index to each of

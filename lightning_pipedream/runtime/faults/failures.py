@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import atexit
 import logging
-import os
-import signal
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -14,18 +10,18 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from lightning_pipedream.runtime.flight import (
-    STOP_GRACE,
+from lightning_pipedream.runtime.faults.ending import end_run
+from lightning_pipedream.runtime.faults.errors import PeerFailedError, posted_error
+from lightning_pipedream.runtime.faults.flight import (
     PipelineTimeoutError,
     hung_peers,
     is_timeout,
     peer_reports,
-    post_error_soon,
     recorder,
     timeout_error,
 )
-from lightning_pipedream.runtime.mailbox import ANSWERED, GONE, SILENT, mailbox, process_state
-from lightning_pipedream.runtime.transport import PeerFailedError, posted_error
+from lightning_pipedream.runtime.faults.mailbox import GONE, SILENT, mailbox
+from lightning_pipedream.runtime.faults.watchdog import watchdog
 
 log = logging.getLogger("lightning_pipedream")
 
@@ -55,79 +51,7 @@ def wait_for_posted_error(seconds: float = 2.0) -> str | None:
         time.sleep(0.05)
 
 
-def end_run(message: str, hung: tuple[int, ...] = (), here: bool = False) -> None:
-    """Make sure the whole run ends: leave a stop request with ``message`` in every peer's mailbox (each rank's
-    watchdog obeys it, see :meth:`FlightRecorder._obey`), end at once the local peers named in ``hung`` that cannot
-    obey (stopped, or not even their mailbox answers), and at this process's exit end the local peers still there
-    after the grace. ``here``: this rank's own watchdog obeys it too (it may be stuck in a wait itself)."""
-    box = mailbox()
-    flight = recorder()
-    request = {"rank": flight.rank, "stage": flight.stage, "message": message, "hung": list(hung)}
-    if here:
-        box.put_here("stop", request, first=True)
-    statuses: dict[int, str] = {}
-    if box.is_open:
-        learner = threading.Thread(target=box.learn_peers, daemon=True)  # a peer may have registered just now
-        learner.start()
-        learner.join(1.0)
-        statuses = box.put_everywhere("stop", request, first=True)
-        for rank in hung:
-            if box.is_local(rank) and (statuses.get(rank) == SILENT or box.local_state(rank) == "T"):
-                _kill(rank, "it is stopped or frozen")
-        _end_local_peers_at_exit()
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if len(statuses) < world - 1 or any(status != ANSWERED for status in statuses.values()):
-        post_error_soon(message)  # and the store, for peers whose mailbox this rank does not know or reach
-
-
-def _kill(rank: int, why: str) -> None:
-    peer = mailbox().peers[rank]
-    if process_state(peer.pid, peer.started) in (None, "Z"):
-        return
-    log.error("lightning_pipedream: rank %d ends rank %d (process %d on this machine): %s.", recorder().rank, rank,
-              peer.pid, why)
-    try:
-        os.kill(peer.pid, signal.SIGKILL)
-    except OSError:
-        pass
-
-
-_ending = [0.0]  # when this process asked its peers to stop (0: it did not)
-
-
-def _end_local_peers_at_exit() -> None:
-    if _ending[0] == 0.0:
-        atexit.register(_end_local_peers)
-    _ending[0] = time.monotonic()
-
-
-def _end_local_peers() -> None:
-    """At exit: the local peers asked to stop get the grace to end by themselves; those still there then (a thread
-    holding the interpreter, a process stopped since) are ended, so that no rank outlives the run. A child process
-    of its own waits for them, so that this one exits at once (its closed connections tell the peers to stop)."""
-    box = mailbox()
-    peers = [(box.peers[r].pid, box.peers[r].started) for r in box.peers if box.is_local(r)]
-    if not any(process_state(pid, started) not in (None, "Z") for pid, started in peers):
-        return
-    deadline = _ending[0] + STOP_GRACE + 2.0
-    if os.fork() != 0:
-        return
-    # The child: only system calls from here on (other threads' locks may have been held at the fork).
-    try:
-        os.closerange(0, 1024)  # no pipe of the parent's kept open (a caller waits for their end)
-        while time.monotonic() < deadline:
-            if all(process_state(pid, started) in (None, "Z") for pid, started in peers):
-                break
-            time.sleep(0.1)
-        else:
-            for pid, started in peers:
-                if process_state(pid, started) not in (None, "Z"):
-                    os.kill(pid, signal.SIGKILL)
-    finally:
-        os._exit(0)
-
-
-def _stage_words(stage: int | None) -> str:
+def _stage_clause(stage: int | None) -> str:
     return "" if stage is None else f", stage {stage}"
 
 
@@ -144,16 +68,16 @@ def _unexplained(stage: int | None) -> str:
     words = []
     for rank in gone:
         peer = mailbox().peers.get(rank)
-        words.append(f"rank {rank}{_stage_words(peer.stage if peer else None)} ended without reporting an error: it "
+        words.append(f"rank {rank}{_stage_clause(peer.stage if peer else None)} ended without reporting an error: it "
                      "was killed (SIGKILL, the out-of-memory killer) or crashed outside Python; look at its log and "
                      "the system's (dmesg) for why")
     for rank in silent:
         peer = mailbox().peers.get(rank)
-        words.append(f"rank {rank}{_stage_words(peer.stage if peer else None)} does not answer (stopped, frozen "
+        words.append(f"rank {rank}{_stage_clause(peer.stage if peer else None)} does not answer (stopped, frozen "
                      "or unreachable)")
     if not words:
         return ""
-    return (f"Pipeline communication failed: {'; '.join(words)} (this rank, {flight.rank}{_stage_words(stage)}, "
+    return (f"Pipeline communication failed: {'; '.join(words)} (this rank, {flight.rank}{_stage_clause(stage)}, "
             "stopped because of it)")
 
 
@@ -173,7 +97,7 @@ def pipeline_failures(stage: int | None, waiting: str | None = None, peers: tupl
     recorder (its last actions) to a file.
     """
     flight = recorder()
-    flight.start_heartbeat(stage)
+    watchdog().start(stage)
     where = f" (stage {stage})" if stage is not None else f" (rank {flight.rank})"
     # The except clauses run inside the mark, so that a timeout's words name this wait.
     with flight.waiting(f"{waiting}{where}", peers) if waiting is not None else nullcontext():
@@ -204,7 +128,7 @@ def pipeline_failures(stage: int | None, waiting: str | None = None, peers: tupl
                 _record(err, cause)
                 raise PeerFailedError(cause) from err
             _record(err, cause)
-            raise PeerFailedError(f"{cause} (this rank, {flight.rank}{_stage_words(stage)}, stopped because of it)"
+            raise PeerFailedError(f"{cause} (this rank, {flight.rank}{_stage_clause(stage)}, stopped because of it)"
                                   ) from err
         except Exception as err:
             end_run(_own_failure(stage, err, during))

@@ -1,26 +1,22 @@
-"""Each rank's flight recorder (its last actions), its heartbeat and watchdog, and the words for a hung peer."""
+"""Each rank's flight recorder (its last actions and what it waits for), and the words for a hung peer."""
 
 from __future__ import annotations
 
-import atexit
-import faulthandler
 import json
 import logging
 import os
 import re
-import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import torch.distributed as dist
 
-from lightning_pipedream.runtime.mailbox import ANSWERED, GONE, SILENT, mailbox
-from lightning_pipedream.runtime.transport import PeerFailedError, post_error
+from lightning_pipedream.runtime.faults.errors import PeerFailedError, default_store, post_error
+from lightning_pipedream.runtime.faults.mailbox import ANSWERED, GONE, SILENT, mailbox
 from lightning_pipedream.schedule.actions import Action, Op
 
 log = logging.getLogger("lightning_pipedream")
@@ -35,7 +31,7 @@ STOP_GRACE = 10.0  # seconds a rank asked to stop has to end by itself (raising 
 HUNG_GRACE = 1.0  # the same for the rank the stop request names as hung: it prints why, then ends
 SIZE = 512  # actions each rank keeps
 HEARTBEAT = 1.0  # seconds between a rank's reports in the store
-_REPORT_KEY = "lightning_pipedream/report/"  # + global rank
+REPORT_KEY = "lightning_pipedream/report/"  # + global rank
 _STORE_WAIT = 2.0  # seconds an error path waits for the store (its host may be the stopped rank)
 
 TIMEOUT_ADVICE = (
@@ -64,7 +60,7 @@ def _op_words(action: Action, unit: str = "minibatch") -> str:
     return text
 
 
-class _Current:
+class Current:
     """The action or wait in progress; its words are made only when asked for (an action costs ~1 us here)."""
 
     __slots__ = ("_what", "peers", "start", "action", "step", "unit")
@@ -93,21 +89,16 @@ class FlightRecorder:
 
     def __init__(self, size: int = SIZE) -> None:
         self.recent: deque[tuple[Action, float, float]] = deque(maxlen=size)
-        self.current: _Current | None = None
+        self.current: Current | None = None
         self.rank = 0
         self.step = 0  # the training step running (set by the engine)
         self.unit = "minibatch"  # what the actions' numbers count: "minibatch" or "micro-batch"
         self._epoch = time.time() - time.perf_counter()
         self.stage: int | None = None  # this rank's stage (its first, several under interleaved), once known
-        self._heartbeat: threading.Thread | None = None
-        self._stop = threading.Event()
-        self._warned: _Current | None = None
-        self._frozen_checked: _Current | None = None
-        self._stop_seen: float | None = None  # when this rank's watchdog found a stop request in its mailbox
 
     def begin(self, action: Action, peer: int | None = None) -> None:
         """``action`` starts; ``peer`` is the global rank it waits for, if any."""
-        self.current = _Current(None, () if peer is None else (peer,), time.perf_counter(), action, self.step,
+        self.current = Current(None, () if peer is None else (peer,), time.perf_counter(), action, self.step,
                                 self.unit)
 
     def end(self, action: Action, start: float, end: float) -> None:
@@ -115,10 +106,10 @@ class FlightRecorder:
         self.current = None
 
     @contextmanager
-    def waiting(self, what: str, peers: tuple[int, ...] = ()) -> Iterator[_Current]:
+    def waiting(self, what: str, peers: tuple[int, ...] = ()) -> Iterator[Current]:
         """Marks a wait outside the actions (a collective, the step's sends) for the reports and errors."""
         outer = self.current
-        self.current = marker = _Current(f"step {self.step}: {what}", peers, time.perf_counter(), None)
+        self.current = marker = Current(f"step {self.step}: {what}", peers, time.perf_counter(), None)
         try:
             yield marker
         finally:
@@ -167,130 +158,8 @@ class FlightRecorder:
             return None
         return path
 
-    # -- the heartbeat and the watchdog ----------------------------------------------------------------
-    def start_heartbeat(self, stage: int | None = None) -> None:
-        """Once per process group (called by every pipeline_failures): open this rank's mailbox, report :meth:`doing`
-        there and to the store every second, warn when one wait lasts longer than the no-progress limit, end the
-        run when the peer waited for is frozen, and obey a stop request a peer leaves (see :meth:`_watch`)."""
-        if stage is not None:
-            self.stage = stage
-        box = mailbox()
-        if self._heartbeat is not None and box.is_open and self._heartbeat.is_alive():
-            return  # running (the call at every step costs this much)
-        if not dist.is_initialized():
-            return
-        self.rank = dist.get_rank()
-        if dist.get_world_size() == 1:  # no peer to report to, wait for or stop
-            return
-        store = _default_store()
-        if store is not None and not (box.is_open and self._heartbeat is not None and self._heartbeat.is_alive()):
-            try:
-                box.open(self.rank, dist.get_world_size(), store, self.stage)
-            except OSError as err:  # no port to listen on: failures travel through the store only
-                log.warning("lightning_pipedream: rank %d could not open its mailbox (%s).", self.rank, err)
-        if self._heartbeat is not None and self._heartbeat.is_alive():
-            return
-        if self._heartbeat is None:
-            # Stop it before the interpreter (and torch's store) goes away: a thread killed inside a store call
-            # at exit aborts the process ("terminate called without an active exception").
-            atexit.register(self.stop_heartbeat)
-        self._stop = stop = threading.Event()  # its own: threads of an earlier run still asleep end on theirs
-        # A new run in this process (after a teardown stopped the threads): an earlier run's stop request is done.
-        with box.lock:
-            box.values.pop("stop", None)
-        self._stop_seen = None
-        self._heartbeat = threading.Thread(target=self._beat, args=(stop,), name="lightning_pipedream-heartbeat",
-                                           daemon=True)
-        self._heartbeat.start()
-        threading.Thread(target=self._watch, args=(stop,), name="lightning_pipedream-watchdog", daemon=True).start()
-
-    def stop_heartbeat(self) -> None:
-        """Stop the heartbeat and watchdog threads and wait a little for the heartbeat to leave the store."""
-        self._stop.set()
-        if self._heartbeat is not None and self._heartbeat.is_alive():
-            self._heartbeat.join(timeout=3)
-
     def report(self) -> dict:
         return {"time": time.time(), "doing": self.doing(), "stage": self.stage}
-
-    def _beat(self, stop: threading.Event) -> None:
-        """The report in the process group's store, for peers whose mailbox request finds this rank stopped (a
-        store call may block while the store's host is stopped: the watchdog is another thread)."""
-        while not stop.is_set():
-            store = _default_store()
-            if store is None:
-                return
-            if mailbox().here("stop") is None:  # else the run is ending, and its store may be gone
-                try:
-                    store.set(_REPORT_KEY + str(self.rank), json.dumps(self.report()))
-                except Exception:  # the store is gone: the run is over
-                    return
-            if stop.wait(HEARTBEAT):
-                return
-
-    def _watch(self, stop: threading.Event) -> None:
-        """Every second: the report in the mailbox, the peers' addresses, a stop request, the no-progress warning
-        and the frozen-peer check."""
-        box = mailbox()
-        limit, frozen = no_progress_limit(), frozen_limit()
-        while not stop.is_set():
-            box.put_here("report", self.report())
-            box.learn_peers()
-            request = box.here("stop")
-            if request is not None:
-                self._obey(request)
-            current = self.current
-            waited = time.perf_counter() - current.start if current is not None else 0.0
-            if (limit > 0 and current is not None and current.peers and current is not self._warned
-                    and waited > limit):
-                self._warned = current
-                log.warning("%s", hang_message(current, waited, warning=True))
-            if frozen > 0 and current is not None and current.peers and waited > frozen and (
-                    current is not self._frozen_checked):
-                self._check_frozen(current, waited)
-            if stop.wait(HEARTBEAT):
-                return
-
-    def _check_frozen(self, current: _Current, waited: float) -> None:
-        """The peer this rank waits for is stopped (SIGSTOP, a debugger) or its whole process is frozen: end the run
-        now rather than at the timeout."""
-        from lightning_pipedream.runtime.failures import end_run
-
-        box = mailbox()
-        # Only peers whose mailbox this rank knows (never itself: a wait left marked by an error in a long-lived
-        # process, a test's in-memory transport, is no frozen peer).
-        known = [peer for peer in current.peers if peer in box.peers and peer != self.rank]
-        frozen = [peer for peer in known if (box.local_state(peer) == "T" if box.is_local(peer)
-                                             else box.ask(peer, "report", 2.0)[0] == SILENT)]
-        if not frozen:
-            return
-        self._frozen_checked = current
-        message = hang_message(current, waited, frozen=frozen)
-        log.error("%s", message)
-        self.dump(message)
-        end_run(message, hung=tuple(frozen), here=True)
-
-    def _obey(self, request: dict) -> None:
-        """A peer asked every rank to stop: give this process a little time to end by itself (its pipeline waits
-        fail and it raises the peer's error), then end it, saying why."""
-        now = time.monotonic()
-        if self._stop_seen is None:
-            self._stop_seen = now
-        hung = self.rank in request.get("hung", ())
-        if now - self._stop_seen < (HUNG_GRACE if hung else STOP_GRACE):
-            return
-        words = (f"lightning_pipedream: rank {self.rank}{_stage_words(self.stage)} ends its process: rank "
-                 f"{request.get('rank')}{_stage_words(request.get('stage'))} stopped the run"
-                 + (", naming this rank as hung" if hung else "") + f". {request.get('message')}")
-        try:
-            path = self.dump(words)
-            sys.stderr.write(f"{words}\nThis rank was {self.doing()}; its last actions are in {path}. Its threads:\n")
-            sys.stderr.flush()
-            faulthandler.dump_traceback(sys.stderr, all_threads=True)
-            sys.stderr.flush()
-        finally:
-            os._exit(1)
-
 
 _RECORDER = FlightRecorder()
 
@@ -330,13 +199,6 @@ def frozen_limit() -> float:
         return DEFAULT_FROZEN
 
 
-def _default_store() -> Any:
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:
-        return None
-
-
 def post_error_soon(message: str) -> None:
     """:func:`post_error`, waiting at most a few seconds (the store's host may be the stopped rank)."""
     poster = threading.Thread(target=post_error, args=(message,), daemon=True)
@@ -363,9 +225,9 @@ def peer_reports(ranks: list[int]) -> dict[int, tuple[str, dict | None]]:
     stored: dict[int, dict] = {}
 
     def read() -> None:
-        store = _default_store()
+        store = default_store()
         for rank in missing:
-            key = _REPORT_KEY + str(rank)
+            key = REPORT_KEY + str(rank)
             try:
                 if store is not None and store.check([key]):
                     stored[rank] = json.loads(store.get(key).decode())
@@ -383,7 +245,7 @@ def peer_reports(ranks: list[int]) -> dict[int, tuple[str, dict | None]]:
     return out
 
 
-def _stage_words(stage: int | None) -> str:
+def stage_words(stage: int | None) -> str:
     return "" if stage is None else f" (stage {stage})"
 
 
@@ -395,7 +257,7 @@ def _peer_stage(rank: int, report: dict | None) -> int | None:
 
 
 def _report_words(rank: int, status: str, report: dict | None) -> str:
-    who = f"rank {rank}{_stage_words(_peer_stage(rank, report))}"
+    who = f"rank {rank}{stage_words(_peer_stage(rank, report))}"
     if status == GONE:
         return f"{who} has ended (nothing listens at its mailbox)"
     if report is None:
@@ -409,7 +271,7 @@ def _report_words(rank: int, status: str, report: dict | None) -> str:
     return text
 
 
-def hang_message(current: _Current | None, waited: float, warning: bool = False, error: str = "",
+def hang_message(current: Current | None, waited: float, warning: bool = False, error: str = "",
                  frozen: list[int] | None = None) -> str:
     """Which rank waits for whom, doing what, for how long; what the peers last reported; how to wait longer.
     ``frozen``: the peers found stopped or frozen, for which the run ends before its timeout."""
@@ -447,7 +309,7 @@ def hang_message(current: _Current | None, waited: float, warning: bool = False,
     return text
 
 
-def hung_peers(current: _Current | None, reports: dict[int, tuple[str, dict | None]] | None = None) -> tuple[int, ...]:
+def hung_peers(current: Current | None, reports: dict[int, tuple[str, dict | None]] | None = None) -> tuple[int, ...]:
     """The peers a timed-out wait blames: those it waited for, or in a collective those that do not answer."""
     if current is not None and current.peers:
         return tuple(current.peers)
@@ -457,7 +319,7 @@ def hung_peers(current: _Current | None, reports: dict[int, tuple[str, dict | No
     return tuple(r for r, (status, _) in reports.items() if status != ANSWERED)
 
 
-def timeout_error(err: BaseException, current: _Current | None) -> PipelineTimeoutError:
+def timeout_error(err: BaseException, current: Current | None) -> PipelineTimeoutError:
     """A :class:`PipelineTimeoutError` for the timed-out wait ``current``; the flight recorder is written and named
     in it."""
     rec = _RECORDER
