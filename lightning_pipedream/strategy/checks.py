@@ -11,7 +11,38 @@ from lightning.pytorch.core.optimizer import _configure_optimizers
 from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 
+from lightning_pipedream.strategy.placement import Placement
 from lightning_pipedream.tree import tensors
+
+
+def refuse_guard_with_unequal_replicas(placement: Placement) -> None:
+    """``on_divergence='flush'`` goes over to 1f1b, which runs no unequal replicas."""
+    if placement.layout is not None:
+        raise ValueError(
+            "on_divergence='flush' goes over to 1f1b, which does not run unequal stage replicas (1F1B-RR, "
+            f"replicas={list(placement.layout.replicas)}). Drop on_divergence, or replicate whole pipelines (stages=)."
+        )
+
+
+def refuse_minibatches_with_replicas(placement: Placement, minibatches_per_batch: int) -> None:
+    """``minibatches_per_batch`` runs on straight pipelines only."""
+    if minibatches_per_batch > 1 and placement.layout is not None:
+        raise ValueError(
+            f"PipeDreamStrategy(minibatches_per_batch={minibatches_per_batch}) runs on a straight pipeline (or "
+            f"data-parallel copies of one); stages with unequal replicas {list(placement.layout.replicas)} (1F1B-RR) "
+            "already cut each batch into one minibatch per input replica. Drop minibatches_per_batch, or use equal "
+            "replicas."
+        )
+
+
+def refuse_minibatches_with_accumulation(minibatches_per_batch: int, accumulate_grad_batches: int) -> None:
+    """``minibatches_per_batch`` makes an update per minibatch, which accumulation would add up."""
+    if minibatches_per_batch > 1 and accumulate_grad_batches > 1:
+        raise ValueError(
+            f"PipeDreamStrategy(minibatches_per_batch={minibatches_per_batch}) makes an update per minibatch; "
+            f"accumulate_grad_batches={accumulate_grad_batches} would add up several. Use a larger "
+            "batch with fewer minibatches_per_batch, or drop accumulate_grad_batches."
+        )
 
 
 def check_training_supported(module: LightningModule, precision: Precision, schedule: str = "1f1b",

@@ -1,24 +1,61 @@
-"""What setup builds for one LightningModule on a rank: its stage, the engine, the summaries' channels."""
+"""What setup builds for one LightningModule on a rank (its stage, the engine, the summaries' channels), and the
+builder that decides the placement, keeps this rank's layers and builds the rest around them."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import logging
+import os
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch import LightningModule
-from torch import nn
+from lightning.pytorch import LightningModule, Trainer
+from torch import Tensor, nn
 
+from lightning_pipedream.graph.split import get_path
+from lightning_pipedream.plan.balance import stage_slice
+from lightning_pipedream.runtime.communication.transport import Transport
 from lightning_pipedream.runtime.execution.engine import PipelineEngine
+from lightning_pipedream.runtime.faults.failures import from_rank_zero
+from lightning_pipedream.runtime.stages.materialize import has_meta_tensors, materialize
 from lightning_pipedream.runtime.stages.replicas import GradientReducer
-from lightning_pipedream.runtime.stages.sharding import local_square_norm, scale_gradient, shard_stage
+from lightning_pipedream.runtime.stages.sharding import (
+    WholeOptimizerState,
+    local_square_norm,
+    scale_gradient,
+    set_gradient_sync,
+    shard_stage,
+    sharded_optimizer_state,
+    whole_state,
+)
 from lightning_pipedream.runtime.stages.ties import TiedParameters
-from lightning_pipedream.strategy.calls import ForwardCall, SequentialCall
+from lightning_pipedream.strategy.calls import (
+    Elsewhere,
+    ForwardCall,
+    SequentialCall,
+    find_layers,
+    shared_parameters,
+)
 from lightning_pipedream.strategy.checkpoint import CheckpointGather, OptimizerLayout
-from lightning_pipedream.strategy.checks import FiniteChecks
+from lightning_pipedream.strategy.checks import (
+    FiniteChecks,
+    check_stage_trains,
+    optimizers_unvalidated,
+    refuse_minibatches_with_replicas,
+)
 from lightning_pipedream.strategy.graph_path import GraphPath
+from lightning_pipedream.strategy.options import PipelineOptions
 from lightning_pipedream.strategy.placement import Placement, ProcessGroups
+from lightning_pipedream.strategy.planning import LayerPlanner
 from lightning_pipedream.strategy.summaries import LaggedFromSources, LaggedSummaries, SummaryChannel
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -42,6 +79,42 @@ class StagePipeline:
     finite: FiniteChecks | None = None
     ties: TiedParameters | None = None  # a Sequential's parameters used on several stages (tied embeddings)
     shard: str | None = None  # each stage's replicas shard it (runtime/stages/sharding.py); None: whole copies
+    step_context: str = "setup"  # what the pipeline runs now, for error messages
+
+    # -- checkpoints (single-device form) and traces ---------------------------------------------------------
+    def state_share(self, is_global_zero: bool) -> dict[str, Tensor]:
+        """This rank's part of the model's state dict, under the module's own names."""
+        graph = self.graph
+        if graph is None or graph.graph is None:
+            state = self.module.state_dict()
+            return whole_state(state) if self.shard is not None else state  # every replica gathers at once
+        share = graph.stage.state_dict()
+        if is_global_zero:  # state the graph never reads (metrics, unused layers) is the same on every rank
+            share.update({k: v for k, v in self.module.state_dict().items() if k not in graph.graph.graph_state_names})
+        return share
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer, index: int) -> dict[str, Tensor]:
+        """The ``index``-th optimizer's state in single-device form (indices over the whole model), on rank 0."""
+        raw = getattr(optimizer, "_optimizer", optimizer)
+        if self.shard is not None:  # gathered whole on every replica at once, then as without sharding
+            raw = WholeOptimizerState(raw)
+        return self.checkpoint.optimizer_state(raw, self.optimizer_layouts[index], self.local_names)
+
+    def load_optimizer_states(self, optimizers: list[torch.optim.Optimizer], states: list[dict]) -> None:
+        """Each optimizer takes this rank's part of its single-device state (its shards, under ``shard=``)."""
+        for i, optimizer in enumerate(optimizers):
+            raw = getattr(optimizer, "_optimizer", optimizer)
+            local = self.optimizer_layouts[i].to_local(raw, states[i], self.local_names)
+            raw.load_state_dict(sharded_optimizer_state(raw, local) if self.shard is not None else local)
+
+    def write_trace(self, trace_dir: str, global_rank: int) -> None:
+        """This rank's actions as a Chrome/Perfetto trace in ``trace_dir``."""
+        from lightning_pipedream.schedule.timeline import to_chrome_trace
+
+        os.makedirs(trace_dir, exist_ok=True)
+        events = self.engine.executor.events(global_rank)
+        with open(os.path.join(trace_dir, f"trace_rank{global_rank}.json"), "w") as f:
+            json.dump(to_chrome_trace(events), f)
 
 
 def shard_own_stage(stage: nn.Module, placement: Placement, groups: ProcessGroups, shard: str, unsupported: bool,
@@ -87,6 +160,252 @@ def lagged_summaries(placement: Placement, groups: ProcessGroups, channel: Summa
                         lag=lag, is_source=me == source, reverse_group=groups.summaries_reverse)
         for source in placement.last_stage_ranks()
     ])
+
+
+@dataclass
+class Ranks:
+    """What the builder needs to know of the processes: this rank, how many there are and how they talk."""
+
+    global_rank: int
+    world_size: int
+    devices_per_node: int
+    num_nodes: int
+    device: torch.device
+    backend: str
+    timeout: timedelta | None
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.global_rank == 0
+
+
+def plan_replicas(options: PipelineOptions, plan: Any) -> tuple[int, ...] | None:
+    """Replicas per stage: ``replicas=``, else those of a plan file or of the replicating planner's plan."""
+    if options.replicas is None and plan is not None and (options.plan_path is not None or not options.straight):
+        return tuple(stage.replicas for stage in plan.stages)
+    return options.replicas
+
+
+def decide_placement(options: PipelineOptions, world_size: int, global_rank: int, plan: Any,
+                     accumulate_grad_batches: int = 1) -> Placement:
+    """Replicas per stage from ``replicas=`` or the plan: equal counts are data-parallel pipelines, unequal ones
+    PipeDream's 1F1B-RR."""
+    return Placement.decide(options.schedule, world_size, global_rank, stages=options.stages,
+                            replicas=plan_replicas(options, plan), accumulate_grad_batches=accumulate_grad_batches)
+
+
+def sequential_layers(options: PipelineOptions, module: LightningModule,
+                      is_global_zero: bool) -> tuple[str, nn.Sequential] | None:
+    """The module's Sequential to split between layers (its attribute name too), or None to split its traced
+    forward graph."""
+    if options.split_points is not None:
+        return None
+    if options.layers is not None:  # asked for by name: its errors are the user's to see
+        return find_layers(module, options.layers, allow_ties=True)
+    try:
+        return find_layers(module, None, allow_ties=True)
+    except ValueError as not_sequential:
+        if is_global_zero:
+            log.info("PipeDreamStrategy: %s is not one nn.Sequential (%s); it splits the graph of its forward "
+                     "call instead.", type(module).__name__, str(not_sequential).split(";")[0])
+        return None
+
+
+def choose_automatically(options: PipelineOptions, ranks: Ranks, trainer: Trainer, module: LightningModule,
+                         fitting: bool, batch_to_device: Callable[[Any], Any]) -> tuple[PipelineOptions, Any]:
+    """``schedule='auto'``: the planner chooses the schedule, the split, replicas, micro-batches and recompute on
+    a profile of the first training batch. Returns the options of its choice and its plan."""
+    found = sequential_layers(options, module, ranks.is_global_zero)
+    if found is None:
+        raise ValueError(
+            f"PipeDreamStrategy(schedule='auto') plans a module whose layers are one nn.Sequential; "
+            f"{type(module).__name__}'s are not. Name a schedule (the graph path profiles and splits any module), "
+            "or put the layers in one nn.Sequential."
+        )
+    if not fitting:  # nothing to profile a training step with: an even split, flushed
+        return dataclasses.replace(options, schedule="1f1b", memory_limit=None, exact=False), None
+    optimizers, _ = optimizers_unvalidated(module)
+    from lightning_pipedream.plan.memory import optimizer_kind
+
+    planner = LayerPlanner(options, trainer, module, SequentialCall(found[0]), ranks.is_global_zero, batch_to_device)
+    arguments, plan = planner.auto_plan(found[1], ranks.devices_per_node, ranks.num_nodes,
+                                        optimizer_kind(optimizers[0]) if optimizers else "adam", device=ranks.device)
+    arguments = {k: tuple(v) if isinstance(v, list) else v for k, v in arguments.items()}
+    return dataclasses.replace(options, memory_limit=None, exact=False, **arguments), plan
+
+
+def make_engine(options: PipelineOptions, stage: nn.Module, model_chunks: list[nn.Module], placement: Placement,
+                groups: ProcessGroups, device: torch.device) -> PipelineEngine:
+    """The engine that runs this rank's stage under the options' schedule."""
+    return PipelineEngine(
+        model_chunks if options.virtual_stages > 1 else stage,
+        placement.stage_index,
+        placement.num_stages,
+        Transport(group=groups.pipeline, device=device, kind=options.transport, reverse_group=groups.pipeline_reverse),
+        schedule=options.schedule,
+        chunks=options.chunks,
+        weight_stashing=options.weight_stashing,
+        vertical_sync=options.vertical_sync,
+        record=options.trace_dir is not None,
+        # 1F1B-RR: the engine runs the replicated schedule; the replicas' all-reduce happens in the updates.
+        replicas=placement.layout.replicas if placement.layout is not None else None,
+        rank=placement.rank if placement.layout is not None else None,
+        allreduce=_reduced_in_updates if placement.layout is not None else None,
+        recompute=options.recompute,
+        virtual_stages=options.virtual_stages,
+        # sharded replicas: only the step's last backward on the stage reduce-scatters the gradients
+        gradient_sync=(lambda _, sync: set_gradient_sync([stage], sync)) if options.shard is not None else None,
+    )
+
+
+def _reduced_in_updates(average: bool = False) -> int:
+    """The replicated schedule's ALLREDUCE_GRAD: a no-op, the strategy all-reduces right before each update
+    (so that accumulated gradients are summed once per update, not once per step)."""
+    return 0
+
+
+def layer_ties(module: LightningModule, shared: dict[str, list[str]], layers: nn.Sequential, placement: Placement,
+               balance: list[int], virtual_stages: int) -> dict[str, list[int]]:
+    """The Sequential's parameters used by layers on different stages: first name -> the stages holding it."""
+    stage_of = dict(zip(layers._modules, (s for s, count in enumerate(balance) for _ in range(count))))
+    ties = {key: sorted({stage_of[n.split(".", 1)[0]] for n in names}) for key, names in shared.items()}
+    ties = {key: stages for key, stages in ties.items() if len(stages) > 1}
+    if ties and (virtual_stages > 1 or placement.num_pipelines > 1 or placement.layout is not None
+                 or has_meta_tensors(module)):
+        users = {key: [n.split(".", 1)[0] for n in shared[key]] for key in ties}
+        raise ValueError(
+            f"Layers {users} of {type(module).__name__} share parameters across stages (tied weights), which "
+            "PipeDreamStrategy runs with one straight pipeline of real weights; not with interleaved model "
+            "chunks, replicated stages, data-parallel pipelines or a model built on the meta device. Use one of "
+            "those without ties, or balance= that keeps each tied parameter's layers in one stage."
+        )
+    return ties
+
+
+class StagePipelineBuilder:
+    """Builds this rank's :class:`StagePipeline` for one module: decides the placement (after the replicating
+    planner, if asked), keeps this rank's layers (or splits the traced graph), shards them, and builds the engine,
+    channels, checks and checkpoint mapping around them. ``plan`` and ``balance`` are those used, once built."""
+
+    def __init__(self, options: PipelineOptions, ranks: Ranks, plan: Any,
+                 batch_to_device: Callable[[Any], Any]) -> None:
+        self.options = options
+        self.ranks = ranks
+        self.plan = plan
+        self.balance: list[int] | None = None
+        self.batch_to_device = batch_to_device
+
+    def build(self, trainer: Trainer, module: LightningModule, fitting: bool,
+              to_device: Callable[[], None]) -> StagePipeline:
+        """``to_device``: the strategy's own preparation of the module (precision, device), once this rank holds
+        only its layers."""
+        options, ranks = self.options, self.ranks
+        found = sequential_layers(options, module, ranks.is_global_zero)
+        call: SequentialCall | ForwardCall = SequentialCall(found[0]) if found is not None else ForwardCall()
+        planner = LayerPlanner(options, trainer, module, call, ranks.is_global_zero,
+                               self.batch_to_device) if isinstance(call, SequentialCall) else None
+        if fitting and not options.straight and ranks.world_size > 1:
+            if found is None or planner is None:
+                raise ValueError(
+                    f"PipeDreamStrategy(straight=False) plans replicated stages for a module whose layers are one "
+                    f"nn.Sequential; {type(module).__name__}'s are not. Use straight=True (the default) for the graph "
+                    "path, or put the layers in one nn.Sequential."
+                )
+            self.plan = planner.replicated_plan(found[1], ranks.world_size, ranks.devices_per_node, ranks.num_nodes)
+        placement = decide_placement(options, ranks.world_size, ranks.global_rank, self.plan,
+                                     trainer.accumulate_grad_batches if fitting else 1)
+        refuse_minibatches_with_replicas(placement, options.minibatches_per_batch)
+        groups = ProcessGroups.make(placement, ranks.backend, ranks.timeout)
+        full_keys = list(module.state_dict())
+        # The full model's optimizer layout maps checkpoints (single-device form) to this rank's stage.
+        optimizer_layouts = OptimizerLayout.of_module(module, optimizers_unvalidated)
+        if fitting and len(optimizer_layouts) > 1:
+            raise ValueError(
+                f"{type(module).__name__}.configure_optimizers returns {len(optimizer_layouts)} optimizers; "
+                "PipeDreamStrategy trains with one (automatic optimization, which takes one). Use one optimizer "
+                "with a parameter group per part of the model for different learning rates or settings."
+            )
+        graph, tied = None, None
+        if found is not None and planner is not None:
+            name, layers = found
+            shared = shared_parameters(layers)  # before the other stages' layers make way for placeholders
+            self.balance, self.plan = planner.balance(layers, placement.num_stages, self.plan)
+            ties = layer_ties(module, shared, layers, placement, self.balance, options.virtual_stages)
+            stage, model_chunks = self._keep_own_stage(module, layers, placement)
+            local_names = {id(p): f"{name}.{n}" for n, p in stage.named_parameters()}
+            if ties:
+                # Each holder's copy lives under its own layer's name; checkpoints and optimizer states use the first.
+                here = {key: next(n for n in shared[key] if n.split(".", 1)[0] in stage._modules)
+                        for key, stages in ties.items() if placement.stage_index in stages}
+                tied = TiedParameters(stage, ties, placement.stage_index, names=here)
+                for key, path in here.items():
+                    local_names[id(get_path(stage, path))] = f"{name}.{key}"
+        else:
+            self._check_graph_path_supported(module)
+            graph = GraphPath(options, placement, ranks.is_global_zero, self.batch_to_device)
+            graph.split(trainer, module)
+            call, stage, local_names = graph.call, graph.stage, graph.local_names()
+            model_chunks = [stage]
+            self.plan = graph.plan if graph.plan is not None else self.plan
+        to_device()
+        stage.to(ranks.device)  # a graph stage is not a child of the module
+        if options.shard is not None:  # before the optimizers: they keep state for this rank's shards only
+            before = {n: id(p) for n, p in stage.named_parameters()}
+            stage = shard_own_stage(stage, placement, groups, options.shard, graph is not None or tied is not None,
+                                    ranks.device)
+            local_names = {id(p): local_names[before[n]] for n, p in stage.named_parameters()}  # new parameters
+        pipeline = StagePipeline(
+            module, placement, groups, call, stage,
+            engine=make_engine(options, stage, model_chunks, placement, groups, ranks.device),
+            summary=summary_channel(placement, groups, ranks.device),
+            checkpoint=CheckpointGather(ranks.global_rank, ranks.world_size, full_keys),
+            optimizer_layouts=optimizer_layouts, local_names=local_names, graph=graph,
+        )
+        pipeline.lagged = lagged_summaries(placement, groups, pipeline.summary, options.minibatches_per_batch)
+        pipeline.ties = tied
+        pipeline.shard = options.shard
+        if groups.replicas is not None and options.shard is None:  # sharded replicas reduce-scatter in the backward
+            pipeline.reducer = GradientReducer(stage.parameters(), groups.replicas)
+        if options.check_finite:
+            pipeline.finite = FiniteChecks(stage, placement.stage_index, lambda: pipeline.step_context,
+                                           per_layer=graph is None)
+        return pipeline
+
+    def _check_graph_path_supported(self, module: LightningModule) -> None:
+        if has_meta_tensors(module):
+            raise ValueError(
+                f"{type(module).__name__} was built on the meta device (configure_model under "
+                "PipeDreamStrategy, or torch.device('meta')), which PipeDreamStrategy materializes per stage "
+                "only for a module whose layers are one nn.Sequential; this one's forward graph must be "
+                "traced with real weights. Put the layers in one nn.Sequential, or build the model on a "
+                "real device (in __init__)."
+            )
+        if self.options.virtual_stages > 1:
+            raise ValueError(
+                f"schedule='interleaved' with virtual_stages={self.options.virtual_stages} splits the layers of one "
+                f"nn.Sequential into model chunks, but {type(module).__name__}'s are not one nn.Sequential. "
+                "Put the layers in one nn.Sequential (layers= names it), or use virtual_stages=1."
+            )
+
+    def _keep_own_stage(self, module: LightningModule, layers: nn.Sequential,
+                        placement: Placement) -> tuple[nn.Module, list[nn.Module]]:
+        """Replace the other stages' layers by placeholders so this rank holds only its own; returns the stage and
+        its model chunks (interleaved: stages r, r + p, ...; one otherwise)."""
+        assert self.balance is not None
+        mine = [c * placement.num_stages + placement.stage_index for c in range(self.options.virtual_stages)]
+        model_chunks = [stage_slice(layers, self.balance, s) for s in mine]
+        own = model_chunks[0] if len(mine) == 1 else nn.Sequential(
+            OrderedDict((layer_name, layer) for chunk in model_chunks for layer_name, layer in chunk.named_children())
+        )
+        check_stage_trains(own, placement.stage_index, self.balance)
+        stage_of = [s for s, count in enumerate(self.balance) for _ in range(count)]
+        for i, layer_name in enumerate(list(layers._modules)):
+            if layer_name not in own._modules:
+                layers._modules[layer_name] = Elsewhere(layer_name, stage_of[i])
+        if has_meta_tensors(module):  # built on the meta device: real weights for this stage only
+            # Rank 0's initial seed initializes every layer: the weights do not depend on which rank holds a layer.
+            materialize(module, self.ranks.device, int(from_rank_zero("share its random seed", torch.initial_seed)))
+        return own, model_chunks
 
 
 def clip_grad_by_norm(pipeline: StagePipeline, optimizer: torch.optim.Optimizer, clip_val: float, *,

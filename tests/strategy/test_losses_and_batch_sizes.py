@@ -96,9 +96,9 @@ def test_weights_tied_across_stages_are_refused_where_they_cannot_run():
     import lightning as L
     from torch import nn
 
-    from lightning_pipedream import PipeDreamStrategy
     from lightning_pipedream.strategy.calls import shared_parameters
     from lightning_pipedream.strategy.placement import Placement
+    from lightning_pipedream.strategy.stage_pipeline import layer_ties
 
     class Tied(L.LightningModule):
         def __init__(self) -> None:
@@ -110,21 +110,17 @@ def test_weights_tied_across_stages_are_refused_where_they_cannot_run():
     module = Tied()
     shared = shared_parameters(module.layers)
     assert shared == {"0.weight": ["0.weight", "3.weight"]}
-    strategy = PipeDreamStrategy(schedule="interleaved", chunks=2, virtual_stages=2)
-    strategy.balance = [1, 1, 1, 1]
     placement = Placement.decide("interleaved", 2)
     with pytest.raises(ValueError) as info:
-        strategy._layer_ties(module, shared, module.layers, placement)
+        layer_ties(module, shared, module.layers, placement, [1, 1, 1, 1], virtual_stages=2)
     assert str(info.value) == (
         "Layers {'0.weight': ['0', '3']} of Tied share parameters across stages (tied weights), which "
         "PipeDreamStrategy runs with one straight pipeline of real weights; not with interleaved model chunks, "
         "replicated stages, data-parallel pipelines or a model built on the meta device. Use one of those without "
         "ties, or balance= that keeps each tied parameter's layers in one stage.")
-    plain = PipeDreamStrategy(schedule="1f1b", chunks=2)
-    plain.balance = [2, 2]
-    assert plain._layer_ties(module, shared, module.layers, Placement.decide("1f1b", 2)) == {"0.weight": [0, 1]}
-    plain.balance = [4]  # both users on one stage: no tie to keep
-    assert plain._layer_ties(module, shared, module.layers, Placement.decide("1f1b", 1)) == {}
+    assert layer_ties(module, shared, module.layers, Placement.decide("1f1b", 2), [2, 2], 1) == {"0.weight": [0, 1]}
+    # both users on one stage: no tie to keep
+    assert layer_ties(module, shared, module.layers, Placement.decide("1f1b", 1), [4], 1) == {}
 
 
 @pytest.mark.parametrize("stages", [2, 3, 4])
