@@ -5,20 +5,22 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from script_runs import free_port, script_env
+
 HANG_TRAINER = Path(__file__).resolve().parents[1] / "scripts" / "hang_trainer.py"
 
 
 def run_hang_trainer(tmp_path: Path, options: dict) -> tuple[str, int, float]:
     """hang_trainer.py with ``options``; returns its stderr, the launcher's (rank 0's) exit code, and the seconds from
-    the fault to the end of the last process the launcher started (all of them must end by themselves within 150 s)."""
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "LIGHTNING_PIPEDREAM_FLIGHT_RECORDER": str(tmp_path / "flight")}
+    the fault to the end of the last process the launcher started (all of them must end by themselves within 150 s).
+    Lightning's launcher starts the other ranks on a rendezvous port of this pytest worker's own (script_env)."""
+    env = script_env(LIGHTNING_PIPEDREAM_FLIGHT_RECORDER=str(tmp_path / "flight"))
     log = tmp_path / "stderr.txt"
     with log.open("w") as err:  # a file, not a pipe: a stopped rank would hold a pipe open
         proc = subprocess.Popen([sys.executable, str(HANG_TRAINER), str(tmp_path), json.dumps(options)], cwd=tmp_path,
@@ -83,17 +85,11 @@ class RankRun:
     ended: float
 
 
-def free_port() -> int:
-    """A port no process listens on now (the kernel's choice), for one run's rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(out: Path, options: dict, world: int = 2, delays: dict[int, float] | None = None,
               limit: float = 120.0) -> list[RankRun]:
     """setup_fault_trainer.py once per rank, each started by the test as torchrun would (rank ``r`` after
-    ``delays[r]`` seconds), on 127.0.0.1 and a port of its own; see :func:`run_many`."""
+    ``delays[r]`` seconds), on 127.0.0.1 and a port of its own (from this pytest worker's block: script_runs.free_port);
+    see :func:`run_many`."""
     return run_many([(out, options, delays or {})], world, limit)[0]
 
 
@@ -133,9 +129,8 @@ def run_many(runs: list[tuple[Path, dict, dict[int, float]]], world: int = 2, li
 
 
 def _start_rank(out: Path, options: dict, rank: int, world: int, port: int) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-           "LOCAL_RANK": str(rank), "NODE_RANK": "0", "WORLD_SIZE": str(world), "GLOO_SOCKET_IFNAME": "lo",
-           "LIGHTNING_PIPEDREAM_FLIGHT_RECORDER": str(out / "flight")}
+    env = script_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0",
+                     WORLD_SIZE=str(world), GLOO_SOCKET_IFNAME="lo", LIGHTNING_PIPEDREAM_FLIGHT_RECORDER=str(out / "flight"))
     with (out / f"stderr_rank{rank}.txt").open("w") as err:
         return subprocess.Popen([sys.executable, str(SETUP_FAULT_TRAINER), str(out), json.dumps(options)], cwd=out,
                                 env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)

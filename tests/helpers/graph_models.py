@@ -42,10 +42,11 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
-class GPT(nn.Module):
-    """Decoder-only LM: blocks in an nn.ModuleList, the output projection tied to the token embedding."""
+class TiedDecoder(nn.Module):
+    """A decoder-only LM's parts: token and position embeddings, blocks in an nn.ModuleList, a LayerNorm and the
+    output projection tied to the token embedding (built in this order: the seeded weights of GPT and HFStyleLM)."""
 
-    def __init__(self, vocab: int = 29, d: int = 16, layers: int = 4, context: int = 16) -> None:
+    def __init__(self, vocab: int, d: int, layers: int, context: int) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab, d)
         self.pos = nn.Embedding(context, d)
@@ -53,6 +54,13 @@ class GPT(nn.Module):
         self.ln = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
         self.head.weight = self.tok.weight
+
+
+class GPT(TiedDecoder):
+    """Decoder-only LM: blocks in an nn.ModuleList, the output projection tied to the token embedding."""
+
+    def __init__(self, vocab: int = 29, d: int = 16, layers: int = 4, context: int = 16) -> None:
+        super().__init__(vocab, d, layers, context)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         length = idx.size(1)
@@ -117,19 +125,13 @@ class CausalLMOutput:
     past_key_values: KeyValueCache | None = None
 
 
-class HFStyleLM(nn.Module):
+class HFStyleLM(TiedDecoder):
     """A decoder LM called as Hugging Face's are: ``model(input_ids, labels=labels).loss``, with a cache unless
     ``use_cache=False``, the output projection tied to the embedding, and a token-mean loss that skips the
     label -100 (padding)."""
 
     def __init__(self, vocab: int = 29, d: int = 16, layers: int = 3, context: int = 16) -> None:
-        super().__init__()
-        self.tok = nn.Embedding(vocab, d)
-        self.pos = nn.Embedding(context, d)
-        self.blocks = nn.ModuleList(Block(d) for _ in range(layers))
-        self.ln = nn.LayerNorm(d)
-        self.head = nn.Linear(d, vocab, bias=False)
-        self.head.weight = self.tok.weight
+        super().__init__(vocab, d, layers, context)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 use_cache: bool = True) -> CausalLMOutput:

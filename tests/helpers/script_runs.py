@@ -27,6 +27,25 @@ def main_runs(train: Callable[[str, dict[str, Any]], None]) -> None:
         train(out, options)
 
 
+def trainer_args(**args: Any) -> dict[str, Any]:
+    """A quiet CPU Trainer's keyword arguments (no logger, checkpoints, progress bar or model summary), then ``args``:
+    the start of every script's ``L.Trainer(...)``."""
+    return {"accelerator": "cpu", "logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
+            "enable_model_summary": False, **args}
+
+
+def write_json(path: str | Path, value: Any) -> None:
+    """What a run leaves for its test to read."""
+    with open(path, "w") as f:
+        json.dump(value, f)
+
+
+def refuse_unused(options: dict[str, Any]) -> None:
+    """A run reads its options by popping them: any left over (a misspelt name) fails it rather than being ignored."""
+    if options:
+        raise SystemExit(f"unused options: {options}")
+
+
 def run_script(script: Path, out: Path, options: dict, timeout: float, expect_ok: bool = True
                ) -> subprocess.CompletedProcess:
     """Train with ``script`` in a subprocess (Lightning's launcher re-runs sys.argv, which inside pytest would re-run
@@ -43,8 +62,10 @@ def script_env(**extra: str) -> dict[str, str]:
     """The environment of a training script: a rendezvous port of this pytest worker's own, and one thread per
     process. Lightning's launcher gives each rank ``cpus // processes`` threads unless OMP_NUM_THREADS is set, while
     a one-device run keeps the script's own count: on a 16-core machine the ranks summed in another order than the
-    reference they are compared with (ResNet's BatchNorm over two values made that 5e-2 apart)."""
-    return {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port()), **extra}
+    reference they are compared with (ResNet's BatchNorm over two values made that 5e-2 apart). A MASTER_PORT in
+    ``extra`` (a port the caller drew from :func:`free_port` already, for ranks it starts itself) stands."""
+    port = extra.get("MASTER_PORT") or str(free_port())
+    return {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", **extra, "MASTER_PORT": port}
 
 
 # Rendezvous ports come from below the kernel's ephemeral range (which bind(0) and every outgoing connection draw

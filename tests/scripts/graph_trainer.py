@@ -7,7 +7,6 @@ Hugging Face-style LM called as `self(input_ids, labels=labels).loss` whose outp
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import warnings
@@ -19,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))  # the libraries the tests share
 from graph_models import batches, loss_fn, make, padded, tied_sequential_lstm  # noqa: E402
-from script_runs import main_runs  # noqa: E402
+from script_runs import main_runs, refuse_unused, trainer_args, write_json  # noqa: E402
 
 from lightning_pipedream import PipeDreamStrategy
 from lightning_pipedream.runtime.stages.graph_stage import CapturedStage
@@ -129,18 +128,17 @@ def train(out: str, options: dict[str, Any]) -> None:
         module_class = DataDependent
     model = module_class(family, **options.pop("model", {}))
     epochs = options.pop("epochs", None)
-    trainer_args: dict[str, Any] = dict(
-        accelerator="cpu", devices=options.pop("devices", 1), max_steps=options.pop("steps", 3 if not epochs else -1),
-        max_epochs=epochs, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=options.pop("limit_val_batches", 0),
+    args = trainer_args(
+        devices=options.pop("devices", 1), max_steps=options.pop("steps", 3 if not epochs else -1),
+        max_epochs=epochs, num_sanity_val_steps=0, limit_val_batches=options.pop("limit_val_batches", 0),
         gradient_clip_val=options.pop("clip", None),
     )
     strategy = options.pop("strategy", None)
     if strategy is not None:
         if strategy.get("mean_over") == "labelled_tokens":
             strategy["mean_over"] = labelled_tokens
-        trainer_args["strategy"] = PipeDreamStrategy(**strategy)
-    trainer = L.Trainer(**trainer_args)
+        args["strategy"] = PipeDreamStrategy(**strategy)
+    trainer = L.Trainer(**args)
     # Batches of these sizes (the last ones may be smaller than chunks), or 3 of batch_size.
     sizes = options.pop("sizes", [options.pop("batch_size", 4)] * 3)
     val_sizes = options.pop("val_sizes", [sizes[0]])
@@ -160,10 +158,8 @@ def train(out: str, options: dict[str, Any]) -> None:
         if graph is not None:  # the first capture of this run: its cost, and whether the cache served it
             metrics.update(capture_s=graph.capture_s, capture_cached=graph.cached, split_points=graph.split_points)
         metrics["warnings"] = sorted({str(w.message) for w in caught if "PipeDreamStrategy" in str(w.message)})
-        with open(os.path.join(out, "metrics.json"), "w") as f:
-            json.dump(metrics, f)
-    if options:
-        raise SystemExit(f"unused options: {options}")
+        write_json(os.path.join(out, "metrics.json"), metrics)
+    refuse_unused(options)
 
 
 if __name__ == "__main__":

@@ -12,35 +12,27 @@ import signal
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import lightning as L
-import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))  # the libraries the tests share
+from script_runs import trainer_args  # noqa: E402
+from tiny import SequentialClassifier, data, mlp  # noqa: E402
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning_pipedream  # noqa: F401  (registers the strategy names)
 from lightning_pipedream import PipeDreamStrategy
 
 
-class Model(L.LightningModule):
+class Model(SequentialClassifier):
     def __init__(self, dropout: bool = False, blocks: int = 1) -> None:
         super().__init__()
-        hidden = [layer for _ in range(blocks) for layer in (nn.Linear(16, 16), nn.Tanh())]
-        self.layers = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), *hidden, nn.Linear(16, 4))
+        self.layers = mlp(16, blocks)
         if dropout:  # on the last stage only: the other stages' random state stays as it was
             self.layers = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Dropout(0.5),
                                         nn.Linear(16, 4))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layers(x)
-
-    def training_step(self, batch: tuple, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return nn.functional.cross_entropy(self(x), y)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
 class Fault(L.Callback):
@@ -82,25 +74,22 @@ def main() -> None:
     faulthandler.register(signal.SIGUSR1)  # the test dumps every thread's stack with it before killing a hang
     os.environ.setdefault("LIGHTNING_PIPEDREAM_FLIGHT_RECORDER", os.path.join(out, "flight"))
     how = options.get("how", "stop")
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(64, 8, generator=g)
-    dataset = TensorDataset(x, x[:, :4].argmax(-1))
+    dataset = data(64)
     rank = int(os.environ.get("LOCAL_RANK", 0))
     if how == "fewer" and rank == options.get("rank", 1):
         dataset = TensorDataset(*dataset[:60])
     L.seed_everything(0, verbose=False)
-    data = DataLoader(dataset, batch_size=4, shuffle=how == "shuffle")  # shuffle: no generator of its own
+    loader = DataLoader(dataset, batch_size=4, shuffle=how == "shuffle")  # shuffle: no generator of its own
     schedule = options.get("schedule", "1f1b")
-    trainer = L.Trainer(
-        accelerator="cpu", devices=options.get("devices", 2), max_steps=options.get("max_steps", 12), logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    trainer = L.Trainer(**trainer_args(
+        devices=options.get("devices", 2), max_steps=options.get("max_steps", 12),
         use_distributed_sampler=how not in ("fewer", "shuffle"),
         callbacks=[Fault(options.get("rank", 1), options.get("at", 3), options.get("how", "stop"), out)],
         strategy=PipeDreamStrategy(schedule=schedule, chunks=options.get("chunks", 1 if schedule == "pipedream" else 2),
                                    timeout=timedelta(seconds=options.get("timeout", 10)),
                                    balance=options.get("balance"), virtual_stages=options.get("virtual_stages", 1)),
-    )
-    trainer.fit(Model(dropout=how == "shuffle", blocks=options.get("blocks", 1)), data)
+    ))
+    trainer.fit(Model(dropout=how == "shuffle", blocks=options.get("blocks", 1)), loader)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,6 @@ single-process reference (tests/helpers/pipedream_reference.py) from them.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -18,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))  # the libraries the tests share
 from lightning.pytorch.plugins.precision import MixedPrecision
-from script_runs import main_runs  # noqa: E402
+from script_runs import main_runs, refuse_unused, trainer_args, write_json  # noqa: E402
 from torch import nn
 
 from lightning_pipedream import PipeDreamStrategy
@@ -191,20 +190,19 @@ def train(out: str, options: dict[str, Any]) -> None:
     if "checkpoint" in options:  # ModelCheckpoint keyword arguments
         checkpoint = L.pytorch.callbacks.ModelCheckpoint(dirpath=out, **options.pop("checkpoint"))
         callbacks.append(checkpoint)
-    trainer_args = dict(
-        accelerator="cpu", devices=options.pop("devices", 1), max_epochs=2, logger=False,
-        enable_checkpointing=checkpoint is not None, enable_progress_bar=False, enable_model_summary=False,
+    args = trainer_args(
+        devices=options.pop("devices", 1), max_epochs=2, enable_checkpointing=checkpoint is not None,
         num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks,
     )
     if "fp16" in options:  # 16-mixed with a gradient scaler (GradScaler keyword arguments)
         scaler = torch.amp.GradScaler("cpu", **options.pop("fp16"))
-        trainer_args["plugins"] = [MixedPrecision("16-mixed", "cpu", scaler=scaler)]
+        args["plugins"] = [MixedPrecision("16-mixed", "cpu", scaler=scaler)]
     if strategy is not None:
         if "kill_during_save" in options:
             strategy = {**strategy, "checkpoint_io": KillDuringSave(options.pop("kill_during_save"))}
-        trainer_args["strategy"] = PipeDreamStrategy(**strategy)
-    trainer_args.update(options.pop("trainer", {}))
-    trainer = L.Trainer(**trainer_args)
+        args["strategy"] = PipeDreamStrategy(**strategy)
+    args.update(options.pop("trainer", {}))
+    trainer = L.Trainer(**args)
     items = batches(options.pop("batches", 6))
     merge = options.pop("merge", 1)  # every `merge` batches as one (for minibatches_per_batch=merge)
     items = [tuple(torch.cat(column) for column in zip(*items[i : i + merge])) for i in range(0, len(items), merge)]
@@ -233,10 +231,8 @@ def train(out: str, options: dict[str, Any]) -> None:
             if checkpoint is not None else {},
             "directional": bool(pipeline is not None and pipeline.engine.transport.directional),
         }
-        with open(os.path.join(out, "result.json"), "w") as f:
-            json.dump(result, f)
-    if options:
-        raise SystemExit(f"unused options: {options}")
+        write_json(os.path.join(out, "result.json"), result)
+    refuse_unused(options)
 
 
 if __name__ == "__main__":

@@ -22,8 +22,12 @@ from typing import Any
 
 import lightning as L
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))  # the libraries the tests share
+from script_runs import trainer_args  # noqa: E402
+from tiny import SequentialClassifier, data  # noqa: E402
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 from lightning_pipedream import PipeDreamStrategy
 from lightning_pipedream.plan.partition import partition
@@ -40,6 +44,13 @@ def mark_fault(out: str) -> None:
         path.write_text(str(time.time()))
 
 
+def fail_on_rank_zero(out: str, where: str) -> None:
+    """On rank 0 only: the planted failure, ``where`` it happens, its clock started."""
+    if RANK == 0:
+        mark_fault(out)
+        raise ValueError(f"planted failure {where} on rank 0")
+
+
 class FailsOnRankZero(nn.Module):
     """Raises on rank 0, whenever it runs (rank 0 alone profiles or captures the model)."""
 
@@ -48,9 +59,7 @@ class FailsOnRankZero(nn.Module):
         self.out = out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if RANK == 0:
-            mark_fault(self.out)
-            raise ValueError("planted failure in a layer on rank 0")
+        fail_on_rank_zero(self.out, "in a layer")
         return x
 
 
@@ -58,16 +67,15 @@ class FailsToInitialize(nn.Linear):
     """Its initialization fails on rank 0 once it has real storage (when rank 0 materializes its stage)."""
 
     def reset_parameters(self) -> None:
-        if RANK == 0 and not self.weight.is_meta:
-            mark_fault(OUT[0])
-            raise ValueError("planted failure initializing a layer on rank 0")
+        if not self.weight.is_meta:
+            fail_on_rank_zero(OUT[0], "initializing a layer")
         super().reset_parameters()
 
 
 OUT = [""]  # the run's directory, for layers built before it is known
 
 
-class Layers(L.LightningModule):
+class Layers(SequentialClassifier):
     """Its layers are one nn.Sequential; ``faulty`` puts a layer in it that fails on rank 0; ``extra`` (a model of
     its own) adds a layer, so that a plan made for the others does not fit it."""
 
@@ -77,16 +85,6 @@ class Layers(L.LightningModule):
         middle = [FailsOnRankZero(out)] if faulty else []
         tail = [nn.Tanh(), nn.Linear(16, 16)] if extra else []
         self.layers = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), *middle, nn.Linear(16, 16), *tail, nn.Linear(16, 4))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layers(x)
-
-    def training_step(self, batch: tuple, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return nn.functional.cross_entropy(self(x), y)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
 class Branches(Layers):
@@ -99,9 +97,7 @@ class Branches(Layers):
         self.out = out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if RANK == 0:
-            mark_fault(self.out)
-            raise ValueError("planted failure in the forward call on rank 0")
+        fail_on_rank_zero(self.out, "in the forward call")
         return self.head(torch.tanh(self.second(torch.tanh(self.first(x)))))
 
 
@@ -157,17 +153,14 @@ def train(out: str, options: dict[str, Any]) -> None:
         strategy_options["balance"] = [3, 3]
     elif fault not in ("profile", "auto", "capture", "plan"):
         strategy_options["balance"] = [2, 2]
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(32, 8, generator=g)
-    data = DataLoader(TensorDataset(x, x[:, :4].argmax(-1)), batch_size=4)
-    trainer = L.Trainer(
-        accelerator="cpu", devices=2, max_steps=options.get("max_steps", 3), logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    loader = DataLoader(data(32), batch_size=4)
+    trainer = L.Trainer(**trainer_args(
+        devices=2, max_steps=options.get("max_steps", 3),
         callbacks=[FaultClock(out)] if fault in ("plan", "restore", "balance") else [],
         strategy=PipeDreamStrategy(timeout=timedelta(seconds=options.get("timeout", 10)), **strategy_options),
-    )
+    ))
     try:
-        trainer.fit(model, data, ckpt_path=ckpt_path)
+        trainer.fit(model, loader, ckpt_path=ckpt_path)
     except BaseException as err:
         (Path(out) / f"error_rank{RANK}.txt").write_text(f"{time.time()}\n{type(err).__name__}: {err}\n"
                                                          f"{traceback.format_exc()}")

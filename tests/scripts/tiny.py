@@ -1,18 +1,22 @@
-"""A tiny LightningModule trained by the strategy tests in a subprocess: `python tiny.py OUT_DIR JSON_OPTIONS`."""
+"""A tiny LightningModule trained by the strategy tests in a subprocess: `python tiny.py OUT_DIR JSON_OPTIONS`.
+
+Its parts serve the other Trainer scripts beside it too (hang_trainer.py, setup_fault_trainer.py): the base
+``SequentialClassifier``, its layers (``mlp``) and its data (``data``).
+"""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import torch
 import torchmetrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))  # the libraries the tests share
-from script_runs import main_runs  # noqa: E402
+from script_runs import main_runs, refuse_unused, trainer_args, write_json  # noqa: E402
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -20,7 +24,33 @@ import lightning_pipedream  # noqa: F401  (registers the strategy names)
 from lightning_pipedream import PipeDreamStrategy
 
 
-class TinyClassifier(L.LightningModule):
+class SequentialClassifier(L.LightningModule):
+    """Layers in one nn.Sequential (``self.layers``), cross-entropy over 4 classes, plain SGD (lr 0.1): the model of
+    the fault scripts, and TinyClassifier's base. A subclass builds ``self.layers``."""
+
+    layers: nn.Sequential | None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+    def loss(self, batch: tuple) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+    def training_step(self, batch: tuple, batch_idx: int) -> torch.Tensor:
+        return self.loss(batch)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def mlp(width: int = 16, hidden: int = 1) -> nn.Sequential:
+    """8 inputs, ``hidden`` blocks of Linear(width, width) and Tanh, 4 outputs."""
+    blocks = [layer for _ in range(hidden) for layer in (nn.Linear(width, width), nn.Tanh())]
+    return nn.Sequential(nn.Linear(8, width), nn.Tanh(), *blocks, nn.Linear(width, 4))
+
+
+class TinyClassifier(SequentialClassifier):
     def __init__(self, width: int = 16, lr: float = 0.1, single_layer: bool = False, scheduler: bool = True,
                  build_in_configure_model: bool = False, hidden: int = 1):
         super().__init__()
@@ -32,21 +62,15 @@ class TinyClassifier(L.LightningModule):
     def _build(self) -> nn.Sequential:
         if self.hparams.single_layer:
             return nn.Sequential(nn.Linear(8, 4))
-        width = self.hparams.width
-        blocks = [layer for _ in range(self.hparams.hidden) for layer in (nn.Linear(width, width), nn.Tanh())]
-        return nn.Sequential(nn.Linear(8, width), nn.Tanh(), *blocks, nn.Linear(width, 4))
+        return mlp(self.hparams.width, self.hparams.hidden)
 
     def configure_model(self):
         if self.layers is None:  # Lightning calls this before every fit/validate/...: build once
             self.layers = self._build()
             self.built_bytes = sum(p.numel() * p.element_size() for p in self.parameters() if not p.is_meta)
 
-    def forward(self, x):
-        return self.layers(x)
-
     def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = nn.functional.cross_entropy(self(x), y)
+        loss = self.loss(batch)
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
@@ -58,8 +82,7 @@ class TinyClassifier(L.LightningModule):
         self.log("val_acc", self.val_acc)
 
     def test_step(self, batch, batch_idx):
-        x, y = batch
-        self.log("test_loss", nn.functional.cross_entropy(self(x), y))
+        self.log("test_loss", self.loss(batch))
 
     def predict_step(self, batch, batch_idx):
         return self(batch[0]).argmax(-1)
@@ -72,15 +95,16 @@ class TinyClassifier(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": sched}
 
 
-def data(n: int = 60):
+def data(n: int = 60) -> TensorDataset:
+    """``n`` samples of 8 features labelled by the largest of the first 4, the same on every rank and in every run."""
     g = torch.Generator().manual_seed(3)
     x = torch.randn(n, 8, generator=g)
     y = (x[:, :4].argmax(-1)).long()
     return TensorDataset(x, y)
 
 
-class FailOnThirdCall(nn.Module):
-    """A layer that raises on its third forward: a stage failing in the middle of training."""
+class OnThirdCall(nn.Module):
+    """A layer that passes its input on, but for its third forward (``third``): in the middle of training."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -88,21 +112,24 @@ class FailOnThirdCall(nn.Module):
 
     def forward(self, x):
         self.calls += 1
-        if self.calls == 3:
-            raise ValueError("boom on the third forward")
-        return x
+        return self.third(x) if self.calls == 3 else x
+
+    def third(self, x):
+        raise NotImplementedError
 
 
-class NaNOnThirdCall(nn.Module):
-    """A layer whose third forward outputs NaN: a numerical blow-up in the middle of training."""
+class FailOnThirdCall(OnThirdCall):
+    """Raises on its third forward: a stage failing in the middle of training."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
+    def third(self, x):
+        raise ValueError("boom on the third forward")
 
-    def forward(self, x):
-        self.calls += 1
-        return x * float("nan") if self.calls == 3 else x
+
+class NaNOnThirdCall(OnThirdCall):
+    """Its third forward outputs NaN: a numerical blow-up in the middle of training."""
+
+    def third(self, x):
+        return x * float("nan")
 
 
 class LossRecorder(L.Callback):
@@ -136,8 +163,7 @@ class LossRecorder(L.Callback):
             "groups": {name: _members(getattr(getattr(trainer.strategy, "process_groups", None), field, None))
                        for name, field in (("replica", "replicas"), ("pipeline", "pipeline"))},
         }
-        with open(os.path.join(self.out, f"rank{trainer.global_rank}.json"), "w") as f:
-            json.dump(share, f)
+        write_json(os.path.join(self.out, f"rank{trainer.global_rank}.json"), share)
 
 
 COLLECTIVES = ("broadcast", "all_reduce", "all_gather", "all_gather_into_tensor", "reduce", "reduce_scatter",
@@ -168,8 +194,7 @@ class CollectiveCounter(L.Callback):
         self.calls = []
 
     def on_train_end(self, trainer, pl_module):
-        with open(os.path.join(self.out, f"collectives_rank{trainer.global_rank}.json"), "w") as f:
-            json.dump(self.per_step, f)
+        write_json(os.path.join(self.out, f"collectives_rank{trainer.global_rank}.json"), self.per_step)
 
 
 def _members(group) -> list[int] | None:
@@ -189,29 +214,28 @@ def train(out: str, options: dict) -> None:
     strategy = options.pop("strategy", None)
     if isinstance(strategy, dict):
         strategy = PipeDreamStrategy(**strategy)
-    trainer_args = dict(
-        accelerator="cpu", devices=options.pop("devices", 1), max_steps=options.pop("max_steps", 3),
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    args = trainer_args(
+        devices=options.pop("devices", 1), max_steps=options.pop("max_steps", 3),
         limit_val_batches=options.pop("limit_val_batches", 0), num_sanity_val_steps=0,
         # Lightning shuffles training data under multi-process strategies; compare like with like.
         use_distributed_sampler=False,
     )
     if strategy is not None:
-        trainer_args["strategy"] = strategy
+        args["strategy"] = strategy
     callbacks = [LossRecorder(out)]
     if options.pop("count_collectives", False):
         callbacks.append(CollectiveCounter(out))
     if options.pop("checkpoint_every_epoch", False):
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=out, every_n_epochs=1, save_top_k=-1))
-        trainer_args["enable_checkpointing"] = True
+        args["enable_checkpointing"] = True
     if "monitor" in options:  # ModelCheckpoint and EarlyStopping on a metric logged by the last stage
         monitor = options.pop("monitor")
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=out, monitor=monitor, mode="max", save_top_k=1))
         callbacks.append(L.pytorch.callbacks.EarlyStopping(monitor=monitor, mode="max", patience=1, min_delta=1.0))
-        trainer_args["enable_checkpointing"] = True
-    trainer_args["callbacks"] = callbacks
-    trainer_args.update(options.pop("trainer", {}))
-    trainer = L.Trainer(**trainer_args)
+        args["enable_checkpointing"] = True
+    args["callbacks"] = callbacks
+    args.update(options.pop("trainer", {}))
+    trainer = L.Trainer(**args)
     shuffle = options.pop("shuffle_per_rank", False)  # a deliberately wrong setup: each rank its own order
     generator = torch.Generator().manual_seed(int(os.environ.get("LOCAL_RANK", 0))) if shuffle else None
     batch_size = options.pop("batch_size", 12)
@@ -237,10 +261,8 @@ def train(out: str, options: dict) -> None:
         metrics["global_step"] = trainer.global_step
         if predictions is not None:
             metrics["predictions"] = torch.cat(predictions).tolist()
-        with open(os.path.join(out, "metrics.json"), "w") as f:
-            json.dump(metrics, f)
-    if options:
-        raise SystemExit(f"unused options: {options}")
+        write_json(os.path.join(out, "metrics.json"), metrics)
+    refuse_unused(options)
 
 
 if __name__ == "__main__":

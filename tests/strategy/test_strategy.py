@@ -19,7 +19,7 @@ import pytest
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from pipedream_reference import RoundRobinRule
-from script_runs import free_port
+from script_runs import free_port, run_script
 from tiny import TinyClassifier, data
 from torch import nn
 
@@ -35,15 +35,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "tiny.py"
 
 
 def run_tiny(out: Path, options: dict, timeout: float = 240, expect_ok: bool = True) -> subprocess.CompletedProcess:
-    out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(out), json.dumps(options)],
-        capture_output=True, text=True, timeout=timeout, env=env, cwd=out,
-    )
-    if expect_ok:
-        assert proc.returncode == 0, f"tiny.py failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
-    return proc
+    return run_script(SCRIPT, out, options, timeout, expect_ok)  # on a port of this pytest worker's own
 
 
 def weights(path: Path) -> dict[str, torch.Tensor]:
@@ -160,10 +152,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
         group = [[str(base / name), json.loads(json.dumps(options).replace("{runs}", str(base)))]
                  for name, options in RUNS.items() if options.get("devices", 1) == devices]
         (base / f"runs{devices}.json").write_text(json.dumps(group))
-        env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-        proc = subprocess.run([sys.executable, str(SCRIPT), "--runs", str(base / f"runs{devices}.json")],
-                              capture_output=True, text=True, timeout=400, env=env, cwd=base)
-        assert proc.returncode == 0, f"tiny.py --runs ({devices} processes) failed:\n{proc.stderr[-4000:]}"
+        run_script(SCRIPT, base, {"--runs": str(base / f"runs{devices}.json")}, 400)
     return {name: base / name for name in RUNS}
 
 
