@@ -57,6 +57,13 @@ class Pipeline:
     NCCL takes, which GPUs always use: messages to lower ranks on ``reverse_group``, a second group of the same
     ranks; made here when ``group`` is None, to be given with any other ``group``); None reads the environment's
     ``LIGHTNING_PIPEDREAM_TRANSPORT`` (default ``"auto"``). Every rank must choose alike.
+
+    ``shard="full"`` or ``"grad_op"`` (with ``replicas=[d] * stages``) shards each stage over its replicas (FSDP2,
+    :mod:`.sharding`). ``param_dtype=torch.bfloat16`` with it is mixed precision the FSDP2 way: each stage gathers
+    its parameters in bfloat16 and computes with them, while the float32 shards, their gradients (each
+    micro-batch's added in float32, the sum reduce-scattered in float32) and the optimizer state stay float32.
+    Run :meth:`step` under ``torch.autocast(device_type, dtype=torch.bfloat16)`` as well, so that the operations
+    autocast keeps in float32 (losses, softmax) stay there, as the strategy's ``precision="bf16-mixed"`` does.
     """
 
     def __init__(
@@ -81,6 +88,7 @@ class Pipeline:
         transport: str | None = None,
         reverse_group: dist.ProcessGroup | None = None,
         shard: str | None = None,
+        param_dtype: torch.dtype | None = None,
     ) -> None:
         # Prebuilt stages (e.g. lightning_pipedream.graph's GraphStage): a list with one module per rank.
         prebuilt = isinstance(layers, (list, tuple))
@@ -93,7 +101,7 @@ class Pipeline:
             raise ValueError("Prebuilt stage modules run one stage per process; use virtual_stages=1 with them.")
         spec = spec_of(schedule)
         check_shard(shard, schedule, asynchronous=spec.asynchronous, splits_backward=spec.splits_backward,
-                    replicas=replicas)
+                    replicas=replicas, param_dtype=param_dtype)
         self.rank = dist.get_rank(group)
         self.num_stages = dist.get_world_size(group)
         self.virtual_stages = virtual_stages
@@ -125,7 +133,7 @@ class Pipeline:
         self.module = stage.to(self.device)
         self.shard = shard
         if shard is not None:  # before the optimizer: it keeps state for this rank's shards only
-            self.module = shard_stage(self.module, self.groups.data_group, shard, self.device)
+            self.module = shard_stage(self.module, self.groups.data_group, shard, self.device, param_dtype)
         self.before_update = before_update  # e.g. TiedParameters.allreduce_grads
         self.schedule = schedule
         self.chunks = chunks

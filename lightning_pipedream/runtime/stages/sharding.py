@@ -14,6 +14,13 @@ sum over the union batch, as the replicated path's all-reduce does: the flushed 
 within a step the gradients are whole; they are sharded from the reduce-scatter to the next step.)
 Weight stashing would need every version's gather; the asynchronous schedules (and zero bubble's split backward,
 whose halves FSDP2's hooks cannot tell apart) are refused with words.
+
+Mixed precision (``param_dtype=torch.bfloat16``, which the strategy passes under ``precision="bf16-mixed"``) is
+FSDP2's policy as torchtitan sets it: the shards stay float32 (master weights, and the optimizer state beside them);
+each is cast to bfloat16 before its all-gather (half the traffic and half the gathered copy), the forward and
+backward compute with the bfloat16 parameters, and their gradients are added in float32 from micro-batch to
+micro-batch and reduce-scattered in float32. Under autocast as well, this equals one process that computes each
+micro-batch at bfloat16-rounded weights and adds its gradients in float32.
 """
 
 from __future__ import annotations
@@ -29,14 +36,21 @@ SHARD_MODES = (None, "full", "grad_op")
 
 
 def check_shard(shard: str | None, schedule: str, *, asynchronous: bool, splits_backward: bool,
-                replicas: Sequence[int] | None) -> None:
+                replicas: Sequence[int] | None, param_dtype: torch.dtype | None = None) -> None:
     """Refuse, with the way out, what sharding cannot run."""
     if shard not in SHARD_MODES:
         raise ValueError(f"shard={shard!r} is not a sharding mode: use 'full' (parameters, gradients and optimizer "
                          "state sharded), 'grad_op' (gradients and optimizer state sharded) or None (replicas keep "
                          "whole copies).")
     if shard is None:
+        if param_dtype is not None:
+            raise ValueError(f"param_dtype={param_dtype} is the dtype sharded stages gather their parameters in, but "
+                             "shard=None keeps whole parameters as they are. Pass shard='full' or 'grad_op' with it, "
+                             "or drop param_dtype and run step() under torch.autocast for mixed precision.")
         return
+    if param_dtype is not None and not param_dtype.is_floating_point:
+        raise ValueError(f"param_dtype={param_dtype} is not a floating-point dtype: sharded stages gather their "
+                         "parameters in it for compute. Use torch.bfloat16 (mixed precision) or None (as they are).")
     if replicas is None or len(set(replicas)) != 1 or replicas[0] < 2:
         raise ValueError(f"shard={shard!r} shards each stage over its replicas: give every stage the same number of "
                          f"replicas, at least 2 (replicas=[2, 2] for two copies of a 2-stage pipeline), not "
@@ -50,9 +64,25 @@ def check_shard(shard: str | None, schedule: str, *, asynchronous: bool, splits_
                          "FSDP's gathered parameters between them. Use 1f1b or gpipe, or shard=None.")
 
 
-def shard_stage(module: nn.Module, group: dist.ProcessGroup, shard: str, device: torch.device) -> nn.Module:
+def mixed_precision(param_dtype: torch.dtype | None) -> Any:
+    """FSDP2's policy for sharded stages: with ``param_dtype`` (bfloat16 under ``bf16-mixed``), each shard is cast
+    to it before the all-gather, so the gathered working copy, the forward and the backward use it (the parameters'
+    gradients come out in it too), while the shards, their gradients and the optimizer state stay float32: each
+    micro-batch's gradient is added in float32 and the step's sum reduce-scattered in float32 (torchtitan's
+    policy; ``reduce_dtype`` left None would reduce in bfloat16). Forward inputs are cast to ``param_dtype`` on
+    entry. Without ``param_dtype``, everything stays in the parameters' dtype."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if param_dtype is None:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+
+
+def shard_stage(module: nn.Module, group: dist.ProcessGroup, shard: str, device: torch.device,
+                param_dtype: torch.dtype | None = None) -> nn.Module:
     """Wrap ``module`` (a stage, or one model chunk) with ``fully_shard`` over ``group``: each child with parameters
-    a unit of its own (gathered and freed one at a time), then the stage; gradients reduce by their sum."""
+    a unit of its own (gathered and freed one at a time), then the stage; gradients reduce by their sum. With
+    ``param_dtype``, parameters are gathered and used in that dtype (see :func:`mixed_precision`)."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
@@ -62,10 +92,11 @@ def shard_stage(module: nn.Module, group: dist.ProcessGroup, shard: str, device:
                            "shard=None.")
     mesh = DeviceMesh.from_group(group, device.type)
     keep = shard == "grad_op"  # parameters stay gathered from a forward to its backward
+    policy = mixed_precision(param_dtype)
     for child in module.children():
         if any(p.requires_grad for p in child.parameters()):
-            fully_shard(child, mesh=mesh, reshard_after_forward=not keep)
-    fully_shard(module, mesh=mesh, reshard_after_forward=not keep)
+            fully_shard(child, mesh=mesh, reshard_after_forward=not keep, mp_policy=policy)
+    fully_shard(module, mesh=mesh, reshard_after_forward=not keep, mp_policy=policy)
     for unit in module.modules():
         if isinstance(unit, FSDPModule):
             # The replicas' gradients add up (each micro-batch's loss already counts its share of the union batch),
