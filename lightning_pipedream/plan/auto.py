@@ -1,4 +1,5 @@
-"""The auto planner: split, replicas, schedule, micro-batches and recompute within a memory limit, simulator-timed."""
+"""The auto planner: split, replicas (whole or sharded), schedule, micro-batches and recompute within a memory limit,
+simulator-timed."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from lightning_pipedream.plan.choice import AutoPlan, Candidate, NoPlanFitsError, bytes_text
 from lightning_pipedream.plan.memory import (
     FOREACH_TEMPORARIES,
     OPTIMIZER_TEMPORARIES,
@@ -17,10 +19,6 @@ from lightning_pipedream.plan.memory import (
     StageMemory,
     backward_working,
     cublas_workspace_bytes,
-    cut_bytes,
-    layer_keeps,
-    layer_parameters,
-    layer_work,
     optimizer_state_ratio,
     predict_memory,
     stage_bytes,
@@ -28,6 +26,14 @@ from lightning_pipedream.plan.memory import (
 )
 from lightning_pipedream.plan.partition import Plan, StagePlan, partition
 from lightning_pipedream.plan.profile import Profile
+from lightning_pipedream.plan.ranges import LayerRanges, equal_shares, minmax_split
+from lightning_pipedream.plan.shards import (
+    can_shard,
+    gathers_per_microbatch,
+    ring_allreduce_seconds,
+    ring_half_seconds,
+    shard_modes,
+)
 from lightning_pipedream.plan.topology import Topology
 from lightning_pipedream.schedule.actions import Layout, Schedule
 from lightning_pipedream.schedule.builders import build_schedule
@@ -36,275 +42,7 @@ from lightning_pipedream.schedule.specs import SCHEDULES, spec_of
 
 _INF = math.inf
 INTERLEAVED_VIRTUAL_STAGES = 2  # model chunks per rank the planner tries under the interleaved schedule
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One configuration the planner timed: what it runs, its predicted time per minibatch and memory per worker.
-
-    ``balance`` lists layers per model stage (interleaved: ``stages x virtual_stages`` chunks, chunk c of rank r
-    being stage ``c * stages + r``); ``replicas`` and ``memory`` have one entry per pipeline stage (per rank).
-    A minibatch is the profile's batch: one data shard's batch of a training step.
-    """
-
-    schedule: str
-    balance: tuple[int, ...]
-    replicas: tuple[int, ...]
-    chunks: int
-    virtual_stages: int
-    recompute: tuple[bool, ...]  # per model stage
-    time_per_minibatch: float
-    memory: tuple[StageMemory, ...]
-
-    @property
-    def peak_bytes(self) -> int:
-        """The most any worker needs."""
-        return max(m.predicted_peak_bytes for m in self.memory)
-
-    @property
-    def shape(self) -> tuple[str, tuple[int, ...], int]:
-        """What makes two candidates different configurations (not just another micro-batch count or split)."""
-        return self.schedule, self.replicas, self.virtual_stages
-
-    def label(self) -> str:
-        """``1f1b, 4 stages (1-1-1-1), 8 micro-batches, recompute on stages 0, 1``."""
-        stages = len(self.replicas)
-        text = f"{self.schedule}, {stages} stage{'s' if stages > 1 else ''} ({'-'.join(map(str, self.replicas))})"
-        if self.virtual_stages > 1:
-            text += f" x {self.virtual_stages} chunks"
-        if spec_of(self.schedule).microbatches:
-            text += f", {self.chunks} micro-batch{'es' if self.chunks > 1 else ''}"
-        p = len(self.replicas)  # interleaved: a rank recomputes all of its chunks or none
-        rc = [str(s) for s in range(p) if any(self.recompute[s::p])]
-        if rc:
-            text += ", recompute " + (
-                "everywhere" if len(rc) == p else f"on stage{'s' if len(rc) > 1 else ''} " + ", ".join(rc)
-            )
-        return text
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "schedule": self.schedule,
-            "balance": list(self.balance),
-            "replicas": list(self.replicas),
-            "chunks": self.chunks,
-            "virtual_stages": self.virtual_stages,
-            "recompute": list(self.recompute),
-            "time_per_minibatch": self.time_per_minibatch,
-            "predicted_peak_bytes": [m.predicted_peak_bytes for m in self.memory],
-            "memory": [m.to_json() for m in self.memory],
-        }
-
-
-class NoPlanFitsError(ValueError):
-    """No configuration keeps every worker within the memory limit; ``smallest_limit`` is the least that fits."""
-
-    def __init__(self, message: str, smallest_limit: int, candidate: Candidate) -> None:
-        super().__init__(message)
-        self.smallest_limit = smallest_limit
-        self.candidate = candidate
-
-
-@dataclass
-class AutoPlan:
-    """The planner's choice (``plan``, ``chosen``), the best configuration of another shape (``runner_up``), and
-    how many candidates it weighed and simulated."""
-
-    plan: Plan
-    chosen: Candidate
-    runner_up: Candidate | None
-    memory_limit: float | None
-    exact: bool
-    optimizer: str
-    considered: int
-    simulated: int
-    batch_size: int | None = None
-
-    def _per(self, seconds: float) -> str:
-        text = f"{seconds * 1e3:.3f} ms per minibatch"
-        if self.batch_size:
-            text += f" ({seconds / self.batch_size * 1e6:.2f} us per sample)"
-        return text
-
-    def describe(self) -> str:
-        """The chosen plan, each worker's predicted memory and its terms, and why (the runner-up)."""
-        c = self.chosen
-        limit = "no memory limit"
-        if self.memory_limit is not None:
-            limit = f"memory limit {_bytes(self.memory_limit)} per worker"
-        lines = [
-            f"auto plan ({'exact schedules only' if self.exact else 'every schedule'}, {limit}, "
-            f"optimizer {self.optimizer}): {c.label()}",
-            f"predicted time {self._per(c.time_per_minibatch)} (schedule simulator)",
-            "",
-        ]
-        header = ("stage", "layers", "replicas", "recompute", "weights", "grads", "optimizer", "stashed", "activations",
-                  "held", "replay", "backward", "step", "peak")
-        rows = [header]
-        names = self.plan.stages
-        for m in c.memory:
-            span = ", ".join(_span(names[s].layers) for s in m.chunks)
-            rows.append((
-                str(m.stage), span, str(m.replicas), "yes" if m.recompute else "no", _bytes(m.parameters),
-                _bytes(m.gradients), _bytes(m.optimizer_state),
-                _bytes(m.stashed_weights) + (f" ({m.weight_versions - 1}x)" if m.weight_versions > 1 else ""),
-                _bytes(m.activations), str(m.held), _bytes(m.replay), _bytes(m.backward_working),
-                _bytes(m.activations_at_update + m.update_working), _bytes(m.predicted_peak_bytes),
-            ))
-        widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-        table = ["  ".join(cell.ljust(w) if i == 1 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
-                 for row in rows]
-        table.insert(1, "  ".join("-" * w for w in widths))
-        lines += table + [""]
-        if self.runner_up is None:
-            lines.append("why: no configuration of another shape fits")
-        else:
-            r = self.runner_up
-            slower = r.time_per_minibatch / c.time_per_minibatch - 1 if c.time_per_minibatch > 0 else 0.0
-            lines.append(
-                f"why: the runner-up, {r.label()}, takes {self._per(r.time_per_minibatch)} "
-                f"({slower:+.1%}) and needs {_bytes(r.peak_bytes)} on its fullest worker "
-                f"(the choice: {_bytes(c.peak_bytes)})"
-            )
-        lines.append(f"weighed {self.considered} configurations, simulated {self.simulated}")
-        arguments = ", ".join(f"{key}={value!r}" for key, value in self.strategy_arguments().items())
-        lines.append(f"run it with PipeDreamStrategy({arguments})")
-        return "\n".join(lines)
-
-    def strategy_arguments(self) -> dict[str, Any]:
-        """``PipeDreamStrategy``'s arguments that run this plan: schedule, chunks, balance (layers per stage; per
-        model chunk under interleaved), replicas (when a stage has several), virtual_stages (interleaved) and
-        recompute (True when every stage recomputes, else one flag per stage)."""
-        c = self.chosen
-        args: dict[str, Any] = {"schedule": c.schedule, "chunks": c.chunks, "balance": list(c.balance)}
-        if any(r > 1 for r in c.replicas):
-            args["replicas"] = list(c.replicas)
-        if c.virtual_stages > 1:
-            args["virtual_stages"] = c.virtual_stages
-        if any(c.recompute):
-            args["recompute"] = True if all(c.recompute) else list(c.recompute)
-        return args
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "plan": self.plan.to_json(),
-            "strategy_arguments": self.strategy_arguments(),
-            "chosen": self.chosen.to_json(),
-            "predicted_peak_bytes": [m.predicted_peak_bytes for m in self.chosen.memory],
-            "runner_up": None if self.runner_up is None else self.runner_up.to_json(),
-            "memory_limit": self.memory_limit,
-            "exact": self.exact,
-            "optimizer": self.optimizer,
-            "considered": self.considered,
-            "simulated": self.simulated,
-        }
-
-
-def _span(layers: list[str]) -> str:
-    return layers[0] if len(layers) == 1 else f"{layers[0]} .. {layers[-1]} ({len(layers)})"
-
-
-def _bytes(value: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(value) >= size:
-            return f"{value / size:.2f} {unit}"
-    return f"{value:.0f} B"
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Range sums over the layers
-
-
-class _Ranges:
-    """``[i, j]`` tables over layers i..j (inf or 0 where j < i), and what a stage starting or ending there moves."""
-
-    def __init__(self, profile: Profile, input_bytes: float, device: str = "cpu") -> None:
-        layers = profile.layers
-        self.n = len(layers)
-        self.forward = self._table([layer.forward_s for layer in layers])
-        self.backward = self._table([layer.backward_s for layer in layers])
-        # the weight-gradient part of the backward (zero bubble): measured, or half
-        self.weight = self._table([layer.backward_s / 2 if layer.weight_s is None else layer.weight_s
-                                   for layer in layers])
-        # device="cuda": every byte figure as CUDA's caching allocator counts it, as plan.memory.stage_bytes does
-        self.params = self._table(layer_parameters(profile, device))
-        saved, ending = layer_keeps(profile, device)
-        self.acts = self._table(saved) + np.array(ending)[None, :]  # what layers i..j keep as one stage
-        cuts = cut_bytes(profile, input_bytes, device)
-        self.input = np.array(cuts)[:, None]  # what stage i.. receives
-        self.output = np.array(cuts[1:] + [0.0])[None, :]  # what stage ..j sends on
-        # what a backward and an optimizer step need on top (plan.memory.layer_work): per stage, the most of any layer
-        working, temps, pending, largest = layer_work(profile, device)
-        self.grad_working = self._range_max(working)
-        self.grad_temps = self._range_max(temps)
-        self.pending = self._table(pending) + self.output  # a split backward keeps its output's gradient too
-        self.largest = self._range_max(largest)
-        self.cuttable = np.array(profile.cut_allowed() + [False])  # may a stage end after layer k
-        # A stage needs parameters to have an optimizer (unless the model has none): layers i..j alone may not be one.
-        self.idle = (self.params == 0) if np.any(self.params[0] > 0) else np.zeros((self.n, self.n), dtype=bool)
-
-    def _range_max(self, values: list[float]) -> np.ndarray:
-        table = np.zeros((self.n, self.n))  # j < i: no stage (params' inf marks it)
-        for i in range(self.n):
-            table[i, i:] = np.maximum.accumulate(np.array(values[i:], dtype=float))
-        return table
-
-    def _table(self, values: list[float]) -> np.ndarray:
-        prefix = np.concatenate([[0.0], np.cumsum(np.array(values, dtype=float))])
-        table = prefix[None, 1:] - prefix[:-1, None]
-        table[np.tril_indices(self.n, -1)] = _INF
-        return table
-
-
-def _minmax_split(stage_costs: Sequence[np.ndarray], cuttable: np.ndarray) -> tuple[float, list[int]] | None:
-    """Contiguous split into ``len(stage_costs)`` stages minimising the largest ``stage_costs[s][first, last]``
-    (later boundaries break ties); None when every split has an infinite stage."""
-    stages, n = len(stage_costs), cuttable.shape[0]
-    best = np.full((stages, n), _INF)
-    arg = np.zeros((stages, n), dtype=int)
-    best[0] = stage_costs[0][0]
-    starts = np.arange(n)
-    for s in range(1, stages):
-        # stage s starts at layer k (after a cut at k - 1): cand[k, j] = max(best[s - 1, k - 1], cost_s[k, j])
-        before = np.full(n, _INF)
-        before[1:] = np.where(cuttable[:-1], best[s - 1, :-1], _INF)
-        before[starts < s] = _INF
-        cand = np.maximum(before[:, None], stage_costs[s])
-        pick = n - 1 - np.argmin(cand[::-1], axis=0)  # ties: the latest boundary
-        best[s], arg[s] = cand[pick, starts], pick
-    if not math.isfinite(best[stages - 1, n - 1]):
-        return None
-    balance, j = [], n - 1
-    for s in range(stages - 1, 0, -1):
-        k = int(arg[s, j])
-        balance.append(j - k + 1)
-        j = k - 1
-    balance.append(j + 1)
-    return float(best[stages - 1, n - 1]), balance[::-1]
-
-
-def _equal_shares(costs: np.ndarray, parts: int, cuttable: np.ndarray) -> list[int] | None:
-    """Cut where the running cost crosses each k / parts of the total (nearest allowed cut, every part non-empty)."""
-    n = len(costs)
-    prefix = np.cumsum(costs)
-    total = float(prefix[-1])
-    bounds, last = [], -1
-    for k in range(1, parts):
-        target = total * k / parts
-        allowed = [j for j in range(last + 1, n - (parts - k)) if cuttable[j]]
-        if not allowed:
-            return None
-        last = min(allowed, key=lambda j: (abs(float(prefix[j]) - target), j))
-        bounds.append(last)
-    edges = [-1] + bounds + [n - 1]
-    return [edges[i + 1] - edges[i] for i in range(parts)]
-
-
-def _ring_allreduce(params: np.ndarray | float, replicas: int, bandwidth: float) -> np.ndarray | float:
-    """Seconds of a ring all-reduce of ``params`` bytes over ``replicas`` workers (the simulator's formula)."""
-    if replicas <= 1:
-        return params * 0.0
-    return 2.0 * (replicas - 1) / replicas * params / bandwidth
+__all__ = ["AutoPlan", "Candidate", "NoPlanFitsError", "auto_plan"]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -319,7 +57,7 @@ class _Search:
     optimizer: str
     overhead: float
     input_bytes: float
-    ranges: _Ranges
+    ranges: LayerRanges
     timed: dict[tuple, Schedule] = field(default_factory=dict)
     tables: dict[tuple, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # memory and time, per key
     sized: dict[tuple[int, ...], list[StageBytes]] = field(default_factory=dict)
@@ -380,47 +118,61 @@ class _Search:
         return [max((counts[r] for r in layout.ranks_of(s)), key=lambda h: (h.count, h.peak)) for s in range(stages)]
 
     # -- memory and time of a stage over layers i..j, as tables
-    def memory_tables(self, held: Held, versions: int, chunks: int) -> tuple[np.ndarray, np.ndarray]:
+    def memory_tables(self, held: Held, versions: int, chunks: int, replicas: int = 1,
+                      shard: str | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Peak bytes of a worker holding layers i..j in stage position with ``held`` micro-batches in flight:
-        without and with recompute (the same terms, rounded alike, as :func:`predict_memory`)."""
-        key = ("memory", held.count, held.count_at_update, held.most_pending, versions, chunks)
+        without and with recompute (the same terms, rounded alike, as :func:`predict_memory`), its ``replicas``
+        whole or sharded (``shard``)."""
+        key = ("memory", held.count, held.count_at_update, held.most_pending, versions, chunks, replicas, shard)
         if key not in self.tables:
-            self.tables[key] = self._memory_tables(held, versions, chunks)
+            self.tables[key] = self._memory_tables(held, versions, chunks, replicas, shard)
         return self.tables[key]
 
-    def _memory_tables(self, held: Held, versions: int, chunks: int) -> tuple[np.ndarray, np.ndarray]:
+    def _memory_tables(self, held: Held, versions: int, chunks: int, replicas: int,
+                       shard: str | None) -> tuple[np.ndarray, np.ndarray]:
         r = self.ranges
         ratio = optimizer_state_ratio(self.optimizer)
         params = np.where(np.isfinite(r.params), r.params, 0.0)
-        weights = 2 * np.round(params) + np.round(ratio * params) + np.round((versions - 1) * params)
+        part = replicas if shard is not None else 1  # a sharded replica's share of weights, gradients, state
+        weights = 2 * np.round(params / part) + np.round(ratio * params / part) + np.round((versions - 1) * params)
         working = np.round(backward_working(r.grad_working, r.grad_temps, chunks))
         if self.device == "cuda":  # foreach: the temporaries of all the stage's parameters at once; cuBLAS's workspaces
-            update = np.round(FOREACH_TEMPORARIES[self.optimizer] * params)
+            update = np.round(FOREACH_TEMPORARIES[self.optimizer] * params / part)
             weights = weights + cublas_workspace_bytes(self.cuda_capability)
         else:
-            update = np.round(OPTIMIZER_TEMPORARIES[self.optimizer] * r.largest)
+            update = np.round(OPTIMIZER_TEMPORARIES[self.optimizer] * r.largest / part)
+        if shard is None and replicas > 1:  # the all-reduce's flat copy of the gradients
+            update = np.maximum(update, np.round(params))
+        unsharded: np.ndarray | float = 0.0  # sharded, within a step: whole gradients, gathered weights
+        if shard is not None:
+            whole = np.round(params if chunks > 1 else r.largest_layer)
+            gathered = np.round(r.two_largest_layers if shard == "full" else params + r.largest_layer)
+            unsharded = np.maximum(0.0, whole - np.round(params / part)) + gathered
         per_mb, per_mb_rc = (r.input + r.acts) / chunks, (r.input + r.output) / chunks
         pending = held.most_pending * r.pending / chunks if held.most_pending else 0.0  # (0 x an empty range's inf)
         at_update = held.count_at_update
-        plain = np.maximum(np.round(held.count * per_mb + pending) + working,
+        plain = np.maximum(np.round(held.count * per_mb + pending) + working + unsharded,
                            np.round(at_update * per_mb if at_update else 0.0) + update)
         replay = np.round(np.maximum(0.0, (r.acts - r.output) / chunks))
         pending_rc = held.most_pending * r.output / chunks if held.most_pending else 0.0
-        kept = np.maximum(np.round(held.count * per_mb_rc + pending_rc) + replay + working,
+        kept = np.maximum(np.round(held.count * per_mb_rc + pending_rc) + replay + working + unsharded,
                           np.round(at_update * per_mb_rc if at_update else 0.0) + update)
         bad = ~np.isfinite(r.params) | r.idle
         return np.where(bad, _INF, weights + plain), np.where(bad, _INF, weights + kept)
 
-    def time_tables(self, replicas: int, allreduce_bw: float, chunks: int) -> tuple[np.ndarray, np.ndarray]:
+    def time_tables(self, replicas: int, allreduce_bw: float, chunks: int,
+                    shard: str | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Seconds per minibatch of a stage over layers i..j with ``replicas``: without and with recompute."""
-        key = ("time", replicas, allreduce_bw, chunks)
+        key = ("time", replicas, allreduce_bw, chunks, shard)
         if key not in self.tables:
-            self.tables[key] = self._time_tables(replicas, allreduce_bw, chunks)
+            self.tables[key] = self._time_tables(replicas, allreduce_bw, chunks, shard)
         return self.tables[key]
 
-    def _time_tables(self, replicas: int, allreduce_bw: float, chunks: int) -> tuple[np.ndarray, np.ndarray]:
+    def _time_tables(self, replicas: int, allreduce_bw: float, chunks: int,
+                     shard: str | None) -> tuple[np.ndarray, np.ndarray]:
         r = self.ranges
-        sync = _ring_allreduce(np.where(np.isfinite(r.params), r.params, 0.0), replicas, allreduce_bw)
+        params = np.where(np.isfinite(r.params), r.params, 0.0)
+        sync = _sync_seconds(params, replicas, allreduce_bw, chunks, shard)
         extra = 2 * chunks * self.overhead
         plain = (r.forward + r.backward + extra + sync) / replicas
         again = (2 * r.forward + r.backward + extra + sync) / replicas
@@ -431,17 +183,21 @@ class _Search:
         spec = spec_of(schedule)
         return max(1, held.count) if spec.weight_versions is None else spec.weight_versions
 
-    def split(self, schedule: str, replicas: tuple[int, ...], chunks: int,
-              fixed: list[int] | None) -> tuple[list[int], list[bool]] | None:
-        """The fastest split (bottleneck stage) within the limit, recompute only where a stage needs it."""
+    def split(self, schedule: str, replicas: tuple[int, ...], chunks: int, fixed: list[int] | None,
+              shard: str | None = None) -> tuple[list[int], list[bool]] | None:
+        """The fastest split (bottleneck stage) within the limit, recompute only where a stage needs it (never on
+        sharded stages: the runtime's recompute and FSDP2's gathers are not tested together)."""
         p = len(replicas)
         flight = self.flight(schedule, p, chunks, replicas, 1)
         held = self.held(flight, p)
         ranks = self.ranks_of(replicas)
         costs, flags = [], []
         for s in range(p):
-            mem_plain, mem_rc = self.memory_tables(held[s], self.versions(schedule, held[s]), chunks)
-            t_plain, t_rc = self.time_tables(replicas[s], self.group_bandwidth(ranks[s]), chunks)
+            mem_plain, mem_rc = self.memory_tables(held[s], self.versions(schedule, held[s]), chunks, replicas[s],
+                                                   shard)
+            t_plain, t_rc = self.time_tables(replicas[s], self.group_bandwidth(ranks[s]), chunks, shard)
+            if shard is not None:
+                mem_rc = np.full_like(mem_rc, _INF)
             needs = mem_plain > self.limit
             cost = np.where(needs, np.where(mem_rc <= self.limit, t_rc, _INF), t_plain)
             if s < p - 1 and fixed is None:
@@ -454,24 +210,27 @@ class _Search:
                 return None
             balance = fixed
         else:
-            found = _minmax_split(costs, self.ranges.cuttable)
+            found = minmax_split(costs, self.ranges.cuttable)
             if found is None:
                 return None
             balance = found[1]
         bounds = np.cumsum([0] + balance)
         return balance, [bool(flags[s][bounds[s], bounds[s + 1] - 1]) for s in range(p)]
 
-    def least_memory(self, schedule: str, replicas: tuple[int, ...], chunks: int,
-                     fixed: list[int] | None) -> tuple[list[int], list[bool]] | None:
-        """The split (recompute everywhere it helps) whose fullest worker needs the least memory."""
+    def least_memory(self, schedule: str, replicas: tuple[int, ...], chunks: int, fixed: list[int] | None,
+                     shard: str | None = None) -> tuple[list[int], list[bool]] | None:
+        """The split (recompute everywhere it helps, unless sharded) whose fullest worker needs the least memory."""
         p = len(replicas)
         held = self.held(self.flight(schedule, p, chunks, replicas, 1), p)
-        tables = [self.memory_tables(held[s], self.versions(schedule, held[s]), chunks) for s in range(p)]
+        tables = [self.memory_tables(held[s], self.versions(schedule, held[s]), chunks, replicas[s], shard)
+                  for s in range(p)]
+        if shard is not None:
+            tables = [(plain, np.full_like(plain, _INF)) for plain, _ in tables]
         costs = [np.minimum(plain, rc) for plain, rc in tables]
         if fixed is not None:
             balance = fixed
         else:
-            found = _minmax_split(costs, self.ranges.cuttable)
+            found = minmax_split(costs, self.ranges.cuttable)
             if found is None:
                 return None
             balance = found[1]
@@ -488,11 +247,11 @@ class _Search:
         ranks = self.ranks_of(replicas)
         t_plain = [self.time_tables(replicas[s % p], self.group_bandwidth(ranks[s % p]), chunks)[0]
                    for s in range(p * v)]
-        found = _minmax_split(t_plain, self.ranges.cuttable)
+        found = minmax_split(t_plain, self.ranges.cuttable)
         if found is None:
             return []
         balances = [found[1]]
-        shares = _equal_shares(self.ranges.forward[0] + self.ranges.backward[0], p * v, self.ranges.cuttable)
+        shares = equal_shares(self.ranges.forward[0] + self.ranges.backward[0], p * v, self.ranges.cuttable)
         if shares is not None and shares not in balances and self.trains(shares):
             balances.append(shares)
         base, extra = divmod(self.ranges.n, p * v)  # earlier chunks take the remainder: each rank's sum evens out
@@ -525,19 +284,21 @@ class _Search:
         return self.sized[key]
 
     def memory_of(self, schedule: str, sizes: list[StageBytes], replicas: tuple[int, ...], chunks: int, v: int,
-                  recompute: list[bool]) -> list[StageMemory]:
+                  recompute: list[bool], shard: str | None = None) -> list[StageMemory]:
         flight = self.flight(schedule, len(replicas), chunks, replicas, v)
         return predict_memory(sizes, schedule, chunks, replicas=list(replicas), virtual_stages=v,
                               recompute=recompute, optimizer=self.optimizer, flight=flight, device=self.device,
-                              cuda_capability=self.cuda_capability)
+                              cuda_capability=self.cuda_capability, shard=shard)
 
     def time(self, schedule: str, balance: list[int], replicas: tuple[int, ...], chunks: int, v: int,
-             recompute: list[bool]) -> float:
+             recompute: list[bool], shard: str | None = None) -> float:
         """Seconds per minibatch from the schedule simulator.
 
         Replicated stages run as the schedule runs them where it can (gpipe, 1f1b and pipedream build 1F1B-RR:
         each replica takes its micro-batches whole and the replicas all-reduce in the schedule); otherwise d equal
-        replicas are d copies of the straight pipeline that all-reduce once per step (2bw: per minibatch)."""
+        replicas are d copies of the straight pipeline that all-reduce once per step (2bw: per minibatch). Sharded
+        replicas reduce-scatter once per step (half an all-reduce) and all-gather the stage's weights in each
+        micro-batch's forward (``"full"``: and backward), on the critical path (no overlap is assumed)."""
         spec = spec_of(schedule)
         p = len(replicas)
         ranks = self.ranks_of(replicas)
@@ -551,7 +312,12 @@ class _Search:
             fwd.append(f / chunks + self.overhead)
             bwd.append((b + (f if recompute[s] else 0.0)) / chunks + self.overhead)
             weight.append(float(r.weight[i, j]) / chunks)  # zero bubble: the deferred weight-gradient part
-            syncs.append(float(r.params[i, j]) / self.group_bandwidth(ranks[rank]))  # bytes as seconds at 1 B/s
+            bandwidth = self.group_bandwidth(ranks[rank])
+            # bytes as seconds at 1 B/s; sharded: the reduce-scatter, half an all-reduce, and each micro-batch's gathers
+            syncs.append(float(r.params[i, j]) / bandwidth / (2.0 if shard is not None else 1.0))
+            gather = float(ring_half_seconds(float(r.params[i, j]), replicas[rank], bandwidth)) if shard else 0.0
+            fwd[-1] += gather
+            bwd[-1] += gather * (gathers_per_microbatch(shard) - 1)
             nxt = (s + 1) % p
             last = s == p * v - 1
             send.append(0.0 if last or nxt == rank else float(r.output[0, j]) / chunks / self.link(ranks, rank, nxt))
@@ -562,7 +328,7 @@ class _Search:
                               allreduce_bandwidth=1.0, check=False)
             self.simulated += 1
             return result.step_time / d  # a step admits one minibatch per replica of the input stage
-        rounds = [float(_ring_allreduce(a, replicas[s % p], 1.0)) for s, a in enumerate(syncs)]
+        rounds = [float(ring_allreduce_seconds(a, replicas[s % p], 1.0)) for s, a in enumerate(syncs)]
         if spec.two_weight_versions:  # 2bw all-reduces each minibatch's coalesced gradients
             bwd = [x + a / chunks for x, a in zip(bwd, rounds)]
         result = simulate(self.built(schedule, p, chunks, v), fwd, bwd, activation_bytes=send, bandwidth=1.0,
@@ -574,30 +340,39 @@ class _Search:
         return step / d
 
     def candidate(self, schedule: str, replicas: tuple[int, ...], chunks: int, v: int,
-                  fixed: list[int] | None, least: bool = False) -> Candidate | None:
+                  fixed: list[int] | None, least: bool = False, shard: str | None = None) -> Candidate | None:
         self.considered += 1
         if v > 1:
             options = self.interleaved_splits(replicas, chunks, v, least)
         else:
-            found = (self.least_memory if least else self.split)(schedule, replicas, chunks, fixed)
+            found = (self.least_memory if least else self.split)(schedule, replicas, chunks, fixed, shard)
             options = [] if found is None else [found]
         best: Candidate | None = None
         for balance, recompute in options:
             if not self.trains(balance):  # PipeDream's split for unequal replicas may leave a stage without any
                 continue
             sizes = self.sizes(balance)
-            memory = tuple(self.memory_of(schedule, sizes, replicas, chunks, v, recompute))
+            memory = tuple(self.memory_of(schedule, sizes, replicas, chunks, v, recompute, shard))
             peak = max(m.predicted_peak_bytes for m in memory)
             if least:
                 if best is None or peak < best.peak_bytes:
-                    best = Candidate(schedule, tuple(balance), replicas, chunks, v, tuple(recompute), _INF, memory)
+                    best = Candidate(schedule, tuple(balance), replicas, chunks, v, tuple(recompute), _INF, memory,
+                                     shard)
                 continue
             if peak > self.limit:
                 continue
-            time = self.time(schedule, balance, replicas, chunks, v, recompute)
+            time = self.time(schedule, balance, replicas, chunks, v, recompute, shard)
             if best is None or time < best.time_per_minibatch:
-                best = Candidate(schedule, tuple(balance), replicas, chunks, v, tuple(recompute), time, memory)
+                best = Candidate(schedule, tuple(balance), replicas, chunks, v, tuple(recompute), time, memory, shard)
         return best
+
+
+def _sync_seconds(params: np.ndarray, replicas: int, bandwidth: float, chunks: int, shard: str | None) -> np.ndarray:
+    """A stage's gradient and weight traffic per step: replicas one all-reduce; shards one reduce-scatter and the
+    micro-batches' all-gathers (plan.shards)."""
+    if shard is None:
+        return np.asarray(ring_allreduce_seconds(params, replicas, bandwidth))
+    return np.asarray(ring_half_seconds(params, replicas, bandwidth)) * (1 + chunks * gathers_per_microbatch(shard))
 
 
 _Layout = tuple[tuple[int, ...], "list[int] | None"]  # replicas per stage, and a fixed split (None: the planner's)
@@ -643,6 +418,7 @@ def auto_plan(
     input_bytes: float | None = None,
     device: str = "cpu",
     cuda_capability: tuple[int, int] = (9, 0),
+    shard: str | None = None,
 ) -> AutoPlan:
     """Choose the stage split, replicas, schedule, micro-batches and per-stage recompute for ``topology``.
 
@@ -654,9 +430,14 @@ def auto_plan(
     ``microbatch_overhead_s`` is a fixed cost per micro-batch forward and backward on each stage, which makes
     splitting finer a trade. ``input_bytes``: the batch stage 0 keeps (default: ``profile.extra["input_bytes"]``).
     ``device="cuda"`` predicts memory as a GPU of ``cuda_capability`` counts it (see ``plan.memory.predict_memory``).
+    ``shard``: None (default) keeps whole replicas; ``"grad_op"`` or ``"full"`` shards every configuration that can
+    be (equal replicas of gpipe or 1f1b, no recompute) and tries only those; ``"auto"`` weighs both: sharding where
+    whole replicas do not fit, replicas where both fit (they avoid the all-gathers), the reason in
+    :attr:`AutoPlan.shard_note`.
 
     Raises :class:`NoPlanFitsError`, naming the smallest limit that fits, when nothing fits.
     """
+    modes = shard_modes(shard)
     if memory_limit is not None and not (isinstance(memory_limit, (int, float)) and memory_limit > 0):
         raise ValueError(f"memory_limit is {memory_limit!r}; give bytes per worker > 0, or None for no limit.")
     optimizer_state_ratio(optimizer)
@@ -676,17 +457,23 @@ def auto_plan(
     if input_bytes is None:
         input_bytes = float(profile.extra.get("input_bytes", 0) or 0)
     search = _Search(profile, topology, memory_limit, optimizer, float(microbatch_overhead_s), float(input_bytes),
-                     _Ranges(profile, float(input_bytes), device), device=device,
+                     LayerRanges(profile, float(input_bytes), device), device=device,
                      cuda_capability=tuple(cuda_capability))  # type: ignore[arg-type]
     stages_possible = 1 + int(search.ranges.cuttable.sum())
-    groups = _groups(profile, topology, names, stages_possible)
+    groups = _groups(profile, topology, names, stages_possible, modes)
+    if not groups and None not in modes:
+        raise ValueError(
+            f"shard={shard!r} shards equal replicas (at least 2 per stage) of gpipe or 1f1b, and no configuration of "
+            f"{', '.join(names)} on {topology.num_workers} workers has them. Allow gpipe or 1f1b, give at least 2 "
+            "workers, or use shard='auto' (or None) to let replicas keep whole copies."
+        )
     chunk_counts = _chunk_counts(max_chunks, profile.batch_size)
     found: list[Candidate] = []
-    for schedule, replicas, v, fixed in groups:
+    for schedule, replicas, v, fixed, mode in groups:
         counts = chunk_counts if spec_of(schedule).microbatches else [1]
         best = _INF
         for chunks in counts:
-            c = search.candidate(schedule, replicas, chunks, v, fixed)
+            c = search.candidate(schedule, replicas, chunks, v, fixed, shard=mode)
             if c is None:
                 continue
             found.append(c)
@@ -699,16 +486,48 @@ def auto_plan(
     others = [c for c in found if c.shape != chosen.shape]
     runner_up = min(others, key=lambda c: _preference(c, others)) if others else None
     plan = _to_plan(search, chosen, runner_up)
+    note = _shard_note(search, chosen, found) if len(modes) > 1 else None
     return AutoPlan(plan, chosen, runner_up, memory_limit, exact, optimizer, search.considered, search.simulated,
-                    profile.batch_size)
+                    profile.batch_size, note)
 
 
-_Group = tuple[str, tuple[int, ...], int, "list[int] | None"]  # schedule, replicas, virtual stages, fixed split
+def _shard_note(search: _Search, chosen: Candidate, found: list[Candidate]) -> str:
+    """Why the choice shards its replicas or keeps them whole, in words (``shard="auto"``)."""
+    if chosen.shard is not None:
+        whole = search.memory_of(chosen.schedule, search.sizes(list(chosen.balance)), chosen.replicas, chosen.chunks,
+                                 chosen.virtual_stages, list(chosen.recompute))
+        peak = max(m.predicted_peak_bytes for m in whole)
+        if peak > search.limit:
+            return (f"sharded ({chosen.shard}): with whole replicas this configuration needs {bytes_text(peak)} on its "
+                    f"fullest worker, over the limit of {bytes_text(search.limit)}; sharded it needs "
+                    f"{bytes_text(chosen.peak_bytes)}")
+        return (f"sharded ({chosen.shard}): faster than every configuration with whole replicas that fits "
+                f"(this one with whole replicas needs {bytes_text(peak)})")
+    sharded = [c for c in found if c.shard is not None]
+    if not sharded:
+        return "whole replicas: no configuration that fits can shard (equal replicas of gpipe or 1f1b)"
+    best = min(sharded, key=lambda c: _preference(c, sharded))
+    slower = best.time_per_minibatch / chosen.time_per_minibatch - 1 if chosen.time_per_minibatch > 0 else 0.0
+    return (f"whole replicas: both fit, and replicas avoid the all-gathers; the best sharded plan, {best.label()}, "
+            f"takes {slower:+.1%} and needs {bytes_text(best.peak_bytes)} on its fullest worker")
 
 
-def _groups(profile: Profile, topology: Topology, names: list[str], stages_possible: int) -> list[_Group]:
-    """(schedule, replicas, virtual stages, fixed split or None) for every configuration shape to try."""
+_Group = tuple[str, tuple[int, ...], int, "list[int] | None", "str | None"]  # + virtual stages, fixed split, shard
+
+
+def _groups(profile: Profile, topology: Topology, names: list[str], stages_possible: int,
+            modes: tuple[str | None, ...] = (None,)) -> list[_Group]:
+    """(schedule, replicas, virtual stages, fixed split or None, shard) for every configuration shape to try: each
+    shape once per sharding mode in ``modes`` it can run (plan.shards.can_shard)."""
     out: list[_Group] = []
+    for name, replicas, v, fixed in _shapes(profile, topology, names, stages_possible):
+        out += [(name, replicas, v, fixed, mode) for mode in modes if mode is None or can_shard(name, replicas, v)]
+    return out
+
+
+def _shapes(profile: Profile, topology: Topology, names: list[str],
+            stages_possible: int) -> list[tuple[str, tuple[int, ...], int, list[int] | None]]:
+    out: list[tuple[str, tuple[int, ...], int, list[int] | None]] = []
     for replicas, fixed in _layouts(profile, topology, stages_possible):
         p, unequal = len(replicas), len(set(replicas)) > 1
         for name in names:
@@ -728,12 +547,12 @@ def _groups(profile: Profile, topology: Topology, names: list[str], stages_possi
 
 
 def _preference(c: Candidate, among: list[Candidate]) -> tuple:
-    """Fastest first; among times within 1e-6 of the best: exact schedules, less recompute, less memory, fewer
-    micro-batches, fewer stages."""
+    """Fastest first; among times within 1e-6 of the best: exact schedules, less recompute, whole replicas (no
+    gathers), less memory, fewer micro-batches, fewer stages."""
     fastest = min(x.time_per_minibatch for x in among)
     near = c.time_per_minibatch <= fastest * (1 + 1e-6)
     return (not near, c.time_per_minibatch if not near else 0.0, not spec_of(c.schedule).exact, sum(c.recompute),
-            c.peak_bytes, c.chunks, len(c.replicas), c.schedule)
+            c.shard is not None, c.peak_bytes, c.chunks, len(c.replicas), c.schedule, c.shard or "")
 
 
 def _refusal(
@@ -749,21 +568,35 @@ def _refusal(
     if search.memory_limit is None:
         return cannot
     least: Candidate | None = None
-    for schedule, replicas, v, fixed in groups:
+    for schedule, replicas, v, fixed, mode in groups:
         counts = chunk_counts if spec_of(schedule).microbatches else [1]
         for chunks in counts:
-            c = search.candidate(schedule, replicas, chunks, v, fixed, least=True)
+            c = search.candidate(schedule, replicas, chunks, v, fixed, least=True, shard=mode)
             if c is not None and (least is None or c.peak_bytes < least.peak_bytes):
                 least = c
     which = "exact schedule" if exact else "schedule"
     if least is None:
         return cannot
     limit = float(search.memory_limit)
+    tried = {mode for *_, mode in groups}
+    sharded = sorted(mode for mode in tried if mode is not None)
+    replicas_words = ("replicas" if not sharded else "replicas whole or sharded" if None in tried
+                      else f"replicas sharded ({', '.join(sharded)})")
+    hint = "."
+    if not sharded:  # would sharded replicas fit? Say so, with the least they need
+        shardable = [c for name, replicas, v, fixed, _ in groups if can_shard(name, replicas, v)
+                     for chunks in chunk_counts
+                     if (c := search.candidate(name, replicas, chunks, v, fixed, least=True, shard="full")) is not None]
+        fits = min(shardable, key=lambda c: c.peak_bytes, default=None)
+        if fits is not None and fits.peak_bytes <= limit:
+            hint = (f"; or shard the replicas: {fits.label()} needs {fits.peak_bytes} bytes (shard='auto' lets the "
+                    "planner weigh it).")
     return NoPlanFitsError(
-        f"No configuration of the {layers} layers on {workers} (any split, replicas, {which}, micro-batches "
-        f"and recompute) keeps every worker within memory_limit={limit:.0f} bytes ({_bytes(limit)}): the least "
-        f"any needs is {least.peak_bytes} bytes ({_bytes(least.peak_bytes)}) per worker, with {least.label()}. "
-        f"Raise the limit to at least {least.peak_bytes} bytes, or add workers.",
+        f"No configuration of the {layers} layers on {workers} (any split, {replicas_words}, {which}, micro-batches "
+        f"and recompute) keeps every worker within memory_limit={limit:.0f} bytes ({bytes_text(limit)}): the least "
+        f"any needs is {least.peak_bytes} bytes ({bytes_text(least.peak_bytes)}) per worker, with {least.label()}. "
+        f"Raise the limit to at least {least.peak_bytes} bytes, or add workers"
+        + hint,
         least.peak_bytes, least)
 
 
@@ -778,7 +611,8 @@ def _to_plan(search: _Search, c: Candidate, runner_up: Candidate | None) -> Plan
         i, j = int(bounds[s]), int(bounds[s + 1]) - 1
         rep = c.replicas[s % p]
         f, b = float(r.forward[i, j]), float(r.backward[i, j])
-        sync = float(_ring_allreduce(float(r.params[i, j]), rep, search.group_bandwidth(ranks[s % p])))
+        sync = float(_sync_seconds(np.asarray(float(r.params[i, j])), rep, search.group_bandwidth(ranks[s % p]),
+                                   c.chunks, c.shard))
         stages.append(StagePlan(
             layers=names[i : j + 1], replicas=rep, compute_s=(f + b) / rep, forward_s=f / rep, allreduce_s=sync / rep,
             parameter_bytes=int(r.params[i, j]), output_bytes=int(r.output[0, j]),
@@ -802,5 +636,5 @@ def _to_plan(search: _Search, c: Candidate, runner_up: Candidate | None) -> Plan
         stages=stages, schedule=c.schedule, chunks=c.chunks, time_per_minibatch=c.time_per_minibatch,
         speedup_vs_one_worker=one_worker / c.time_per_minibatch if c.time_per_minibatch > 0 else None,
         method="auto", topology=search.topology.to_json(), one_worker_time=one_worker, source=search.profile.source,
-        extra=extra,
+        extra=extra, shard=c.shard,
     )

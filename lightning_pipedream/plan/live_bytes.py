@@ -17,7 +17,10 @@ class LiveTensorBytes(TorchDispatchMode):
 
     Tensors made before the mode started are not seen; :meth:`add` them (the parameters, say) to count them. Memory
     the allocator did not hand out (a storage that cannot be resized: a mapped file such as the shared-memory
-    transport's rings, a NumPy buffer) is not counted. With
+    transport's rings, a NumPy buffer) is not counted. A tensor subclass that wraps others (a DTensor, whose
+    operators the mode sees only from outside) counts as the tensors it wraps. A storage resized in place (FSDP2
+    frees its gathered parameters with ``resize_(0)`` and allocates them again the same way) is counted anew
+    through :meth:`resized`. With
     :meth:`labelled`, :attr:`peak_phase` says what ran at the peak and :attr:`transient` how far each phase rose above
     the live bytes it began with.
     """
@@ -29,28 +32,53 @@ class LiveTensorBytes(TorchDispatchMode):
         self.phase, self.phase_base = "other", 0
         self.peak_phase, self.peak_phase_base = "other", 0
         self.transient: dict[str, int] = {}  # per phase, its most bytes above the live bytes it began with
-        self._storages: dict[int, list[int]] = {}  # data pointer -> [tensors seen on it, bytes]
+        # storage (its identity, which outlives a resize) -> [tensors seen on it, bytes]
+        self._storages: dict[int, list[int]] = {}
         self._seen: set[int] = set()
 
     def add(self, t: torch.Tensor) -> None:
         """Count ``t``'s storage from now until the last tensor seen on it dies (once per tensor and storage)."""
         if id(t) in self._seen or t.device.type != self.device_type:
             return
-        storage = t.untyped_storage()
-        key, nbytes = storage.data_ptr(), storage.nbytes()
-        if not key or not storage.resizable():
+        flatten = getattr(type(t), "__tensor_flatten__", None)
+        if flatten is not None:  # a wrapper (DTensor): what it holds is its inner tensors
+            names, _ = flatten(t)
+            for name in names:
+                inner = getattr(t, name)
+                if isinstance(inner, torch.Tensor):
+                    self.add(inner)
             return
+        storage = t.untyped_storage()
+        if not storage.resizable():
+            return
+        key, nbytes = storage._cdata, storage.nbytes()
         self._seen.add(id(t))
         entry = self._storages.setdefault(key, [0, nbytes])
         if entry[0] == 0:
-            self.live += nbytes
-            if self.live > self.peak:
-                self.peak, self.peak_phase, self.peak_phase_base = self.live, self.phase, self.phase_base
-            rise = self.live - self.phase_base
-            if rise > self.transient.get(self.phase, 0):
-                self.transient[self.phase] = rise
+            self._grow(nbytes)
         entry[0] += 1
         weakref.finalize(t, self._drop, id(t), key)
+
+    def resized(self, t: torch.Tensor) -> None:
+        """Count ``t``'s storage at its size now, after an in-place ``resize_`` (a storage not seen yet: from now)."""
+        storage = t.untyped_storage()
+        entry = self._storages.get(storage._cdata)
+        if entry is None:
+            self.add(t)
+            return
+        change, entry[1] = storage.nbytes() - entry[1], storage.nbytes()
+        if change > 0:
+            self._grow(change)
+        else:
+            self.live += change
+
+    def _grow(self, nbytes: int) -> None:
+        self.live += nbytes
+        if self.live > self.peak:
+            self.peak, self.peak_phase, self.peak_phase_base = self.live, self.phase, self.phase_base
+        rise = self.live - self.phase_base
+        if rise > self.transient.get(self.phase, 0):
+            self.transient[self.phase] = rise
 
     def add_all(self, tensors: Iterable[Any]) -> None:
         for t in tensors:

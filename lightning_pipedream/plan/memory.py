@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
 from lightning_pipedream.plan.profile import Profile
+from lightning_pipedream.plan.shards import SHARD_MODES, can_shard, gathered_bytes, whole_gradient_bytes
 from lightning_pipedream.schedule.actions import Op, Schedule
 from lightning_pipedream.schedule.builders import build_schedule
 from lightning_pipedream.schedule.specs import spec_of
@@ -129,6 +130,11 @@ class StageMemory:
     minibatches in flight (``weight_versions - 1`` copies), ``activations`` what the ``held`` micro-batches in flight
     keep between forward and backward at the worst moment, ``replay`` what a recomputed backward rebuilds for one
     micro-batch on top of that.
+
+    Sharded over its ``replicas`` (``shard``, FSDP2): ``parameters``, ``gradients`` and ``optimizer_state`` are this
+    rank's shards (1 / replicas each); within a step ``whole_gradients`` are held whole until the reduce-scatter, and
+    ``gathered`` is the working copy of the weights a forward or backward gathers. Replicated (``replicas`` > 1, no
+    shard), ``sync_working`` is the all-reduce's flat copy of the gradients.
     """
 
     stage: int
@@ -147,12 +153,17 @@ class StageMemory:
     activations_at_update: int = 0
     update_working: int = 0
     workspace: int = 0  # device="cuda": cuBLAS's workspaces, allocated once and held for good
+    shard: str | None = None  # FSDP2 over the replicas: "grad_op" or "full"
+    whole_gradients: int = 0  # sharded: the gradients held whole within a step, until the reduce-scatter
+    gathered: int = 0  # sharded: the gathered working copy of the weights in a forward or backward
+    sync_working: int = 0  # replicated: the all-reduce's flat copy of the gradients, before the update
 
     @property
     def predicted_peak_bytes(self) -> int:
         weights = self.parameters + self.gradients + self.optimizer_state + self.stashed_weights
-        in_backward = self.activations + self.replay + self.backward_working
-        in_update = self.activations_at_update + self.update_working
+        unsharded = max(0, self.whole_gradients - self.gradients) + self.gathered  # within a step only
+        in_backward = self.activations + self.replay + self.backward_working + unsharded
+        in_update = self.activations_at_update + max(self.update_working, self.sync_working)
         return weights + self.workspace + max(in_backward, in_update)
 
     def to_json(self) -> dict:
@@ -160,6 +171,9 @@ class StageMemory:
         data["chunks"] = list(self.chunks)
         if not self.workspace:  # the CPU's terms: the JSON as before the CUDA terms came
             del data["workspace"]
+        for key in ("shard", "whole_gradients", "gathered", "sync_working"):  # unsharded, unreplicated: as before
+            if not data[key]:
+                del data[key]
         data["predicted_peak_bytes"] = self.predicted_peak_bytes
         return data
 
@@ -239,6 +253,8 @@ class StageBytes:
     grad_temps: float = 0.0  # the most parameter gradients a layer computes before they are added into .grad
     pending: float = 0.0  # what a split backward keeps from its input half for its weight half (output gradient too)
     largest_parameter: float = 0.0  # its largest parameter tensor (the optimizer's temporaries are that big)
+    # each layer's parameter bytes (sharded, each is a unit FSDP2 gathers); a detail of ``parameters``, not compared
+    layer_parameters: tuple[float, ...] = field(default=(), compare=False)
 
 
 def layer_work(profile: Profile, device: str = "cpu") -> tuple[list[float], list[float], list[float], list[float]]:
@@ -322,6 +338,7 @@ def stage_bytes(
                 grad_temps=max(temps[span]),
                 pending=float(np.sum(pending[span])) + cuts[last + 1],
                 largest_parameter=max(largest[span]),
+                layer_parameters=tuple(params[span]),
             )
         )
         first = last + 1
@@ -366,6 +383,7 @@ def predict_memory(
     flight: Schedule | None = None,
     device: str = "cpu",
     cuda_capability: tuple[int, int] = (9, 0),
+    shard: str | None = None,
 ) -> list[StageMemory]:
     """Each worker's predicted peak memory under ``schedule`` (one entry per stage; interleaved: per rank).
 
@@ -378,6 +396,11 @@ def predict_memory(
     ``device="cuda"`` (``sizes`` from :func:`stage_bytes` with the same device): the optimizer's foreach temporaries
     for all the worker's parameters at once (:data:`FOREACH_TEMPORARIES`) instead of the CPU's per-tensor ones, and
     the cuBLAS workspaces of a GPU of ``cuda_capability`` (:func:`cublas_workspace_bytes`; default 9.0, Hopper).
+
+    Replicated stages (``replicas`` > 1) hold the all-reduce's flat copy of their gradients before the update.
+    ``shard="grad_op"`` or ``"full"`` (equal replicas, gpipe or 1f1b): each replica holds ``1 / replicas`` of the
+    parameters, gradients and optimizer state, and within a step the gradients whole and the gathered working copy
+    of the weights (``plan.shards``: :func:`gathered_bytes`, :func:`whole_gradient_bytes`).
     """
     spec = spec_of(schedule)
     cuda = _check_device(device) == "cuda"
@@ -392,6 +415,7 @@ def predict_memory(
         replicas = [1] * ranks
     if len(replicas) != ranks:
         raise ValueError(f"replicas lists {len(replicas)} counts for {ranks} stages; give one per stage.")
+    _check_shard(shard, schedule, replicas, v)
     if flight is None:
         flight = flight_schedule(schedule, ranks, chunks, replicas, v)
     kept = [
@@ -426,14 +450,17 @@ def predict_memory(
             ((sizes[s].layers - sizes[s].output) / chunks if flags[s] else 0.0 for s in mine), default=0.0
         )
         working = max(backward_working(sizes[s].grad_working, sizes[s].grad_temps, chunks) for s in mine)
+        d = int(replicas[rank])
+        part = d if shard is not None else 1  # this rank's share of the weights, gradients and optimizer state
+        units = [p for s in mine for p in sizes[s].layer_parameters] or [params]
         out.append(
             StageMemory(
                 stage=rank,
                 chunks=tuple(mine),
-                replicas=int(replicas[rank]),
-                parameters=round(params),
-                gradients=round(params),
-                optimizer_state=round(ratio * params),
+                replicas=d,
+                parameters=round(params / part),
+                gradients=round(params / part),
+                optimizer_state=round(ratio * params / part),
                 stashed_weights=round((versions - 1) * params),
                 weight_versions=versions,
                 activations=round(act_bytes),
@@ -442,9 +469,22 @@ def predict_memory(
                 replay=round(max(0.0, replay)),
                 backward_working=round(working),
                 activations_at_update=round(at_update),
-                update_working=round(FOREACH_TEMPORARIES[optimizer] * params if cuda
-                                     else temporaries * max(sizes[s].largest_parameter for s in mine)),
+                update_working=round((FOREACH_TEMPORARIES[optimizer] * params if cuda
+                                      else temporaries * max(sizes[s].largest_parameter for s in mine)) / part),
                 workspace=workspace,
+                shard=shard,
+                whole_gradients=round(whole_gradient_bytes(units, params, chunks)) if shard is not None else 0,
+                gathered=round(gathered_bytes(shard, units, params)),
+                sync_working=round(params) if shard is None and d > 1 else 0,
             )
         )
     return out
+
+
+def _check_shard(shard: str | None, schedule: str, replicas: Sequence[int], virtual_stages: int) -> None:
+    if shard not in SHARD_MODES:
+        raise ValueError(f"shard={shard!r}: the memory model knows None (whole copies), 'grad_op' and 'full'.")
+    if shard is not None and not can_shard(schedule, replicas, virtual_stages):
+        raise ValueError(f"shard={shard!r} with schedule={schedule!r} and replicas {list(replicas)}: sharding runs "
+                         "equal replicas (at least 2) of gpipe or 1f1b, one model chunk per rank. Give replicas=[d] "
+                         "* stages with one of those schedules, or shard=None.")

@@ -56,6 +56,7 @@ class Plan:
     one_worker_time: float | None = None
     source: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    shard: str | None = None  # the replicas shard their stage (FSDP2): "grad_op" or "full"; None: whole copies
 
     def __post_init__(self) -> None:
         if not self.stages:
@@ -133,6 +134,8 @@ class Plan:
         data = asdict(self)
         if not data["extra"]:
             del data["extra"]
+        if data["shard"] is None:  # whole replicas: the JSON as before sharding came
+            del data["shard"]
         return data
 
     @classmethod
@@ -306,6 +309,7 @@ _PLAN_CHECKS = {
     "one_worker_time": (_optional(is_number), "a number >= 0, or null"),
     "source": (lambda v: isinstance(v, str), "a string"),
     "extra": (lambda v: isinstance(v, dict), "a JSON object"),
+    "shard": (lambda v: v in (None, "grad_op", "full"), "'grad_op', 'full' or null (whole replicas)"),
 }
 
 

@@ -30,13 +30,15 @@ def plan(limit, temporaries=0, **kwargs):
 
 def test_without_a_limit_two_data_parallel_replicas_win():
     # One stage on both workers runs 12 s of work per minibatch at half the time each, 6 s, with no bubble and free
-    # links; among equal times the least memory: 1f1b's 4 micro-batches keep a quarter of the 4000 activation bytes.
+    # links. Its peak is the all-reduce's flat copy of the 4000 bytes of gradients, whatever the micro-batches (4 keep a
+    # quarter of the 4000 activation bytes, one all of them): among equal times and peaks, the fewest micro-batches.
     result = plan(None)
     c = result.chosen
-    assert (c.schedule, c.replicas, c.chunks, c.recompute) == ("1f1b", (2,), 4, (False,))
+    assert (c.schedule, c.replicas, c.chunks, c.recompute) == ("1f1b", (2,), 1, (False,))
     assert c.time_per_minibatch == pytest.approx(6.0)
-    # SGD: 4000 bytes of weights, 4000 of gradients, 1000 of activations
-    assert [m.predicted_peak_bytes for m in c.memory] == [9000]
+    # SGD: 4000 bytes of weights, 4000 of gradients, and 4000 of the all-reduce's copy of them
+    assert [m.predicted_peak_bytes for m in c.memory] == [12000]
+    assert [m.sync_working for m in c.memory] == [4000]
 
 
 def test_a_tight_limit_gives_more_stages():
