@@ -11,6 +11,7 @@ from lightning_pipedream.plan.auto import auto_plan
 from lightning_pipedream.plan.memory import OPTIMIZER_STATE
 from lightning_pipedream.plan.partition import COST_MODELS, METHODS, partition
 from lightning_pipedream.plan.profile import Profile, load_pipedream_graph
+from lightning_pipedream.plan.shards import SHARD_CHOICES
 from lightning_pipedream.plan.topology import Topology
 from lightning_pipedream.schedule.specs import SCHEDULES
 
@@ -52,6 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --schedule: the optimizer's state per parameter (sgd none, momentum 1x, adam 2x; default adam)",
     )
     parser.add_argument("--max-chunks", type=int, default=16, help="with --schedule: most micro-batches per step")
+    parser.add_argument(
+        "--shard", choices=SHARD_CHOICES, default="none",
+        help="with --schedule: whether equal replicas of gpipe or 1f1b shard weights, gradients and optimizer state "
+             "(FSDP2): none (whole copies, default), grad_op, full, or auto (shard only where whole replicas do "
+             "not fit, or where it is faster; the plan says why)",
+    )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="with --schedule: the memory model's device; cuda adds foreach optimizer temporaries, the "
                              "caching allocator's rounding and cuBLAS workspaces (default: cpu)")
@@ -78,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
             return _run_auto(args, profile, topology)
         given = [flag for flag, used in (("--exact", args.exact), ("--optimizer", args.optimizer != "adam"),
                                          ("--max-chunks", args.max_chunks != 16), ("--overhead", args.overhead != 0.0),
-                                         ("--device", args.device != "cpu"))
+                                         ("--device", args.device != "cpu"), ("--shard", args.shard != "none"))
                  if used]
         if given:
             verb = "applies" if len(given) == 1 else "apply"
@@ -110,7 +117,7 @@ def _run_auto(args: argparse.Namespace, profile: Profile, topology: Topology) ->
     result = auto_plan(
         profile, topology, args.memory, exact=args.exact, optimizer=args.optimizer, schedules=schedules,
         max_chunks=args.max_chunks, microbatch_overhead_s=args.overhead, device=args.device,
-        cuda_capability=_capability(args.cuda_capability),
+        cuda_capability=_capability(args.cuda_capability), shard=args.shard,
     )
     if args.save is not None:
         result.plan.save(args.save)

@@ -123,7 +123,8 @@ class _Search:
         """Peak bytes of a worker holding layers i..j in stage position with ``held`` micro-batches in flight:
         without and with recompute (the same terms, rounded alike, as :func:`predict_memory`), its ``replicas``
         whole or sharded (``shard``)."""
-        key = ("memory", held.count, held.count_at_update, held.most_pending, versions, chunks, replicas, shard)
+        key = ("memory", held.count, held.count_at_update, held.most_pending, versions, chunks, replicas, shard,
+               held.forward_after_backward)
         if key not in self.tables:
             self.tables[key] = self._memory_tables(held, versions, chunks, replicas, shard)
         return self.tables[key]
@@ -146,7 +147,8 @@ class _Search:
         unsharded: np.ndarray | float = 0.0  # sharded, within a step: whole gradients, gathered weights
         if shard is not None:
             whole = np.round(params if chunks > 1 else r.largest_layer)
-            gathered = np.round(r.two_largest_layers if shard == "full" else params + r.largest_layer)
+            whole_stage = shard == "grad_op" and held.forward_after_backward  # plan.shards.gathered_bytes
+            gathered = np.round(params + r.largest_layer if whole_stage else r.two_largest_layers)
             unsharded = np.maximum(0.0, whole - np.round(params / part)) + gathered
         per_mb, per_mb_rc = (r.input + r.acts) / chunks, (r.input + r.output) / chunks
         pending = held.most_pending * r.pending / chunks if held.most_pending else 0.0  # (0 x an empty range's inf)

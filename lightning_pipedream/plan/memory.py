@@ -181,14 +181,16 @@ class StageMemory:
 @dataclass(frozen=True)
 class Held:
     """One rank's activations in flight over its schedule: the most bytes at once (``peak``), the most micro-batches
-    at once (``count``), the same two when an optimizer step runs, and the most micro-batches between the two halves
-    of a split backward at once."""
+    at once (``count``), the same two when an optimizer step runs, the most micro-batches between the two halves
+    of a split backward at once, and whether a forward runs after a backward between two updates (then a sharded
+    stage's whole gradients and the weights that forward gathers are alive together)."""
 
     peak: float
     count: int
     at_update: float = 0.0
     count_at_update: int = 0
     most_pending: int = 0
+    forward_after_backward: bool = False
 
 
 def walk_held(
@@ -210,7 +212,14 @@ def walk_held(
         waiting: set[tuple[int, int | None]] = set()
         total = peak = at_update = 0.0
         count = count_at_update = most_pending = 0
+        backward_ran = forward_after_backward = False
         for a in actions:
+            if a.op is Op.FORWARD and backward_ran:
+                forward_after_backward = True
+            elif a.op in (Op.BACKWARD, Op.BACKWARD_WEIGHT):
+                backward_ran = True
+            elif a.op is Op.OPTIMIZER_STEP:
+                backward_ran = False
             key = (a.stage, a.microbatch)
             if a.op is Op.FORWARD:
                 live[key] = per_microbatch[a.stage]
@@ -225,7 +234,7 @@ def walk_held(
             elif a.op is Op.OPTIMIZER_STEP:
                 at_update, count_at_update = max(at_update, total), max(count_at_update, len(live))
             peak, count, most_pending = max(peak, total), max(count, len(live)), max(most_pending, len(waiting))
-        out.append(Held(peak, count, at_update, count_at_update, most_pending))
+        out.append(Held(peak, count, at_update, count_at_update, most_pending, forward_after_backward))
     return out
 
 
@@ -474,7 +483,7 @@ def predict_memory(
                 workspace=workspace,
                 shard=shard,
                 whole_gradients=round(whole_gradient_bytes(units, params, chunks)) if shard is not None else 0,
-                gathered=round(gathered_bytes(shard, units, params)),
+                gathered=round(gathered_bytes(shard, units, params, h.forward_after_backward)),
                 sync_working=round(params) if shard is None and d > 1 else 0,
             )
         )

@@ -37,19 +37,24 @@ def can_shard(schedule: str, replicas: Sequence[int], virtual_stages: int = 1) -
     return equal and not spec.asynchronous and not spec.splits_backward and virtual_stages == 1
 
 
-def gathered_bytes(shard: str | None, layer_parameters: Sequence[float], parameters: float) -> float:
-    """The gathered working copy of a sharded stage's weights at its peak, on top of its shards.
+def gathered_bytes(shard: str | None, layer_parameters: Sequence[float], parameters: float,
+                   forward_after_backward: bool = True) -> float:
+    """The gathered working copy of a sharded stage's weights at its peak (beside its whole gradients), on top of its
+    shards.
 
     FSDP2 gathers a unit (each layer with parameters) into a flat buffer and copies it out into the unit's
-    parameters; the flat buffer lives until the next unit's gather has begun. ``"full"`` frees a unit's weights
-    after its forward and after its backward, and in the backward gathers the next unit ahead (its default
-    prefetch): the two largest units. ``"grad_op"`` keeps every unit's weights from its forward to its backward:
-    the whole stage, and one unit's flat buffer on top. Measured: ``benchmarks/sharding.py``.
+    parameters; the flat buffer lives until the next unit's gather has begun. Every backward frees each unit's
+    weights as it ends, and gathers the next unit ahead (its default prefetch): the two largest units. ``"full"``
+    frees them after each forward too. ``"grad_op"`` keeps every unit's weights from a forward to the backward that
+    frees them: when a forward runs after a backward within the step (``forward_after_backward``: 1f1b's steady
+    state), the whole stage is gathered beside the whole gradients, and one unit's flat buffer on top; otherwise
+    (gpipe: every forward before the first backward) its backwards gather unit by unit, as ``"full"`` does.
+    Measured: ``benchmarks/sharding.py``.
     """
     if shard is None:
         return 0.0
     units = sorted((float(p) for p in layer_parameters if p), reverse=True)
-    if shard == "full":
+    if shard == "full" or not forward_after_backward:
         return float(sum(units[:2]))
     return float(parameters) + (units[0] if units else 0.0)
 
