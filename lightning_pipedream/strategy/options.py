@@ -7,8 +7,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_pipedream.plan.shards import check_shard_choice
 from lightning_pipedream.runtime.communication.transport import transport_kind
-from lightning_pipedream.runtime.stages.sharding import check_shard
+from lightning_pipedream.runtime.stages.sharding import SHARD_MODES, check_shard
 from lightning_pipedream.schedule.builders import check_schedule_options
 from lightning_pipedream.schedule.specs import AUTO, ScheduleSpec, spec_of
 from lightning_pipedream.strategy.divergence import DEFAULT_FACTOR, ON_DIVERGENCE
@@ -46,7 +47,9 @@ class PipelineOptions:
     divergence_factor: float = DEFAULT_FACTOR
     minibatches_per_batch: int = 1  # pipedream: minibatches (each its own update) a batch is cut into
     transport: str | None = None  # how stages talk (see transport_kind); None: LIGHTNING_PIPEDREAM_TRANSPORT or auto
-    shard: str | None = None  # data-parallel pipelines: each stage's replicas shard it (runtime/stages/sharding.py)
+    # data-parallel pipelines: each stage's replicas shard it (runtime/stages/sharding.py); schedule='auto' also takes
+    # "auto" (the planner weighs whole against sharded replicas under memory_limit, plan/shards.py)
+    shard: str | None = None
 
     def __post_init__(self) -> None:
         if self.transport is not None:
@@ -133,16 +136,23 @@ class PipelineOptions:
 
     def _check_shard(self) -> None:
         """What sharded replicas cannot run, refused before any process starts (the layout is checked at setup)."""
-        if self.auto:
-            raise ValueError(f"shard={self.shard!r} with schedule='auto': the planner does not weigh sharding yet. "
-                             "Give the schedule (1f1b or gpipe) and stages=, or drop shard=.")
+        if self.auto:  # the planner shards only what can be: equal replicas of gpipe or 1f1b
+            if self.shard not in SHARD_MODES and self.shard != "auto":
+                check_shard_choice(self.shard)  # the planner's words, with its choices
+            return
+        if self.shard == "auto":
+            raise ValueError(f"shard='auto' lets the planner weigh whole against sharded replicas, which it does under "
+                             f"schedule='auto'; schedule={self.schedule!r} is fixed. Use schedule='auto' (with "
+                             "memory_limit=), or choose shard='full', 'grad_op' or None yourself.")
         spec = self.spec
         check_shard(self.shard, self.schedule, asynchronous=spec.asynchronous, splits_backward=spec.splits_backward,
                     replicas=(2, 2))
-        if self.virtual_stages > 1 or self.replicas is not None or not self.straight:
+        unequal = self.replicas is not None and (len(set(self.replicas)) != 1 or self.replicas[0] < 2)
+        if self.virtual_stages > 1 or unequal or not self.straight:
             raise ValueError(f"shard={self.shard!r} shards the replicas of data-parallel pipelines (stages= with "
                              "devices = stages x copies); it does not combine with virtual_stages, replicas= or "
-                             "straight=False yet. Drop those, or shard=None.")
+                             "straight=False yet (equal replicas=[d] * stages, d >= 2, are such copies and do). Drop "
+                             "those, or shard=None.")
 
     def _check_auto(self) -> None:
         given = [name for name, value in (("plan", self.plan_path), ("balance", self.balance),

@@ -115,8 +115,9 @@ class LayerPlanner:
                   optimizer: str, device: torch.device | None = None) -> tuple[dict[str, Any], Any]:
         """``schedule='auto'``: rank 0 profiles the layers and the auto planner chooses the split, replicas,
         schedule, micro-batches and recompute within ``memory_limit`` (see :func:`~lightning_pipedream.plan.auto.
-        auto_plan`); every rank gets the strategy arguments that run the choice, and its Plan. A refusal (nothing
-        fits) is raised on every rank. On a GPU ``device``, the memory model counts what CUDA adds."""
+        auto_plan`), and with ``shard=`` whether the replicas shard; every rank gets the strategy arguments that run
+        the choice (``shard`` always among them), and its Plan. A refusal (nothing fits) is raised on every rank. On a
+        GPU ``device``, the memory model counts what CUDA adds."""
         from lightning_pipedream.plan.auto import auto_plan
         from lightning_pipedream.plan.partition import Plan
         from lightning_pipedream.plan.topology import Topology
@@ -136,11 +137,12 @@ class LayerPlanner:
                 gpu = {"device": "cuda", "cuda_capability": tuple(torch.cuda.get_device_capability(device))} \
                     if on_gpu else {}
                 chosen = auto_plan(profile, topology, options.memory_limit, exact=options.exact, optimizer=optimizer,
-                                   **gpu)
+                                   shard=_shard_choice(options.shard, layers), **gpu)
             except ValueError as refused:  # every rank raises the refusal itself, as if it had planned
                 return None, None, str(refused)
             log.info("PipeDreamStrategy(schedule='auto') chose:\n%s", chosen.describe())
-            return chosen.strategy_arguments(), chosen.plan.to_json(), None
+            # shard= always: the options' "auto" (or a mode) becomes the plan's choice, None when replicas stay whole
+            return {**chosen.strategy_arguments(), "shard": chosen.chosen.shard}, chosen.plan.to_json(), None
 
         arguments, plan_json, refused_words = from_rank_zero("profile the layers and plan the pipeline "
                                                              "(schedule='auto')", choose)
@@ -173,6 +175,21 @@ class LayerPlanner:
 
         plan_json = from_rank_zero("profile the layers to plan replicated stages (straight=False)", plan_on_rank_zero)
         return None if plan_json is None else Plan.from_json(plan_json)
+
+
+def _shard_choice(shard: str | None, layers: nn.Sequential) -> str | None:
+    """What the planner may shard: ``shard='auto'`` over layers that share a parameter keeps whole replicas (the
+    strategy does not shard tied parameters yet); a mode asked for by name stays, and is refused at setup."""
+    if shard != "auto":
+        return shard
+    owner: dict[int, int] = {}
+    for index, layer in enumerate(layers):
+        for param in layer.parameters():
+            if owner.setdefault(id(param), index) != index:
+                log.info("PipeDreamStrategy(shard='auto'): layers %d and %d share a parameter; the planner keeps whole "
+                         "replicas (tied parameters are not sharded yet).", owner[id(param)], index)
+                return None
+    return shard
 
 
 def _every_stage_trains_or_repartition(plan: Any, profile: Any, topology: Any) -> Any:

@@ -112,7 +112,14 @@ def test_an_unknown_transport_is_refused_when_the_strategy_is_built() -> None:
                                                  "versions of every weight"),
     ({"schedule": "zb-h1", "chunks": 2, "shard": "grad_op"}, "shard='grad_op' with schedule='zb-h1': the split "
                                                              "backward's two halves"),
-    ({"schedule": "auto", "shard": "full"}, "shard='full' with schedule='auto': the planner does not weigh sharding yet"),
+    ({"schedule": "1f1b", "shard": "auto"}, "shard='auto' lets the planner weigh whole against sharded replicas, which "
+                                            "it does under schedule='auto'; schedule='1f1b' is fixed. Use "
+                                            "schedule='auto' (with memory_limit=), or choose shard='full', 'grad_op' "
+                                            "or None yourself."),
+    ({"schedule": "auto", "shard": "half"}, "shard='half' is not a choice: use None or 'none' (replicas keep whole "
+                                            "copies), 'grad_op'"),
+    ({"schedule": "1f1b", "replicas": [2, 1], "shard": "full"}, "it does not combine with virtual_stages, replicas= "
+                                                                "or straight=False yet (equal replicas=[d] * stages"),
     ({"schedule": "interleaved", "chunks": 2, "virtual_stages": 2, "shard": "full"},
      "it does not combine with virtual_stages, replicas= or straight=False yet"),
     ({"schedule": "1f1b", "shard": "half"}, "shard='half' is not a sharding mode"),
@@ -120,3 +127,24 @@ def test_an_unknown_transport_is_refused_when_the_strategy_is_built() -> None:
 def test_what_sharding_cannot_run_is_refused_when_the_strategy_is_built(options: dict, message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         PipeDreamStrategy(**options)
+
+
+def test_the_planner_weighs_sharding_under_schedule_auto_and_equal_replicas_shard() -> None:
+    """shard='auto' (or a mode) goes to the planner with schedule='auto'; equal replicas are data-parallel copies,
+    which the planner's choice names (replicas=[2, 2], shard='grad_op')."""
+    assert PipeDreamStrategy(schedule="auto", shard="auto", memory_limit=1e9).options.shard == "auto"
+    assert PipeDreamStrategy(schedule="auto", shard="full").options.shard == "full"
+    chosen = PipeDreamStrategy(schedule="1f1b", chunks=2, balance=[3, 2], replicas=[2, 2], shard="grad_op").options
+    assert (chosen.replicas, chosen.shard) == ((2, 2), "grad_op")
+
+
+def test_shard_auto_keeps_whole_replicas_over_layers_that_share_a_parameter() -> None:
+    """The strategy does not shard tied parameters yet: the planner is not offered sharding over them."""
+    from torch import nn
+
+    from lightning_pipedream.strategy.planning import _shard_choice
+
+    shared = nn.Linear(4, 4)
+    assert _shard_choice("auto", nn.Sequential(shared, nn.ReLU(), shared)) is None
+    assert _shard_choice("auto", nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))) == "auto"
+    assert _shard_choice("full", nn.Sequential(shared, shared)) == "full"  # asked for by name: refused at setup
