@@ -48,6 +48,7 @@ from lightning_pipedream.strategy.checks import (
     check_stage_trains,
     optimizers_unvalidated,
     refuse_minibatches_with_replicas,
+    sharded_param_dtype,
 )
 from lightning_pipedream.strategy.graph_path import GraphPath
 from lightning_pipedream.strategy.options import PipelineOptions
@@ -118,15 +119,16 @@ class StagePipeline:
 
 
 def shard_own_stage(stage: nn.Module, placement: Placement, groups: ProcessGroups, shard: str, unsupported: bool,
-                    device: torch.device) -> nn.Module:
-    """``shard=``: this rank's stage sharded over its replicas (the same stage in every data-parallel pipeline)."""
+                    device: torch.device, precision: str) -> nn.Module:
+    """``shard=``: this rank's stage sharded over its replicas (the same stage in every data-parallel pipeline);
+    under ``precision="bf16-mixed"`` gathered and computed in bfloat16, with float32 shards (FSDP2's policy)."""
     check_shard_layout(placement, shard)
     assert groups.replicas is not None
     if unsupported:
         raise ValueError(f"PipeDreamStrategy(shard={shard!r}) shards a module whose layers are one nn.Sequential, "
                          "without parameters shared between stages; the traced graph's stages and tied parameters are "
                          "not sharded yet. Put the layers in one nn.Sequential without ties, or shard=None.")
-    return shard_stage(stage, groups.replicas, shard, device)
+    return shard_stage(stage, groups.replicas, shard, device, sharded_param_dtype(precision, shard))
 
 
 def check_shard_layout(placement: Placement, shard: str) -> None:
@@ -352,7 +354,7 @@ class StagePipelineBuilder:
         if options.shard is not None:  # before the optimizers: they keep state for this rank's shards only
             before = {n: id(p) for n, p in stage.named_parameters()}
             stage = shard_own_stage(stage, placement, groups, options.shard, graph is not None or tied is not None,
-                                    ranks.device)
+                                    ranks.device, str(trainer.precision))
             local_names = {id(p): local_names[before[n]] for n, p in stage.named_parameters()}  # new parameters
         pipeline = StagePipeline(
             module, placement, groups, call, stage,

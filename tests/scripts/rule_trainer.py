@@ -174,6 +174,11 @@ def train(out: str, options: dict[str, Any]) -> None:
     os.makedirs(out, exist_ok=True)
     L.seed_everything(0, verbose=False)
     model = RuleMLP(**options.pop("model", {}))
+    weight_dtypes: set[str] = set()
+    if options.pop("record_weight_dtypes", False):  # the dtype of each weight as its layer's forward sees it
+        for layer in model.layers:
+            if hasattr(layer, "weight"):  # a pre-hook runs after FSDP2's (prepended) gather: the gathered weight
+                layer.register_forward_pre_hook(lambda layer, args: weight_dtypes.add(str(layer.weight.dtype)))
     strategy = options.pop("strategy", None)
     callbacks: list[L.Callback] = []
     if "stop_at" in options:
@@ -230,6 +235,7 @@ def train(out: str, options: dict[str, Any]) -> None:
             "checkpoints": {os.path.basename(k): float(v) for k, v in checkpoint.best_k_models.items()}
             if checkpoint is not None else {},
             "directional": bool(pipeline is not None and pipeline.engine.transport.directional),
+            "weight_dtypes": sorted(weight_dtypes),  # rank 0's layers' (stage 0's), when recorded
         }
         write_json(os.path.join(out, "result.json"), result)
     refuse_unused(options)

@@ -217,6 +217,13 @@ RUNS["shard-resumed-2x1"] = {"devices": 2, "model": SCHEDULED, "trainer": {"grad
                              "strategy": {"schedule": "1f1b", "balance": TWO, "chunks": 2},
                              "resume": "{runs}/shard-full-1f1b-2x2/step=2.ckpt"}
 
+# bf16-mixed with shards: FSDP2's policy gathers each stage's weights in bf16 (float32 shards, gradient sums and
+# optimizer state) under Lightning's autocast; compared with one device under bf16-mixed fed the same micro-batches.
+RUNS["shard-bf16-1f1b-2x2"] = {**{k: v for k, v in SHARDED.items() if k != "checkpoint"},
+                               "trainer": {**SHARDED["trainer"], "precision": "bf16-mixed"},
+                               "strategy": {"schedule": "1f1b", "balance": TWO, "stages": 2, "chunks": 2, "shard": "full"},
+                               "record_weight_dtypes": True}
+
 # These runs take the transport that NCCL needs (each direction of a link on a process group of its own) over gloo,
 # so that real processes run the code GPUs run; the others take the CPU default (shared memory).
 DIRECTIONAL = ["3-momentum-vertical-sync", "data-parallel", "validation", "guard-blow-up-2", "bf16", "checkpoints-whole",
@@ -659,3 +666,48 @@ def test_a_sharded_checkpoint_resumes_sharded_on_one_pipeline_and_on_one_device(
     train_once(str(tmp_path), {"devices": 1, "model": SCHEDULED, "trainer": {"gradient_clip_val": 0.05},
                                "resume": str(runs["shard-full-1f1b-2x2"] / "step=2.ckpt")})
     assert_weights(tmp_path, want)
+
+
+def one_device_on_micro_batches(precision: str, micro_batches: bool = True) -> dict[str, torch.Tensor]:
+    """Lightning's own training on one device (no PipeDreamStrategy) with ``precision``, as the sharded runs train
+    (SCHEDULED, clipping at 0.05, two epochs): each batch fed as the 2 x 2 pipelines cut it (pipeline k's rows k::2,
+    in 2 micro-batches), its 4 pieces accumulated into one update (each piece's loss counting 1/4, as each
+    micro-batch's does in the pipelines); or, with ``micro_batches=False``, whole batches."""
+    items = batches(6)
+    if micro_batches:
+        items = [piece for x, y in items for k in range(2) for piece in zip(x[k::2].tensor_split(2),
+                                                                          y[k::2].tensor_split(2))]
+    L.seed_everything(0, verbose=False)
+    model = RuleMLP(**SCHEDULED)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=2, precision=precision, gradient_clip_val=0.05,
+                        accumulate_grad_batches=4 if micro_batches else 1, limit_val_batches=0, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model, ResumableBatches(items))
+    assert trainer.global_step == 12
+    return model.state_dict()
+
+
+def test_bf16_mixed_with_shards_equals_one_device_under_bf16_mixed_on_the_same_micro_batches(runs):
+    """Each micro-batch's gradient comes out of its bf16 matrix products rounded to bf16, then adds up in float32:
+    one device with the same plugin equals the 2 x 2 sharded run when it computes the same pieces (measured: bit for
+    bit); the tolerance tells it from one device on whole batches (1.8e-5 apart) and from float32 (2.5e-5)."""
+    out = runs["shard-bf16-1f1b-2x2"]
+    assert_weights(out, one_device_on_micro_batches("bf16-mixed"))
+    assert result(out)["global_step"] == 12
+    assert result(out)["weight_dtypes"] == ["torch.bfloat16"]  # FSDP2's gathered weights, not float32 cast per op
+    got = torch.load(out / "final.ckpt", weights_only=False, map_location="cpu")["state_dict"]
+    assert all(v.dtype == torch.float32 for v in got.values())  # the checkpoint holds the float32 master weights
+    for other in (one_device_on_micro_batches("bf16-mixed", micro_batches=False),
+                  one_device_on_micro_batches("32-true")):
+        assert not all(torch.allclose(got[k], other[k], rtol=1e-5, atol=1e-6) for k in other)
+
+
+def test_shards_gather_in_bf16_under_bf16_mixed_and_refuse_16_mixed():
+    from lightning_pipedream.strategy.checks import sharded_param_dtype
+
+    assert sharded_param_dtype("bf16-mixed", "full") == torch.bfloat16
+    assert sharded_param_dtype("32-true", "full") is None and sharded_param_dtype("bf16-true", "grad_op") is None
+    with pytest.raises(ValueError, match=r"PipeDreamStrategy\(shard='grad_op'\) does not support precision='16-mixed': "
+                                         r"each replica finds overflows only in its own shard of the gradients, .* Use "
+                                         r"precision='bf16-mixed' \(no scaler needed\), or shard=None."):
+        sharded_param_dtype("16-mixed", "grad_op")
