@@ -67,16 +67,9 @@ def check_training_supported(module: LightningModule, precision: Precision, sche
 def sharded_param_dtype(precision: str, shard: str) -> torch.dtype | None:
     """The dtype sharded stages gather their parameters in under Lightning's ``precision``: bfloat16 under
     ``bf16-mixed`` (FSDP2's mixed precision, with float32 shards, gradient sums and optimizer state; Lightning's
-    autocast stays on), the parameters' own dtype otherwise; ``16-mixed`` is refused with the way out."""
-    if precision == "bf16-mixed":
-        return torch.bfloat16
-    if precision == "16-mixed":
-        raise ValueError(
-            f"PipeDreamStrategy(shard={shard!r}) does not support precision='16-mixed': each replica finds overflows "
-            "only in its own shard of the gradients, so the loss scaler's replicas could disagree on skipping a step "
-            "and their shards would drift apart. Use precision='bf16-mixed' (no scaler needed), or shard=None."
-        )
-    return None
+    autocast stays on), the parameters' own dtype otherwise (``16-mixed`` too: float32 shards under Lightning's
+    autocast; every replica agrees on an overflow, see strategy/loss_scale.py)."""
+    return torch.bfloat16 if precision == "bf16-mixed" else None
 
 
 def check_last_batch_fits(loader: Any, chunks: int, pipelines: int, schedule: str) -> None:

@@ -6,7 +6,10 @@ the last stage and its scale reaches every stage through the gradients; each sta
 own gradients. So at every update the stages of a pipeline agree (a max over the pipeline's group) on whether
 any of them overflowed, and all skip, or all step, and all back off or grow the scale alike: the scales stay
 equal on every rank, as with one device. The agreement is a collective at each update, so only the flushed
-schedules take it (each rank updates once per step there, after the flush).
+schedules take it (each rank updates once per step there, after the flush). Sharded replicas (``shard=``) each hold a
+shard of every gradient: their gradients are DTensors, whose unscaling already takes the max of the overflow flag
+over the replicas (torch's found-inf handler for DTensor), so they agree too (tests/strategy/test_exactness.py plants
+an overflow in one replica's shard alone).
 """
 
 from __future__ import annotations

@@ -31,7 +31,8 @@ class RuleMLP(L.LightningModule):
     """7 layers (Linear/Tanh), MSE; SGD, SGD with momentum or Adam; optional per-step scheduler."""
 
     def __init__(self, optimizer: str = "sgd", lr: float = 0.2, scheduler: str | None = None,
-                 blow_up_at: int | None = None, overflow_at: int | None = None) -> None:
+                 blow_up_at: int | None = None, overflow_at: int | None = None,
+                 overflow_unit_at: int | None = None) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.layers = nn.Sequential(
@@ -40,9 +41,15 @@ class RuleMLP(L.LightningModule):
         )
         if overflow_at is not None:  # a planted overflow in the first layer's gradient only (stage 0's) at that step
             self.layers[0].weight.register_hook(self._overflow)
+        if overflow_unit_at is not None:  # only the first layer's first output unit's: row 0 of its weight's gradient,
+            self.layers[0].register_forward_hook(self._overflow_first_unit)  # which one sharded replica holds
 
     def _overflow(self, grad: torch.Tensor) -> torch.Tensor:
         return grad * float("inf") if self.trainer.global_step == self.hparams.overflow_at else grad
+
+    def _overflow_first_unit(self, module: nn.Module, inputs: Any, output: torch.Tensor) -> None:
+        if self.trainer.global_step == self.hparams.overflow_unit_at and output.requires_grad:
+            output.register_hook(lambda g: torch.cat([g[:, :1] * float("inf"), g[:, 1:]], dim=1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.layers(x)

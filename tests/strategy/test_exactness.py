@@ -219,6 +219,11 @@ RUNS["shard-resumed-2x1"] = {"devices": 2, "model": SCHEDULED, "trainer": {"grad
 
 # bf16-mixed with shards: FSDP2's policy gathers each stage's weights in bf16 (float32 shards, gradient sums and
 # optimizer state) under Lightning's autocast; compared with one device under bf16-mixed fed the same micro-batches.
+# 16-mixed with shards: an overflow in one unit of stage 0's first layer sits in one replica's shard alone; every rank
+# must skip that step and keep one device's scale (the max over the pipeline, then over the stage's replicas).
+RUNS["fp16-shard-1f1b-2x2"] = {**FP16, "model": {"overflow_unit_at": 2}, "devices": 4, "pipelines": 2,
+                               "strategy": {"schedule": "1f1b", "balance": TWO, "stages": 2, "chunks": 2,
+                                            "shard": "full"}}
 RUNS["shard-bf16-1f1b-2x2"] = {**{k: v for k, v in SHARDED.items() if k != "checkpoint"},
                                "trainer": {**SHARDED["trainer"], "precision": "bf16-mixed"},
                                "strategy": {"schedule": "1f1b", "balance": TWO, "stages": 2, "chunks": 2, "shard": "full"},
@@ -668,23 +673,27 @@ def test_a_sharded_checkpoint_resumes_sharded_on_one_pipeline_and_on_one_device(
     assert_weights(tmp_path, want)
 
 
-def one_device_on_micro_batches(precision: str, micro_batches: bool = True) -> dict[str, torch.Tensor]:
-    """Lightning's own training on one device (no PipeDreamStrategy) with ``precision``, as the sharded runs train
-    (SCHEDULED, clipping at 0.05, two epochs): each batch fed as the 2 x 2 pipelines cut it (pipeline k's rows k::2,
-    in 2 micro-batches), its 4 pieces accumulated into one update (each piece's loss counting 1/4, as each
-    micro-batch's does in the pipelines); or, with ``micro_batches=False``, whole batches."""
+def one_device_on_micro_batches(precision: str | MixedPrecision, micro_batches: bool = True, *,
+                                model: dict[str, Any] = SCHEDULED, epochs: int = 2,
+                                clip: float | None = 0.05) -> dict[str, torch.Tensor]:
+    """Lightning's own training on one device (no PipeDreamStrategy) with ``precision`` (a plugin for 16-mixed's
+    scaler), as the sharded runs train (by default SCHEDULED, clipping at 0.05, two epochs): each batch fed as the
+    2 x 2 pipelines cut it (pipeline k's rows k::2, in 2 micro-batches), its 4 pieces accumulated into one update
+    (each piece's loss counting 1/4, as each micro-batch's does in the pipelines); or, with ``micro_batches=False``,
+    whole batches."""
     items = batches(6)
     if micro_batches:
         items = [piece for x, y in items for k in range(2) for piece in zip(x[k::2].tensor_split(2),
                                                                           y[k::2].tensor_split(2))]
     L.seed_everything(0, verbose=False)
-    model = RuleMLP(**SCHEDULED)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=2, precision=precision, gradient_clip_val=0.05,
+    trained = RuleMLP(**model)
+    plugin = {"plugins": [precision]} if isinstance(precision, MixedPrecision) else {"precision": precision}
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=epochs, gradient_clip_val=clip,
                         accumulate_grad_batches=4 if micro_batches else 1, limit_val_batches=0, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(model, ResumableBatches(items))
-    assert trainer.global_step == 12
-    return model.state_dict()
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **plugin)
+    trainer.fit(trained, ResumableBatches(items))
+    assert trainer.global_step == 6 * epochs
+    return trained.state_dict()
 
 
 def test_bf16_mixed_with_shards_equals_one_device_under_bf16_mixed_on_the_same_micro_batches(runs):
@@ -702,12 +711,21 @@ def test_bf16_mixed_with_shards_equals_one_device_under_bf16_mixed_on_the_same_m
         assert not all(torch.allclose(got[k], other[k], rtol=1e-5, atol=1e-6) for k in other)
 
 
-def test_shards_gather_in_bf16_under_bf16_mixed_and_refuse_16_mixed():
+def test_shards_gather_in_bf16_under_bf16_mixed():
     from lightning_pipedream.strategy.checks import sharded_param_dtype
 
     assert sharded_param_dtype("bf16-mixed", "full") == torch.bfloat16
     assert sharded_param_dtype("32-true", "full") is None and sharded_param_dtype("bf16-true", "grad_op") is None
-    with pytest.raises(ValueError, match=r"PipeDreamStrategy\(shard='grad_op'\) does not support precision='16-mixed': "
-                                         r"each replica finds overflows only in its own shard of the gradients, .* Use "
-                                         r"precision='bf16-mixed' \(no scaler needed\), or shard=None."):
-        sharded_param_dtype("16-mixed", "grad_op")
+    assert sharded_param_dtype("16-mixed", "grad_op") is None  # float32 shards under autocast and the scaler
+
+
+def test_fp16_sharded_replicas_skip_an_overflow_in_one_shard_together(runs):
+    """precision='16-mixed' with shard='full' on 2 x 2: an overflow in row 0 of stage 0's first weight's gradient,
+    which only replica 0 holds after the reduce-scatter, makes every rank skip that step; the run equals one device
+    with the same plugin fed the same micro-batches, and every rank ends with its scale."""
+    options = RUNS["fp16-shard-1f1b-2x2"]
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", **options["fp16"]))
+    assert_weights(runs["fp16-shard-1f1b-2x2"],
+                   one_device_on_micro_batches(plugin, model=options["model"], epochs=1, clip=None))
+    scales = [float((runs["fp16-shard-1f1b-2x2"] / f"scale{r}.txt").read_text()) for r in range(4)]
+    assert scales == [plugin.scaler.get_scale()] * 4 == [2048.0] * 4  # (with no step skipped: 8192)
