@@ -137,7 +137,7 @@ class LayerPlanner:
                 gpu = {"device": "cuda", "cuda_capability": tuple(torch.cuda.get_device_capability(device))} \
                     if on_gpu else {}
                 chosen = auto_plan(profile, topology, options.memory_limit, exact=options.exact, optimizer=optimizer,
-                                   shard=_shard_choice(options.shard, layers), **gpu)
+                                   shard=shard_choice(options.shard, layers), **gpu)
             except ValueError as refused:  # every rank raises the refusal itself, as if it had planned
                 return None, None, str(refused)
             log.info("PipeDreamStrategy(schedule='auto') chose:\n%s", chosen.describe())
@@ -177,7 +177,7 @@ class LayerPlanner:
         return None if plan_json is None else Plan.from_json(plan_json)
 
 
-def _shard_choice(shard: str | None, layers: nn.Sequential) -> str | None:
+def shard_choice(shard: str | None, layers: nn.Sequential) -> str | None:
     """What the planner may shard: ``shard='auto'`` over layers that share a parameter keeps whole replicas (the
     strategy does not shard tied parameters yet); a mode asked for by name stays, and is refused at setup."""
     if shard != "auto":

@@ -142,9 +142,9 @@ def test_shard_auto_keeps_whole_replicas_over_layers_that_share_a_parameter() ->
     """The strategy does not shard tied parameters yet: the planner is not offered sharding over them."""
     from torch import nn
 
-    from lightning_pipedream.strategy.planning import _shard_choice
+    from lightning_pipedream.strategy.planning import shard_choice
 
     shared = nn.Linear(4, 4)
-    assert _shard_choice("auto", nn.Sequential(shared, nn.ReLU(), shared)) is None
-    assert _shard_choice("auto", nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))) == "auto"
-    assert _shard_choice("full", nn.Sequential(shared, shared)) == "full"  # asked for by name: refused at setup
+    assert shard_choice("auto", nn.Sequential(shared, nn.ReLU(), shared)) is None
+    assert shard_choice("auto", nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))) == "auto"
+    assert shard_choice("full", nn.Sequential(shared, shared)) == "full"  # asked for by name: refused at setup
