@@ -283,6 +283,17 @@ def test_the_package_has_no_circle_of_imports() -> None:
     assert not found, "circles of imports (move what both need below them):\n" + "\n".join(map(str, found))
 
 
+MAX_LINES = 800  # a file longer than this holds more than one idea: split it by concern
+STRATEGY_MAX_LINES = 600  # Lightning's hooks, each delegating (the per-batch work is strategy/training_step.py)
+
+
+def test_no_file_is_too_long_to_read_whole() -> None:
+    lengths = {path: len(path.read_text().splitlines()) for path in package_files()}
+    long = [f"{path.relative_to(ROOT)}: {n} lines" for path, n in lengths.items() if n > MAX_LINES]
+    assert not long, f"files over {MAX_LINES} lines:\n" + "\n".join(long)
+    assert lengths[PACKAGE / "strategy" / "pipedream.py"] < STRATEGY_MAX_LINES
+
+
 def test_the_room_and_circle_checkers_catch_planted_violations() -> None:
     faults = PACKAGE / "runtime" / "faults"
     one, two = faults / "_probe_one.py", faults / "_probe_two.py"
