@@ -224,8 +224,8 @@ def choose_automatically(options: PipelineOptions, ranks: Ranks, trainer: Traine
             f"{type(module).__name__}'s are not. Name a schedule (the graph path profiles and splits any module), "
             "or put the layers in one nn.Sequential."
         )
-    if not fitting:  # nothing to profile a training step with: an even split, flushed
-        return dataclasses.replace(options, schedule="1f1b", memory_limit=None, exact=False), None
+    if not fitting:  # nothing to profile a training step with: an even split, flushed, one stage per process
+        return dataclasses.replace(options, schedule="1f1b", memory_limit=None, exact=False, shard=None), None
     optimizers, _ = optimizers_unvalidated(module)
     from lightning_pipedream.plan.memory import optimizer_kind
 

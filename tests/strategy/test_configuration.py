@@ -148,3 +148,22 @@ def test_shard_auto_keeps_whole_replicas_over_layers_that_share_a_parameter() ->
     assert shard_choice("auto", nn.Sequential(shared, nn.ReLU(), shared)) is None
     assert shard_choice("auto", nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))) == "auto"
     assert shard_choice("full", nn.Sequential(shared, shared)) == "full"  # asked for by name: refused at setup
+
+
+@pytest.mark.parametrize("shard", ["auto", "full", "grad_op"])
+def test_schedule_auto_without_fitting_runs_whole_stages_one_per_process(shard: str) -> None:
+    # validate/test/predict give the planner no training step to profile: an even 1f1b split, one stage per process,
+    # which has no replicas to shard (shard= is dropped rather than refused by the layout check).
+    import torch
+
+    from lightning_pipedream.strategy.stage_pipeline import Ranks, choose_automatically
+
+    class Layers(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+
+    options = PipeDreamStrategy(schedule="auto", shard=shard).options
+    ranks = Ranks(0, 2, 2, 1, torch.device("cpu"), "gloo", None)
+    chosen, plan = choose_automatically(options, ranks, None, Layers(), False, lambda batch: batch)  # type: ignore[arg-type]
+    assert (chosen.schedule, chosen.shard, chosen.memory_limit, plan) == ("1f1b", None, None, None)
