@@ -216,6 +216,9 @@ RUNS["shard-grad_op-gpipe-2x2"] = {**SHARDED, "strategy": {"schedule": "gpipe", 
 RUNS["shard-full-1f1b-1x4"] = {**{k: v for k, v in SHARDED.items() if k != "checkpoint"}, "pipelines": 4,
                                "strategy": {"schedule": "1f1b", "balance": [7], "stages": 1, "chunks": 2,
                                             "shard": "full"}}
+# Sharded stages that recompute their forward in the backward (FSDP2 gathers the weights again for the replay).
+RUNS["shard-full-1f1b-recompute-2x2"] = {**{k: v for k, v in SHARDED.items() if k != "checkpoint"},
+                                         "strategy": {**RUNS["shard-full-1f1b-2x2"]["strategy"], "recompute": True}}
 RUNS["shard-resumed-2x2"] = {**RUNS["shard-full-1f1b-2x2"], "resume": "{runs}/shard-full-1f1b-2x2/step=2.ckpt"}
 RUNS["shard-resumed-2x1"] = {"devices": 2, "model": SCHEDULED, "trainer": {"gradient_clip_val": 0.05},
                              "strategy": {"schedule": "1f1b", "balance": TWO, "chunks": 2},
@@ -665,6 +668,7 @@ def test_sharded_data_parallel_pipelines_equal_one_device(runs):
                                                              clip_norm=0.05))
     assert result(runs["shard-full-1f1b-2x2"])["global_step"] == 12
     assert_weights(runs["shard-full-1f1b-1x4"], clipped)  # one stage, 4 sharded replicas: FSDP alone
+    assert_weights(runs["shard-full-1f1b-recompute-2x2"], clipped)
 
 
 def test_a_sharded_checkpoint_resumes_sharded_on_one_pipeline_and_on_one_device(runs, tmp_path):
