@@ -148,9 +148,9 @@ class PipelineOptions:
         check_shard(self.shard, self.schedule, asynchronous=spec.asynchronous, splits_backward=spec.splits_backward,
                     replicas=(2, 2))
         unequal = self.replicas is not None and (len(set(self.replicas)) != 1 or self.replicas[0] < 2)
-        if self.virtual_stages > 1 or unequal or not self.straight:
+        if unequal or not self.straight:
             raise ValueError(f"shard={self.shard!r} shards the replicas of data-parallel pipelines (stages= with "
-                             "devices = stages x copies); it does not combine with virtual_stages, replicas= or "
+                             "devices = stages x copies); it does not combine with unequal replicas= or "
                              "straight=False yet (equal replicas=[d] * stages, d >= 2, are such copies and do). Drop "
                              "those, or shard=None.")
 

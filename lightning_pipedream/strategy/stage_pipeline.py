@@ -119,16 +119,23 @@ class StagePipeline:
 
 
 def shard_own_stage(stage: nn.Module, placement: Placement, groups: ProcessGroups, shard: str, unsupported: bool,
-                    device: torch.device, precision: str) -> nn.Module:
+                    device: torch.device, precision: str, model_chunks: list[nn.Module] | None = None) -> nn.Module:
     """``shard=``: this rank's stage sharded over its replicas (the same stage in every data-parallel pipeline);
-    under ``precision="bf16-mixed"`` gathered and computed in bfloat16, with float32 shards (FSDP2's policy)."""
+    under ``precision="bf16-mixed"`` gathered and computed in bfloat16, with float32 shards (FSDP2's policy).
+    Interleaved ``model_chunks`` are sharded each as a root of its own (the engine runs them one by one), their
+    layers shared with ``stage``, which is returned."""
     check_shard_layout(placement, shard)
     assert groups.replicas is not None
     if unsupported:
         raise ValueError(f"PipeDreamStrategy(shard={shard!r}) shards a module whose layers are one nn.Sequential, "
                          "without parameters shared between stages; the traced graph's stages and tied parameters are "
                          "not sharded yet. Put the layers in one nn.Sequential without ties, or shard=None.")
-    return shard_stage(stage, groups.replicas, shard, device, sharded_param_dtype(precision, shard))
+    param_dtype = sharded_param_dtype(precision, shard)
+    if model_chunks is not None and len(model_chunks) > 1:
+        for chunk in model_chunks:
+            shard_stage(chunk, groups.replicas, shard, device, param_dtype)
+        return stage
+    return shard_stage(stage, groups.replicas, shard, device, param_dtype)
 
 
 def check_shard_layout(placement: Placement, shard: str) -> None:
@@ -255,8 +262,10 @@ def make_engine(options: PipelineOptions, stage: nn.Module, model_chunks: list[n
         allreduce=_reduced_in_updates if placement.layout is not None else None,
         recompute=options.recompute,
         virtual_stages=options.virtual_stages,
-        # sharded replicas: only the step's last backward on the stage reduce-scatters the gradients
-        gradient_sync=(lambda _, sync: set_gradient_sync([stage], sync)) if options.shard is not None else None,
+        # sharded replicas: only the step's last backward on each stage (model chunk) reduce-scatters the gradients
+        gradient_sync=(lambda index, sync: set_gradient_sync([model_chunks[index // placement.num_stages]], sync))
+        if options.shard is not None and options.virtual_stages > 1 else
+        (lambda _, sync: set_gradient_sync([stage], sync)) if options.shard is not None else None,
     )
 
 
@@ -354,7 +363,7 @@ class StagePipelineBuilder:
         if options.shard is not None:  # before the optimizers: they keep state for this rank's shards only
             before = {n: id(p) for n, p in stage.named_parameters()}
             stage = shard_own_stage(stage, placement, groups, options.shard, graph is not None or tied is not None,
-                                    ranks.device, str(trainer.precision))
+                                    ranks.device, str(trainer.precision), model_chunks)
             local_names = {id(p): local_names[before[n]] for n, p in stage.named_parameters()}  # new parameters
         pipeline = StagePipeline(
             module, placement, groups, call, stage,

@@ -118,10 +118,8 @@ def test_an_unknown_transport_is_refused_when_the_strategy_is_built() -> None:
                                             "or None yourself."),
     ({"schedule": "auto", "shard": "half"}, "shard='half' is not a choice: use None or 'none' (replicas keep whole "
                                             "copies), 'grad_op'"),
-    ({"schedule": "1f1b", "replicas": [2, 1], "shard": "full"}, "it does not combine with virtual_stages, replicas= "
-                                                                "or straight=False yet (equal replicas=[d] * stages"),
-    ({"schedule": "interleaved", "chunks": 2, "virtual_stages": 2, "shard": "full"},
-     "it does not combine with virtual_stages, replicas= or straight=False yet"),
+    ({"schedule": "1f1b", "replicas": [2, 1], "shard": "full"}, "it does not combine with unequal replicas= or "
+                                                                "straight=False yet (equal replicas=[d] * stages"),
     ({"schedule": "1f1b", "shard": "half"}, "shard='half' is not a sharding mode"),
 ])
 def test_what_sharding_cannot_run_is_refused_when_the_strategy_is_built(options: dict, message: str) -> None:

@@ -219,6 +219,12 @@ RUNS["shard-full-1f1b-1x4"] = {**{k: v for k, v in SHARDED.items() if k != "chec
 # Sharded stages that recompute their forward in the backward (FSDP2 gathers the weights again for the replay).
 RUNS["shard-full-1f1b-recompute-2x2"] = {**{k: v for k, v in SHARDED.items() if k != "checkpoint"},
                                          "strategy": {**RUNS["shard-full-1f1b-2x2"]["strategy"], "recompute": True}}
+# Interleaved data-parallel pipelines, whole and sharded (each model chunk sharded as a root of its own).
+RUNS["interleaved-dp-2x2"] = {**newer("interleaved", INTERLEAVED_BALANCE[2], 4, chunks=2, virtual_stages=2, stages=2),
+                              "pipelines": 2}
+RUNS["shard-full-interleaved-2x2"] = {**{k: v for k, v in SHARDED.items() if k != "checkpoint"},
+                                      "strategy": {"schedule": "interleaved", "balance": INTERLEAVED_BALANCE[2],
+                                                   "stages": 2, "chunks": 2, "virtual_stages": 2, "shard": "full"}}
 RUNS["shard-resumed-2x2"] = {**RUNS["shard-full-1f1b-2x2"], "resume": "{runs}/shard-full-1f1b-2x2/step=2.ckpt"}
 RUNS["shard-resumed-2x1"] = {"devices": 2, "model": SCHEDULED, "trainer": {"gradient_clip_val": 0.05},
                              "strategy": {"schedule": "1f1b", "balance": TWO, "chunks": 2},
@@ -669,6 +675,11 @@ def test_sharded_data_parallel_pipelines_equal_one_device(runs):
     assert result(runs["shard-full-1f1b-2x2"])["global_step"] == 12
     assert_weights(runs["shard-full-1f1b-1x4"], clipped)  # one stage, 4 sharded replicas: FSDP alone
     assert_weights(runs["shard-full-1f1b-recompute-2x2"], clipped)
+    assert_weights(runs["shard-full-interleaved-2x2"], clipped)  # 2 model chunks per process, each sharded
+
+
+def test_interleaved_data_parallel_pipelines_equal_one_device(runs):
+    assert_weights(runs["interleaved-dp-2x2"], one_device())
 
 
 def test_a_sharded_checkpoint_resumes_sharded_on_one_pipeline_and_on_one_device(runs, tmp_path):
