@@ -262,11 +262,14 @@ def make_engine(options: PipelineOptions, stage: nn.Module, model_chunks: list[n
         allreduce=_reduced_in_updates if placement.layout is not None else None,
         recompute=options.recompute,
         virtual_stages=options.virtual_stages,
-        # sharded replicas: only the step's last backward on each stage (model chunk) reduce-scatters the gradients
-        gradient_sync=(lambda index, sync: set_gradient_sync([model_chunks[index // placement.num_stages]], sync))
-        if options.shard is not None and options.virtual_stages > 1 else
-        (lambda _, sync: set_gradient_sync([stage], sync)) if options.shard is not None else None,
+        gradient_sync=_chunk_gradient_sync(model_chunks, placement.num_stages) if options.shard is not None else None,
     )
+
+
+def _chunk_gradient_sync(model_chunks: list[nn.Module], num_stages: int) -> Callable[[int, bool], None]:
+    """Sharded replicas: only the step's last backward on each model chunk (stage ``c * num_stages + rank``)
+    reduce-scatters its gradients."""
+    return lambda index, sync: set_gradient_sync([model_chunks[index // num_stages]], sync)
 
 
 def _reduced_in_updates(average: bool = False) -> int:

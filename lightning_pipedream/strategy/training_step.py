@@ -59,8 +59,7 @@ class TrainingStep:
         self.closes_group = not epoch_loop._should_accumulate()  # Lightning steps the optimizer after this batch
         self.end_of_data = epoch_loop._num_ready_batches_reached()
         self.last_step = self.closes_group and 0 < trainer.max_steps <= trainer.global_step + 1
-        self.asynchronous = options.spec.asynchronous
-        self.drained = self.asynchronous and (self.end_of_data or self.last_step)
+        self.drained = options.spec.asynchronous and (self.end_of_data or self.last_step)
         self.record = self._data_record()
         self.shares = self._shares()
         self.warned_token_mean = warn_token_mean and self._warn_if_token_means_differ()
