@@ -14,7 +14,7 @@ from lightning_pipedream.runtime.communication.transport import Transport, trans
 from lightning_pipedream.runtime.execution.engine import PipelineEngine, StepResult
 from lightning_pipedream.runtime.execution.shares import BatchShares
 from lightning_pipedream.runtime.stages.replicas import ReplicaGroups
-from lightning_pipedream.runtime.stages.sharding import check_shard, full_state, set_gradient_sync, shard_stage
+from lightning_pipedream.runtime.stages.sharding import StepReduction, check_shard, full_state, shard_stage
 from lightning_pipedream.schedule.actions import Layout
 from lightning_pipedream.schedule.builders import check_schedule_options
 from lightning_pipedream.schedule.specs import spec_of
@@ -100,8 +100,7 @@ class Pipeline:
         if prebuilt and virtual_stages != 1:
             raise ValueError("Prebuilt stage modules run one stage per process; use virtual_stages=1 with them.")
         spec = spec_of(schedule)
-        check_shard(shard, schedule, asynchronous=spec.asynchronous, splits_backward=spec.splits_backward,
-                    replicas=replicas, param_dtype=param_dtype)
+        check_shard(shard, schedule, asynchronous=spec.asynchronous, replicas=replicas, param_dtype=param_dtype)
         self.rank = dist.get_rank(group)
         self.num_stages = dist.get_world_size(group)
         self.virtual_stages = virtual_stages
@@ -163,7 +162,8 @@ class Pipeline:
                 None if self.reducer is None else self.reducer.reduce),
             recompute=recompute,
             virtual_stages=virtual_stages,
-            gradient_sync=(lambda stage, sync: set_gradient_sync([self.module], sync)) if shard is not None else None,
+            reduction=StepReduction([self.module], self.num_stages, shard, split_backward=spec.splits_backward)
+            if shard is not None else None,
         )
 
     @property

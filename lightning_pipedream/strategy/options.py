@@ -145,8 +145,7 @@ class PipelineOptions:
                              f"schedule='auto'; schedule={self.schedule!r} is fixed. Use schedule='auto' (with "
                              "memory_limit=), or choose shard='full', 'grad_op' or None yourself.")
         spec = self.spec
-        check_shard(self.shard, self.schedule, asynchronous=spec.asynchronous, splits_backward=spec.splits_backward,
-                    replicas=(2, 2))
+        check_shard(self.shard, self.schedule, asynchronous=spec.asynchronous, replicas=(2, 2))
         unequal = self.replicas is not None and (len(set(self.replicas)) != 1 or self.replicas[0] < 2)
         if unequal or not self.straight:
             raise ValueError(f"shard={self.shard!r} shards the replicas of data-parallel pipelines (stages= with "

@@ -144,8 +144,9 @@ class PipeDreamStrategy(DDPStrategy):
             torch.distributed otherwise), ``"gloo"``, ``"shm"``, or ``"directional"`` (each direction of a link on a
             process group of its own: the path NCCL takes, which GPU runs always use; docs/strategy.md, "On GPUs").
             None (default): the environment's ``LIGHTNING_PIPEDREAM_TRANSPORT``, else ``"auto"``.
-        shard: with data-parallel pipelines (``stages=S`` on ``S x d`` devices) and ``gpipe``, ``1f1b`` or
-            ``interleaved`` (each model chunk sharded on its own): each stage's
+        shard: with data-parallel pipelines (``stages=S`` on ``S x d`` devices) and ``gpipe``, ``1f1b``, ``zb-h1``
+            (weights kept gathered through the step) or ``interleaved`` (each model chunk sharded on its own): each
+            stage's
             ``d`` replicas shard its weights, gradients and optimizer state with torch's FSDP2 (``"full"``: weights
             gathered for each forward and backward; ``"grad_op"``: kept whole from a forward to its backward) instead
             of keeping whole copies; the step's last backward reduce-scatters the gradients once. Checkpoints stay

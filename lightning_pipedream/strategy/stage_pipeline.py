@@ -26,10 +26,10 @@ from lightning_pipedream.runtime.faults.failures import from_rank_zero
 from lightning_pipedream.runtime.stages.materialize import has_meta_tensors, materialize
 from lightning_pipedream.runtime.stages.replicas import GradientReducer
 from lightning_pipedream.runtime.stages.sharding import (
+    StepReduction,
     WholeOptimizerState,
     local_square_norm,
     scale_gradient,
-    set_gradient_sync,
     shard_stage,
     sharded_optimizer_state,
     whole_state,
@@ -262,14 +262,10 @@ def make_engine(options: PipelineOptions, stage: nn.Module, model_chunks: list[n
         allreduce=_reduced_in_updates if placement.layout is not None else None,
         recompute=options.recompute,
         virtual_stages=options.virtual_stages,
-        gradient_sync=_chunk_gradient_sync(model_chunks, placement.num_stages) if options.shard is not None else None,
+        reduction=StepReduction(model_chunks, placement.num_stages, options.shard,
+                                split_backward=options.spec.splits_backward)
+        if options.shard is not None else None,
     )
-
-
-def _chunk_gradient_sync(model_chunks: list[nn.Module], num_stages: int) -> Callable[[int, bool], None]:
-    """Sharded replicas: only the step's last backward on each model chunk (stage ``c * num_stages + rank``)
-    reduce-scatters its gradients."""
-    return lambda index, sync: set_gradient_sync([model_chunks[index // num_stages]], sync)
 
 
 def _reduced_in_updates(average: bool = False) -> int:

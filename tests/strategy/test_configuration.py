@@ -110,8 +110,6 @@ def test_an_unknown_transport_is_refused_when_the_strategy_is_built() -> None:
 @pytest.mark.parametrize(("options", "message"), [
     ({"schedule": "pipedream", "shard": "full"}, "shard='full' with schedule='pipedream': weight stashing keeps several "
                                                  "versions of every weight"),
-    ({"schedule": "zb-h1", "chunks": 2, "shard": "grad_op"}, "shard='grad_op' with schedule='zb-h1': the split "
-                                                             "backward's two halves"),
     ({"schedule": "1f1b", "shard": "auto"}, "shard='auto' lets the planner weigh whole against sharded replicas, which "
                                             "it does under schedule='auto'; schedule='1f1b' is fixed. Use "
                                             "schedule='auto' (with memory_limit=), or choose shard='full', 'grad_op' "

@@ -225,6 +225,15 @@ RUNS["interleaved-dp-2x2"] = {**newer("interleaved", INTERLEAVED_BALANCE[2], 4, 
 RUNS["shard-full-interleaved-2x2"] = {**{k: v for k, v in SHARDED.items() if k != "checkpoint"},
                                       "strategy": {"schedule": "interleaved", "balance": INTERLEAVED_BALANCE[2],
                                                    "stages": 2, "chunks": 2, "virtual_stages": 2, "shard": "full"}}
+# Zero bubble with shards: the split backward keeps each stage's weights gathered through the step and reduce-scatters
+# after its last weight half; under bf16-mixed the weight halves' bf16 gradients add up in float32.
+RUNS["shard-full-zb-h1-2x2"] = {**{k: v for k, v in SHARDED.items() if k != "checkpoint"},
+                                "strategy": {"schedule": "zb-h1", "balance": TWO, "stages": 2, "chunks": 4,
+                                             "shard": "full"}}
+RUNS["shard-bf16-zb-h1-2x2"] = {**{k: v for k, v in SHARDED.items() if k != "checkpoint"},
+                                "trainer": {**SHARDED["trainer"], "precision": "bf16-mixed"},
+                                "strategy": {"schedule": "zb-h1", "balance": TWO, "stages": 2, "chunks": 2,
+                                             "shard": "grad_op"}}
 RUNS["shard-resumed-2x2"] = {**RUNS["shard-full-1f1b-2x2"], "resume": "{runs}/shard-full-1f1b-2x2/step=2.ckpt"}
 RUNS["shard-resumed-2x1"] = {"devices": 2, "model": SCHEDULED, "trainer": {"gradient_clip_val": 0.05},
                              "strategy": {"schedule": "1f1b", "balance": TWO, "chunks": 2},
@@ -676,6 +685,7 @@ def test_sharded_data_parallel_pipelines_equal_one_device(runs):
     assert_weights(runs["shard-full-1f1b-1x4"], clipped)  # one stage, 4 sharded replicas: FSDP alone
     assert_weights(runs["shard-full-1f1b-recompute-2x2"], clipped)
     assert_weights(runs["shard-full-interleaved-2x2"], clipped)  # 2 model chunks per process, each sharded
+    assert_weights(runs["shard-full-zb-h1-2x2"], clipped)  # split backward: one reduce-scatter after the last weight half
 
 
 def test_interleaved_data_parallel_pipelines_equal_one_device(runs):
@@ -729,6 +739,14 @@ def test_bf16_mixed_with_shards_equals_one_device_under_bf16_mixed_on_the_same_m
     for other in (one_device_on_micro_batches("bf16-mixed", micro_batches=False),
                   one_device_on_micro_batches("32-true")):
         assert not all(torch.allclose(got[k], other[k], rtol=1e-5, atol=1e-6) for k in other)
+
+
+def test_zero_bubble_with_bf16_shards_adds_the_weight_halves_gradients_in_float32(runs):
+    """zb-h1's weight halves each leave a bf16 gradient on the gathered weights; folded into FSDP2's float32 sum after
+    each, the run equals one device under bf16-mixed on the same micro-batches (measured: bit for bit)."""
+    out = runs["shard-bf16-zb-h1-2x2"]
+    assert_weights(out, one_device_on_micro_batches("bf16-mixed"))
+    assert result(out)["global_step"] == 12
 
 
 def test_shards_gather_in_bf16_under_bf16_mixed():

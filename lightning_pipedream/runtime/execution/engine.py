@@ -12,6 +12,7 @@ from lightning_pipedream.runtime.communication.transport import Transport
 from lightning_pipedream.runtime.execution.executor import Executor, InputFn, LossFn
 from lightning_pipedream.runtime.faults.failures import pipeline_failures
 from lightning_pipedream.runtime.faults.flight import recorder
+from lightning_pipedream.runtime.stages.sharding import StepReduction
 from lightning_pipedream.runtime.stages.stage import Stage
 from lightning_pipedream.runtime.stages.weights import WeightVersions
 from lightning_pipedream.schedule.actions import Action, Layout, Op
@@ -84,7 +85,7 @@ class PipelineEngine:
         allreduce: AllReduceFn | None = None,
         recompute: bool | Sequence[bool] = False,
         virtual_stages: int = 1,
-        gradient_sync: Callable[[int, bool], None] | None = None,
+        reduction: StepReduction | None = None,
     ) -> None:
         check_schedule_options(schedule, chunks, vertical_sync, virtual_stages=virtual_stages, recompute=recompute)
         layout = Layout.of(replicas, num_stages) if replicas is not None else None
@@ -105,9 +106,8 @@ class PipelineEngine:
                 )
         self.rank = stage_index if rank is None else rank
         self.allreduce = allreduce
-        # Sharded stages (see runtime/stages/sharding.py): (stage, sync) says whether a stage's next backward
-        # reduce-scatters the gradients (its last of a flushed step) or only adds them up.
-        self.gradient_sync = gradient_sync
+        # Sharded stages (runtime/stages/sharding.py): when each stage reduce-scatters its gradients in a step.
+        self.reduction = reduction
         self.schedule = schedule
         self.spec = spec_of(schedule)
         self.num_stages = num_stages
@@ -307,16 +307,19 @@ class PipelineEngine:
             self.allreduce(average=self._flushed is None)
 
         vertical = weights is not None and (weights.vertical_sync or weights.two_versions)
-        before_backward = None
-        if self.gradient_sync is not None:
-            sync = self.gradient_sync
-            last = {a.stage: a for a in actions if a.op is Op.BACKWARD}  # each stage's last backward of the step
+        before_backward = after_gradients = None
+        if self.reduction is not None:
+            reduction = self.reduction
+            # Each stage's last action of the step that adds weight gradients (a whole backward or a weight half).
+            last = {a.stage: a for a in actions if a.op in (Op.BACKWARD, Op.BACKWARD_WEIGHT)}
             for stage_index in self.stages:
-                sync(stage_index, False)
+                reduction.begin(stage_index)
 
             def before_backward(action: Action) -> None:
-                if last.get(action.stage) == action:
-                    sync(action.stage, True)
+                reduction.before_backward(action.stage, last=last.get(action.stage) == action)
+
+            def after_gradients(action: Action) -> None:
+                reduction.after_gradients(action.stage, last=last.get(action.stage) == action)
 
         with pipeline_failures(self.stage.index):
             result.losses = self.executor.run(
@@ -327,6 +330,7 @@ class PipelineEngine:
                 version=self.version_for if vertical else None,
                 allreduce=allreduce if self.allreduce is not None else None,
                 before_backward=before_backward,
+                after_gradients=after_gradients,
             )
         return result
 

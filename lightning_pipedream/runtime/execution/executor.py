@@ -67,11 +67,13 @@ class Executor:
         train: bool = True,
         allreduce: StepFn | None = None,
         before_backward: StepFn | None = None,
+        after_gradients: StepFn | None = None,
     ) -> dict[int, Any]:
         """Run ``actions``; returns the losses (detached) of the micro-batches whose forward ended here.
 
         ``allreduce`` runs at ALLREDUCE_GRAD (replicated stages): the gradient all-reduce among the
-        stage's replicas. ``before_backward`` runs before each BACKWARD (sharded stages: whether it reduces).
+        stage's replicas. ``before_backward`` runs before each BACKWARD and ``after_gradients`` after each BACKWARD and
+        BACKWARD_WEIGHT (sharded stages: when their gradients are reduce-scattered).
 
         With ``train=False`` forwards run without autograd and keep nothing, and the values
         ``loss`` returns on the last stage (any step output) are returned as they are.
@@ -134,8 +136,12 @@ class Executor:
                 if not stage.is_first:
                     self._input_grads[key] = grads
                 del grads
+                if after_gradients is not None:
+                    after_gradients(action)
             elif op is Op.BACKWARD_WEIGHT:
                 stage.backward_weight(mb)
+                if after_gradients is not None:
+                    after_gradients(action)
             elif op is Op.SEND_GRAD:
                 self._send(self._input_grads.pop(key), action, "input gradients")
             elif op is Op.OPTIMIZER_STEP:

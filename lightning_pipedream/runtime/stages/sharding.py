@@ -12,8 +12,9 @@ Every micro-batch's backward adds into whole gradients without communication; th
 stage reduce-scatters their sum once (FSDP2's ``set_requires_gradient_sync``), so the replicas' shards hold the
 sum over the union batch, as the replicated path's all-reduce does: the flushed schedules equal one process. (So
 within a step the gradients are whole; they are sharded from the reduce-scatter to the next step.)
-Weight stashing would need every version's gather; the asynchronous schedules (and zero bubble's split backward,
-whose halves FSDP2's hooks cannot tell apart) are refused with words.
+A split backward (``zb-h1``) keeps the weights gathered through the step and reduce-scatters after the last weight
+half (:class:`StepReduction`). Weight stashing would need every version's gather: the asynchronous schedules are
+refused with words.
 
 Mixed precision (``param_dtype=torch.bfloat16``, which the strategy passes under ``precision="bf16-mixed"``) is
 FSDP2's policy as torchtitan sets it: the shards stay float32 (master weights, and the optimizer state beside them);
@@ -35,7 +36,7 @@ from torch import Tensor, nn
 SHARD_MODES = (None, "full", "grad_op")
 
 
-def check_shard(shard: str | None, schedule: str, *, asynchronous: bool, splits_backward: bool,
+def check_shard(shard: str | None, schedule: str, *, asynchronous: bool,
                 replicas: Sequence[int] | None, param_dtype: torch.dtype | None = None) -> None:
     """Refuse, with the way out, what sharding cannot run."""
     if shard not in SHARD_MODES:
@@ -59,9 +60,6 @@ def check_shard(shard: str | None, schedule: str, *, asynchronous: bool, splits_
         raise ValueError(f"shard={shard!r} with schedule={schedule!r}: weight stashing keeps several versions of every "
                          "weight, and each forward would gather the whole of its version, which takes back what "
                          "sharding saves. Use 1f1b or gpipe, or shard=None.")
-    if splits_backward:
-        raise ValueError(f"shard={shard!r} with schedule={schedule!r}: the split backward's two halves cannot keep "
-                         "FSDP's gathered parameters between them. Use 1f1b or gpipe, or shard=None.")
 
 
 def mixed_precision(param_dtype: torch.dtype | None) -> Any:
@@ -106,13 +104,80 @@ def shard_stage(module: nn.Module, group: dist.ProcessGroup, shard: str, device:
     return module
 
 
-def set_gradient_sync(modules: Iterable[nn.Module], sync: bool) -> None:
-    """Whether the next backward on ``modules`` reduce-scatters the gradients (the step's last) or only adds them."""
+class StepReduction:
+    """When this rank's sharded model chunks reduce-scatter their gradients within a flushed step.
+
+    ``chunks[c]`` is the FSDP2 root of model chunk ``c``, which runs stage ``c * num_stages + rank`` (one chunk unless
+    interleaved). Whole backwards leave it to FSDP2's hooks: every backward only adds into whole gradients, and the
+    stage's last backward of the step reduce-scatters their sum (``set_requires_gradient_sync``).
+
+    A split backward (zero bubble) runs the input half and the weight half as separate autograd calls, and FSDP2's
+    post-backward fires in the input half, before any weight gradient exists; the weight half also reads the graph
+    the forward saved, gathered weights included. So for a split schedule the chunk keeps its weights gathered from
+    its first forward of the step to its last weight half (no reshard after forward or backward, in both modes: one
+    all-gather per step), the weight halves add into whole gradients, and after the stage's last gradient action of
+    the step this object runs FSDP2's post-backward itself: one reduce-scatter, then the weights are freed.
+    """
+
+    def __init__(self, chunks: Sequence[nn.Module], num_stages: int, shard: str, *, split_backward: bool) -> None:
+        self.chunks = list(chunks)
+        self.num_stages = num_stages
+        self.shard = shard
+        self.split_backward = split_backward
+
+    def chunk(self, stage: int) -> nn.Module:
+        return self.chunks[stage // self.num_stages]
+
+    def begin(self, stage: int) -> None:
+        """Before the step: backwards only add up gradients (a split schedule's also keep the weights gathered)."""
+        module = self.chunk(stage)
+        _fsdp(module).set_requires_gradient_sync(False)
+        if self.split_backward:
+            _fsdp(module).set_is_last_backward(False)
+            _fsdp(module).set_reshard_after_forward(False)
+            _fsdp(module).set_reshard_after_backward(False)
+
+    def before_backward(self, stage: int, last: bool) -> None:
+        """Before a BACKWARD: the stage's last of the step (whole backwards) reduce-scatters in FSDP2's hooks."""
+        if last and not self.split_backward:
+            _fsdp(self.chunk(stage)).set_requires_gradient_sync(True)
+
+    def after_gradients(self, stage: int, last: bool) -> None:
+        """After an action that added weight gradients (split schedules): FSDP2's post-backward folds them into its
+        accumulated gradients (the reduce dtype's, under mixed precision); after the stage's last of the step it
+        reduce-scatters them and frees the gathered weights."""
+        if not self.split_backward:
+            return
+        module = _fsdp(self.chunk(stage))
+        if last:
+            module.set_requires_gradient_sync(True)
+            module.set_is_last_backward(True)
+            module.set_reshard_after_backward(True)
+        _run_post_backward(module)
+        if last:
+            module.set_reshard_after_forward(self.shard == "full")
+
+
+def _fsdp(module: nn.Module) -> Any:
     from torch.distributed.fsdp import FSDPModule
 
-    for module in modules:
-        if isinstance(module, FSDPModule):
-            module.set_requires_gradient_sync(sync)
+    if not isinstance(module, FSDPModule):
+        raise TypeError(f"{type(module).__name__} is not sharded (fully_shard): StepReduction needs sharded chunks.")
+    return module
+
+
+def _run_post_backward(module: Any) -> None:
+    """FSDP2's post-backward for every unit under the root ``module``, then its end-of-backward callback, as if an
+    autograd call over all of them had just ended (torch.distributed.pipelining does the same for its split
+    backwards). Private FSDP2 state: its name for the units' parameter groups changed in torch 2.9."""
+    state = module._get_fsdp_state()
+    for unit in state._state_ctx.all_states:
+        groups = getattr(unit, "_fsdp_param_groups", None)
+        if groups is None:  # torch <= 2.8: one group per unit, or None
+            groups = [g] if (g := unit._fsdp_param_group) is not None else []
+        for group in groups:
+            group.post_backward()
+    state._root_post_backward_final_callback()
 
 
 def full_state(module: nn.Module) -> dict[str, Tensor]:
