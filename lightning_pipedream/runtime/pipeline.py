@@ -14,7 +14,7 @@ from lightning_pipedream.runtime.communication.transport import Transport, trans
 from lightning_pipedream.runtime.execution.engine import PipelineEngine, StepResult
 from lightning_pipedream.runtime.execution.shares import BatchShares
 from lightning_pipedream.runtime.stages.replicas import ReplicaGroups
-from lightning_pipedream.runtime.stages.sharding import StepReduction, check_shard, full_state, shard_stage
+from lightning_pipedream.runtime.stages.sharding import ShardedStep, check_shard, full_state, shard_stage
 from lightning_pipedream.schedule.actions import Layout
 from lightning_pipedream.schedule.builders import check_schedule_options
 from lightning_pipedream.schedule.specs import spec_of
@@ -162,7 +162,7 @@ class Pipeline:
                 None if self.reducer is None else self.reducer.reduce),
             recompute=recompute,
             virtual_stages=virtual_stages,
-            reduction=StepReduction([self.module], self.num_stages, shard, split_backward=spec.splits_backward)
+            reduction=ShardedStep([self.module], self.num_stages, shard, split_backward=spec.splits_backward)
             if shard is not None else None,
         )
 

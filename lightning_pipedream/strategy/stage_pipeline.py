@@ -26,7 +26,7 @@ from lightning_pipedream.runtime.faults.failures import from_rank_zero
 from lightning_pipedream.runtime.stages.materialize import has_meta_tensors, materialize
 from lightning_pipedream.runtime.stages.replicas import GradientReducer
 from lightning_pipedream.runtime.stages.sharding import (
-    StepReduction,
+    ShardedStep,
     WholeOptimizerState,
     local_square_norm,
     scale_gradient,
@@ -262,7 +262,7 @@ def make_engine(options: PipelineOptions, stage: nn.Module, model_chunks: list[n
         allreduce=_reduced_in_updates if placement.layout is not None else None,
         recompute=options.recompute,
         virtual_stages=options.virtual_stages,
-        reduction=StepReduction(model_chunks, placement.num_stages, options.shard,
+        reduction=ShardedStep(model_chunks, placement.num_stages, options.shard,
                                 split_backward=options.spec.splits_backward)
         if options.shard is not None else None,
     )

@@ -92,7 +92,7 @@ def test_two_stages_of_two_shards_equal_one_process_with_half_the_training_state
 # ------------------------------------------------------------------ data-parallel copies: zero bubble and interleaved
 # Pipeline runs replicated stages with the schedules that take replicas (gpipe, 1f1b); zb-h1 and interleaved run with
 # shards on data-parallel copies of a pipeline, which the strategy builds: built here the same way, engine by engine.
-COPY_CASES = [("full", "zb-h1", 1), ("grad_op", "zb-h1", 1), ("full", "interleaved", 2)]
+COPY_CASES = [("full", "zb-h1", 1), ("grad_op", "zb-h1", 1), ("full", "interleaved", 2), ("full", "1f1b", 1)]
 
 
 def train_copies(rank: int, world: int) -> dict:
@@ -104,15 +104,25 @@ def train_copies(rank: int, world: int) -> dict:
     from lightning_pipedream.plan.balance import stage_slice
     from lightning_pipedream.runtime.communication.transport import Transport
     from lightning_pipedream.runtime.execution.engine import PipelineEngine
-    from lightning_pipedream.runtime.stages.sharding import StepReduction, full_state, shard_stage
+    from lightning_pipedream.runtime.stages.sharding import ShardedStep, full_state, shard_stage
 
     calls = {"gather": 0, "reduce": 0}
+    events: list[str] = []  # "gather", and "recv act" / "recv grad": the order this rank started them in
 
     def counting(kind, original):
         def counted(*args, **kwargs):
             calls[kind] += 1
+            events.append(kind)
             return original(*args, **kwargs)
         return counted
+
+    receive = Transport.recv
+
+    def recorded_receive(self, peer, channel=None):
+        events.append(f"recv {channel[0]}")
+        return receive(self, peer, channel)
+
+    Transport.recv = recorded_receive
 
     for kind, names in (("gather", ("all_gather_single", "all_gather_into_tensor")),  # what FSDP2 calls, by release
                         ("reduce", ("reduce_scatter_single", "reduce_scatter_tensor"))):
@@ -123,30 +133,34 @@ def train_copies(rank: int, world: int) -> dict:
     replicas = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     copy, stage_index = divmod(rank, 2)
     out = {}
-    for shard, schedule, v in COPY_CASES:
+    for shard, schedule, v in [*COPY_CASES, ("full", "1f1b-unprefetched", 1)]:
+        ShardedStep.prefetch_ahead = not schedule.endswith("-unprefetched")
+        schedule = schedule.removesuffix("-unprefetched")
         balance = [len(mlp()) // (2 * v)] * (2 * v)
         chunks = [shard_stage(stage_slice(mlp(), balance, c * 2 + stage_index), replicas[stage_index], shard,
                               torch.device("cpu")) for c in range(v)]
         optimizer = momentum([p for chunk in chunks for p in chunk.parameters()])
         engine = PipelineEngine(chunks if v > 1 else chunks[0], stage_index, 2,
                                 Transport(group=pipelines[copy]), schedule=schedule, chunks=4, virtual_stages=v,
-                                reduction=StepReduction(chunks, 2, shard, split_backward=schedule == "zb-h1"))
+                                reduction=ShardedStep(chunks, 2, shard, split_backward=schedule == "zb-h1"))
 
         def update(minibatch: int) -> None:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
         calls.update(gather=0, reduce=0)
-        losses = []
+        losses, step_events = [], []
         for x, y in batches():  # this copy's rows of the union batch, in 4 micro-batches; each loss its share
+            events.clear()
             xs, ys = x[copy::2].tensor_split(4), y[copy::2].tensor_split(4)
             result = engine.train_step(lambda mb: xs[mb],
                                        lambda mb, out: nn.functional.mse_loss(out, ys[mb]) * len(ys[mb]) / len(y),
                                        update)
             losses.append(float(sum(result.losses.values())))
+            step_events.append([e for e in events if e != "reduce"])
         counted = dict(calls)
         state = {k: v for chunk in chunks for k, v in full_state(chunk).items()}
-        out[(shard, schedule)] = (state, losses, counted)
+        out[(shard, schedule, ShardedStep.prefetch_ahead)] = (state, losses, counted, step_events)
     return out
 
 
@@ -156,7 +170,7 @@ def test_zero_bubble_and_interleaved_copies_with_shards_equal_one_process_reduci
     want, want_losses = train_one_process(reference, momentum(reference.parameters()), batches())
     results = run_local(train_copies, 4, timeout=180)
     for shard, schedule, v in COPY_CASES:
-        case = (shard, schedule)
+        case = (shard, schedule, True)
         state = {k: t for rank in results for k, t in rank[case][0].items()}
         assert state.keys() == want.keys(), case
         for key in want:
@@ -170,6 +184,26 @@ def test_zero_bubble_and_interleaved_copies_with_shards_equal_one_process_reduci
         assert [c["reduce"] for c in counts] == [units * v * STEPS] * 4, (case, counts)
         if schedule == "zb-h1":
             assert [c["gather"] for c in counts] == [units * STEPS] * 4, (case, counts)
+    # Prefetching: from the second step on, before each blocking receive a sharded "full" stage starts the all-gather
+    # of the unit its compute needs first (stage 1's forwards, stage 0's backwards), so one more gather has been
+    # started at every receive than without prefetching; none is added over the step: 2 units x (4 forwards + 4
+    # backwards), and on stage 0 one more, FSDP2's own backward prefetch reaching into the next micro-batch. The first
+    # step gathers when it computes (FSDP2 sets its roots up in their first forward).
+    for rank in range(4):
+        steps = results[rank][("full", "1f1b", True)][3]
+        unprefetched = results[rank][("full", "1f1b", False)][3]
+        per_step = 17 if rank % 2 == 0 else 16
+        assert [e.count("gather") for e in steps] == [e.count("gather") for e in unprefetched] == [per_step] * STEPS
+        ahead = [[a - b for a, b in zip(gathers_at_receives(e), gathers_at_receives(u))]
+                 for e, u in zip(steps, unprefetched)]
+        assert ahead == [[0] * 4] + [[1] * 4] * (STEPS - 1), (rank, ahead)
+    want_state = results[0][("full", "1f1b", False)][0]
+    assert all(torch.equal(results[0][("full", "1f1b", True)][0][k], want_state[k]) for k in want_state)
+
+
+def gathers_at_receives(events: list[str]) -> list[int]:
+    """For each receive in ``events``, how many all-gathers had been started before it."""
+    return [events[:i].count("gather") for i, e in enumerate(events) if e.startswith("recv")]
 
 
 @pytest.mark.parametrize(("shard", "schedule", "replicas", "words"), [

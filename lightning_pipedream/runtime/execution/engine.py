@@ -12,7 +12,7 @@ from lightning_pipedream.runtime.communication.transport import Transport
 from lightning_pipedream.runtime.execution.executor import Executor, InputFn, LossFn
 from lightning_pipedream.runtime.faults.failures import pipeline_failures
 from lightning_pipedream.runtime.faults.flight import recorder
-from lightning_pipedream.runtime.stages.sharding import StepReduction
+from lightning_pipedream.runtime.stages.sharding import ShardedStep
 from lightning_pipedream.runtime.stages.stage import Stage
 from lightning_pipedream.runtime.stages.weights import WeightVersions
 from lightning_pipedream.schedule.actions import Action, Layout, Op
@@ -85,7 +85,7 @@ class PipelineEngine:
         allreduce: AllReduceFn | None = None,
         recompute: bool | Sequence[bool] = False,
         virtual_stages: int = 1,
-        reduction: StepReduction | None = None,
+        reduction: ShardedStep | None = None,
     ) -> None:
         check_schedule_options(schedule, chunks, vertical_sync, virtual_stages=virtual_stages, recompute=recompute)
         layout = Layout.of(replicas, num_stages) if replicas is not None else None
@@ -307,7 +307,7 @@ class PipelineEngine:
             self.allreduce(average=self._flushed is None)
 
         vertical = weights is not None and (weights.vertical_sync or weights.two_versions)
-        before_backward = after_gradients = None
+        before_backward = after_gradients = before_receive = None
         if self.reduction is not None:
             reduction = self.reduction
             # Each stage's last action of the step that adds weight gradients (a whole backward or a weight half).
@@ -321,6 +321,9 @@ class PipelineEngine:
             def after_gradients(action: Action) -> None:
                 reduction.after_gradients(action.stage, last=last.get(action.stage) == action)
 
+            def before_receive(action: Action) -> None:
+                reduction.prefetch(action.stage, forward=action.op is Op.RECV_ACT)
+
         with pipeline_failures(self.stage.index):
             result.losses = self.executor.run(
                 actions,
@@ -331,7 +334,10 @@ class PipelineEngine:
                 allreduce=allreduce if self.allreduce is not None else None,
                 before_backward=before_backward,
                 after_gradients=after_gradients,
+                before_receive=before_receive,
             )
+        if self.reduction is not None:
+            self.reduction.end_step()
         return result
 
 

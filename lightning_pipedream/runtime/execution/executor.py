@@ -68,12 +68,14 @@ class Executor:
         allreduce: StepFn | None = None,
         before_backward: StepFn | None = None,
         after_gradients: StepFn | None = None,
+        before_receive: StepFn | None = None,
     ) -> dict[int, Any]:
         """Run ``actions``; returns the losses (detached) of the micro-batches whose forward ended here.
 
         ``allreduce`` runs at ALLREDUCE_GRAD (replicated stages): the gradient all-reduce among the
         stage's replicas. ``before_backward`` runs before each BACKWARD and ``after_gradients`` after each BACKWARD and
-        BACKWARD_WEIGHT (sharded stages: when their gradients are reduce-scattered).
+        BACKWARD_WEIGHT (sharded stages: when their gradients are reduce-scattered); ``before_receive`` before each
+        receive from another rank blocks (sharded stages: start an all-gather while waiting).
 
         With ``train=False`` forwards run without autograd and keep nothing, and the values
         ``loss`` returns on the last stage (any step output) are returned as they are.
@@ -101,6 +103,8 @@ class Executor:
             start = time.perf_counter()
             if op is Op.RECV_ACT or op is Op.RECV_GRAD:
                 if remote:
+                    if before_receive is not None:
+                        before_receive(action)
                     value = transport.recv(action.peer, channel_of(action))
                     following = post_next[i]
                     if following is not None:

@@ -13,7 +13,7 @@ stage reduce-scatters their sum once (FSDP2's ``set_requires_gradient_sync``), s
 sum over the union batch, as the replicated path's all-reduce does: the flushed schedules equal one process. (So
 within a step the gradients are whole; they are sharded from the reduce-scatter to the next step.)
 A split backward (``zb-h1``) keeps the weights gathered through the step and reduce-scatters after the last weight
-half (:class:`StepReduction`). Weight stashing would need every version's gather: the asynchronous schedules are
+half (:class:`ShardedStep`). Weight stashing would need every version's gather: the asynchronous schedules are
 refused with words.
 
 Mixed precision (``param_dtype=torch.bfloat16``, which the strategy passes under ``precision="bf16-mixed"``) is
@@ -104,8 +104,9 @@ def shard_stage(module: nn.Module, group: dist.ProcessGroup, shard: str, device:
     return module
 
 
-class StepReduction:
-    """When this rank's sharded model chunks reduce-scatter their gradients within a flushed step.
+class ShardedStep:
+    """What this rank's sharded model chunks do around a flushed step's actions: when they reduce-scatter their
+    gradients, and which all-gathers they start ahead.
 
     ``chunks[c]`` is the FSDP2 root of model chunk ``c``, which runs stage ``c * num_stages + rank`` (one chunk unless
     interleaved). Whole backwards leave it to FSDP2's hooks: every backward only adds into whole gradients, and the
@@ -117,13 +118,23 @@ class StepReduction:
     its first forward of the step to its last weight half (no reshard after forward or backward, in both modes: one
     all-gather per step), the weight halves add into whole gradients, and after the stage's last gradient action of
     the step this object runs FSDP2's post-backward itself: one reduce-scatter, then the weights are freed.
+
+    Before a blocking receive, :meth:`prefetch` starts the all-gather of the unit the next compute needs first (the
+    first unit for a forward, the last for a backward), so that it runs while the stage waits for its peer instead
+    of after the message arrives; FSDP2 waits for it in that unit's pre-forward (pre-backward) hook. Within a forward
+    FSDP2 gathers unit by unit as each starts, and within a backward it gathers the next unit ahead by itself.
     """
+
+    # Start a unit's all-gather before a blocking receive (see the class's text). False gathers when the compute
+    # starts, e.g. to compare.
+    prefetch_ahead = True
 
     def __init__(self, chunks: Sequence[nn.Module], num_stages: int, shard: str, *, split_backward: bool) -> None:
         self.chunks = list(chunks)
         self.num_stages = num_stages
         self.shard = shard
         self.split_backward = split_backward
+        self._steps = 0  # prefetching waits for the first step: FSDP2 sets its roots up in their first forward
 
     def chunk(self, stage: int) -> nn.Module:
         return self.chunks[stage // self.num_stages]
@@ -157,12 +168,27 @@ class StepReduction:
         if last:
             module.set_reshard_after_forward(self.shard == "full")
 
+    def end_step(self) -> None:
+        """After the step's actions: from the next step on, FSDP2's roots are set up and gathers may start ahead."""
+        self._steps += 1
+
+    def prefetch(self, stage: int, forward: bool) -> None:
+        """Start the all-gather of the unit that ``stage``'s next forward (or backward) needs first, without waiting:
+        FSDP2 waits in that unit's hook. A no-op when its weights are gathered already, or still being gathered."""
+        from torch.distributed.fsdp import FSDPModule
+
+        if self._steps == 0 or not self.prefetch_ahead:
+            return
+        chunk = _fsdp(self.chunk(stage))
+        units = [c for c in chunk.children() if isinstance(c, FSDPModule)] or [chunk]  # shard_stage's, in order
+        (units[0] if forward else units[-1]).unshard(async_op=True)
+
 
 def _fsdp(module: nn.Module) -> Any:
     from torch.distributed.fsdp import FSDPModule
 
     if not isinstance(module, FSDPModule):
-        raise TypeError(f"{type(module).__name__} is not sharded (fully_shard): StepReduction needs sharded chunks.")
+        raise TypeError(f"{type(module).__name__} is not sharded (fully_shard): ShardedStep needs sharded chunks.")
     return module
 
 
