@@ -133,7 +133,12 @@ class PlanPrinter(L.Callback):
         balance = getattr(trainer.strategy, "balance", None)
         if not balance or not trainer.is_global_zero:
             return
-        lines, start = [f"pipeline: {len(balance)} stages, layers per stage {list(balance)}"], 0
+        head = f"pipeline: {len(balance)} stages, layers per stage {list(balance)}"
+        copies = getattr(trainer.strategy, "num_pipelines", 1)
+        if copies > 1:  # data-parallel pipelines: each stage has that many replicas, whole or sharded
+            shard = trainer.strategy.options.shard
+            head += f"; {copies} data-parallel copies" + (f", each stage sharded ({shard})" if shard else "")
+        lines, start = [head], 0
         for stage, count in enumerate(balance):
             names = self.layer_names[start : start + count]
             lines.append(f"  stage {stage}: layers {start}..{start + count - 1}: {', '.join(names)}")

@@ -53,6 +53,8 @@ def test_strategy_group_builds_the_strategy() -> None:
     assert isinstance(strategy, PipeDreamStrategy)
     assert (strategy.schedule, strategy.chunks, strategy.options.balance) == ("gpipe", 4, (4, 6))
     assert build_strategy(composed("strategy=auto").strategy) == "auto"
+    sharded = build_strategy(composed("strategy.schedule=1f1b", "strategy.stages=2", "strategy.shard=full").strategy)
+    assert (sharded.options.stages, sharded.options.shard) == (2, "full")  # 2 x d processes, each stage sharded
 
 
 def test_trainer_keys_override_from_the_command_line() -> None:
