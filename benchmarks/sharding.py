@@ -16,6 +16,12 @@ re-allocations of its gathered parameters), what ran at the peak, the bytes of p
 state this rank holds at the update (``training_state_bytes``: its shards when sharded), and the growth of resident
 memory; beside them ``predict_memory(..., replicas=[2, 2], shard=...)`` from ``profile_module`` of one replica's batch.
 
+Beside them, sharded stages with the schedules' other memory shapes, each mode in fresh processes too (``CASES``):
+``1f1b`` with ``recompute=True`` (whole replicas as well), ``interleaved`` with 2 model chunks per rank (3 layers
+each, every chunk an FSDP2 root of its own) and ``zb-h1`` (its split backward keeps each stage gathered through the
+step). Pipeline takes replicas for gpipe and 1f1b only, so the last two run as the strategy builds them: two copies of
+a 2-stage pipeline, engine by engine, each stage sharded over its two copies (:class:`Copies`).
+
 **Speed**: the three modes built side by side in one launch, then rounds of ``steps`` timed steps each, the order
 rotated every round (interleaved, so that the machine's other load falls on all alike); the median steps/s per mode.
 """
@@ -41,6 +47,13 @@ from lightning_pipedream.runtime.faults.launch import run_local
 
 MODES = (None, "grad_op", "full")
 SCHEDULES = ("1f1b", "gpipe")
+# The other memory shapes of sharded stages: name -> (schedule, recompute, virtual stages, modes measured). Whole
+# replicas of the copies' schedules are left out: Copies builds sharded stages only.
+CASES: dict[str, tuple[str, bool, int, tuple[str | None, ...]]] = {
+    "1f1b-recompute": ("1f1b", True, 1, MODES),
+    "interleaved": ("interleaved", False, 2, ("grad_op", "full")),
+    "zb-h1": ("zb-h1", False, 1, ("grad_op", "full")),
+}
 REPLICAS = [2, 2]
 CHUNKS = 4
 OPTIMIZER = "adam"
@@ -59,10 +72,67 @@ def make_batch(width: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(batch, width, generator=g), torch.randn(batch, width, generator=g)
 
 
-def _pipeline(run: dict, shard: str | None, schedule: str) -> Pipeline:
-    return Pipeline(build_model(run["width"]), loss_fn=nn.functional.mse_loss,
-                    optimizer=lambda params: torch.optim.Adam(params, lr=1e-4), schedule=schedule, chunks=CHUNKS,
-                    replicas=REPLICAS, shard=shard)
+def _adam(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=1e-4)
+
+
+def _pipeline(run: dict, shard: str | None, schedule: str, recompute: bool = False) -> Pipeline:
+    return Pipeline(build_model(run["width"]), loss_fn=nn.functional.mse_loss, optimizer=_adam, schedule=schedule,
+                    chunks=CHUNKS, replicas=REPLICAS, shard=shard, recompute=recompute)
+
+
+class Copies:
+    """Two copies of a 2-stage pipeline (ranks 0-1 and 2-3), stage s sharded over ranks s and s + 2: how the strategy
+    runs sharded stages under schedules that Pipeline takes no replicas for (zb-h1, interleaved). What
+    :func:`memory_worker` reads of a Pipeline, built engine by engine."""
+
+    def __init__(self, run: dict, shard: str, schedule: str, virtual_stages: int) -> None:
+        import torch.distributed as dist
+
+        from lightning_pipedream.plan.balance import even_balance, stage_slice
+        from lightning_pipedream.runtime.communication.transport import Transport
+        from lightning_pipedream.runtime.execution.engine import PipelineEngine
+        from lightning_pipedream.runtime.stages.sharding import ShardedStep, shard_stage
+        from lightning_pipedream.schedule.specs import spec_of
+
+        pipelines = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes every group, in one order
+        replicas = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        self.copy, self.stage_index = divmod(dist.get_rank(), 2)
+        model = build_model(run["width"])
+        balance = even_balance(len(model), 2 * virtual_stages)
+        chunks = [shard_stage(stage_slice(model, balance, c * 2 + self.stage_index), replicas[self.stage_index], shard,
+                              torch.device("cpu")) for c in range(virtual_stages)]
+        self.module = nn.ModuleList(chunks)
+        self.optimizer = _adam(self.module.parameters())
+        self.engine = PipelineEngine(chunks if virtual_stages > 1 else chunks[0], self.stage_index, 2,
+                                     Transport(group=pipelines[self.copy]), schedule=schedule, chunks=CHUNKS,
+                                     virtual_stages=virtual_stages,
+                                     reduction=ShardedStep(chunks, 2, shard,
+                                                           split_backward=spec_of(schedule).splits_backward))
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index == 1
+
+    def _update(self, minibatch: int) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def step(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> None:
+        """This copy's rows of the union batch in CHUNKS micro-batches, each loss its share of the union batch."""
+        xs = inputs[self.copy::2].tensor_split(CHUNKS) if inputs is not None else None
+        ys = targets[self.copy::2].tensor_split(CHUNKS) if targets is not None else None
+        union = len(targets) if targets is not None else 1
+
+        def loss(mb: int, out: torch.Tensor) -> torch.Tensor:
+            assert ys is not None
+            return nn.functional.mse_loss(out, ys[mb]) * len(ys[mb]) / union
+
+        self.engine.train_step(lambda mb: xs[mb] if xs is not None else None, loss, self._update)
 
 
 def _status_kb(key: str) -> int:
@@ -88,8 +158,9 @@ def _follow_fsdp_resizes(meter: LiveTensorBytes) -> None:
                 setattr(module, name, followed)
 
 
-def memory_worker(rank: int, world: int, run: dict, shard: str | None, schedule: str) -> dict:
-    """One rank, fresh: build the stage, then 3 steps under the meter."""
+def memory_worker(rank: int, world: int, run: dict, shard: str | None, case: str) -> dict:
+    """One rank, fresh: build the stage (``case``: a schedule, or one of :data:`CASES`), then 3 steps under the
+    meter."""
     from lightning_pipedream.runtime.stages.sharding import training_state_bytes
 
     torch.set_num_threads(1)
@@ -97,8 +168,10 @@ def memory_worker(rank: int, world: int, run: dict, shard: str | None, schedule:
     _follow_fsdp_resizes(meter)
     x, y = make_batch(run["width"], run["batch"])
     rss_base = _status_kb("VmRSS")
+    schedule, recompute, virtual_stages, _ = CASES.get(case, (case, False, 1, MODES))
     with meter:
-        pipe = _pipeline(run, shard, schedule)
+        pipe: Any = (_pipeline(run, shard, schedule, recompute) if virtual_stages == 1 and schedule in SCHEDULES
+                     else Copies(run, str(shard), schedule, virtual_stages))
     meter.add_all([*pipe.module.parameters(), x, y])
     meter.reset_peak()
     with open("/proc/self/clear_refs", "w") as f:
@@ -112,7 +185,7 @@ def memory_worker(rank: int, world: int, run: dict, shard: str | None, schedule:
 
     pipe._update = meter.labelled("update", measured_update)  # type: ignore[method-assign]
     for stage in pipe.engine.stages.values():
-        for name in ("forward", "backward"):
+        for name in ("forward", "backward", "backward_input", "backward_weight"):
             setattr(stage, name, meter.labelled(name, getattr(stage, name)))
     with meter:
         for _ in range(run["memory_steps"]):
@@ -147,15 +220,19 @@ def speed_worker(rank: int, world: int, run: dict) -> dict:
 
 
 def predicted(run: dict) -> dict[str, dict[str, list[dict]]]:
-    """predict_memory per schedule and mode, from the profile of one replica's batch."""
+    """predict_memory per schedule (and case) and mode, from the profile of one replica's batch."""
     model = build_model(run["width"])
     x, _ = make_batch(run["width"], run["batch"] // REPLICAS[0])
     profile = profile_module(model, x, warmup=0, repeats=1, working_sets=True)
-    half = len(profile.layers) // 2
-    sizes = stage_bytes(profile, [half, len(profile.layers) - half])
-    return {schedule: {str(mode): [m.to_json() for m in predict_memory(sizes, schedule, CHUNKS, replicas=REPLICAS,
-                                                                       optimizer=OPTIMIZER, shard=mode)]
-                       for mode in MODES} for schedule in SCHEDULES}
+    n = len(profile.layers)
+    cases = {schedule: (schedule, False, 1, MODES) for schedule in SCHEDULES} | CASES
+    out: dict[str, dict[str, list[dict]]] = {}
+    for case, (schedule, recompute, v, modes) in cases.items():
+        sizes = stage_bytes(profile, [n // (2 * v)] * (2 * v))  # interleaved: chunk c of rank r is stage 2c + r
+        out[case] = {str(mode): [m.to_json() for m in predict_memory(
+            sizes, schedule, CHUNKS, replicas=REPLICAS, virtual_stages=v, recompute=recompute, optimizer=OPTIMIZER,
+            shard=mode)] for mode in modes}
+    return out
 
 
 def _load() -> dict:
@@ -167,6 +244,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/sharding.json"))
     parser.add_argument("--quick", action="store_true", help="w = 128, one round: a smoke run")
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 5; --quick 1)")
+    parser.add_argument("--only", nargs="+", default=None, metavar="CASE",
+                        help=f"measure memory of these only ({', '.join(SCHEDULES + tuple(CASES))}), no speed")
     args = parser.parse_args(argv)
     run = {"width": 128 if args.quick else 512, "batch": 64, "memory_steps": 3, "steps": 3 if args.quick else 10,
            "rounds": args.rounds or (1 if args.quick else 5)}
@@ -179,9 +258,15 @@ def main(argv: list[str] | None = None) -> dict:
         "memory": {}, "speed": {},
     }
     predictions = predicted(run)
-    for schedule in SCHEDULES:
+    measured = [(schedule, MODES) for schedule in SCHEDULES] + [(case, v[3]) for case, v in CASES.items()]
+    if args.only is not None:
+        unknown = sorted(set(args.only) - {name for name, _ in measured})
+        if unknown:
+            parser.error(f"--only {' '.join(unknown)}: not a case; choose from {', '.join(n for n, _ in measured)}")
+        measured = [(name, modes) for name, modes in measured if name in args.only]
+    for schedule, modes in measured:
         doc["memory"][schedule] = {}
-        for mode in MODES:
+        for mode in modes:
             ranks = run_local(memory_worker, 4, run, mode, schedule, timeout=300.0)
             rows = []
             for m in ranks:
@@ -189,13 +274,13 @@ def main(argv: list[str] | None = None) -> dict:
                 rows.append({"measured": m, "predicted": p,
                              "ratio": m["peak_tensor_bytes"] / p["predicted_peak_bytes"]})
             doc["memory"][schedule][str(mode)] = rows
-            print(f"{schedule:5s} shard={str(mode):7s} " + " | ".join(
+            print(f"{schedule:14s} shard={str(mode):7s} " + " | ".join(
                 f"r{r['measured']['rank']}: {r['measured']['peak_tensor_bytes'] / 2**20:6.2f} MiB "
                 f"/ {r['predicted']['predicted_peak_bytes'] / 2**20:6.2f} ({r['ratio']:.3f}) "
                 f"in {r['measured']['peak_phase']}, state "
                 f"{r['measured']['training_state_bytes_at_update'] / 2**20:5.2f}" for r in rows), flush=True)
-    timed = run_local(speed_worker, 4, run, timeout=600.0)
-    for mode in MODES:
+    timed = run_local(speed_worker, 4, run, timeout=600.0) if args.only is None else []
+    for mode in MODES if timed else ():
         seconds = [max(rank["seconds"][str(mode)][i] for rank in timed) for i in range(run["rounds"])]
         doc["speed"][str(mode)] = {"seconds_per_round": seconds,
                                    "steps_per_s_median": run["steps"] / statistics.median(seconds)}

@@ -30,6 +30,8 @@ from lightning_pipedream.plan.ranges import LayerRanges, equal_shares, minmax_sp
 from lightning_pipedream.plan.shards import (
     can_shard,
     gathers_per_microbatch,
+    gathers_per_step,
+    keeps_stage_gathered,
     ring_allreduce_seconds,
     ring_half_seconds,
     shard_modes,
@@ -119,18 +121,18 @@ class _Search:
 
     # -- memory and time of a stage over layers i..j, as tables
     def memory_tables(self, held: Held, versions: int, chunks: int, replicas: int = 1,
-                      shard: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+                      shard: str | None = None, splits_backward: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Peak bytes of a worker holding layers i..j in stage position with ``held`` micro-batches in flight:
         without and with recompute (the same terms, rounded alike, as :func:`predict_memory`), its ``replicas``
-        whole or sharded (``shard``)."""
+        whole or sharded (``shard``; a split backward keeps a sharded stage gathered through the step)."""
         key = ("memory", held.count, held.count_at_update, held.most_pending, versions, chunks, replicas, shard,
-               held.forward_after_backward)
+               held.forward_after_backward, splits_backward)
         if key not in self.tables:
-            self.tables[key] = self._memory_tables(held, versions, chunks, replicas, shard)
+            self.tables[key] = self._memory_tables(held, versions, chunks, replicas, shard, splits_backward)
         return self.tables[key]
 
     def _memory_tables(self, held: Held, versions: int, chunks: int, replicas: int,
-                       shard: str | None) -> tuple[np.ndarray, np.ndarray]:
+                       shard: str | None, splits_backward: bool) -> tuple[np.ndarray, np.ndarray]:
         r = self.ranges
         ratio = optimizer_state_ratio(self.optimizer)
         params = np.where(np.isfinite(r.params), r.params, 0.0)
@@ -144,12 +146,17 @@ class _Search:
             update = np.round(OPTIMIZER_TEMPORARIES[self.optimizer] * r.largest / part)
         if shard is None and replicas > 1:  # the all-reduce's flat copy of the gradients
             update = np.maximum(update, np.round(params))
-        unsharded: np.ndarray | float = 0.0  # sharded, within a step: whole gradients, gathered weights
+        # sharded, within a step: whole gradients and gathered weights (plan.shards), without and with recompute (whose
+        # replay gathers the whole stage)
+        unsharded: np.ndarray | float = 0.0
+        unsharded_rc: np.ndarray | float = 0.0
         if shard is not None:
-            whole = np.round(params if chunks > 1 else r.largest_layer)
-            whole_stage = shard == "grad_op" and held.forward_after_backward  # plan.shards.gathered_bytes
-            gathered = np.round(params + r.largest_layer if whole_stage else r.two_largest_layers)
-            unsharded = np.maximum(0.0, whole - np.round(params / part)) + gathered
+            whole = np.round(params if chunks > 1 or splits_backward else r.largest_layer)
+            credit = np.maximum(0.0, whole - np.round(params / part))
+            stage = np.round(params + r.largest_layer)  # plan.shards.gathered_bytes: the whole stage and a flat buffer
+            kept = keeps_stage_gathered(shard, held.forward_after_backward, splits_backward=splits_backward)
+            unsharded = credit + (stage if kept else np.round(r.two_largest_layers))
+            unsharded_rc = credit + stage
         per_mb, per_mb_rc = (r.input + r.acts) / chunks, (r.input + r.output) / chunks
         pending = held.most_pending * r.pending / chunks if held.most_pending else 0.0  # (0 x an empty range's inf)
         at_update = held.count_at_update
@@ -157,24 +164,24 @@ class _Search:
                            np.round(at_update * per_mb if at_update else 0.0) + update)
         replay = np.round(np.maximum(0.0, (r.acts - r.output) / chunks))
         pending_rc = held.most_pending * r.output / chunks if held.most_pending else 0.0
-        kept = np.maximum(np.round(held.count * per_mb_rc + pending_rc) + replay + working + unsharded,
-                          np.round(at_update * per_mb_rc if at_update else 0.0) + update)
+        again = np.maximum(np.round(held.count * per_mb_rc + pending_rc) + replay + working + unsharded_rc,
+                           np.round(at_update * per_mb_rc if at_update else 0.0) + update)
         bad = ~np.isfinite(r.params) | r.idle
-        return np.where(bad, _INF, weights + plain), np.where(bad, _INF, weights + kept)
+        return np.where(bad, _INF, weights + plain), np.where(bad, _INF, weights + again)
 
-    def time_tables(self, replicas: int, allreduce_bw: float, chunks: int,
-                    shard: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def time_tables(self, replicas: int, allreduce_bw: float, chunks: int, shard: str | None = None,
+                    splits_backward: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Seconds per minibatch of a stage over layers i..j with ``replicas``: without and with recompute."""
-        key = ("time", replicas, allreduce_bw, chunks, shard)
+        key = ("time", replicas, allreduce_bw, chunks, shard, splits_backward)
         if key not in self.tables:
-            self.tables[key] = self._time_tables(replicas, allreduce_bw, chunks, shard)
+            self.tables[key] = self._time_tables(replicas, allreduce_bw, chunks, shard, splits_backward)
         return self.tables[key]
 
-    def _time_tables(self, replicas: int, allreduce_bw: float, chunks: int,
-                     shard: str | None) -> tuple[np.ndarray, np.ndarray]:
+    def _time_tables(self, replicas: int, allreduce_bw: float, chunks: int, shard: str | None,
+                     splits_backward: bool) -> tuple[np.ndarray, np.ndarray]:
         r = self.ranges
         params = np.where(np.isfinite(r.params), r.params, 0.0)
-        sync = _sync_seconds(params, replicas, allreduce_bw, chunks, shard)
+        sync = _sync_seconds(params, replicas, allreduce_bw, chunks, shard, splits_backward)
         extra = 2 * chunks * self.overhead
         plain = (r.forward + r.backward + extra + sync) / replicas
         again = (2 * r.forward + r.backward + extra + sync) / replicas
@@ -187,19 +194,17 @@ class _Search:
 
     def split(self, schedule: str, replicas: tuple[int, ...], chunks: int, fixed: list[int] | None,
               shard: str | None = None) -> tuple[list[int], list[bool]] | None:
-        """The fastest split (bottleneck stage) within the limit, recompute only where a stage needs it (never on
-        sharded stages: the runtime's recompute and FSDP2's gathers are not tested together)."""
+        """The fastest split (bottleneck stage) within the limit, recompute only where a stage needs it."""
         p = len(replicas)
         flight = self.flight(schedule, p, chunks, replicas, 1)
         held = self.held(flight, p)
         ranks = self.ranks_of(replicas)
+        split = spec_of(schedule).splits_backward
         costs, flags = [], []
         for s in range(p):
             mem_plain, mem_rc = self.memory_tables(held[s], self.versions(schedule, held[s]), chunks, replicas[s],
-                                                   shard)
-            t_plain, t_rc = self.time_tables(replicas[s], self.group_bandwidth(ranks[s]), chunks, shard)
-            if shard is not None:
-                mem_rc = np.full_like(mem_rc, _INF)
+                                                   shard, split)
+            t_plain, t_rc = self.time_tables(replicas[s], self.group_bandwidth(ranks[s]), chunks, shard, split)
             needs = mem_plain > self.limit
             cost = np.where(needs, np.where(mem_rc <= self.limit, t_rc, _INF), t_plain)
             if s < p - 1 and fixed is None:
@@ -221,13 +226,12 @@ class _Search:
 
     def least_memory(self, schedule: str, replicas: tuple[int, ...], chunks: int, fixed: list[int] | None,
                      shard: str | None = None) -> tuple[list[int], list[bool]] | None:
-        """The split (recompute everywhere it helps, unless sharded) whose fullest worker needs the least memory."""
+        """The split (recompute everywhere it helps) whose fullest worker needs the least memory."""
         p = len(replicas)
         held = self.held(self.flight(schedule, p, chunks, replicas, 1), p)
-        tables = [self.memory_tables(held[s], self.versions(schedule, held[s]), chunks, replicas[s], shard)
+        split = spec_of(schedule).splits_backward
+        tables = [self.memory_tables(held[s], self.versions(schedule, held[s]), chunks, replicas[s], shard, split)
                   for s in range(p)]
-        if shard is not None:
-            tables = [(plain, np.full_like(plain, _INF)) for plain, _ in tables]
         costs = [np.minimum(plain, rc) for plain, rc in tables]
         if fixed is not None:
             balance = fixed
@@ -240,14 +244,14 @@ class _Search:
         return balance, [bool(tables[s][1][bounds[s], bounds[s + 1] - 1] < tables[s][0][bounds[s], bounds[s + 1] - 1])
                          for s in range(p)]
 
-    def interleaved_splits(self, replicas: tuple[int, ...], chunks: int, v: int,
-                           least: bool = False) -> list[tuple[list[int], list[bool]]]:
+    def interleaved_splits(self, replicas: tuple[int, ...], chunks: int, v: int, least: bool = False,
+                           shard: str | None = None) -> list[tuple[list[int], list[bool]]]:
         """Splits into ``ranks x v`` model chunks to try: the one minimising the slowest chunk, chunks cut at equal
         shares of the time, and equal layer counts with the remainder on the earlier chunks (which evens out each
         rank's sum). Recompute on every chunk of a rank that needs it (``least``: everywhere)."""
         p = len(replicas)
         ranks = self.ranks_of(replicas)
-        t_plain = [self.time_tables(replicas[s % p], self.group_bandwidth(ranks[s % p]), chunks)[0]
+        t_plain = [self.time_tables(replicas[s % p], self.group_bandwidth(ranks[s % p]), chunks, shard)[0]
                    for s in range(p * v)]
         found = minmax_split(t_plain, self.ranges.cuttable)
         if found is None:
@@ -267,7 +271,7 @@ class _Search:
                 continue
             sizes = self.sizes(balance)
             flags = [False] * (p * v)
-            for rank, m in enumerate(self.memory_of("interleaved", sizes, replicas, chunks, v, flags)):
+            for rank, m in enumerate(self.memory_of("interleaved", sizes, replicas, chunks, v, flags, shard)):
                 if m.predicted_peak_bytes > self.limit:
                     for s in range(rank, p * v, p):
                         flags[s] = True
@@ -300,7 +304,9 @@ class _Search:
         each replica takes its micro-batches whole and the replicas all-reduce in the schedule); otherwise d equal
         replicas are d copies of the straight pipeline that all-reduce once per step (2bw: per minibatch). Sharded
         replicas reduce-scatter once per step (half an all-reduce) and all-gather the stage's weights in each
-        micro-batch's forward (``"full"``: and backward), on the critical path (no overlap is assumed)."""
+        micro-batch's forward (``"full"``: and backward), on the critical path (no overlap is assumed); under a split
+        backward (zb-h1) they gather each stage once per step, timed with the reduce-scatter. A rank's model chunks
+        (interleaved) each synchronise their own weights: the rank's time is their sum."""
         spec = spec_of(schedule)
         p = len(replicas)
         ranks = self.ranks_of(replicas)
@@ -315,11 +321,14 @@ class _Search:
             bwd.append((b + (f if recompute[s] else 0.0)) / chunks + self.overhead)
             weight.append(float(r.weight[i, j]) / chunks)  # zero bubble: the deferred weight-gradient part
             bandwidth = self.group_bandwidth(ranks[rank])
-            # bytes as seconds at 1 B/s; sharded: the reduce-scatter, half an all-reduce, and each micro-batch's gathers
-            syncs.append(float(r.params[i, j]) / bandwidth / (2.0 if shard is not None else 1.0))
-            gather = float(ring_half_seconds(float(r.params[i, j]), replicas[rank], bandwidth)) if shard else 0.0
+            # bytes as seconds at 1 B/s; sharded: the reduce-scatter, half an all-reduce (a split backward's one gather
+            # of the step, the other half), and each micro-batch's gathers
+            halves = (1.0 + (spec.splits_backward and shard is not None)) / 2.0 if shard is not None else 1.0
+            syncs.append(float(r.params[i, j]) / bandwidth * halves)
+            gathers = gathers_per_microbatch(shard, spec.splits_backward) if shard is not None else 0
+            gather = float(ring_half_seconds(float(r.params[i, j]), replicas[rank], bandwidth)) if gathers else 0.0
             fwd[-1] += gather
-            bwd[-1] += gather * (gathers_per_microbatch(shard) - 1)
+            bwd[-1] += gather * max(0, gathers - 1)
             nxt = (s + 1) % p
             last = s == p * v - 1
             send.append(0.0 if last or nxt == rank else float(r.output[0, j]) / chunks / self.link(ranks, rank, nxt))
@@ -331,6 +340,7 @@ class _Search:
             self.simulated += 1
             return result.step_time / d  # a step admits one minibatch per replica of the input stage
         rounds = [float(ring_allreduce_seconds(a, replicas[s % p], 1.0)) for s, a in enumerate(syncs)]
+        per_rank = [sum(rounds[rank::p]) for rank in range(p)]  # interleaved: each of a rank's chunks its own
         if spec.two_weight_versions:  # 2bw all-reduces each minibatch's coalesced gradients
             bwd = [x + a / chunks for x, a in zip(bwd, rounds)]
         result = simulate(self.built(schedule, p, chunks, v), fwd, bwd, activation_bytes=send, bandwidth=1.0,
@@ -338,14 +348,14 @@ class _Search:
         self.simulated += 1
         step = result.step_time
         if spec.flushes:
-            step += max(rounds)  # once per step, after the last backward
+            step += max(per_rank)  # once per step, after the last backward
         return step / d
 
     def candidate(self, schedule: str, replicas: tuple[int, ...], chunks: int, v: int,
                   fixed: list[int] | None, least: bool = False, shard: str | None = None) -> Candidate | None:
         self.considered += 1
         if v > 1:
-            options = self.interleaved_splits(replicas, chunks, v, least)
+            options = self.interleaved_splits(replicas, chunks, v, least, shard)
         else:
             found = (self.least_memory if least else self.split)(schedule, replicas, chunks, fixed, shard)
             options = [] if found is None else [found]
@@ -369,12 +379,15 @@ class _Search:
         return best
 
 
-def _sync_seconds(params: np.ndarray, replicas: int, bandwidth: float, chunks: int, shard: str | None) -> np.ndarray:
+def _sync_seconds(params: np.ndarray, replicas: int, bandwidth: float, chunks: int, shard: str | None,
+                  splits_backward: bool = False) -> np.ndarray:
     """A stage's gradient and weight traffic per step: replicas one all-reduce; shards one reduce-scatter and the
-    micro-batches' all-gathers (plan.shards)."""
+    step's all-gathers (plan.shards.gathers_per_step: one per micro-batch, or per forward and backward; one under a
+    split backward)."""
     if shard is None:
         return np.asarray(ring_allreduce_seconds(params, replicas, bandwidth))
-    return np.asarray(ring_half_seconds(params, replicas, bandwidth)) * (1 + chunks * gathers_per_microbatch(shard))
+    gathers = gathers_per_step(shard, chunks, splits_backward)
+    return np.asarray(ring_half_seconds(params, replicas, bandwidth)) * (1 + gathers)
 
 
 _Layout = tuple[tuple[int, ...], "list[int] | None"]  # replicas per stage, and a fixed split (None: the planner's)
@@ -433,7 +446,8 @@ def auto_plan(
     splitting finer a trade. ``input_bytes``: the batch stage 0 keeps (default: ``profile.extra["input_bytes"]``).
     ``device="cuda"`` predicts memory as a GPU of ``cuda_capability`` counts it (see ``plan.memory.predict_memory``).
     ``shard``: None (default) keeps whole replicas; ``"grad_op"`` or ``"full"`` shards every configuration that can
-    be (equal replicas of gpipe or 1f1b, no recompute) and tries only those; ``"auto"`` weighs both: sharding where
+    be (equal replicas of a flushed schedule: gpipe, 1f1b, interleaved, zb-h1; recompute where a stage needs it)
+    and tries only those; ``"auto"`` weighs both: sharding where
     whole replicas do not fit, replicas where both fit (they avoid the all-gathers), the reason in
     :attr:`AutoPlan.shard_note`.
 
@@ -465,9 +479,10 @@ def auto_plan(
     groups = _groups(profile, topology, names, stages_possible, modes)
     if not groups and None not in modes:
         raise ValueError(
-            f"shard={shard!r} shards equal replicas (at least 2 per stage) of gpipe or 1f1b, and no configuration of "
-            f"{', '.join(names)} on {topology.num_workers} workers has them. Allow gpipe or 1f1b, give at least 2 "
-            "workers, or use shard='auto' (or None) to let replicas keep whole copies."
+            f"shard={shard!r} shards equal replicas (at least 2 per stage) of a flushed schedule (gpipe, 1f1b, "
+            f"interleaved, zb-h1), and no configuration of {', '.join(names)} on {topology.num_workers} workers has "
+            "them. Allow one of those schedules, give at least 2 workers, or use shard='auto' (or None) to let "
+            "replicas keep whole copies."
         )
     chunk_counts = _chunk_counts(max_chunks, profile.batch_size)
     found: list[Candidate] = []
@@ -507,7 +522,7 @@ def _shard_note(search: _Search, chosen: Candidate, found: list[Candidate]) -> s
                 f"(this one with whole replicas needs {bytes_text(peak)})")
     sharded = [c for c in found if c.shard is not None]
     if not sharded:
-        return "whole replicas: no configuration that fits can shard (equal replicas of gpipe or 1f1b)"
+        return "whole replicas: no configuration that fits can shard (equal replicas of a flushed schedule)"
     best = min(sharded, key=lambda c: _preference(c, sharded))
     slower = best.time_per_minibatch / chosen.time_per_minibatch - 1 if chosen.time_per_minibatch > 0 else 0.0
     return (f"whole replicas: both fit, and replicas avoid the all-gathers; the best sharded plan, {best.label()}, "
@@ -614,7 +629,7 @@ def _to_plan(search: _Search, c: Candidate, runner_up: Candidate | None) -> Plan
         rep = c.replicas[s % p]
         f, b = float(r.forward[i, j]), float(r.backward[i, j])
         sync = float(_sync_seconds(np.asarray(float(r.params[i, j])), rep, search.group_bandwidth(ranks[s % p]),
-                                   c.chunks, c.shard))
+                                   c.chunks, c.shard, spec_of(c.schedule).splits_backward))
         stages.append(StagePlan(
             layers=names[i : j + 1], replicas=rep, compute_s=(f + b) / rep, forward_s=f / rep, allreduce_s=sync / rep,
             parameter_bytes=int(r.params[i, j]), output_bytes=int(r.output[0, j]),

@@ -10,7 +10,13 @@ from typing import Any
 import numpy as np
 
 from lightning_pipedream.plan.profile import Profile
-from lightning_pipedream.plan.shards import SHARD_MODES, can_shard, gathered_bytes, whole_gradient_bytes
+from lightning_pipedream.plan.shards import (
+    SHARD_MODES,
+    can_shard,
+    chunks_unsharded,
+    gathered_bytes,
+    whole_gradient_bytes,
+)
 from lightning_pipedream.schedule.actions import Op, Schedule
 from lightning_pipedream.schedule.builders import build_schedule
 from lightning_pipedream.schedule.specs import spec_of
@@ -407,9 +413,10 @@ def predict_memory(
     the cuBLAS workspaces of a GPU of ``cuda_capability`` (:func:`cublas_workspace_bytes`; default 9.0, Hopper).
 
     Replicated stages (``replicas`` > 1) hold the all-reduce's flat copy of their gradients before the update.
-    ``shard="grad_op"`` or ``"full"`` (equal replicas, gpipe or 1f1b): each replica holds ``1 / replicas`` of the
-    parameters, gradients and optimizer state, and within a step the gradients whole and the gathered working copy
-    of the weights (``plan.shards``: :func:`gathered_bytes`, :func:`whole_gradient_bytes`).
+    ``shard="grad_op"`` or ``"full"`` (equal replicas of a flushed schedule): each replica holds ``1 / replicas`` of
+    the parameters, gradients and optimizer state, and within a step the gradients whole and the gathered working
+    copy of the weights (``plan.shards``: :func:`gathered_bytes`, :func:`whole_gradient_bytes`; a rank with several
+    model chunks, each its own FSDP2 root: both at once at their worst over its actions, :func:`chunks_unsharded`).
     """
     spec = spec_of(schedule)
     cuda = _check_device(device) == "cuda"
@@ -462,6 +469,15 @@ def predict_memory(
         d = int(replicas[rank])
         part = d if shard is not None else 1  # this rank's share of the weights, gradients and optimizer state
         units = [p for s in mine for p in sizes[s].layer_parameters] or [params]
+        whole, gathered = 0.0, 0.0
+        if shard is not None and len(mine) > 1:  # interleaved: each chunk gathers and reduce-scatters on its own
+            chunk_units = {s: sizes[s].layer_parameters or (sizes[s].parameters,) for s in mine}
+            whole, gathered = chunks_unsharded(flight.actions[rank], chunk_units, shard, {s: flags[s] for s in mine},
+                                               chunks)
+        elif shard is not None:
+            whole = whole_gradient_bytes(units, params, chunks, spec.splits_backward)
+            gathered = gathered_bytes(shard, units, params, h.forward_after_backward, recompute=flags[rank],
+                                      splits_backward=spec.splits_backward)
         out.append(
             StageMemory(
                 stage=rank,
@@ -482,8 +498,8 @@ def predict_memory(
                                       else temporaries * max(sizes[s].largest_parameter for s in mine)) / part),
                 workspace=workspace,
                 shard=shard,
-                whole_gradients=round(whole_gradient_bytes(units, params, chunks)) if shard is not None else 0,
-                gathered=round(gathered_bytes(shard, units, params, h.forward_after_backward)),
+                whole_gradients=round(whole),
+                gathered=round(gathered),
                 sync_working=round(params) if shard is None and d > 1 else 0,
             )
         )
@@ -495,5 +511,5 @@ def _check_shard(shard: str | None, schedule: str, replicas: Sequence[int], virt
         raise ValueError(f"shard={shard!r}: the memory model knows None (whole copies), 'grad_op' and 'full'.")
     if shard is not None and not can_shard(schedule, replicas, virtual_stages):
         raise ValueError(f"shard={shard!r} with schedule={schedule!r} and replicas {list(replicas)}: sharding runs "
-                         "equal replicas (at least 2) of gpipe or 1f1b, one model chunk per rank. Give replicas=[d] "
-                         "* stages with one of those schedules, or shard=None.")
+                         "equal replicas (at least 2) of a flushed schedule (gpipe, 1f1b, interleaved, zb-h1). Give "
+                         "replicas=[d] * stages with one of those schedules, or shard=None.")

@@ -59,9 +59,10 @@ def test_gathered_bytes_of_a_stage_with_one_unit():
 
 @pytest.mark.parametrize(("schedule", "replicas", "words"), [
     ("1f1b", [2, 1], r"shard='full' with schedule='1f1b' and replicas \[2, 1\]: sharding runs equal replicas \(at "
-                     r"least 2\) of gpipe or 1f1b, one model chunk per rank. Give replicas=\[d\] \* stages"),
+                     r"least 2\) of a flushed schedule \(gpipe, 1f1b, interleaved, zb-h1\). Give replicas=\[d\] \* "
+                     r"stages with one of those schedules, or shard=None."),
     ("pipedream", [2, 2], r"shard='full' with schedule='pipedream' and replicas \[2, 2\]: sharding runs equal"),
-    ("zb-h1", [2, 2], r"shard='full' with schedule='zb-h1'"),
+    ("2bw", [2, 2], r"shard='full' with schedule='2bw' and replicas \[2, 2\]: sharding runs equal"),
 ])
 def test_what_cannot_shard_is_refused_by_the_model(schedule, replicas, words):
     with pytest.raises(ValueError, match=words):
@@ -151,9 +152,10 @@ def test_without_sharding_the_refusal_says_that_shards_would_fit():
 
 
 def test_a_forced_shard_with_nothing_to_shard_is_refused():
-    with pytest.raises(ValueError, match=r"shard='full' shards equal replicas \(at least 2 per stage\) of gpipe or "
-                                         r"1f1b, and no configuration of 1f1b on 1 workers has them. Allow gpipe or "
-                                         r"1f1b, give at least 2 workers, or use shard='auto'"):
+    with pytest.raises(ValueError, match=r"shard='full' shards equal replicas \(at least 2 per stage\) of a flushed "
+                                         r"schedule \(gpipe, 1f1b, interleaved, zb-h1\), and no configuration of 1f1b "
+                                         r"on 1 workers has them. Allow one of those schedules, give at least 2 "
+                                         r"workers, or use shard='auto'"):
         auto_plan(one_stage_profile(), Topology.flat(1, 1000.0), None, schedules=["1f1b"], shard="full")
 
 
