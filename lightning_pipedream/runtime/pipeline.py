@@ -162,7 +162,7 @@ class Pipeline:
                 None if self.reducer is None else self.reducer.reduce),
             recompute=recompute,
             virtual_stages=virtual_stages,
-            reduction=ShardedStep([self.module], self.num_stages, shard, split_backward=spec.splits_backward)
+            sharded_step=ShardedStep([self.module], self.num_stages, shard, split_backward=spec.splits_backward)
             if shard is not None else None,
         )
 

@@ -262,8 +262,8 @@ def make_engine(options: PipelineOptions, stage: nn.Module, model_chunks: list[n
         allreduce=_reduced_in_updates if placement.layout is not None else None,
         recompute=options.recompute,
         virtual_stages=options.virtual_stages,
-        reduction=ShardedStep(model_chunks, placement.num_stages, options.shard,
-                                split_backward=options.spec.splits_backward)
+        sharded_step=ShardedStep(model_chunks, placement.num_stages, options.shard,
+                                  split_backward=options.spec.splits_backward)
         if options.shard is not None else None,
     )
 

@@ -142,7 +142,7 @@ def train_copies(rank: int, world: int) -> dict:
         optimizer = momentum([p for chunk in chunks for p in chunk.parameters()])
         engine = PipelineEngine(chunks if v > 1 else chunks[0], stage_index, 2,
                                 Transport(group=pipelines[copy]), schedule=schedule, chunks=4, virtual_stages=v,
-                                reduction=ShardedStep(chunks, 2, shard, split_backward=schedule == "zb-h1"))
+                                sharded_step=ShardedStep(chunks, 2, shard, split_backward=schedule == "zb-h1"))
 
         def update(minibatch: int) -> None:
             optimizer.step()

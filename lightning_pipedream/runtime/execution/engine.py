@@ -85,7 +85,7 @@ class PipelineEngine:
         allreduce: AllReduceFn | None = None,
         recompute: bool | Sequence[bool] = False,
         virtual_stages: int = 1,
-        reduction: ShardedStep | None = None,
+        sharded_step: ShardedStep | None = None,
     ) -> None:
         check_schedule_options(schedule, chunks, vertical_sync, virtual_stages=virtual_stages, recompute=recompute)
         layout = Layout.of(replicas, num_stages) if replicas is not None else None
@@ -106,8 +106,8 @@ class PipelineEngine:
                 )
         self.rank = stage_index if rank is None else rank
         self.allreduce = allreduce
-        # Sharded stages (runtime/stages/sharding.py): when each stage reduce-scatters its gradients in a step.
-        self.reduction = reduction
+        # Sharded stages (runtime/stages/sharding.py): their reduce-scatters and all-gathers around a step's actions.
+        self.sharded_step = sharded_step
         self.schedule = schedule
         self.spec = spec_of(schedule)
         self.num_stages = num_stages
@@ -308,21 +308,21 @@ class PipelineEngine:
 
         vertical = weights is not None and (weights.vertical_sync or weights.two_versions)
         before_backward = after_gradients = before_receive = None
-        if self.reduction is not None:
-            reduction = self.reduction
+        if self.sharded_step is not None:
+            sharded = self.sharded_step
             # Each stage's last action of the step that adds weight gradients (a whole backward or a weight half).
             last = {a.stage: a for a in actions if a.op in (Op.BACKWARD, Op.BACKWARD_WEIGHT)}
             for stage_index in self.stages:
-                reduction.begin(stage_index)
+                sharded.begin(stage_index)
 
             def before_backward(action: Action) -> None:
-                reduction.before_backward(action.stage, last=last.get(action.stage) == action)
+                sharded.before_backward(action.stage, last=last.get(action.stage) == action)
 
             def after_gradients(action: Action) -> None:
-                reduction.after_gradients(action.stage, last=last.get(action.stage) == action)
+                sharded.after_gradients(action.stage, last=last.get(action.stage) == action)
 
             def before_receive(action: Action) -> None:
-                reduction.prefetch(action.stage, forward=action.op is Op.RECV_ACT)
+                sharded.prefetch(action.stage, forward=action.op is Op.RECV_ACT)
 
         with pipeline_failures(self.stage.index):
             result.losses = self.executor.run(
@@ -336,8 +336,8 @@ class PipelineEngine:
                 after_gradients=after_gradients,
                 before_receive=before_receive,
             )
-        if self.reduction is not None:
-            self.reduction.end_step()
+        if self.sharded_step is not None:
+            self.sharded_step.end_step()
         return result
 
 
