@@ -248,7 +248,7 @@ class _Search:
                            shard: str | None = None) -> list[tuple[list[int], list[bool]]]:
         """Splits into ``ranks x v`` model chunks to try: the one minimising the slowest chunk, chunks cut at equal
         shares of the time, and equal layer counts with the remainder on the earlier chunks (which evens out each
-        rank's sum). Recompute on every chunk of a rank that needs it (``least``: everywhere)."""
+        rank's sum). Recompute on every chunk of a rank that needs it (``least``: of a rank it lowers the peak of)."""
         p = len(replicas)
         ranks = self.ranks_of(replicas)
         t_plain = [self.time_tables(replicas[s % p], self.group_bandwidth(ranks[s % p]), chunks, shard)[0]
@@ -266,10 +266,13 @@ class _Search:
             balances.append(even)
         out = []
         for balance in balances:
-            if least:
-                out.append((balance, [True] * (p * v)))
-                continue
             sizes = self.sizes(balance)
+            if least:  # recompute where it lowers the rank's peak (sharded, its replay gathers the whole chunk)
+                plain, again = (self.memory_of("interleaved", sizes, replicas, chunks, v, [rc] * (p * v), shard)
+                                for rc in (False, True))
+                out.append((balance, [again[s % p].predicted_peak_bytes < plain[s % p].predicted_peak_bytes
+                                      for s in range(p * v)]))
+                continue
             flags = [False] * (p * v)
             for rank, m in enumerate(self.memory_of("interleaved", sizes, replicas, chunks, v, flags, shard)):
                 if m.predicted_peak_bytes > self.limit:
