@@ -226,10 +226,12 @@ RUNS["shard-full-interleaved-2x2"] = {**{k: v for k, v in SHARDED.items() if k !
                                       "strategy": {"schedule": "interleaved", "balance": INTERLEAVED_BALANCE[2],
                                                    "stages": 2, "chunks": 2, "virtual_stages": 2, "shard": "full"}}
 # Zero bubble with shards: the split backward keeps each stage's weights gathered through the step and reduce-scatters
-# after its last weight half; under bf16-mixed the weight halves' bf16 gradients add up in float32.
-RUNS["shard-full-zb-h1-2x2"] = {**{k: v for k, v in SHARDED.items() if k != "checkpoint"},
-                                "strategy": {"schedule": "zb-h1", "balance": TWO, "stages": 2, "chunks": 4,
-                                             "shard": "full"}}
+# after its last weight half (here with accumulate_grad_batches=2: the reduce-scattered shards add up over 2 steps);
+# under bf16-mixed the weight halves' bf16 gradients add up in float32.
+RUNS["shard-full-zb-h1-accumulate-2x2"] = {
+    **{k: v for k, v in SHARDED.items() if k != "checkpoint"}, "batches": 5,
+    "trainer": {**SHARDED["trainer"], "accumulate_grad_batches": 2},
+    "strategy": {"schedule": "zb-h1", "balance": TWO, "stages": 2, "chunks": 4, "shard": "full"}}
 RUNS["shard-bf16-zb-h1-2x2"] = {**{k: v for k, v in SHARDED.items() if k != "checkpoint"},
                                 "trainer": {**SHARDED["trainer"], "precision": "bf16-mixed"},
                                 "strategy": {"schedule": "zb-h1", "balance": TWO, "stages": 2, "chunks": 2,
@@ -685,7 +687,10 @@ def test_sharded_data_parallel_pipelines_equal_one_device(runs):
     assert_weights(runs["shard-full-1f1b-1x4"], clipped)  # one stage, 4 sharded replicas: FSDP alone
     assert_weights(runs["shard-full-1f1b-recompute-2x2"], clipped)
     assert_weights(runs["shard-full-interleaved-2x2"], clipped)  # 2 model chunks per process, each sharded
-    assert_weights(runs["shard-full-zb-h1-2x2"], clipped)  # split backward: one reduce-scatter after the last weight half
+    # split backward: one reduce-scatter after the last weight half; 5 batches in updates of 2, 2 and 1, twice
+    assert_weights(runs["shard-full-zb-h1-accumulate-2x2"],
+                   reference(balance=[7], epochs=[list(range(5))] * 2, model=SCHEDULED, clip_norm=0.05, accumulate=2,
+                             num_batches=5))
 
 
 def test_interleaved_data_parallel_pipelines_equal_one_device(runs):
