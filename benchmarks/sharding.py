@@ -107,7 +107,7 @@ class Copies:
         self.engine = PipelineEngine(chunks if virtual_stages > 1 else chunks[0], self.stage_index, 2,
                                      Transport(group=pipelines[self.copy]), schedule=schedule, chunks=CHUNKS,
                                      virtual_stages=virtual_stages,
-                                     reduction=ShardedStep(chunks, 2, shard,
+                                     sharded_step=ShardedStep(chunks, 2, shard,
                                                            split_backward=spec_of(schedule).splits_backward))
 
     @property
