@@ -168,3 +168,31 @@ def test_sharded_zero_bubble_when_only_it_fits_with_one_gather_per_step():
     # 1f1b's grad_op gathers once per micro-batch: 1 s of reduce-scatter and 1 s per gather, per stage's 2 replicas
     one_f_one_b = plan(profile, 9500, "1f1b", shard="grad_op")
     assert one_f_one_b.plan.stages[0].allreduce_s == pytest.approx((1 + one_f_one_b.chosen.chunks) / 2)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_planner_s_sharded_memory_is_the_model_s_on_random_profiles(seed):
+    """shard='grad_op', 'full' or 'auto' on random chains and limits, every exact schedule: whatever the planner
+    chooses (gpipe, 1f1b, zb-h1 or interleaved, recomputing or not), its memory is what predict_memory says, within the
+    limit; a refusal's least fits."""
+    import random
+
+    rng = random.Random(seed)
+    n = rng.randint(4, 9)
+    profile = Profile([LayerProfile(f"l{i}", rng.uniform(0.1, 2), rng.uniform(0.1, 4), rng.randint(0, 8000),
+                                    rng.randint(1, 5000)) for i in range(n)], extra={"input_bytes": rng.randint(0, 3000)})
+    topology = Topology.flat(4, rng.choice([1e4, 1e6]))
+    limit = rng.randint(4000, 40000)
+    kwargs = {"exact": True, "optimizer": rng.choice(["sgd", "momentum", "adam"]), "max_chunks": 4,
+              "shard": ("grad_op", "full", "auto")[seed % 3]}
+    try:
+        result = auto_plan(profile, topology, limit, **kwargs)
+    except NoPlanFitsError as err:
+        limit = err.smallest_limit
+        result = auto_plan(profile, topology, limit, **kwargs)
+    c = result.chosen
+    expected = predict_memory(stage_bytes(profile, c.balance), c.schedule, c.chunks, replicas=c.replicas,
+                              virtual_stages=c.virtual_stages, recompute=c.recompute, optimizer=kwargs["optimizer"],
+                              shard=c.shard)
+    assert list(c.memory) == expected
+    assert c.peak_bytes <= limit
