@@ -541,7 +541,7 @@ def _groups(profile: Profile, topology: Topology, names: list[str], stages_possi
     shape once per sharding mode in ``modes`` it can run (plan.shards.can_shard)."""
     out: list[_Group] = []
     for name, replicas, v, fixed in _shapes(profile, topology, names, stages_possible):
-        out += [(name, replicas, v, fixed, mode) for mode in modes if mode is None or can_shard(name, replicas, v)]
+        out += [(name, replicas, v, fixed, mode) for mode in modes if mode is None or can_shard(name, replicas)]
     return out
 
 
@@ -604,7 +604,7 @@ def _refusal(
                       else f"replicas sharded ({', '.join(sharded)})")
     hint = "."
     if not sharded:  # would sharded replicas fit? Say so, with the least they need
-        shardable = [c for name, replicas, v, fixed, _ in groups if can_shard(name, replicas, v)
+        shardable = [c for name, replicas, v, fixed, _ in groups if can_shard(name, replicas)
                      for chunks in chunk_counts
                      if (c := search.candidate(name, replicas, chunks, v, fixed, least=True, shard="full")) is not None]
         fits = min(shardable, key=lambda c: c.peak_bytes, default=None)

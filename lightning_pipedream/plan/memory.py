@@ -431,7 +431,7 @@ def predict_memory(
         replicas = [1] * ranks
     if len(replicas) != ranks:
         raise ValueError(f"replicas lists {len(replicas)} counts for {ranks} stages; give one per stage.")
-    _check_shard(shard, schedule, replicas, v)
+    _check_shard(shard, schedule, replicas)
     if flight is None:
         flight = flight_schedule(schedule, ranks, chunks, replicas, v)
     kept = [
@@ -506,10 +506,10 @@ def predict_memory(
     return out
 
 
-def _check_shard(shard: str | None, schedule: str, replicas: Sequence[int], virtual_stages: int) -> None:
+def _check_shard(shard: str | None, schedule: str, replicas: Sequence[int]) -> None:
     if shard not in SHARD_MODES:
         raise ValueError(f"shard={shard!r}: the memory model knows None (whole copies), 'grad_op' and 'full'.")
-    if shard is not None and not can_shard(schedule, replicas, virtual_stages):
+    if shard is not None and not can_shard(schedule, replicas):
         raise ValueError(f"shard={shard!r} with schedule={schedule!r} and replicas {list(replicas)}: sharding runs "
                          "equal replicas (at least 2) of a flushed schedule (gpipe, 1f1b, interleaved, zb-h1). Give "
                          "replicas=[d] * stages with one of those schedules, or shard=None.")

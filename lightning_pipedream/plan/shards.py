@@ -30,11 +30,10 @@ def shard_modes(shard: str | None) -> tuple[str | None, ...]:
     return SHARD_MODES if shard == "auto" else (shard,)
 
 
-def can_shard(schedule: str, replicas: Sequence[int], virtual_stages: int = 1) -> bool:
+def can_shard(schedule: str, replicas: Sequence[int]) -> bool:
     """Whether the runtime shards this configuration: equal replicas (at least 2) of a flushed schedule (gpipe, 1f1b,
     zb-h1, interleaved with any number of model chunks, each its own FSDP2 root), what ``check_shard`` and the
-    strategy accept. ``virtual_stages`` is there for the callers' symmetry: every count shards."""
-    del virtual_stages
+    strategy accept."""
     equal = len(set(replicas)) == 1 and replicas[0] >= 2
     return equal and not spec_of(schedule).asynchronous
 
