@@ -324,11 +324,11 @@ class _Search:
             bwd.append((b + (f if recompute[s] else 0.0)) / chunks + self.overhead)
             weight.append(float(r.weight[i, j]) / chunks)  # zero bubble: the deferred weight-gradient part
             bandwidth = self.group_bandwidth(ranks[rank])
-            # bytes as seconds at 1 B/s; sharded: the reduce-scatter, half an all-reduce (a split backward's one gather
-            # of the step, the other half), and each micro-batch's gathers
-            halves = (1.0 + (spec.splits_backward and shard is not None)) / 2.0 if shard is not None else 1.0
+            # bytes as seconds at 1 B/s, as an all-reduce's; sharded: the reduce-scatter, half of one (and under a split
+            # backward the step's one gather, the other half), and each micro-batch's gathers
+            halves = 1.0 if shard is None else (1.0 + spec.splits_backward) / 2.0
             syncs.append(float(r.params[i, j]) / bandwidth * halves)
-            gathers = gathers_per_microbatch(shard, spec.splits_backward) if shard is not None else 0
+            gathers = gathers_per_microbatch(shard, spec.splits_backward)
             gather = float(ring_half_seconds(float(r.params[i, j]), replicas[rank], bandwidth)) if gathers else 0.0
             fwd[-1] += gather
             bwd[-1] += gather * max(0, gathers - 1)
