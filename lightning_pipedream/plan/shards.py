@@ -95,9 +95,9 @@ def chunks_unsharded(actions: Sequence[Action], chunk_units: Mapping[int, Sequen
     In a backward of chunk c: c's whole gradients and its gathered copy (:func:`gathered_bytes`, found gathered when
     a forward of c ran since its last backward under ``"grad_op"``, or c recomputes; in the first backward of the
     step a gathered chunk's gradients replace its freed units, so only the gathered copy counts); beside them every
-    other chunk
-    whose backwards have begun and not ended holds its whole gradients (each reduce-scatters in its own last
-    backward of the step), and every other ``"grad_op"`` chunk with a forward since its last backward its weights.
+    other chunk whose backwards have begun and not ended holds its whole gradients (each reduce-scatters in its own
+    last backward of the step), and every other ``"grad_op"`` chunk with a forward since its last backward its
+    weights.
     """
     params = {stage: float(sum(units)) for stage, units in chunk_units.items()}
     left = {stage: sum(1 for a in actions if a.op is Op.BACKWARD and a.stage == stage) for stage in chunk_units}
@@ -112,7 +112,7 @@ def chunks_unsharded(actions: Sequence[Action], chunk_units: Mapping[int, Sequen
             others = [s for s in chunk_units if s != c]
             # a gathered chunk's first backward of the step frees each unit as that unit's gradients come: the two
             # never add up (its gradients' temporaries are the backward's working set)
-            first_kept = kept[c] and not whole[c]
+            first_kept = (kept[c] or recompute[c]) and not whole[c]
             own = 0.0 if first_kept else whole_gradient_bytes(chunk_units[c], params[c], chunks)
             grads = own + sum(params[s] for s in others if whole[s])
             gathered = (gathered_bytes(shard, chunk_units[c], params[c], kept[c], recompute=recompute[c])

@@ -63,14 +63,18 @@ def interleaved_chunks() -> list[StageBytes]:
     # full: each chunk gathers only while it computes: in B0.0 chunk 0's unit (1000) and gradients (1000) beside
     # chunk 2's whole gradients (1000), until chunk 2's last backward reduce-scatters them
     ("full", (2000, 1000)),
+    # full, recomputing: the replay gathers the chunk with its flat buffer (2000); in B0.1 beside chunk 0's
+    # gradients (whole since B0.0) and chunk 2's
+    ("full-recompute", (2000, 2000)),
 ])
 def test_interleaved_chunks_gather_and_reduce_scatter_each_on_their_own(shard, terms):
+    shard, _, recompute = shard.partition("-")
     memory = predict_memory(interleaved_chunks(), "interleaved", 4, replicas=[2, 2], virtual_stages=2,
-                            optimizer="momentum", shard=shard)
+                            optimizer="momentum", shard=shard, recompute=bool(recompute))
     assert [(m.whole_gradients, m.gathered) for m in memory] == [terms, terms]
     m = memory[0]
     assert (m.parameters, m.gradients, m.optimizer_state) == (1000, 1000, 1000)  # the rank's 2000 over 2 replicas
-    assert m.predicted_peak_bytes == 3000 + max(0, terms[0] - 1000) + terms[1] + m.activations
+    assert m.predicted_peak_bytes == 3000 + max(0, terms[0] - 1000) + terms[1] + m.activations + m.replay
 
 
 def test_zero_bubble_gathers_once_per_step():
