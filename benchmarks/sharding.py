@@ -143,29 +143,13 @@ def _status_kb(key: str) -> int:
     raise KeyError(key)
 
 
-def _follow_fsdp_resizes(meter: LiveTensorBytes) -> None:
-    """FSDP2 frees a unit's gathered parameters with ``storage.resize_(0)`` and allocates them again in place, which
-    no operator shows the meter: tell it after each."""
-    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
-
-    for module in (_fsdp_param, _fsdp_param_group):
-        for name in ("alloc_storage", "free_storage"):
-            original = getattr(_fsdp_param, name)
-            if hasattr(module, name):
-                def followed(tensor: torch.Tensor, original: Any = original) -> None:
-                    original(tensor)
-                    meter.resized(tensor)
-                setattr(module, name, followed)
-
-
 def memory_worker(rank: int, world: int, run: dict, shard: str | None, case: str) -> dict:
     """One rank, fresh: build the stage (``case``: a schedule, or one of :data:`CASES`), then 3 steps under the
     meter."""
     from lightning_pipedream.runtime.stages.sharding import training_state_bytes
 
     torch.set_num_threads(1)
-    meter = LiveTensorBytes()
-    _follow_fsdp_resizes(meter)
+    meter = LiveTensorBytes()  # it follows FSDP2's in-place frees and re-allocations of gathered parameters
     x, y = make_batch(run["width"], run["batch"])
     rss_base = _status_kb("VmRSS")
     schedule, recompute, virtual_stages, _ = CASES.get(case, (case, False, 1, MODES))

@@ -18,9 +18,10 @@ class LiveTensorBytes(TorchDispatchMode):
     Tensors made before the mode started are not seen; :meth:`add` them (the parameters, say) to count them. Memory
     the allocator did not hand out (a storage that cannot be resized: a mapped file such as the shared-memory
     transport's rings, a NumPy buffer) is not counted. A tensor subclass that wraps others (a DTensor, whose
-    operators the mode sees only from outside) counts as the tensors it wraps. A storage resized in place (FSDP2
-    frees its gathered parameters with ``resize_(0)`` and allocates them again the same way) is counted anew
-    through :meth:`resized`. With
+    operators the mode sees only from outside) counts as the tensors it wraps. A storage resized in place while the
+    mode is on (``UntypedStorage.resize_``, which no operator shows: FSDP2 frees its gathered parameters with
+    ``resize_(0)`` and allocates them again the same way; the replicas' all-reduce frees its flat copy so) is counted
+    at its new size; :meth:`resized` tells the meter of one otherwise. With
     :meth:`labelled`, :attr:`peak_phase` says what ran at the peak and :attr:`transient` how far each phase rose above
     the live bytes it began with.
     """
@@ -61,10 +62,14 @@ class LiveTensorBytes(TorchDispatchMode):
 
     def resized(self, t: torch.Tensor) -> None:
         """Count ``t``'s storage at its size now, after an in-place ``resize_`` (a storage not seen yet: from now)."""
-        storage = t.untyped_storage()
-        entry = self._storages.get(storage._cdata)
-        if entry is None:
+        if t.untyped_storage()._cdata not in self._storages:
             self.add(t)
+            return
+        self._storage_resized(t.untyped_storage())
+
+    def _storage_resized(self, storage: torch.UntypedStorage) -> None:
+        entry = self._storages.get(storage._cdata)
+        if entry is None:  # not counted: made before the meter, and not added
             return
         change, entry[1] = storage.nbytes() - entry[1], storage.nbytes()
         if change > 0:
@@ -110,6 +115,21 @@ class LiveTensorBytes(TorchDispatchMode):
                 self.phase, self.phase_base = outer
 
         return wrapped
+
+    def __enter__(self) -> LiveTensorBytes:
+        original = self._resize = torch.UntypedStorage.resize_
+
+        def followed(storage: torch.UntypedStorage, size: int) -> Any:
+            out = original(storage, size)
+            self._storage_resized(storage)
+            return out
+
+        torch.UntypedStorage.resize_ = followed  # type: ignore[method-assign, assignment]
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]
+        super().__exit__(*exc)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))

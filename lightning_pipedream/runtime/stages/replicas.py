@@ -134,6 +134,10 @@ class GradientReducer:
                 if scale != 1.0:
                     p.grad.mul_(scale)
                 offset += n
+            # Freed now, not when the last reference goes: a backend's work object may hold the buffer after wait()
+            # (measured: gloo's, now and then, past the update that follows), and the flat copy is the replicated
+            # path's peak (plan.memory's sync_working).
+            flat.untyped_storage().resize_(0)
         return count
 
 
