@@ -55,7 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-chunks", type=int, default=16, help="with --schedule: most micro-batches per step")
     parser.add_argument(
         "--shard", choices=SHARD_CHOICES, default="none",
-        help="with --schedule: whether equal replicas of gpipe or 1f1b shard weights, gradients and optimizer state "
+        help="with --schedule: whether equal replicas of a flushed schedule (gpipe, 1f1b, zb-h1, interleaved) shard "
+             "weights, gradients and optimizer state "
              "(FSDP2): none (whole copies, default), grad_op, full, or auto (shard only where whole replicas do "
              "not fit, or where it is faster; the plan says why)",
     )

@@ -568,11 +568,15 @@ def _shapes(profile: Profile, topology: Topology, names: list[str],
 
 def _preference(c: Candidate, among: list[Candidate]) -> tuple:
     """Fastest first; among times within 1e-6 of the best: exact schedules, less recompute, whole replicas (no
-    gathers), less memory, fewer micro-batches, fewer stages."""
+    gathers), less memory, fewer micro-batches, fewer stages, and ``grad_op`` before ``full`` (zb-h1 runs both
+    alike, keeping the weights gathered through the step: ``grad_op`` names that)."""
     fastest = min(x.time_per_minibatch for x in among)
     near = c.time_per_minibatch <= fastest * (1 + 1e-6)
     return (not near, c.time_per_minibatch if not near else 0.0, not spec_of(c.schedule).exact, sum(c.recompute),
-            c.shard is not None, c.peak_bytes, c.chunks, len(c.replicas), c.schedule, c.shard or "")
+            c.shard is not None, c.peak_bytes, c.chunks, len(c.replicas), c.schedule, SHARD_ORDER[c.shard])
+
+
+SHARD_ORDER = {None: 0, "grad_op": 1, "full": 2}  # on a tie: fewer gathers first
 
 
 def _refusal(

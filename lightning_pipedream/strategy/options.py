@@ -136,7 +136,7 @@ class PipelineOptions:
 
     def _check_shard(self) -> None:
         """What sharded replicas cannot run, refused before any process starts (the layout is checked at setup)."""
-        if self.auto:  # the planner shards only what can be: equal replicas of gpipe or 1f1b
+        if self.auto:  # the planner shards only what can be: equal replicas of a flushed schedule
             if self.shard not in SHARD_MODES and self.shard != "auto":
                 check_shard_choice(self.shard)  # the planner's words, with its choices
             return
