@@ -24,6 +24,8 @@ a 2-stage pipeline, engine by engine, each stage sharded over its two copies (:c
 
 **Speed**: the three modes built side by side in one launch, then rounds of ``steps`` timed steps each, the order
 rotated every round (interleaved, so that the machine's other load falls on all alike); the median steps/s per mode.
+A fourth, ``full`` without the all-gathers started before blocking receives (``ShardedStep.prefetch_ahead``), gives
+the paired ratio of what starting them ahead buys (on CPU processes little can overlap: they share the cores).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from lightning_pipedream.plan.profile import profile_module
 from lightning_pipedream.runtime.faults.launch import run_local
 
 MODES = (None, "grad_op", "full")
+UNPREFETCHED = "full-unprefetched"  # speed only: full, its all-gathers started when the compute starts
 SCHEDULES = ("1f1b", "gpipe")
 # The other memory shapes of sharded stages: name -> (schedule, recompute, virtual stages, modes measured). Whole
 # replicas of the copies' schedules are left out: Copies builds sharded stages only.
@@ -186,6 +189,8 @@ def speed_worker(rank: int, world: int, run: dict) -> dict:
     torch.set_num_threads(1)
     x, y = make_batch(run["width"], run["batch"])
     pipes = {str(mode): _pipeline(run, mode, "1f1b") for mode in MODES}
+    pipes[UNPREFETCHED] = _pipeline(run, "full", "1f1b")
+    pipes[UNPREFETCHED].engine.sharded_step.prefetch_ahead = False  # gathers start when the compute does
     for pipe in pipes.values():  # warm-up: Adam's state, FSDP2's lazy init, gloo's buffers
         for _ in range(2):
             pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
@@ -264,13 +269,17 @@ def main(argv: list[str] | None = None) -> dict:
                 f"in {r['measured']['peak_phase']}, state "
                 f"{r['measured']['training_state_bytes_at_update'] / 2**20:5.2f}" for r in rows), flush=True)
     timed = run_local(speed_worker, 4, run, timeout=600.0) if args.only is None else []
-    for mode in MODES if timed else ():
+    for mode in (*MODES, UNPREFETCHED) if timed else ():
         seconds = [max(rank["seconds"][str(mode)][i] for rank in timed) for i in range(run["rounds"])]
         doc["speed"][str(mode)] = {"seconds_per_round": seconds,
                                    "steps_per_s_median": run["steps"] / statistics.median(seconds)}
         rates = ", ".join(f"{run['steps'] / s:.2f}" for s in seconds)
         print(f"1f1b shard={str(mode):7s} {doc['speed'][str(mode)]['steps_per_s_median']:.2f} steps/s "
               f"(rounds: {rates})", flush=True)
+    if timed:  # each round's full with gathers started ahead against full without, paired
+        ahead, not_ahead = (doc["speed"][mode]["seconds_per_round"] for mode in ("full", UNPREFETCHED))
+        doc["speed"]["prefetch_speedup_median"] = statistics.median(b / a for a, b in zip(ahead, not_ahead))
+        print(f"full: gathers started ahead x{doc['speed']['prefetch_speedup_median']:.3f} steps/s (paired median)")
     doc["machine"]["load_after"] = _load()
     doc["seconds"] = round(time.time() - started, 1)
     if args.out:
