@@ -32,22 +32,37 @@ def momentum(params):
 CASES = [(shard, schedule) for shard in (None, "full", "grad_op") for schedule in ("gpipe", "1f1b")]
 
 
+COLLECTIVES = {"gather": ("all_gather_single", "all_gather_into_tensor"),  # what FSDP2 calls, by torch release
+               "reduce": ("reduce_scatter_single", "reduce_scatter_tensor")}
+
+
+def watch_collectives(seen) -> None:
+    """In this process from now on, ``seen(kind, args, kwargs)`` before each all-gather ("gather") and reduce-scatter
+    ("reduce") FSDP2 starts."""
+    import torch.distributed as dist
+
+    def watched(kind, original):
+        def call(*args, **kwargs):
+            seen(kind, args, kwargs)
+            return original(*args, **kwargs)
+        return call
+
+    for kind, names in COLLECTIVES.items():
+        for name in names:
+            if hasattr(dist, name):
+                setattr(dist, name, watched(kind, getattr(dist, name)))
+
+
 def train_every_case(rank: int, world: int) -> dict:
     """Each case in turn on these 4 processes: the merged weights' share, the losses, the measured bytes of
     parameters + gradients + optimizer state (before the last update's gradients are dropped), and the number
     of reduce-scatters this rank ran."""
-    import torch.distributed as dist
-
     calls = [0]
-    def counting(original):
-        def counted(*args, **kwargs):
-            calls[0] += 1
-            return original(*args, **kwargs)
-        return counted
 
-    for name in ("reduce_scatter_single", "reduce_scatter_tensor"):  # what FSDP2 calls, by torch release
-        if hasattr(dist, name):
-            setattr(dist, name, counting(getattr(dist, name)))
+    def count(kind, args, kwargs):
+        calls[0] += kind == "reduce"
+
+    watch_collectives(count)
     out = {}
     for shard, schedule in CASES:
         calls[0] = 0
@@ -66,18 +81,23 @@ def train_every_case(rank: int, world: int) -> dict:
     return out
 
 
-@pytest.mark.multiprocess
-def test_two_stages_of_two_shards_equal_one_process_with_half_the_training_state():
+def assert_trained_as_one_process(results: list[dict], case: tuple, last: list[int]) -> None:
+    """The ranks' merged weights equal one process trained on the union batches, and the ranks in ``last`` (each
+    pipeline's last stage) hold their share of every step's loss."""
     reference = mlp()
     want, want_losses = train_one_process(reference, momentum(reference.parameters()), batches())
+    state = {k: v for rank in results for k, v in rank[case][0].items()}
+    assert state.keys() == want.keys(), case
+    for key in want:
+        torch.testing.assert_close(state[key], want[key], rtol=1e-5, atol=1e-6, msg=lambda m: f"{case} {key}: {m}")
+    assert [sum(step) for step in zip(*(results[r][case][1] for r in last))] == pytest.approx(want_losses, 1e-5)
+
+
+@pytest.mark.multiprocess
+def test_two_stages_of_two_shards_equal_one_process_with_half_the_training_state():
     results = run_local(train_every_case, 4, timeout=180)
     for case in CASES:
-        state = {k: v for rank in results for k, v in rank[case][0].items()}
-        assert state.keys() == want.keys()
-        for key in want:
-            torch.testing.assert_close(state[key], want[key], rtol=1e-5, atol=1e-6, msg=lambda m: f"{case} {key}: {m}")
-        # each pipeline's last stage (ranks 2 and 3) has its shard's share of every step's loss
-        assert [a + b for a, b in zip(results[2][case][1], results[3][case][1])] == pytest.approx(want_losses, 1e-5)
+        assert_trained_as_one_process(results, case, last=[2, 3])  # Pipeline's layout: stage 1 on ranks 2 and 3
     for schedule in ("gpipe", "1f1b"):
         replicated = [rank[(None, schedule)][2] for rank in results]
         for shard in ("full", "grad_op"):
@@ -109,13 +129,11 @@ def train_copies(rank: int, world: int) -> dict:
     calls = {"gather": 0, "reduce": 0}
     events: list[str] = []  # "gather", and "recv act" / "recv grad": the order this rank started them in
 
-    def counting(kind, original):
-        def counted(*args, **kwargs):
-            calls[kind] += 1
-            events.append(kind)
-            return original(*args, **kwargs)
-        return counted
+    def count(kind, args, kwargs):
+        calls[kind] += 1
+        events.append(kind)
 
+    watch_collectives(count)
     receive = Transport.recv
 
     def recorded_receive(self, peer, channel=None):
@@ -123,12 +141,6 @@ def train_copies(rank: int, world: int) -> dict:
         return receive(self, peer, channel)
 
     Transport.recv = recorded_receive
-
-    for kind, names in (("gather", ("all_gather_single", "all_gather_into_tensor")),  # what FSDP2 calls, by release
-                        ("reduce", ("reduce_scatter_single", "reduce_scatter_tensor"))):
-        for name in names:
-            if hasattr(dist, name):
-                setattr(dist, name, counting(kind, getattr(dist, name)))
     pipelines = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes every group, in one order
     replicas = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     copy, stage_index = divmod(rank, 2)
@@ -166,17 +178,11 @@ def train_copies(rank: int, world: int) -> dict:
 
 @pytest.mark.multiprocess
 def test_zero_bubble_and_interleaved_copies_with_shards_equal_one_process_reducing_once_per_step():
-    reference = mlp()
-    want, want_losses = train_one_process(reference, momentum(reference.parameters()), batches())
     results = run_local(train_copies, 4, timeout=180)
     for shard, schedule, v in COPY_CASES:
         case = (shard, schedule, True)
-        state = {k: t for rank in results for k, t in rank[case][0].items()}
-        assert state.keys() == want.keys(), case
-        for key in want:
-            torch.testing.assert_close(state[key], want[key], rtol=1e-5, atol=1e-6, msg=lambda m: f"{case} {key}: {m}")
-        last = [1, 3]  # each copy's second rank holds its last stage (stage 1; interleaved: stage 3)
-        assert [a + b for a, b in zip(*(results[r][case][1] for r in last))] == pytest.approx(want_losses, 1e-5)
+        # each copy's second rank holds its last stage (stage 1; interleaved: stage 3)
+        assert_trained_as_one_process(results, case, last=[1, 3])
         counts = [rank[case][2] for rank in results]
         # Each Linear is a unit: a reduce-scatter per unit and step, not per micro-batch (4 per step). Zero bubble
         # keeps the weights gathered through the step: one all-gather per unit and step as well.
@@ -278,21 +284,10 @@ MIXED_CASES = [("full", "1f1b"), ("grad_op", "gpipe")]
 def train_mixed(rank: int, world: int) -> dict:
     """Each sharded case with param_dtype=torch.bfloat16, steps under bf16 autocast: the merged weights' share, the
     losses, and the dtypes FSDP2 gathered and reduce-scattered in."""
-    import torch.distributed as dist
 
     seen: dict[str, set] = {"gather": set(), "reduce": set()}
-
-    def recording(kind, original):
-        def recorded(*args, **kwargs):
-            seen[kind].add(next(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)).dtype)
-            return original(*args, **kwargs)
-        return recorded
-
-    for kind, names in (("gather", ("all_gather_single", "all_gather_into_tensor")),  # what FSDP2 calls, by release
-                        ("reduce", ("reduce_scatter_single", "reduce_scatter_tensor"))):
-        for name in names:
-            if hasattr(dist, name):
-                setattr(dist, name, recording(kind, getattr(dist, name)))
+    watch_collectives(lambda kind, args, kwargs: seen[kind].add(
+        next(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)).dtype))
     out = {}
     for shard, schedule in MIXED_CASES:
         pipe = Pipeline(normed(), loss_fn=nn.functional.mse_loss, optimizer=momentum, schedule=schedule,
