@@ -21,7 +21,7 @@ class LiveTensorBytes(TorchDispatchMode):
     operators the mode sees only from outside) counts as the tensors it wraps. A storage resized in place while the
     mode is on (``UntypedStorage.resize_``, which no operator shows: FSDP2 frees its gathered parameters with
     ``resize_(0)`` and allocates them again the same way; the replicas' all-reduce frees its flat copy so) is counted
-    at its new size; :meth:`resized` tells the meter of one otherwise. With
+    at its new size. With
     :meth:`labelled`, :attr:`peak_phase` says what ran at the peak and :attr:`transient` how far each phase rose above
     the live bytes it began with.
     """
@@ -59,13 +59,6 @@ class LiveTensorBytes(TorchDispatchMode):
             self._grow(nbytes)
         entry[0] += 1
         weakref.finalize(t, self._drop, id(t), key)
-
-    def resized(self, t: torch.Tensor) -> None:
-        """Count ``t``'s storage at its size now, after an in-place ``resize_`` (a storage not seen yet: from now)."""
-        if t.untyped_storage()._cdata not in self._storages:
-            self.add(t)
-            return
-        self._storage_resized(t.untyped_storage())
 
     def _storage_resized(self, storage: torch.UntypedStorage) -> None:
         entry = self._storages.get(storage._cdata)

@@ -94,7 +94,7 @@ def shard_stage(module: nn.Module, group: dist.ProcessGroup, shard: str, device:
     for child in module.children():
         if any(p.requires_grad for p in child.parameters()):
             fully_shard(child, mesh=mesh, reshard_after_forward=not keep, mp_policy=policy)
-    units = [c for c in module.children() if isinstance(c, FSDPModule)]
+    units = sharded_units(module)
     for i, unit in enumerate(units):
         # A backward gathers the unit before it ahead, within the micro-batch. FSDP2's default follows the order of
         # every forward since the last backward, which under 1F1B reaches into another micro-batch's units that the
@@ -109,6 +109,13 @@ def shard_stage(module: nn.Module, group: dist.ProcessGroup, shard: str, device:
             unit.set_gradient_divide_factor(1.0)
             unit.set_force_sum_reduction_for_comms(True)
     return module
+
+
+def sharded_units(module: nn.Module) -> list[nn.Module]:
+    """The units :func:`shard_stage` made of ``module``'s children, in forward order."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [c for c in module.children() if isinstance(c, FSDPModule)]
 
 
 class ShardedStep:
@@ -141,7 +148,9 @@ class ShardedStep:
         self.num_stages = num_stages
         self.shard = shard
         self.split_backward = split_backward
-        self._steps = 0  # prefetching waits for the first step: FSDP2 sets its roots up in their first forward
+        self._set_up = False  # prefetching waits for the first step: FSDP2 sets its roots up in their first forward
+        # each chunk's first and last unit to gather ahead of a forward and of a backward (the chunk if it has none)
+        self._ends = [(units[0], units[-1]) if (units := sharded_units(c)) else (c, c) for c in self.chunks]
 
     def chunk(self, stage: int) -> nn.Module:
         return self.chunks[stage // self.num_stages]
@@ -177,18 +186,15 @@ class ShardedStep:
 
     def end_step(self) -> None:
         """After the step's actions: from the next step on, FSDP2's roots are set up and gathers may start ahead."""
-        self._steps += 1
+        self._set_up = True
 
     def prefetch(self, stage: int, forward: bool) -> None:
         """Start the all-gather of the unit that ``stage``'s next forward (or backward) needs first, without waiting:
         FSDP2 waits in that unit's hook. A no-op when its weights are gathered already, or still being gathered."""
-        from torch.distributed.fsdp import FSDPModule
-
-        if self._steps == 0 or not self.prefetch_ahead:
+        if not self._set_up or not self.prefetch_ahead:
             return
-        chunk = _fsdp(self.chunk(stage))
-        units = [c for c in chunk.children() if isinstance(c, FSDPModule)] or [chunk]  # shard_stage's, in order
-        (units[0] if forward else units[-1]).unshard(async_op=True)
+        first, last = self._ends[stage // self.num_stages]
+        _fsdp(first if forward else last).unshard(async_op=True)
 
 
 def _fsdp(module: nn.Module) -> Any:
