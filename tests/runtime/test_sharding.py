@@ -169,7 +169,7 @@ def train_copies(rank: int, world: int) -> dict:
                                        lambda mb, out: nn.functional.mse_loss(out, ys[mb]) * len(ys[mb]) / len(y),
                                        update)
             losses.append(float(sum(result.losses.values())))
-            step_events.append([e for e in events if e != "reduce"])
+            step_events.append(list(events))
         counted = dict(calls)
         state = {k: v for chunk in chunks for k, v in full_state(chunk).items()}
         out[(shard, schedule, ShardedStep.prefetch_ahead)] = (state, losses, counted, step_events)
@@ -203,6 +203,13 @@ def test_zero_bubble_and_interleaved_copies_with_shards_equal_one_process_reduci
         ahead = [[a - b for a, b in zip(gathers_at_receives(e), gathers_at_receives(u))]
                  for e, u in zip(steps, unprefetched)]
         assert ahead == [[0] * 4] + [[1] * 4] * (STEPS - 1), (rank, ahead)
+    # NCCL runs a process group's collectives in the order they are called: each stage's two replicas (ranks 0 and 2,
+    # 1 and 3) start the same all-gathers and reduce-scatters in the same order, step by step, gathers started ahead
+    # included, in every case.
+    for case in results[0]:
+        for a, b in ((0, 2), (1, 3)):
+            started = [[[e for e in step if not e.startswith("recv")] for step in results[r][case][3]] for r in (a, b)]
+            assert started[0] == started[1] and all(started[0]), (case, a, b)
     want_state = results[0][("full", "1f1b", False)][0]
     assert all(torch.equal(results[0][("full", "1f1b", True)][0][k], want_state[k]) for k in want_state)
 
