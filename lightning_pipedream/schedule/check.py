@@ -259,6 +259,11 @@ def validate(schedule: Schedule) -> None:
     a replicated stage follows a gradient all-reduce, and all replicas of a stage run the same
     number of all-reduces (each has all its members).
     """
+    if schedule.name == "decode":  # generation's ring has rules of its own (schedule/generation.py)
+        from lightning_pipedream.schedule.generation import validate_ring
+
+        validate_ring(schedule)
+        return
     fail = _Failer(schedule)
     _check_layout(schedule, fail)
     for rank in range(schedule.num_ranks):
