@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,10 @@ class ScheduleError(ValueError):
 # weight versions). "none": forwards only, no backward and no update (evaluation). Unlisted
 # schedules are "per_step".
 OPTIMIZER_POLICY: dict[str, str] = {"pipedream": "per_backward", "2bw": "per_minibatch", "inference": "none"}
+
+# Schedules with rules of their own, registered by the module that builds them: name -> validator. (The decode
+# ring of schedule/generation.py: forwards only, around a ring, with a step index.)
+OWN_RULES: dict[str, Callable[[Schedule], None]] = {}
 
 _RECV, _SEND = (Op.RECV_ACT, Op.RECV_GRAD), (Op.SEND_ACT, Op.SEND_GRAD)
 _COMPUTE = frozenset((Op.FORWARD, Op.BACKWARD, Op.BACKWARD_WEIGHT))  # a set: the hot loops below test it often
@@ -259,10 +264,8 @@ def validate(schedule: Schedule) -> None:
     a replicated stage follows a gradient all-reduce, and all replicas of a stage run the same
     number of all-reduces (each has all its members).
     """
-    if schedule.name == "decode":  # generation's ring has rules of its own (schedule/generation.py)
-        from lightning_pipedream.schedule.generation import validate_ring
-
-        validate_ring(schedule)
+    if schedule.name in OWN_RULES:  # generation's decode ring (schedule/generation.py registers it)
+        OWN_RULES[schedule.name](schedule)
         return
     fail = _Failer(schedule)
     _check_layout(schedule, fail)

@@ -25,7 +25,7 @@ import math
 from collections.abc import Sequence
 
 from lightning_pipedream.schedule.actions import Action, Link, Op, Schedule
-from lightning_pipedream.schedule.check import ScheduleError, place, render_grid
+from lightning_pipedream.schedule.check import OWN_RULES, ScheduleError, place, render_grid
 
 DECODE = "decode"
 
@@ -192,6 +192,9 @@ def validate_ring(schedule: Schedule) -> None:
         if index is not None:
             raise fail(rank, index, "deadlock: this receive waits forever. Run (step, lane) in the same order on "
                                     "every rank.")
+
+
+OWN_RULES[DECODE] = validate_ring  # validate() and simulate() check rings by these rules
 
 
 def simulate_ring(num_stages: int, lanes: int, new_tokens: int, forward_s: float | Sequence[float], *,
