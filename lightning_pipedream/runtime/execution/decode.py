@@ -1,0 +1,310 @@
+"""Greedy decoding around the pipeline's ring: lanes of sequences, per-stage caches, a token back to the first stage.
+
+:func:`run_decode_ring` runs on every rank of a pipeline, in the order of
+:func:`lightning_pipedream.schedule.generation.decode_ring` (step-major over the lanes; the last stage sends each
+lane's token back to the first; a lane whose sequences all ended retires with a notice around the ring), and
+records the actions it ran, so a test compares them with the schedule the validator checked.
+
+:class:`StageSlice` is one stage's share of a model whose blocks sit in one ``nn.ModuleList`` or
+``nn.Sequential``: it calls the whole model's forward with the blocks of other stages skipped (each returns its
+input), the received hidden states put in front of its first own block, and the forward stopped after its last
+own block. Everything outside the blocks (embeddings, masks, rotary tables) is recomputed locally on every stage;
+only the hidden states travel. Hugging Face models keep a cache per lane holding only this stage's layers
+(``use_cache=True``: the keys and values of its own attention layers); a model without a cache recomputes the
+whole prefix every step (:attr:`StageSlice.uses_cache` says which).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_pipedream.schedule.actions import Action, Op
+
+
+class _Stopped(Exception):  # noqa: N818 - not an error: the forward ends at this stage's last block
+    def __init__(self, hidden: Any) -> None:
+        self.hidden = hidden
+
+
+class _Skip(nn.Module):
+    """Another stage's block: hands its hidden states on unchanged."""
+
+    def forward(self, hidden: Any, *args: Any, **kwargs: Any) -> Any:
+        return hidden
+
+
+class _Inject(nn.Module):
+    """This stage's first block, fed the hidden states received from the previous stage."""
+
+    def __init__(self, block: nn.Module, slot: list) -> None:
+        super().__init__()
+        self.block, self.slot = block, slot
+
+    def forward(self, hidden: Any, *args: Any, **kwargs: Any) -> Any:
+        return self.block(self.slot[0], *args, **kwargs)
+
+
+class _Stop(nn.Module):
+    """The next stage's first block: ends the forward with the hidden states it would get."""
+
+    def forward(self, hidden: Any, *args: Any, **kwargs: Any) -> Any:
+        raise _Stopped(hidden)
+
+
+def find_blocks(model: nn.Module) -> tuple[str, nn.Module]:
+    """The model's stack of blocks: its ``nn.ModuleList`` or ``nn.Sequential`` with the most parameters."""
+    best: tuple[int, str, nn.Module] | None = None
+    for name, sub in model.named_modules():
+        if isinstance(sub, (nn.ModuleList, nn.Sequential)) and len(sub) > 1:
+            size = sum(p.numel() for p in sub.parameters())
+            if best is None or size > best[0]:
+                best = (size, name, sub)
+    if best is None:
+        raise ValueError(f"generate() splits a model at its blocks, but {type(model).__name__} has no nn.ModuleList or "
+                         "nn.Sequential of two or more blocks; keep the decoder's layers in one.")
+    return best[1], best[2]
+
+
+def even_split(blocks: int, stages: int) -> list[int]:
+    """Blocks per stage, as even as can be, the earlier stages taking one more."""
+    if blocks < stages:
+        raise ValueError(f"generate() needs at least one block per stage: {blocks} blocks for {stages} stages.")
+    return [blocks // stages + (1 if s < blocks % stages else 0) for s in range(stages)]
+
+
+def _hf_cache_class() -> type | None:
+    try:
+        from transformers import DynamicCache
+    except ImportError:
+        return None
+
+    class StageCache(DynamicCache):
+        """A DynamicCache holding only this stage's layers: the lengths it reports are those of its first own
+        layer (Hugging Face sizes masks and positions by layer 0, which lives on stage 0)."""
+
+        own_first = 0
+
+        def get_seq_length(self, layer_idx: int = 0) -> int:
+            return super().get_seq_length(self.own_first if layer_idx == 0 else layer_idx)
+
+        def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+            return super().get_mask_sizes(query_length, self.own_first if layer_idx == 0 else layer_idx)
+
+    return StageCache
+
+
+def is_hf_model(model: nn.Module) -> Any:
+    """The Hugging Face ``PreTrainedModel`` inside ``model`` (itself or a submodule), or None."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return None
+    return next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+
+
+@dataclass
+class StageSlice:
+    """Stage ``stage`` of ``num_stages``: blocks ``start .. stop - 1`` of ``blocks`` (see the module's text).
+
+    ``call(input_ids, attention_mask, position_ids, cache)`` runs the whole model's forward and returns its logits
+    (the user's forward, passing the keyword arguments on to a Hugging Face model, or the model itself).
+    """
+
+    call: Callable[..., Any]
+    blocks: nn.Module
+    start: int
+    stop: int
+    stage: int
+    num_stages: int
+    hf: Any = None  # the Hugging Face model, whose caches this stage keeps per lane; None: recompute the prefix
+    caches: dict[int, Any] = field(default_factory=dict)
+
+    @property
+    def uses_cache(self) -> bool:
+        return self.hf is not None
+
+    def cache_bytes(self) -> dict[int, int]:
+        """Bytes of cached keys and values per layer index, over every lane (only own layers have any)."""
+        sizes: dict[int, int] = {}
+        for cache in self.caches.values():
+            for i, layer in enumerate(getattr(cache, "layers", [])):
+                for name in ("keys", "values"):
+                    t = getattr(layer, name, None)
+                    if isinstance(t, Tensor):
+                        sizes[i] = sizes.get(i, 0) + t.numel() * t.element_size()
+        return sizes
+
+    def forward(self, lane: int, ids: Tensor, mask: Tensor, received: Any) -> Any:
+        """This stage's forward of ``lane``: ``ids`` and ``mask`` are the lane's whole sequences so far (every rank
+        knows them); with a cache only the new positions run. Returns the hidden states to send on, or on the last
+        stage the logits of the last position."""
+        new = ids
+        positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+        kwargs: dict[str, Any] = {}
+        if self.hf is not None:
+            cache = self.caches.get(lane)
+            if cache is None:
+                cache_class = _hf_cache_class()
+                assert cache_class is not None
+                cache = cache_class(config=self.hf.config)
+                cache.own_first = self.start
+                self.caches[lane] = cache
+            seen = cache.get_seq_length()
+            new, positions = ids[:, seen:], positions[:, seen:]
+            kwargs = {_cache_keyword(self.hf): cache, "use_cache": True}
+        slot = [received]
+        saved = list(self.blocks)
+        try:
+            for i in range(len(saved)):
+                if i < self.start:
+                    self.blocks[i] = _Skip()
+                elif i == self.start and self.stage > 0:
+                    self.blocks[i] = _Inject(saved[i], slot)
+                elif i == self.stop:  # the next stage's first block (the last stage has none)
+                    self.blocks[i] = _Stop()
+            with torch.no_grad():
+                try:
+                    out = self.call(new, mask, positions, kwargs)
+                except _Stopped as stopped:
+                    return stopped.hidden
+        finally:
+            for i, block in enumerate(saved):
+                self.blocks[i] = block
+        logits = out.logits if hasattr(out, "logits") else out[0] if isinstance(out, tuple) else out
+        return logits[:, -1]
+
+
+def _cache_keyword(hf: nn.Module) -> str:
+    names = inspect.signature(hf.forward).parameters
+    return "cache" if "cache" in names else "past_key_values"
+
+
+@dataclass
+class Lane:
+    """One micro-batch of sequences: its ids so far (left-padded prompts, then new tokens), attention mask, and on
+    the last stage the tokens made and which sequences have ended."""
+
+    ids: Tensor
+    mask: Tensor
+    finished: Tensor  # bool per sequence (kept on the last stage)
+    tokens: list[Tensor] = field(default_factory=list)  # the new tokens (kept on the last stage)
+
+    def append(self, token: Tensor) -> None:
+        """One more position: ``token`` (its value matters on the first stage only), attended to."""
+        self.ids = torch.cat([self.ids, token.view(-1, 1).to(self.ids.dtype)], dim=1)
+        self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
+
+
+def run_decode_ring(stage: StageSlice, transport: Any, lanes: list[Lane], *, max_new_tokens: int,
+                    eos_token_id: int | None, pad_token_id: int, trace: list[Action] | None = None) -> list[Tensor]:
+    """Greedy decoding of ``lanes`` through the ring; every rank returns each lane's new tokens (batch x k, k the
+    lane's steps: a lane stops once all its sequences have ended; an ended sequence gets ``pad_token_id``).
+
+    ``transport`` sends tensor trees between the pipeline's ranks (peers are stage indices); ``trace`` collects
+    the actions this rank ran, as :func:`~lightning_pipedream.schedule.generation.decode_ring` writes them.
+    """
+    p, s = stage.num_stages, stage.stage
+    last = p - 1
+    record = trace.append if trace is not None else (lambda a: None)
+    retired: set[int] = set()
+    for t in range(max_new_tokens + 1):
+        for m, lane in enumerate(lanes):
+            if m in retired:
+                continue
+            channel = ("decode", m)
+            received: Any = None
+            if p > 1 and (s > 0 or t > 0):
+                peer = last if s == 0 else s - 1
+                received = transport.recv(peer, channel=channel)
+                record(Action(Op.RECV_ACT, s, m, peer, t))
+                if isinstance(received, dict) and ("retire" in received or bool(received.get("done", False))):
+                    if s < last:
+                        transport.send({"retire": torch.ones(1)}, s + 1, channel=channel)
+                        record(Action(Op.SEND_ACT, s, m, s + 1, t))
+                    retired.add(m)
+                    continue
+                if s == 0:  # the token of step t-1 from the last stage
+                    lane.append(received["token"])
+                    received = None
+            if t > 0 and s > 0:  # a new position; its value lives on the first stage
+                lane.append(torch.zeros(lane.ids.shape[0], dtype=lane.ids.dtype))
+            out = stage.forward(m, lane.ids, lane.mask, received)
+            record(Action(Op.FORWARD, s, m, step=t))
+            if s < last:
+                transport.send(out, s + 1, channel=channel)
+                record(Action(Op.SEND_ACT, s, m, s + 1, t))
+                continue
+            token = out.argmax(-1)
+            token = torch.where(lane.finished, torch.full_like(token, pad_token_id), token)
+            if eos_token_id is not None:
+                lane.finished = lane.finished | (token == eos_token_id)
+            lane.tokens.append(token)
+            done = bool(lane.finished.all()) or t + 1 >= max_new_tokens
+            if p == 1:
+                lane.append(token)
+                if done:
+                    retired.add(m)
+                continue
+            transport.send({"token": token, "done": torch.tensor(done)}, 0, channel=channel)
+            record(Action(Op.SEND_ACT, s, m, 0, t))
+        if len(retired) == len(lanes):
+            break
+    # Every rank gets the tokens: from the last stage to the first, then down the stages (the ring's own links).
+    made = [torch.stack(lane.tokens, dim=1) for lane in lanes] if s == last else None
+    if p > 1:
+        if s != last:
+            made = transport.recv(last if s == 0 else s - 1, channel="decoded")
+        if s != last - 1:
+            transport.send(made, (s + 1) % p, channel="decoded")
+        transport.wait_all()
+    assert made is not None
+    return list(made)
+
+
+def generate_ids(model: nn.Module, call: Callable[..., Any], input_ids: Tensor, attention_mask: Tensor | None, *,
+                 max_new_tokens: int, eos_token_id: int | None, pad_token_id: int | None, micro_batches: int,
+                 stage: int = 0, num_stages: int = 1, split: list[int] | None = None, transport: Any = None,
+                 trace: list[Action] | None = None, slices: list[StageSlice] | None = None) -> Tensor:
+    """Greedy decoding of ``input_ids`` (left-padded; ``attention_mask`` 0 on the padding) on stage ``stage`` of
+    ``num_stages``; returns the prompts followed by the new tokens, as Hugging Face's ``generate`` does (padded
+    with ``pad_token_id`` after a sequence's end, up to the longest generation of the batch).
+
+    The batch is split into ``micro_batches`` lanes along dim 0; ``split`` gives the blocks per stage (even by
+    default). ``slices`` receives this rank's :class:`StageSlice` (for its cache's bytes).
+    """
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}.")
+    if input_ids.ndim != 2:
+        raise ValueError(f"input_ids must be (batch, length), got shape {tuple(input_ids.shape)}.")
+    if pad_token_id is None:
+        if eos_token_id is None:
+            raise ValueError("generate() needs pad_token_id (or eos_token_id, used as the pad): the token that fills "
+                             "a sequence after it ended.")
+        pad_token_id = eos_token_id
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+    batch = input_ids.shape[0]
+    if not isinstance(micro_batches, int) or not 1 <= micro_batches <= batch:
+        raise ValueError(f"micro_batches must be an integer in 1..{batch} (the batch's sequences), got "
+                         f"{micro_batches!r}.")
+    _, blocks = find_blocks(model)
+    split = even_split(len(blocks), num_stages) if split is None else split
+    start = sum(split[:stage])
+    this = StageSlice(call, blocks, start, start + split[stage], stage, num_stages, hf=is_hf_model(model))
+    if slices is not None:
+        slices.append(this)
+    sizes = [batch // micro_batches + (1 if i < batch % micro_batches else 0) for i in range(micro_batches)]
+    bounds = [sum(sizes[:i]) for i in range(micro_batches + 1)]
+    lanes = [Lane(input_ids[a:b], mask[a:b], torch.zeros(b - a, dtype=torch.bool, device=input_ids.device))
+             for a, b in zip(bounds, bounds[1:])]
+    made = run_decode_ring(this, transport, lanes, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
+                           pad_token_id=pad_token_id, trace=trace)
+    longest = max(t.shape[1] for t in made)
+    made = [torch.cat([t, torch.full((t.shape[0], longest - t.shape[1]), pad_token_id, dtype=t.dtype,
+                                     device=t.device)], dim=1) for t in made]
+    return torch.cat([input_ids, torch.cat(made).to(input_ids.device, input_ids.dtype)], dim=1)
