@@ -313,7 +313,8 @@ def test_the_room_and_circle_checkers_catch_planted_violations() -> None:
 
 # Clock readings of the time module; a difference of two, or a name holding one, is a measured duration.
 CLOCKS = {"time", "time_ns", "monotonic", "monotonic_ns", "perf_counter", "perf_counter_ns"}
-HANG_BOUND_WORDS = ("timeout", "watchdog", "deadline", "limit")
+HANG_LIMIT_WORDS = ("deadline", "limit")
+MIN_HANG_LIMIT_S = 60  # the least seconds a literal hang limit may allow (a slow hour runs 2x a quiet one's time)
 
 
 def _reads_clock(node: ast.AST, measured: set[str]) -> bool:
@@ -328,33 +329,45 @@ def _reads_clock(node: ast.AST, measured: set[str]) -> bool:
     return False
 
 
-def _names_a_timeout(node: ast.AST) -> bool:
-    words = [n.id for n in ast.walk(node) if isinstance(n, ast.Name)]
-    words += [n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)]
-    return any(hint in word.lower() for word in words for hint in HANG_BOUND_WORDS)
+def _is_hang_limit(node: ast.AST) -> bool:
+    """A bare name (or attribute) that says it is a hang limit: ``deadline``, ``HANG_LIMIT``, ``self.limit``."""
+    word = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+    return word is not None and any(hint in word.lower() for hint in HANG_LIMIT_WORDS)
 
 
 def duration_asserts(path: Path) -> list[str]:
-    """Asserts that bound a measured time from above by a plain number: a claim about speed, not behaviour.
+    """Asserts that bound a measured time from above by anything but an outer hang limit: a claim about speed.
 
     The rule: no test asserts how fast something ran (a busy or a slower machine fails it; speed belongs in
     benchmarks/). A time measured with the ``time`` module's clocks (a reading, a name assigned from one, or a
     difference of them) may appear in an assert only
     - as a lower bound (``waited > 0.25``: it waited as long as it had to; a busy machine only makes that longer),
       or against another measured time (``profiling_s <= wall``); or
-    - as a hang bound: an upper bound written from the timeout the code under test was given, so that its name
-      says so (``elapsed < timeout + 10``, ``< WATCHDOG_S``, ``now < deadline``, ``< limit``): the code promises to end by
-      then instead of hanging, which is behaviour. A bare number (``elapsed < 5.0``) is a speed claim and fails.
-    pytest-timeout bounds every test against a hang anyway.
+    - against an outer hang limit, a bare name that says so (``time.monotonic() < deadline``, ``elapsed < limit``,
+      ``< HANG_LIMIT``), set several times above what a slow hour takes: a deadline made from the clock and a literal
+      (``deadline = time.monotonic() + 120``) allows at least MIN_HANG_LIMIT_S seconds.
+    Everything else is a speed claim and fails: a bare number (``elapsed < 5.0``), and a bound built from a timeout
+    plus a constant (``elapsed < timeout + 10``: a rank told by its peer "within the timeout and a few seconds" is a
+    speed claim on a loaded machine; 16 processes on two cores end 20 s after their failure). To tell "told by its
+    peer" from "gave up on a timeout", assert the event instead: the words a rank stopped with, which rank stopped
+    it, the flight recorder's reason, or a timeout set far beyond the test's hang limit so that only being told can
+    end the run in time. pytest-timeout bounds every test against a hang anyway.
     """
     tree = ast.parse(path.read_text(), str(path))
     measured: set[str] = set()
+    found = []
     for node in ast.walk(tree):  # names that hold a clock reading or a duration, anywhere in the file
         if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)) and node.value is not None \
                 and _reads_clock(node.value, set()):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            measured.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
-    found = []
+            names = [n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)]
+            measured.update(names)
+            literals = [n.value for n in ast.walk(node.value) if isinstance(n, ast.Constant)
+                        and isinstance(n.value, (int, float))]
+            if any(any(hint in name.lower() for hint in HANG_LIMIT_WORDS) for name in names) and literals \
+                    and max(literals) < MIN_HANG_LIMIT_S:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} sets a hang limit under {MIN_HANG_LIMIT_S} s: "
+                             f"{ast.unparse(node)}")
     for node in ast.walk(tree):
         if not isinstance(node, ast.Assert):
             continue
@@ -367,7 +380,7 @@ def duration_asserts(path: Path) -> list[str]:
                     small, big = right, left
                 else:
                     continue
-                if _reads_clock(small, measured) and not _reads_clock(big, measured) and not _names_a_timeout(big):
+                if _reads_clock(small, measured) and not _reads_clock(big, measured) and not _is_hang_limit(big):
                     found.append(f"{path.relative_to(ROOT)}:{compare.lineno} asserts a duration: "
                                  f"{ast.unparse(compare)}")
     return found
@@ -382,18 +395,22 @@ def test_the_duration_checker_catches_a_planted_speed_assert(tmp_path: Path) -> 
     probe = ROOT / "tests" / "_probe_for_test.py"
     probe.write_text(
         "import time\nfrom time import perf_counter\n"
-        "def test_speed(run, timeout):\n"
+        "def test_speed(run, timeout, HANG_LIMIT):\n"
         "    start = time.monotonic()\n    run()\n"
         "    assert time.monotonic() - start < 5.0\n"  # a speed claim, inline
         "    wall = perf_counter() - start\n"
         "    assert run() and 2 > wall\n"  # a speed claim through a name, reversed
-        "    assert 0.25 < wall < timeout + 10\n"  # a lower bound and a hang bound: allowed
+        "    assert 0.25 < wall < timeout + 10\n"  # a lower bound (allowed) and a timeout plus a constant (a claim)
+        "    assert wall < timeout\n"  # a timeout is not a hang limit: a claim
         "    deadline = time.monotonic() + 60\n"
-        "    assert time.monotonic() < deadline\n"  # a watchdog: allowed
+        "    assert time.monotonic() < deadline and wall < HANG_LIMIT\n"  # outer hang limits: allowed
+        "    soon = time.monotonic() + 5\n"  # a near time, not named a limit: not one
+        "    short_deadline = time.monotonic() + 10\n"  # a hang limit no slow hour stays within
     )
     try:
-        assert [line.split(" asserts")[0] for line in duration_asserts(probe)] == [
-            "tests/_probe_for_test.py:6", "tests/_probe_for_test.py:8"]
+        assert [line.split(" asserts")[0].split(" sets")[0] for line in duration_asserts(probe)] == [
+            "tests/_probe_for_test.py:14", "tests/_probe_for_test.py:6", "tests/_probe_for_test.py:8",
+            "tests/_probe_for_test.py:9", "tests/_probe_for_test.py:10"]
     finally:
         probe.unlink()
 

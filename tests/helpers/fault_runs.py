@@ -14,11 +14,13 @@ from pathlib import Path
 from script_runs import free_port, script_env
 
 HANG_TRAINER = Path(__file__).resolve().parents[1] / "scripts" / "hang_trainer.py"
+HANG_LIMIT = 200.0  # seconds a hang_trainer.py run may take in all: several times a slow hour's run (11-22 s quiet)
 
 
-def run_hang_trainer(tmp_path: Path, options: dict) -> tuple[str, int, float]:
-    """hang_trainer.py with ``options``; returns its stderr, the launcher's (rank 0's) exit code, and the seconds from
-    the fault to the end of the last process the launcher started (all of them must end by themselves within 150 s).
+def run_hang_trainer(tmp_path: Path, options: dict) -> tuple[str, int]:
+    """hang_trainer.py with ``options``; returns its stderr and the launcher's (rank 0's) exit code. Every process the
+    launcher started must end by itself within HANG_LIMIT s (an outer limit only a hang reaches: whether a rank was
+    told by its peer or timed out is for the test to read from its words, not from the seconds it took).
     Lightning's launcher starts the other ranks on a rendezvous port of this pytest worker's own (script_env)."""
     env = script_env(LIGHTNING_PIPEDREAM_FLIGHT_RECORDER=str(tmp_path / "flight"))
     log = tmp_path / "stderr.txt"
@@ -26,11 +28,10 @@ def run_hang_trainer(tmp_path: Path, options: dict) -> tuple[str, int, float]:
         proc = subprocess.Popen([sys.executable, str(HANG_TRAINER), str(tmp_path), json.dumps(options)], cwd=tmp_path,
                                 env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
         try:
-            deadline = time.monotonic() + 150
+            deadline = time.monotonic() + HANG_LIMIT
             while session_processes(proc.pid) and time.monotonic() < deadline:
                 proc.poll()  # reaps the launcher; the ranks it started are reaped by init
                 time.sleep(0.1)
-            ended = time.time()
             if session_processes(proc.pid):
                 os.kill(proc.pid, signal.SIGUSR1)  # hang_trainer.py dumps its stacks on it
                 time.sleep(1)
@@ -42,7 +43,7 @@ def run_hang_trainer(tmp_path: Path, options: dict) -> tuple[str, int, float]:
     assert not left, f"processes left: {left}\n{text[-4000:]}"
     fault_time = tmp_path / "fault_time"
     assert fault_time.exists(), f"the run ended before its planted fault:\n{text[-4000:]}"  # say why, not "no file"
-    return text, proc.returncode, ended - float(fault_time.read_text())
+    return text, proc.returncode
 
 
 def session_processes(session: int) -> list[int]:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 from pipedream_reference import Minibatch, PipeDreamRule, train_one_process
@@ -214,14 +212,13 @@ def failing_stage(rank, world):
     pipe.step(torch.randn(4, 4), torch.randn(4, 4))
 
 
-def test_failing_stage_stops_every_rank_quickly():
-    timeout = 60  # run_local's watchdog: ranks still running then are killed
-    start = time.monotonic()
+def test_failing_stage_stops_every_rank_with_its_error():
+    # run_local's watchdog (its timeout) kills ranks still running then, and reports only the ranks that reported:
+    # "2 of 2 ranks failed" says the failure stopped both, not the watchdog.
     with pytest.raises(RankFailedError) as info:
-        run_local(failing_stage, 2, timeout=timeout)
-    assert time.monotonic() - start < timeout  # the failure stopped them, not the watchdog
+        run_local(failing_stage, 2, timeout=120)
     text = str(info.value)
-    assert "2 of 2 ranks failed" in text
+    assert "2 of 2 ranks failed" in text and "did not finish" not in text
     rank0 = text.split("--- rank 1 ---")[0]
     assert "PeerFailedError: Pipeline stage 1 failed with ValueError: boom in stage 1" in rank0
 

@@ -127,7 +127,7 @@ def test_a_trainer_whose_last_stage_drifts_at_step_5_stops_by_step_5_plus_k(tmp_
     # pipedream checks every k = CHECK_EVERY_ASYNC steps: the drift from step 5 is seen in step 8's fingerprints,
     # which the last stage compares at step 8 + stages - 1.
     (tmp_path / "fault_time").write_text("0")
-    err, code, _ = run_hang_trainer(tmp_path, {"rank": 1, "at": 5, "how": "drift", "schedule": "pipedream"})
+    err, code = run_hang_trainer(tmp_path, {"rank": 1, "at": 5, "how": "drift", "schedule": "pipedream"})
     assert code == 1, err[-4000:]
     checked = next(i for i in range(5, 13) if is_due(i, 16, CHECK_EVERY_ASYNC))
     words = (f"The pipeline stages received different training batches at batch {checked} of epoch 0: rank 1 (stage 1) "
@@ -142,7 +142,7 @@ def test_a_trainer_whose_last_stage_drifts_at_step_5_stops_by_step_5_plus_k(tmp_
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads process states from /proc")
 def test_a_trainer_with_unequal_batch_counts_says_so_on_every_rank(tmp_path):
     (tmp_path / "fault_time").write_text("0")
-    err, code, _ = run_hang_trainer(tmp_path, {"rank": 1, "how": "fewer"})
+    err, code = run_hang_trainer(tmp_path, {"rank": 1, "how": "fewer"})
     assert code == 1, err[-4000:]
     for rank in (0, 1):
         assert (f"[rank{rank}]: lightning_pipedream.strategy.consistency.DataMismatchError: The pipeline's ranks have "
