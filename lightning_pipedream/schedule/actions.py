@@ -86,6 +86,8 @@ class Schedule:
 
     ``num_ranks`` is kept apart from ``num_stages``: interleaved schedules put several stages on a
     rank (stage s on rank s % num_ranks: rank r holds model chunks r, r + num_ranks, ...).
+    ``v_shape`` (zb-v, dualpipev) places two stages per rank in a V instead: rank r holds stages r
+    and 2P-1-r (see :func:`v_rank`), so the first and last stages share rank 0.
 
     ``replicas`` (one count per stage, e.g. ``(2, 1)``) makes a replicated schedule laid out by
     :class:`Layout`: stage s runs on ``replicas[s]`` ranks, micro-batch m on replica
@@ -101,6 +103,7 @@ class Schedule:
     actions: tuple[tuple[Action, ...], ...]  # actions[rank] in execution order
     minibatches: int = 1
     replicas: tuple[int, ...] | None = None
+    v_shape: bool = False
 
     @property
     def layout(self) -> Layout | None:
@@ -108,20 +111,22 @@ class Schedule:
         return None if self.replicas is None else Layout(self.replicas)
 
     def rank_of(self, stage: int) -> int:
-        """Stages are laid out round-robin over ranks (stage s lives on rank s % num_ranks)."""
+        """Stages are laid out round-robin over ranks (stage s lives on rank s % num_ranks), or in a V."""
         if self.replicas is not None:
             raise ValueError("A replicated stage lives on several ranks; use Schedule.owner(stage, microbatch).")
-        return stage % self.num_ranks
+        return v_rank(stage, self.num_ranks) if self.v_shape else stage % self.num_ranks
 
     def owner(self, stage: int, microbatch: int) -> int:
         """The rank that runs ``microbatch`` on ``stage``."""
         return self.rank_of(stage) if self.replicas is None else Layout(self.replicas).owner(stage, microbatch)
 
-    def stages_of(self, rank: int) -> range:
-        """The stages that live on ``rank``."""
+    def stages_of(self, rank: int) -> Sequence[int]:
+        """The stages that live on ``rank``, in increasing order."""
         if self.replicas is not None:
             stage = Layout(self.replicas).stage_of(rank)
             return range(stage, stage + 1)
+        if self.v_shape:
+            return (rank, 2 * self.num_ranks - 1 - rank)
         return range(rank, self.num_stages, self.num_ranks)
 
     @property
@@ -149,6 +154,12 @@ class Schedule:
         count = f"{self.minibatches} minibatches" if self.minibatches > 1 else f"{self.chunks} chunks"
         where = "" if self.replicas is None else f" (replicas {','.join(map(str, self.replicas))})"
         return f"{self.num_stages} stages{where} x {count}"
+
+
+def v_rank(stage: int, num_ranks: int) -> int:
+    """The rank of ``stage`` in a V placement of ``2 * num_ranks`` stages: down the ranks, then back up
+    (rank r holds stages r and 2P-1-r; stage P-1 hands over to stage P on the same rank)."""
+    return stage if stage < num_ranks else 2 * num_ranks - 1 - stage
 
 
 @dataclass(frozen=True)

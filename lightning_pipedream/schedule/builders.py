@@ -4,10 +4,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
-from lightning_pipedream.schedule.actions import Action, Layout, Link, Op, Schedule
+from lightning_pipedream.schedule.actions import Action, Layout, Link, Op, Schedule, v_rank
 
 # The names and their properties live in the spec table; re-exported here, where they were first defined.
-from lightning_pipedream.schedule.specs import ASYNCHRONOUS, REPLICATED_SCHEDULES, SCHEDULES, spec_of  # noqa: F401
+from lightning_pipedream.schedule.specs import (  # noqa: F401
+    ASYNCHRONOUS,
+    REPLICATED_SCHEDULES,
+    SCHEDULES,
+    V_CHUNKS,
+    V_SCHEDULES,
+    spec_of,
+)
+from lightning_pipedream.schedule.v_shape import dualpipe_v_order, zero_bubble_v_order
 
 # A compute order for one stage: ("F" | "B" | "W", microbatch) pairs, and "O" for an optimizer step.
 ComputeOrder = list[tuple[str, int] | str]
@@ -37,15 +45,19 @@ def _check_minibatches(minibatches: object) -> None:
 
 
 def _with_communication(
-    stage: int, num_stages: int, order: Iterable, step: int = 0, num_ranks: int | None = None
+    stage: int, num_stages: int, order: Iterable, step: int = 0, num_ranks: int | None = None, v_shape: bool = False
 ) -> list[Action]:
     """Turn a stage's compute order into actions, adding the sends and receives around it.
 
     ``num_ranks`` (interleaved schedules): stage s lives on rank s % num_ranks; by default one stage per rank.
+    ``v_shape``: the stages lie in a V over the ranks (:func:`v_rank`); the turn's message stays on its rank.
     """
     actions: list[Action] = []
     ranks = num_stages if num_ranks is None else num_ranks
-    prev_rank, next_rank = (stage - 1) % ranks, (stage + 1) % ranks
+    if v_shape:
+        prev_rank, next_rank = v_rank(max(stage - 1, 0), ranks), v_rank(min(stage + 1, num_stages - 1), ranks)
+    else:
+        prev_rank, next_rank = (stage - 1) % ranks, (stage + 1) % ranks
     first, last = stage == 0, stage == num_stages - 1
     for item in order:
         if item == "O":
@@ -423,6 +435,57 @@ def _receive_in_send_order(actions: list[list[Action]]) -> tuple[tuple[Action, .
     return tuple(out)
 
 
+def _check_v(name: str, num_ranks: int, chunks: int, virtual_stages: int) -> None:
+    _check_stages(num_ranks)
+    check_schedule_options(name, chunks, virtual_stages=virtual_stages)
+    if name == "dualpipev" and chunks < 2 * num_ranks:
+        raise ValueError(
+            f"schedule='dualpipev' needs at least 2 x ranks = {2 * num_ranks} micro-batches per step, got "
+            f"chunks={chunks}: raise chunks to {2 * num_ranks} or more, or use schedule='zb-v'."
+        )
+
+
+def _v_schedule(name: str, num_ranks: int, chunks: int, order_of: Callable[[int, int, int], list]) -> Schedule:
+    """A V-shape schedule from its per-rank compute orders: messages around each compute, the turn's
+    kept on its rank, receives in send order, and one optimizer step per chunk at the end."""
+    p = num_ranks
+    actions = []
+    for rank in range(p):
+        rank_actions: list[Action] = []
+        for kind, stage, mb in order_of(p, chunks, rank):
+            rank_actions += _with_communication(stage, 2 * p, [(kind, mb)], num_ranks=p, v_shape=True)
+        actions.append(rank_actions + [Action(Op.OPTIMIZER_STEP, st) for st in (rank, 2 * p - 1 - rank)])
+    return Schedule(name, p, 2 * p, chunks, _receive_in_send_order(actions), v_shape=True)
+
+
+def zero_bubble_v(num_ranks: int, chunks: int, virtual_stages: int = V_CHUNKS) -> Schedule:
+    """ZB-V (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR'24, section 6): two chunks per rank in a V.
+
+    Rank r holds stages r and ``2P-1-r``; each backward is split into input and weight gradients, as
+    ``zb-h1``'s. With F, B and W of equal length its bubble is about half ZB-H1's, at the activation
+    memory of 1F1B's first stage (see :func:`~lightning_pipedream.schedule.v_shape.zero_bubble_v_order`).
+    """
+    _check_v("zb-v", num_ranks, chunks, virtual_stages)
+    return _v_schedule("zb-v", num_ranks, chunks, zero_bubble_v_order)
+
+
+def dualpipe_v(num_ranks: int, chunks: int, virtual_stages: int = V_CHUNKS) -> Schedule:
+    """DualPipeV (DeepSeek-V3's DualPipe, folded to P ranks): two chunks per rank in a V, ``chunks >= 2P``.
+
+    In its main phase a forward of one chunk pairs with a whole backward of the other; on a GPU the pair
+    overlaps to hide communication, here they run one after the other (see
+    :func:`~lightning_pipedream.schedule.v_shape.dualpipe_v_order`).
+    """
+    _check_v("dualpipev", num_ranks, chunks, virtual_stages)
+    return _v_schedule("dualpipev", num_ranks, chunks, dualpipe_v_order)
+
+
+def v_virtual_stages(schedule: str, virtual_stages: int) -> int:
+    """The model chunks per rank ``schedule`` runs with ``virtual_stages`` as given: a V schedule's default
+    (1, as for every schedule) means its two chunks; any other value passes through to be checked."""
+    return V_CHUNKS if spec_of(schedule).v_shape and virtual_stages == 1 else virtual_stages
+
+
 def _two_bw_warmup(num_stages: int, stage: int, chunks: int) -> int:
     # At most one minibatch of forwards ahead, so that minibatch t's forwards find version t-1 made.
     return min(num_stages - stage - 1, chunks)
@@ -483,12 +546,23 @@ def two_bw(num_stages: int, chunks: int, minibatches: int) -> Schedule:
     return Schedule("2bw", num_stages, num_stages, chunks, actions, minibatches=minibatches)
 
 
-def inference(num_stages: int, chunks: int, virtual_stages: int = 1) -> Schedule:
+def inference(num_stages: int, chunks: int, virtual_stages: int = 1, v_shape: bool = False) -> Schedule:
     """Forward passes only, micro-batch by micro-batch (validation, test, predict).
 
     ``virtual_stages`` > 1: ``num_stages`` ranks each hold that many model chunks (as ``interleaved``
     lays them out); a rank runs every micro-batch through its chunk 0, then its chunk 1, ...
+    ``v_shape``: two chunks per rank in a V (zb-v, dualpipev), the same order over those stages.
     """
+    if v_shape:
+        _check_stages(num_stages)
+        check_chunks(chunks)
+        p = num_stages
+        actions = [
+            [a for st in (r, 2 * p - 1 - r)
+             for a in _with_communication(st, 2 * p, [("F", m) for m in range(chunks)], num_ranks=p, v_shape=True)]
+            for r in range(p)
+        ]
+        return Schedule("inference", p, 2 * p, chunks, _receive_in_send_order(actions), v_shape=True)
     if virtual_stages == 1:
         return _flushed("inference", num_stages, chunks, lambda stage: [("F", m) for m in range(chunks)])
     _check_stages(num_stages)
@@ -509,6 +583,8 @@ _BUILDERS: dict[str, Callable[..., Schedule]] = {
     "2bw": two_bw,
     "interleaved": interleaved,
     "zb-h1": zero_bubble_h1,
+    "zb-v": zero_bubble_v,
+    "dualpipev": dualpipe_v,
 }
 
 def check_schedule_name(name: str) -> str:
@@ -532,6 +608,14 @@ def check_schedule_options(
     if vertical_sync and spec.weight_versions is not None:  # only weight stashing keeps every version
         raise ValueError("vertical_sync=True only applies to schedule='pipedream'.")
     _check_virtual_stages(virtual_stages)
+    if spec.v_shape:
+        virtual_stages = v_virtual_stages(schedule, virtual_stages)
+        if virtual_stages != V_CHUNKS:
+            raise ValueError(
+                f"schedule={schedule!r} runs exactly {V_CHUNKS} model chunks per rank (one down the ranks, one "
+                f"back up), got virtual_stages={virtual_stages}: drop virtual_stages (it defaults to {V_CHUNKS}) "
+                f"or give virtual_stages={V_CHUNKS}."
+            )
     if virtual_stages != 1 and not spec.virtual_stages:
         raise ValueError(
             f"virtual_stages={virtual_stages} applies to schedule='interleaved' only (model chunks per rank); "
@@ -582,6 +666,9 @@ def build_schedule(
         )
     if spec.virtual_stages:
         if replicas is not None and _replicated(num_stages, replicas) is not None:
-            raise ValueError("schedule='interleaved' does not support replicated stages yet; use replicas=None.")
+            raise ValueError(f"schedule={name!r} does not support replicated stages yet; use replicas=None.")
+        if spec.v_shape:
+            builder = zero_bubble_v if name == "zb-v" else dualpipe_v
+            return builder(num_stages, chunks, v_virtual_stages(name, virtual_stages))
         return interleaved(num_stages, chunks, virtual_stages)
     return _BUILDERS[name](num_stages, chunks, replicas)

@@ -297,13 +297,15 @@ def _check_layout(s: Schedule, fail: _Failer) -> None:
             f"{list(layout.replicas)} place {layout.num_stages} stages on {layout.num_ranks} ranks."
         )
     count = s.microbatch_count
-    owner = s.owner if layout is not None else (lambda stage, microbatch: stage % s.num_ranks)
+    owner = s.owner if layout is not None else (lambda stage, microbatch: s.rank_of(stage))
     for rank, actions in enumerate(s.actions):
         own = set(s.stages_of(rank))
         for i, a in enumerate(actions):
             if a.stage not in own:
                 where = (
-                    f"stages are 0..{last}, stage s lives on rank s % {s.num_ranks}"
+                    f"stages are 0..{last}, rank r holds stages r and {last} - r (a V)"
+                    if s.v_shape
+                    else f"stages are 0..{last}, stage s lives on rank s % {s.num_ranks}"
                     if layout is None
                     else f"replicas {list(layout.replicas)} put stage {layout.stage_of(rank)} there"
                 )

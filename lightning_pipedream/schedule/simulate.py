@@ -144,10 +144,13 @@ def simulate(
                     events.append(TimedAction(rank, a, start, t))
                 elif op.is_send:
                     link = (rank, a.peer)
-                    nbytes = size[a.stage] if op is Op.SEND_ACT else size[a.stage - 1]
-                    leaves = max(t, link_free.get(link, 0.0)) + nbytes / bandwidth
-                    link_free[link] = leaves
-                    arrivals.setdefault(link, deque()).append(leaves + latency)
+                    if a.peer == rank:  # between two chunks of this rank (the V's turn): no message, no time
+                        arrivals.setdefault(link, deque()).append(t)
+                    else:
+                        nbytes = size[a.stage] if op is Op.SEND_ACT else size[a.stage - 1]
+                        leaves = max(t, link_free.get(link, 0.0)) + nbytes / bandwidth
+                        link_free[link] = leaves
+                        arrivals.setdefault(link, deque()).append(leaves + latency)
                     events.append(TimedAction(rank, a, t, t))
                 else:
                     cost = optimizer_s if op is Op.OPTIMIZER_STEP else duration[op][a.stage]

@@ -21,6 +21,8 @@ class ScheduleSpec:
         unequal_replicas: runs stages with different replica counts (PipeDream's 1F1B-RR).
         virtual_stages: runs several model chunks per rank (interleaved).
         splits_backward: each backward is split into input-gradient and weight-gradient passes (zero bubble).
+        v_shape: exactly two model chunks per rank, placed in a V (rank r holds stages r and 2P-1-r, so the last
+            stage, where the loss is, lives on rank 0): zb-v, dualpipev.
     """
 
     name: str
@@ -32,6 +34,7 @@ class ScheduleSpec:
     unequal_replicas: bool = False
     virtual_stages: bool = False
     splits_backward: bool = False
+    v_shape: bool = False
 
     @property
     def flushes(self) -> bool:
@@ -60,6 +63,10 @@ SPECS: dict[str, ScheduleSpec] = {
         ScheduleSpec("2bw", asynchronous=True, exact=False, microbatches=True, weight_versions=2),
         ScheduleSpec("interleaved", asynchronous=False, exact=True, microbatches=True, virtual_stages=True),
         ScheduleSpec("zb-h1", asynchronous=False, exact=True, microbatches=True, splits_backward=True),
+        ScheduleSpec("zb-v", asynchronous=False, exact=True, microbatches=True, virtual_stages=True,
+                     splits_backward=True, v_shape=True),
+        ScheduleSpec("dualpipev", asynchronous=False, exact=True, microbatches=True, virtual_stages=True,
+                     splits_backward=True, v_shape=True),
     )
 }
 
@@ -69,6 +76,9 @@ SCHEDULES = tuple(SPECS)
 AUTO = "auto"
 ASYNCHRONOUS = tuple(name for name, spec in SPECS.items() if spec.asynchronous)
 REPLICATED_SCHEDULES = tuple(name for name, spec in SPECS.items() if spec.unequal_replicas)
+V_SCHEDULES = tuple(name for name, spec in SPECS.items() if spec.v_shape)
+# Model chunks per rank of a V schedule: the only number it runs (one chunk down the ranks, one back up).
+V_CHUNKS = 2
 
 
 def spec_of(name: str) -> ScheduleSpec:

@@ -42,13 +42,16 @@ def _index(actions, text: str) -> int:
 
 def _build(name: str, stages: int, count: int) -> Schedule:
     """``count`` micro-batches per step, or for pipedream ``count`` minibatches before the drain
-    (2bw: 3 minibatches of ``count`` micro-batches; interleaved: 2 model chunks per rank)."""
+    (2bw: 3 minibatches of ``count`` micro-batches; interleaved: 2 model chunks per rank; dualpipev: at least
+    ``2 * stages``)."""
     if name == "pipedream":
         return build_schedule(name, stages, minibatches=count)
     if name == "2bw":
         return build_schedule(name, stages, count, minibatches=3)
     if name == "interleaved":
         return build_schedule(name, stages, count, virtual_stages=2)
+    if name == "dualpipev":  # at least 2 micro-batches per rank
+        return build_schedule(name, stages, max(count, 2 * stages))
     return build_schedule(name, stages, count)
 
 

@@ -1,0 +1,113 @@
+"""The V-shape schedules (zb-v, dualpipev): torch's per-rank orders, every size validated, the bubble table, the words."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_pipedream.schedule.actions import Op, v_rank
+from lightning_pipedream.schedule.builders import build_schedule, check_schedule_options, inference
+from lightning_pipedream.schedule.check import validate
+from lightning_pipedream.schedule.simulate import simulate
+
+schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+
+
+def _torch_order(cls_name: str, p: int, m: int, rank: int) -> list[tuple[str, int, int]]:
+    """torch's ``pipeline_order[rank]`` for ``cls_name``, computed without processes or stages: its per-rank
+    method on a bare instance with the sizes it reads. A whole backward ("B") is our B then W; an overlapped
+    forward-and-backward pair is its two parts, the forward first; idle slots (None) are left out."""
+    cls = getattr(schedules, cls_name)
+    bare = object.__new__(cls)
+    bare.pp_group_size, bare._n_microbatches, bare.num_stages, bare._num_stages = p, m, 2 * p, 2 * p
+    out: list[tuple[str, int, int]] = []
+
+    def add(action) -> None:
+        kind = action.computation_type.value
+        if action.sub_actions is not None:
+            for sub in action.sub_actions:
+                add(sub)
+        elif kind == "B":
+            out.extend([("B", action.stage_index, action.microbatch_index),
+                        ("W", action.stage_index, action.microbatch_index)])
+        else:
+            out.append(({"I": "B"}.get(kind, kind), action.stage_index, action.microbatch_index))
+
+    for action in bare._calculate_single_rank_operations(rank):
+        if action is not None:
+            add(action)
+    return out
+
+
+def _our_order(name: str, p: int, m: int, rank: int) -> list[tuple[str, int, int]]:
+    actions = build_schedule(name, p, m).actions[rank]
+    return [(a.op.value, a.stage, a.microbatch) for a in actions if a.op.is_compute]
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+def test_per_rank_orders_agree_with_torch(p: int) -> None:
+    for m in sorted({1, 2, p, 2 * p - 1, 2 * p, 2 * p + 1, 3 * p, 4 * p + 3}):
+        for rank in range(p):
+            assert _our_order("zb-v", p, m, rank) == _torch_order("ScheduleZBVZeroBubble", p, m, rank), (p, m, rank)
+            if m >= 2 * p and hasattr(schedules, "ScheduleDualPipeV"):
+                assert _our_order("dualpipev", p, m, rank) == _torch_order("ScheduleDualPipeV", p, m, rank), (p, m, rank)
+
+
+def test_every_size_is_valid_and_in_a_v() -> None:
+    for p in range(1, 9):
+        for m in range(1, 25):
+            names = ["zb-v"] + (["dualpipev"] if m >= 2 * p else [])
+            for name in names:
+                s = build_schedule(name, p, m)
+                validate(s)
+                assert (s.num_ranks, s.num_stages, s.virtual_stages, s.splits_backward) == (p, 2 * p, 2, True)
+                for rank, actions in enumerate(s.actions):
+                    assert {a.stage for a in actions} == {rank, 2 * p - 1 - rank} == set(s.stages_of(rank))
+                    for a in actions:
+                        if a.op.is_send or a.op.is_recv:
+                            other = a.stage + (1 if a.op in (Op.SEND_ACT, Op.RECV_GRAD) else -1)
+                            assert a.peer == v_rank(other, p)
+                    ops = [a.op for a in actions]
+                    assert ops.count(Op.FORWARD) == ops.count(Op.BACKWARD) == ops.count(Op.BACKWARD_WEIGHT) == 2 * m
+                    assert ops[-2:] == [Op.OPTIMIZER_STEP, Op.OPTIMIZER_STEP]
+            validate(inference(p, m, v_shape=True))
+
+
+def test_the_turn_of_the_v_stays_on_its_rank() -> None:
+    """Stage P-1 hands its output to stage P on rank P-1, and stage P its input gradient back, in memory:
+    a message from the rank to itself (the executor's local queue), the only one; the loss's stage is on rank 0."""
+    p = 4
+    s = build_schedule("zb-v", p, 8)
+    assert s.rank_of(2 * p - 1) == 0 and s.rank_of(0) == 0
+    own = {(r, a.op, a.stage) for r, actions in enumerate(s.actions) for a in actions if a.peer == r}
+    assert own == {(p - 1, Op.SEND_ACT, p - 1), (p - 1, Op.RECV_ACT, p), (p - 1, Op.SEND_GRAD, p),
+                   (p - 1, Op.RECV_GRAD, p - 1)}
+
+
+def test_simulated_bubbles_for_four_ranks_and_eight_micro_batches() -> None:
+    """F = B = W for a whole stage's work (a V chunk does half of it): ideal work 24 units per rank; the bubble is
+    makespan / 24 - 1, with the peak activations of rank 0 in whole-stage micro-batches."""
+    table = {}
+    for name, v in [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2), ("dualpipev", 2)]:
+        s = build_schedule(name, 4, 8, virtual_stages=v)
+        unit = 1.0 / s.virtual_stages
+        split = {"weight_s": unit} if s.splits_backward else {}
+        result = simulate(s, unit, 2 * unit, **split)
+        table[name] = (result.makespan / 24 - 1, result.peak_activations[0] * unit)
+    assert table == {
+        "1f1b": (0.375, 4), "interleaved": (0.1875, 5.5), "zb-h1": (0.125, 4), "zb-v": (0.0625, 4),
+        "dualpipev": (0.0625, 4.5),
+    }
+
+
+def test_the_constraints_in_words() -> None:
+    with pytest.raises(ValueError, match=r"schedule='zb-v' runs exactly 2 model chunks per rank \(one down the "
+                                         r"ranks, one back up\), got virtual_stages=3: drop virtual_stages"):
+        build_schedule("zb-v", 4, 8, virtual_stages=3)
+    with pytest.raises(ValueError, match=r"schedule='dualpipev' needs at least 2 x ranks = 8 micro-batches per "
+                                         r"step, got chunks=7: raise chunks to 8 or more, or use schedule='zb-v'."):
+        build_schedule("dualpipev", 4, 7)
+    with pytest.raises(ValueError, match=r"does not support replicated stages yet"):
+        build_schedule("zb-v", 2, 4, replicas=[2, 1])
+    check_schedule_options("zb-v", 4, virtual_stages=2)
+    check_schedule_options("dualpipev", 4)  # virtual_stages defaults to the V's two
+    assert build_schedule("zb-v", 3, 5, virtual_stages=2) == build_schedule("zb-v", 3, 5)
