@@ -17,6 +17,17 @@ def check_stage_count(num_layers: int, num_stages: int) -> None:
         )
 
 
+def check_chunk_count(num_layers: int, processes: int, chunks_per_process: int, schedule: str) -> None:
+    """Every model chunk needs at least one layer (interleaved, zb-v, dualpipev: several chunks per process)."""
+    total = processes * chunks_per_process
+    if total > num_layers:
+        raise ValueError(
+            f"schedule={schedule!r} cuts the model into {processes} processes x {chunks_per_process} model chunks = "
+            f"{total} stages, but the model has {num_layers} layers; every stage needs at least one. Use at most "
+            f"{num_layers // chunks_per_process} processes, or split the model into more layers."
+        )
+
+
 def check_balance(balance: Sequence[int], num_layers: int, num_stages: int) -> list[int]:
     """Validate a balance (layers per stage) and return it as a list."""
     check_stage_count(num_layers, num_stages)

@@ -9,14 +9,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_pipedream.plan.balance import check_balance, even_balance, stage_slice
+from lightning_pipedream.plan.balance import check_balance, check_chunk_count, even_balance, stage_slice
 from lightning_pipedream.runtime.communication.transport import Transport, transport_kind
 from lightning_pipedream.runtime.execution.engine import PipelineEngine, StepResult
 from lightning_pipedream.runtime.execution.shares import BatchShares
 from lightning_pipedream.runtime.stages.replicas import ReplicaGroups
 from lightning_pipedream.runtime.stages.sharding import ShardedStep, check_shard, full_state, shard_stage
 from lightning_pipedream.schedule.actions import Layout
-from lightning_pipedream.schedule.builders import check_schedule_options
+from lightning_pipedream.schedule.builders import check_schedule_options, rank_stages, v_virtual_stages
 from lightning_pipedream.schedule.specs import spec_of
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -42,6 +42,8 @@ class Pipeline:
 
     ``schedule='interleaved'`` with ``virtual_stages=v`` cuts the model into ``processes * v``
     stages (``balance`` then lists that many layer counts); process r holds stages r, r + p, ...
+    ``schedule='zb-v'`` and ``'dualpipev'`` cut it into ``2 * processes`` stages in a V: process r holds stages r
+    and ``2p-1-r``, so the loss (and ``step``'s returned loss) is on process 0.
     ``schedule='2bw'`` (PipeDream-2BW) keeps the pipeline full like ``pipedream`` (call
     :meth:`drain` before reading weights) but splits each batch into ``chunks`` micro-batches and
     updates once per batch. ``recompute=True`` keeps only each stage's inputs and replays its
@@ -94,6 +96,7 @@ class Pipeline:
         prebuilt = isinstance(layers, (list, tuple))
         if not isinstance(layers, nn.Sequential) and not prebuilt:
             raise TypeError(f"Pipeline needs an nn.Sequential of layers, got {type(layers).__name__}.")
+        virtual_stages = v_virtual_stages(schedule, virtual_stages)  # a V schedule's default: its two chunks
         check_schedule_options(schedule, chunks, vertical_sync, virtual_stages=virtual_stages, recompute=recompute)
         if replicas is not None and not spec_of(schedule).unequal_replicas:
             raise ValueError(f"schedule={schedule!r} does not support replicas yet; use replicas=None.")
@@ -117,6 +120,8 @@ class Pipeline:
             self.balance = [1] * self.num_stages
         else:
             total = self.num_stages * virtual_stages
+            if virtual_stages > 1:
+                check_chunk_count(len(layers), self.num_stages, virtual_stages, schedule)
             self.balance = (
                 check_balance(balance, len(layers), total) if balance is not None else even_balance(len(layers), total)
             )
@@ -124,9 +129,9 @@ class Pipeline:
         if prebuilt:
             stage = layers[self.stage_index]
         elif virtual_stages > 1:
-            # Chunk c of this process is stage c * p + rank; a ModuleList keeps the full model's names.
-            p, rank = self.num_stages, self.stage_index
-            stage = nn.ModuleList(stage_slice(layers, self.balance, c * p + rank) for c in range(virtual_stages))
+            # Chunk c of this process is stage c * p + rank (a V: rank, 2p-1-rank); a ModuleList keeps the names.
+            mine = rank_stages(schedule, self.num_stages, self.stage_index, virtual_stages)
+            stage = nn.ModuleList(stage_slice(layers, self.balance, s) for s in mine)
         else:
             stage = stage_slice(layers, self.balance, self.stage_index)
         self.module = stage.to(self.device)
@@ -172,7 +177,8 @@ class Pipeline:
 
     @property
     def is_last(self) -> bool:
-        return self.stage_index == self.num_stages - 1
+        """This process computes the loss: it holds the model's last stage (rank 0 under a V schedule)."""
+        return self.stage_index == (0 if spec_of(self.schedule).v_shape else self.num_stages - 1)
 
     def _update(self, minibatch: int) -> None:
         if self.before_update is not None:

@@ -486,6 +486,14 @@ def v_virtual_stages(schedule: str, virtual_stages: int) -> int:
     return V_CHUNKS if spec_of(schedule).v_shape and virtual_stages == 1 else virtual_stages
 
 
+def rank_stages(schedule: str, num_ranks: int, rank: int, virtual_stages: int = 1) -> list[int]:
+    """The model stages ``rank`` holds under ``schedule``, its chunk 0 first: ``rank`` (one chunk), ``rank, rank + P,
+    ...`` (interleaved) or ``rank, 2P-1-rank`` (a V schedule)."""
+    if spec_of(schedule).v_shape:
+        return [rank, 2 * num_ranks - 1 - rank]
+    return [c * num_ranks + rank for c in range(virtual_stages)]
+
+
 def _two_bw_warmup(num_stages: int, stage: int, chunks: int) -> int:
     # At most one minibatch of forwards ahead, so that minibatch t's forwards find version t-1 made.
     return min(num_stages - stage - 1, chunks)

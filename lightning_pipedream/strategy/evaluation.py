@@ -44,7 +44,7 @@ def evaluate(pipeline: StagePipeline, module: LightningModule, hook: str, args: 
 
     if pipeline.graph is not None:
         pipeline.graph.ensure_captured(module, hook, shares.parts, batch_idx, *extra_args, **kwargs)
-    actions = inference(placement.num_stages, len(shares.parts), options.virtual_stages).actions
+    actions = inference(placement.num_stages, len(shares.parts), options.virtual_stages, placement.v_shape).actions
     mine = actions[placement.stage_index]
     if placement.round_robin:  # the first replica of each stage evaluates; the others get the results
         first = placement.first_replica_ranks()

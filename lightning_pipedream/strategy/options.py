@@ -10,7 +10,7 @@ from typing import Any
 from lightning_pipedream.plan.shards import check_shard_choice
 from lightning_pipedream.runtime.communication.transport import transport_kind
 from lightning_pipedream.runtime.stages.sharding import SHARD_MODES, check_shard
-from lightning_pipedream.schedule.builders import check_schedule_options
+from lightning_pipedream.schedule.builders import check_schedule_options, v_virtual_stages
 from lightning_pipedream.schedule.specs import AUTO, ScheduleSpec, spec_of
 from lightning_pipedream.strategy.divergence import DEFAULT_FACTOR, ON_DIVERGENCE
 
@@ -59,6 +59,8 @@ class PipelineOptions:
         if self.auto:
             self._check_auto()
         else:
+            # zb-v and dualpipev run two chunks per rank: virtual_stages' default (1) means those two.
+            object.__setattr__(self, "virtual_stages", v_virtual_stages(self.schedule, self.virtual_stages))
             check_schedule_options(self.schedule, self.chunks, self.vertical_sync,
                                    virtual_stages=self.virtual_stages, recompute=self.recompute)
             if self.memory_limit is not None or self.exact:

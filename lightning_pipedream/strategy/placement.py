@@ -30,6 +30,7 @@ class Placement:
     num_stages: int
     asynchronous: bool  # the schedule keeps the pipeline full: pipedream's summaries travel on a group of their own
     layout: Layout | None = None  # unequal replicas (1F1B-RR); None for d equal pipelines
+    v_shape: bool = False  # zb-v, dualpipev: the model's last stage (the loss) is on the pipeline's first rank
 
     @classmethod
     def decide(
@@ -75,7 +76,7 @@ class Placement:
             )
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside a world of {world_size} processes.")
-        return cls(rank, world_size, p, spec.asynchronous, layout)
+        return cls(rank, world_size, p, spec.asynchronous, layout, spec.v_shape)
 
     # ------------------------------------------------------------------------------- this rank
     @property
@@ -97,7 +98,14 @@ class Placement:
 
     @property
     def is_last_stage(self) -> bool:
-        return self.stage_index == self.num_stages - 1
+        """This rank holds the model's last stage, where the loss is computed (the first rank under a V schedule,
+        whose chunks go down the ranks and back up)."""
+        return self.stage_index == self.last_stage_index
+
+    @property
+    def last_stage_index(self) -> int:
+        """The pipeline position (rank in the pipeline's group) that holds the model's last stage."""
+        return 0 if self.v_shape else self.num_stages - 1
 
     @property
     def replica_index(self) -> int:
@@ -124,7 +132,7 @@ class Placement:
         first of which evaluates), else the last stage."""
         if self.layout is not None:  # the pipeline's group is the world
             return list(self.layout.ranks_of(self.layout.num_stages - 1))
-        return [self.num_stages - 1]
+        return [self.last_stage_index]
 
     def first_replica_ranks(self) -> list[int]:
         """For each stage, the rank of its first replica (evaluation runs on those under 1F1B-RR)."""

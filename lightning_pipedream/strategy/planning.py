@@ -11,7 +11,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
-from lightning_pipedream.plan.balance import check_balance, check_stage_count, even_balance
+from lightning_pipedream.plan.balance import check_balance, check_chunk_count, check_stage_count, even_balance
 from lightning_pipedream.runtime.faults.failures import from_rank_zero
 from lightning_pipedream.runtime.stages.materialize import balance_by_parameters, has_meta_tensors
 from lightning_pipedream.strategy.batches import first_batch
@@ -44,6 +44,7 @@ class LayerPlanner:
         options = self.options
         if options.virtual_stages > 1:  # interleaved: processes x virtual_stages stages, evenly unless balance= says
             total = num_stages * options.virtual_stages
+            check_chunk_count(len(layers), num_stages, options.virtual_stages, options.schedule)
             if options.balance is not None:
                 return check_balance(options.balance, len(layers), total), plan
             return even_balance(len(layers), total), plan

@@ -35,6 +35,7 @@ from lightning_pipedream.runtime.stages.sharding import (
     whole_state,
 )
 from lightning_pipedream.runtime.stages.ties import TiedParameters
+from lightning_pipedream.schedule.builders import rank_stages
 from lightning_pipedream.strategy.calls import (
     Elsewhere,
     ForwardCall,
@@ -391,18 +392,21 @@ class StagePipelineBuilder:
                 "real device (in __init__)."
             )
         if self.options.virtual_stages > 1:
+            instead = ("schedule='zb-h1' (one chunk per process)" if self.options.spec.v_shape
+                       else "virtual_stages=1")
             raise ValueError(
-                f"schedule='interleaved' with virtual_stages={self.options.virtual_stages} splits the layers of one "
-                f"nn.Sequential into model chunks, but {type(module).__name__}'s are not one nn.Sequential. "
-                "Put the layers in one nn.Sequential (layers= names it), or use virtual_stages=1."
+                f"schedule={self.options.schedule!r} with virtual_stages={self.options.virtual_stages} splits the "
+                f"layers of one nn.Sequential into model chunks, but {type(module).__name__}'s are not one "
+                f"nn.Sequential. Put the layers in one nn.Sequential (layers= names it), or use {instead}."
             )
 
     def _keep_own_stage(self, module: LightningModule, layers: nn.Sequential,
                         placement: Placement) -> tuple[nn.Module, list[nn.Module]]:
         """Replace the other stages' layers by placeholders so this rank holds only its own; returns the stage and
-        its model chunks (interleaved: stages r, r + p, ...; one otherwise)."""
+        its model chunks (interleaved: stages r, r + p, ...; a V schedule: r and 2p-1-r; one otherwise)."""
         assert self.balance is not None
-        mine = [c * placement.num_stages + placement.stage_index for c in range(self.options.virtual_stages)]
+        mine = rank_stages(self.options.schedule, placement.num_stages, placement.stage_index,
+                           self.options.virtual_stages)
         model_chunks = [stage_slice(layers, self.balance, s) for s in mine]
         own = model_chunks[0] if len(mine) == 1 else nn.Sequential(
             OrderedDict((layer_name, layer) for chunk in model_chunks for layer_name, layer in chunk.named_children())

@@ -57,7 +57,9 @@ def train(world: int, schedule: str, chunks: int, steps: int, transport: str = "
 
     results = model.run(rank_main, timeout=60)
     state = {k: v for part, _ in results for k, v in part.items()}
-    return state, results[-1][1], model
+    # The losses of the rank that computes them: the last (rank 0 under a V schedule).
+    losses = next(losses for _, losses in reversed(results) if any(loss is not None for loss in losses))
+    return state, losses, model
 
 
 def assert_close_state(got: dict, want: dict) -> None:
@@ -134,6 +136,10 @@ def test_a_receive_of_another_size_is_an_error():
         ("interleaved", 2, 4, {"virtual_stages": 2}),
         ("interleaved", 3, 3, {"virtual_stages": 2}),
         ("1f1b", 2, 2, {"recompute": True}),
+        ("zb-v", 2, 4, {}),  # a V: rank 0 holds stages 0 and 3, the loss
+        ("zb-v", 3, 5, {}),  # micro-batches of unequal sizes, fewer than 2P - 1
+        ("dualpipev", 2, 4, {}),
+        ("dualpipev", 3, 6, {}),
     ],
 )
 def test_flushed_schedules_equal_one_process_under_nccl_rules(schedule, stages, chunks, options):

@@ -111,3 +111,13 @@ def test_the_constraints_in_words() -> None:
     check_schedule_options("zb-v", 4, virtual_stages=2)
     check_schedule_options("dualpipev", 4)  # virtual_stages defaults to the V's two
     assert build_schedule("zb-v", 3, 5, virtual_stages=2) == build_schedule("zb-v", 3, 5)
+
+
+def test_a_model_needs_a_layer_per_chunk() -> None:
+    from lightning_pipedream.plan.balance import check_chunk_count
+
+    check_chunk_count(8, 4, 2, "zb-v")
+    with pytest.raises(ValueError, match=r"schedule='zb-v' cuts the model into 4 processes x 2 model chunks = 8 "
+                                         r"stages, but the model has 7 layers; every stage needs at least one. Use at "
+                                         r"most 3 processes, or split the model into more layers."):
+        check_chunk_count(7, 4, 2, "zb-v")

@@ -195,6 +195,21 @@ for _name, _schedule, _p, _balance, _options in (
     RUNS[f"{_name}-two-epochs-{_p}x4"] = {**newer(_schedule, _balance, _p, chunks=4, **_options),
                                           "model": SCHEDULED, "trainer": {"max_epochs": 2}}
 
+# The V schedules (issue 43): two chunks per process in a V, the loss on rank 0. Two epochs with momentum, a per-step
+# StepLR, clipping by the whole model's norm, validation (and checkpoints) every 2 batches; then a checkpoint of the
+# zb-v run, taken in the middle of its first epoch, resumes under 1f1b (the single-device form takes any layout).
+V_CLIP = 0.05
+for _schedule in ("zb-v", "dualpipev"):
+    RUNS[f"{_schedule}-two-epochs-2x4"] = {
+        **newer(_schedule, INTERLEAVED_BALANCE[2], 2, chunks=4), "model": SCHEDULED,
+        "trainer": {"max_epochs": 2, "gradient_clip_val": V_CLIP, "val_check_interval": 2, "limit_val_batches": 2},
+        "checkpoint": {"monitor": "val_loss", "save_top_k": -1, "filename": "{step}"}}
+# Three processes (6 chunks): one epoch each, dualpipev at its least micro-batches (2 x 3).
+RUNS["zb-v-3x4"] = newer("zb-v", INTERLEAVED_BALANCE[3], 3, chunks=4)
+RUNS["dualpipev-3x6"] = newer("dualpipev", INTERLEAVED_BALANCE[3], 3, chunks=6)
+RUNS["zb-v-resumed-under-1f1b-2"] = {**newer("1f1b", TWO, 2, chunks=2), "model": SCHEDULED,
+                                     "trainer": {"max_epochs": 2, "gradient_clip_val": V_CLIP},
+                                     "resume": "{runs}/zb-v-two-epochs-2x4/step=2.ckpt"}
 
 # 16-mixed under a flushed schedule: one loss scale, grown every 2 steps; stage 0's gradient overflows at step 2, and
 # every stage must skip that step and back off the scale together (the reference: one device, same plugin).
@@ -258,7 +273,8 @@ RUNS["shard-bf16-1f1b-2x2"] = {**{k: v for k, v in SHARDED.items() if k != "chec
 DIRECTIONAL = ["3-momentum-vertical-sync", "data-parallel", "validation", "guard-blow-up-2", "bf16", "checkpoints-whole",
                "3-per-batch-2x2", "2-per-batch-3-vertical-sync", "zb-h1-2x4", "zb-h1-3x8", "interleaved-2x8",
                "interleaved-3x4", "2bw-3x4", "interleaved-validation-2x4", "zb-h1-two-epochs-2x4",
-               "interleaved-two-epochs-3x4", "2bw-two-epochs-3x4", "1f1b-recompute-first-2x4", "fp16-zb-h1-3"]
+               "interleaved-two-epochs-3x4", "2bw-two-epochs-3x4", "1f1b-recompute-first-2x4", "fp16-zb-h1-3",
+               "zb-v-two-epochs-2x4", "dualpipev-two-epochs-2x4"]
 for _name in DIRECTIONAL[1:]:
     RUNS[_name]["transport"] = "directional"  # LIGHTNING_PIPEDREAM_TRANSPORT
 RUNS[DIRECTIONAL[0]]["strategy"]["transport"] = "directional"  # PipeDreamStrategy(transport=...)
@@ -542,6 +558,14 @@ class NotSequential(RuleMLP):
         return self.back(self.front(x))
 
 
+def test_v_schedules_refuse_the_graph_path_for_now():
+    with pytest.raises(ValueError, match=r"schedule='zb-v' with virtual_stages=2 splits the layers of one "
+                                         r"nn.Sequential into model chunks, but NotSequential's are not one "
+                                         r"nn.Sequential. Put the layers in one nn.Sequential \(layers= names it\), "
+                                         r"or use schedule='zb-h1' \(one chunk per process\)"):
+        _fit_one_device(NotSequential(), PipeDreamStrategy(schedule="zb-v", chunks=2))
+
+
 def test_interleaved_needs_one_sequential():
     with pytest.raises(ValueError, match=r"schedule='interleaved' with virtual_stages=2 splits the layers of one "
                                          r"nn.Sequential into model chunks, but NotSequential's are not one "
@@ -772,3 +796,41 @@ def test_fp16_sharded_replicas_skip_an_overflow_in_one_shard_together(runs):
                    one_device_on_micro_batches(plugin, model=options["model"], epochs=1, clip=None))
     scales = [float((runs["fp16-shard-1f1b-2x2"] / f"scale{r}.txt").read_text()) for r in range(4)]
     assert scales == [plugin.scaler.get_scale()] * 4 == [2048.0] * 4  # (with no step skipped: 8192)
+
+
+# ------------------------------------------------------------------ the V schedules (issue 43)
+def v_reference(epochs: list[list[int]]) -> dict[str, torch.Tensor]:
+    return reference(balance=[7], model=SCHEDULED, epochs=epochs, num_batches=NEWER_BATCHES, clip_norm=V_CLIP)
+
+
+@pytest.mark.parametrize("schedule", ["zb-v", "dualpipev"])
+def test_v_schedules_equal_one_device_with_the_loss_on_rank_0(runs, schedule):
+    """Two chunks per process in a V: rank 0 holds the first and the last stage and computes the loss. The weights
+    equal one device's over two epochs (momentum, StepLR, clipping by the norm); the logged train_loss is one device's
+    loss of the last batch; every validation (every 2 batches) saw the model of its step."""
+    out = runs[f"{schedule}-two-epochs-2x4"]
+    epoch = list(range(NEWER_BATCHES))
+    assert_weights(out, v_reference([epoch, epoch]))
+    got = result(out)
+    assert got["global_step"] == 2 * NEWER_BATCHES
+    module = RuleMLP(**SCHEDULED)
+    module.load_state_dict(v_reference([epoch, epoch[:-1]]))  # the weights the last batch met
+    x, y = batches(NEWER_BATCHES)[-1]
+    with torch.no_grad():
+        assert got["metrics"]["train_loss"] == pytest.approx(float(torch.nn.functional.mse_loss(module(x), y)),
+                                                             rel=1e-6)
+    assert sorted(got["checkpoints"]) == [f"step={s}.ckpt" for s in (2, 4, 6, 8)]
+    for name, value in got["checkpoints"].items():
+        model = RuleMLP.load_from_checkpoint(out / name, map_location="cpu")
+        with torch.no_grad():
+            losses = [torch.nn.functional.mse_loss(model(x), y) for x, y in batches(2, seed=9)]
+        assert float(sum(losses) / len(losses)) == pytest.approx(value, rel=1e-5), name
+
+
+@pytest.mark.parametrize("name", ["zb-v-3x4", "dualpipev-3x6"])
+def test_v_schedules_on_three_processes_equal_one_device(runs, name):
+    assert_weights(runs[name], one_device())
+
+
+def test_a_zb_v_checkpoint_resumes_under_1f1b(runs):
+    assert_weights(runs["zb-v-resumed-under-1f1b-2"], v_reference([list(range(NEWER_BATCHES))] * 2))

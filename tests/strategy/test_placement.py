@@ -27,7 +27,9 @@ def test_equal_pipelines_are_stage_major(schedule: str, world: int, stages: int 
         # stage s of pipeline k is rank s * d + k
         assert place.rank == place.stage_index * d + place.pipeline_index
         assert place.sampler_kwargs == {"num_replicas": d, "rank": place.pipeline_index}
-        assert place.is_last_stage == (place.stage_index == p - 1)
+        # the loss's stage: the last rank, or the first under a V schedule (its chunks go down and back up)
+        assert place.is_last_stage == (place.stage_index == (0 if SPECS[schedule].v_shape else p - 1))
+        assert place.last_stage_ranks() == [0 if SPECS[schedule].v_shape else p - 1]
         assert place.input_shards == 1 and not place.round_robin
     # every (stage, pipeline) pair is held by exactly one rank
     assert sorted((pl.stage_index, pl.pipeline_index) for pl in places) == sorted(
@@ -95,7 +97,7 @@ def test_summaries_lag_under_the_asynchronous_schedules_only() -> None:
      "1F1B-RR makes each shard a minibatch of its own and does not accumulate. Use a larger batch instead, or "
      "schedule='1f1b'."),
     (dict(schedule="nope", world_size=2), "Unknown schedule 'nope'. Choose one of: gpipe, 1f1b, pipedream, 2bw, "
-                                          "interleaved, zb-h1."),
+                                          "interleaved, zb-h1, zb-v, dualpipev."),
 ])
 def test_layouts_that_cannot_run_are_refused_with_the_fix(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError) as err:

@@ -21,6 +21,7 @@ from lightning_pipedream.schedule.builders import (
     check_schedule_options,
     pipedream_drain,
     pipedream_step,
+    rank_stages,
     replicated_pipedream_drain,
     replicated_pipedream_step,
     two_bw_drain,
@@ -55,6 +56,8 @@ class PipelineEngine:
 
     ``interleaved``: ``stage_index`` is this rank, ``num_stages`` the number of ranks, and ``module``
     a sequence of ``virtual_stages`` model chunks: chunk c is stage ``c * num_stages + stage_index``.
+    ``zb-v``, ``dualpipev``: the same with two chunks, stages ``stage_index`` and ``2 * num_stages - 1 - stage_index``
+    (a V: the loss is computed on rank 0).
     ``recompute=True`` keeps only each stage's inputs between forward and backward (see :class:`Stage`); one flag
     per model stage recomputes on those stages only.
 
@@ -118,8 +121,9 @@ class PipelineEngine:
             chunk_modules = list(module) if isinstance(module, (list, tuple, nn.ModuleList)) else [module]
             if len(chunk_modules) != virtual_stages:
                 raise ValueError(
-                    f"schedule='interleaved' with virtual_stages={virtual_stages} needs that many model chunks on "
-                    f"each rank, got {len(chunk_modules)}; give a list of chunks c = 0.. for stages c * ranks + rank."
+                    f"schedule={schedule!r} with virtual_stages={virtual_stages} needs that many model chunks on "
+                    f"each rank, got {len(chunk_modules)}; give a list of chunks, one per stage of "
+                    f"{rank_stages(schedule, num_stages, stage_index, virtual_stages)}."
                 )
         else:
             chunk_modules = [module]
@@ -134,7 +138,7 @@ class PipelineEngine:
         )
         total = num_stages * virtual_stages
         flags = recompute_flags(recompute, total)
-        indices = [c * num_stages + stage_index for c in range(len(chunk_modules))]
+        indices = rank_stages(schedule, num_stages, stage_index, len(chunk_modules))
         self.stages = {
             i: Stage(m, i, total, self.weights, recompute=flags[i]) for i, m in zip(indices, chunk_modules)
         }
