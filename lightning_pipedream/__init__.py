@@ -22,9 +22,10 @@ _LAZY = {
     "Pipeline": "lightning_pipedream.runtime.pipeline",
     "SCHEDULES": "lightning_pipedream.schedule.builders",
     "build_schedule": "lightning_pipedream.schedule.builders",
+    "generate": "lightning_pipedream.strategy.generation",
 }
 
-__all__ = ["PipeDreamStrategy", "Pipeline", "SCHEDULES", "build_schedule", "__version__"]
+__all__ = ["PipeDreamStrategy", "Pipeline", "SCHEDULES", "build_schedule", "generate", "__version__"]
 
 _LIGHTNING = "lightning.pytorch"
 _STRATEGY = "lightning_pipedream.strategy"  # registers its names with Lightning's StrategyRegistry on import

@@ -270,13 +270,15 @@ def run_decode_ring(stage: StageSlice, transport: Any, lanes: list[Lane], *, max
 def generate_ids(model: nn.Module, call: Callable[..., Any], input_ids: Tensor, attention_mask: Tensor | None, *,
                  max_new_tokens: int, eos_token_id: int | None, pad_token_id: int | None, micro_batches: int,
                  stage: int = 0, num_stages: int = 1, split: list[int] | None = None, transport: Any = None,
-                 trace: list[Action] | None = None, slices: list[StageSlice] | None = None) -> Tensor:
+                 trace: list[Action] | None = None, slices: list[StageSlice] | None = None,
+                 blocks: nn.Module | None = None) -> Tensor:
     """Greedy decoding of ``input_ids`` (left-padded; ``attention_mask`` 0 on the padding) on stage ``stage`` of
     ``num_stages``; returns the prompts followed by the new tokens, as Hugging Face's ``generate`` does (padded
     with ``pad_token_id`` after a sequence's end, up to the longest generation of the batch).
 
     The batch is split into ``micro_batches`` lanes along dim 0; ``split`` gives the blocks per stage (even by
-    default). ``slices`` receives this rank's :class:`StageSlice` (for its cache's bytes).
+    default) of ``blocks`` (default: :func:`find_blocks`). ``slices`` receives this rank's :class:`StageSlice`
+    (for its cache's bytes).
     """
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}.")
@@ -292,7 +294,8 @@ def generate_ids(model: nn.Module, call: Callable[..., Any], input_ids: Tensor, 
     if not isinstance(micro_batches, int) or not 1 <= micro_batches <= batch:
         raise ValueError(f"micro_batches must be an integer in 1..{batch} (the batch's sequences), got "
                          f"{micro_batches!r}.")
-    _, blocks = find_blocks(model)
+    if blocks is None:
+        _, blocks = find_blocks(model)
     split = even_split(len(blocks), num_stages) if split is None else split
     start = sum(split[:stage])
     this = StageSlice(call, blocks, start, start + split[stage], stage, num_stages, hf=is_hf_model(model))

@@ -1,0 +1,62 @@
+"""``lightning_pipedream.generate``: greedy decoding of a LightningModule, through the pipeline's ring under
+:class:`PipeDreamStrategy` and on one device without it, so the same code runs either way.
+
+Under the strategy every rank of the pipeline calls it with the same prompts; each runs its own stage's blocks
+(the strategy's split for a module whose layers are one ``nn.Sequential``, an even split of the decoder's blocks
+on the graph path, where every rank holds the whole module) and returns the same ids. No rank gathers weights.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor, nn
+
+from lightning_pipedream.runtime.execution.decode import generate_ids, is_hf_model
+
+
+def _call_of(module: nn.Module) -> Any:
+    """How one forward runs: a module over a Hugging Face model gets its keyword arguments (and the stage's cache);
+    any other gets the ids alone and recomputes the whole prefix every step."""
+    if is_hf_model(module) is not None:
+        def call(ids: Tensor, mask: Tensor, positions: Tensor, cache: dict) -> Any:
+            return module(input_ids=ids, attention_mask=mask, position_ids=positions, **cache)
+    else:
+        def call(ids: Tensor, mask: Tensor, positions: Tensor, cache: dict) -> Any:
+            return module(ids)
+    return call
+
+
+def generate(module: nn.Module, input_ids: Tensor, *, attention_mask: Tensor | None = None, max_new_tokens: int,
+             eos_token_id: int | None = None, pad_token_id: int | None = None,
+             micro_batches: int | None = None) -> Tensor:
+    """Greedy decoding: the prompts (left-padded, ``attention_mask`` 0 on the padding) followed by up to
+    ``max_new_tokens`` new tokens each, as Hugging Face's ``generate(do_sample=False)`` returns them (a sequence
+    that ended gets ``pad_token_id`` after its ``eos_token_id``; the batch stops when all have ended).
+
+    Under :class:`PipeDreamStrategy` (after ``fit``/``validate`` built the pipeline, called on every rank with the
+    same prompts) the batch is split into ``micro_batches`` lanes (default: one per stage, which keeps every stage
+    busy) that circulate around the stages; each stage caches its own layers' keys and values per lane for a
+    Hugging Face model, and a model without a cache recomputes its prefix. Every rank returns the ids.
+    """
+    from lightning_pipedream.strategy.pipedream import PipeDreamStrategy
+
+    trainer = getattr(module, "_trainer", None)
+    strategy = getattr(trainer, "strategy", None)
+    pipeline = strategy._pipeline if isinstance(strategy, PipeDreamStrategy) else None
+    call = _call_of(module)
+    common: dict[str, Any] = {"max_new_tokens": max_new_tokens, "eos_token_id": eos_token_id,
+                              "pad_token_id": pad_token_id}
+    if pipeline is None or pipeline.placement.num_stages == 1:
+        return generate_ids(module, call, input_ids, attention_mask, micro_batches=micro_batches or 1, **common)
+    placement = pipeline.placement
+    if placement.num_pipelines > 1 or strategy.options.virtual_stages > 1:
+        raise ValueError("generate() under PipeDreamStrategy runs one straight pipeline of one stage per process; "
+                         "this one has data-parallel copies or several model chunks per process. Generate with "
+                         "a straight pipeline (stages = processes, virtual_stages=1).")
+    sequential = getattr(pipeline.call, "name", None) if pipeline.graph is None else None
+    blocks = module.get_submodule(sequential) if sequential is not None else None
+    split = list(strategy.balance) if blocks is not None and strategy.balance is not None else None
+    return generate_ids(module, call, input_ids, attention_mask, micro_batches=micro_batches or placement.num_stages,
+                        stage=placement.stage_index, num_stages=placement.num_stages, split=split,
+                        transport=pipeline.engine.transport, blocks=blocks, **common)

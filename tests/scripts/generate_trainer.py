@@ -1,0 +1,80 @@
+"""Generation under PipeDreamStrategy: `python generate_trainer.py OUT_DIR JSON_OPTIONS` (or `--runs`).
+
+A tiny causal LM whose layers are one nn.Sequential (no cache: each stage recomputes its prefix) is validated
+once through the pipeline (which builds it), then every rank calls ``lightning_pipedream.generate`` with the same
+left-padded prompts for each lane count in ``options["lanes"]`` and writes what it got.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
+from script_runs import main_runs, trainer_args, write_json  # noqa: E402
+
+from lightning_pipedream import PipeDreamStrategy, generate  # noqa: E402
+
+VOCAB, WIDTH = 32, 16
+
+
+class CausalMix(nn.Module):
+    """Each position mixes in the mean of the positions up to it: the output depends on the whole prefix."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.linear(x))
+        count = torch.arange(1, x.shape[1] + 1, device=x.device).view(1, -1, 1)
+        return x + h.cumsum(1) / count
+
+
+class TinyLM(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.Sequential(nn.Embedding(VOCAB, WIDTH), CausalMix(), CausalMix(), CausalMix(),
+                                    nn.Linear(WIDTH, VOCAB))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.layers(ids)
+
+    def validation_step(self, batch, batch_idx):
+        ids, targets = batch
+        self.log("val_loss", F.cross_entropy(self(ids).flatten(0, 1), targets.flatten()))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def prompts() -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(1, VOCAB, (5, 6), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    mask[3, :4] = 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+def run(out: str, options: dict) -> None:
+    processes = options["processes"]
+    module = TinyLM()
+    data = DataLoader(TensorDataset(torch.randint(0, VOCAB, (4, 6)), torch.randint(0, VOCAB, (4, 6))), batch_size=4)
+    strategy = PipeDreamStrategy(schedule="gpipe", chunks=2, balance=options["balance"])
+    trainer = L.Trainer(**trainer_args(devices=processes, strategy=strategy, use_distributed_sampler=False))
+    trainer.validate(module, data)
+    ids, mask = prompts()
+    got = {str(m): generate(module, ids, attention_mask=mask, max_new_tokens=5, eos_token_id=options["eos"],
+                            pad_token_id=0, micro_batches=m).tolist() for m in options["lanes"]}
+    write_json(Path(out) / f"rank{trainer.global_rank}.json", got)
+
+
+if __name__ == "__main__":
+    main_runs(run)

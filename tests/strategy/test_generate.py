@@ -1,0 +1,59 @@
+"""``lightning_pipedream.generate`` through a Trainer on 2 and 3 processes (one launch each, every lane count in
+it) equals greedy decoding of the same weights on one device, on every rank; and the same call without the
+strategy decodes on one device."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from generate_trainer import TinyLM, prompts
+from script_runs import run_script
+
+from lightning_pipedream import generate
+
+pytestmark = pytest.mark.multiprocess
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "generate_trainer.py"
+
+
+def greedy(module: TinyLM, ids: torch.Tensor, mask: torch.Tensor, new: int, eos: int) -> torch.Tensor:
+    """Plain greedy decoding: the whole prefix every step, ended sequences padded with 0, stop when all ended."""
+    done = torch.zeros(ids.shape[0], dtype=torch.bool)
+    with torch.no_grad():
+        for _ in range(new):
+            token = module(ids)[:, -1].argmax(-1)
+            token = torch.where(done, torch.zeros_like(token), token)
+            done = done | (token == eos)
+            ids = torch.cat([ids, token[:, None]], 1)
+            if done.all():
+                break
+    return ids
+
+
+def eos_of() -> int:
+    """A token that ends some sequences early: the second new token of sequence 1."""
+    ids, mask = prompts()
+    return int(greedy(TinyLM(), ids, mask, 5, eos=-1)[1, ids.shape[1] + 1])
+
+
+@pytest.mark.parametrize(("processes", "balance"), [(2, [3, 2]), (3, [2, 2, 1])])
+def test_generate_under_the_strategy_equals_one_device(tmp_path, processes, balance):
+    eos = eos_of()
+    ids, mask = prompts()
+    want = greedy(TinyLM(), ids, mask, 5, eos)
+    lanes = sorted({1, processes - 1, processes, processes + 1})
+    run_script(SCRIPT, tmp_path, {"processes": processes, "balance": balance, "lanes": lanes, "eos": eos}, 240)
+    for rank in range(processes):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for m in lanes:
+            assert torch.equal(torch.tensor(got[str(m)]), want), f"rank {rank}, {m} lanes"
+
+
+def test_without_the_strategy_generate_decodes_on_one_device():
+    ids, mask = prompts()
+    eos = eos_of()
+    module = TinyLM()
+    assert torch.equal(generate(module, ids, attention_mask=mask, max_new_tokens=5, eos_token_id=eos, pad_token_id=0,
+                                micro_batches=2), greedy(module, ids, mask, 5, eos))
