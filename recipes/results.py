@@ -50,6 +50,18 @@ def _data_parallel_readers(trainer: L.Trainer) -> int:
     return int((trainer.distributed_sampler_kwargs or {}).get("num_replicas", 1))
 
 
+def _straight_pipeline(trainer: L.Trainer) -> bool:
+    """One pipeline of one stage per process: what ``lightning_pipedream.generate`` decodes through."""
+    from lightning_pipedream import PipeDreamStrategy
+
+    strategy = trainer.strategy
+    if not isinstance(strategy, PipeDreamStrategy) or strategy._pipeline is None:
+        return False
+    placement = strategy._pipeline.placement
+    straight = placement.num_pipelines == 1 and not placement.round_robin and strategy.options.virtual_stages == 1
+    return straight and placement.num_stages == trainer.world_size > 1 and strategy._pipeline.graph is None
+
+
 class ResultsCallback(L.Callback):
     """Measures training throughput (samples per second of training steps, validation excluded) and, after each
     validation, the task's quality metric of the whole model on the whole held-out set (`RecipeTask.held_out_metric`:
@@ -92,7 +104,13 @@ class ResultsCallback(L.Callback):
         self.steps += 1
 
     def held_out_metric(self, trainer: L.Trainer, pl_module: RecipeTask) -> float | None:
-        """Every rank: hand in its weights (a pipeline gathers its stages' shares on rank 0). Rank 0: evaluate."""
+        """Every rank: hand in its weights (a pipeline gathers its stages' shares on rank 0). Rank 0: evaluate.
+
+        A task that decodes (translation, captioning) under a straight pipeline decodes through it instead: every
+        rank runs its own stage around the decode ring and nothing is gathered."""
+        if _straight_pipeline(trainer) and hasattr(pl_module, "pipelined_held_out_metric"):
+            metric = pl_module.pipelined_held_out_metric(trainer.datamodule)
+            return metric if trainer.is_global_zero else None
         state = trainer.strategy.lightning_module_state_dict()
         if not trainer.is_global_zero or self._model is None:
             return None

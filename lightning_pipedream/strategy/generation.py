@@ -8,6 +8,7 @@ on the graph path, where every rank holds the whole module) and returns the same
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from torch import Tensor, nn
@@ -15,21 +16,24 @@ from torch import Tensor, nn
 from lightning_pipedream.runtime.execution.decode import generate_ids, is_hf_model
 
 
-def _call_of(module: nn.Module) -> Any:
-    """How one forward runs: a module over a Hugging Face model gets its keyword arguments (and the stage's cache);
-    any other gets the ids alone and recomputes the whole prefix every step."""
-    if is_hf_model(module) is not None:
-        def call(ids: Tensor, mask: Tensor, positions: Tensor, cache: dict) -> Any:
+def _call_of(module: nn.Module, forward: Callable[[slice, Tensor], Any] | None) -> Any:
+    """How one forward runs: ``forward(rows, ids)`` when given; a module over a Hugging Face model gets its keyword
+    arguments (and the stage's cache); any other gets the ids alone and recomputes the whole prefix every step."""
+    if forward is not None:
+        def call(ids: Tensor, mask: Tensor, positions: Tensor, cache: dict, rows: slice) -> Any:
+            return forward(rows, ids)
+    elif is_hf_model(module) is not None:
+        def call(ids: Tensor, mask: Tensor, positions: Tensor, cache: dict, rows: slice) -> Any:
             return module(input_ids=ids, attention_mask=mask, position_ids=positions, **cache)
     else:
-        def call(ids: Tensor, mask: Tensor, positions: Tensor, cache: dict) -> Any:
+        def call(ids: Tensor, mask: Tensor, positions: Tensor, cache: dict, rows: slice) -> Any:
             return module(ids)
     return call
 
 
 def generate(module: nn.Module, input_ids: Tensor, *, attention_mask: Tensor | None = None, max_new_tokens: int,
              eos_token_id: int | None = None, pad_token_id: int | None = None,
-             micro_batches: int | None = None) -> Tensor:
+             micro_batches: int | None = None, forward: Callable[[slice, Tensor], Any] | None = None) -> Tensor:
     """Greedy decoding: the prompts (left-padded, ``attention_mask`` 0 on the padding) followed by up to
     ``max_new_tokens`` new tokens each, as Hugging Face's ``generate(do_sample=False)`` returns them (a sequence
     that ended gets ``pad_token_id`` after its ``eos_token_id``; the batch stops when all have ended).
@@ -38,19 +42,24 @@ def generate(module: nn.Module, input_ids: Tensor, *, attention_mask: Tensor | N
     same prompts) the batch is split into ``micro_batches`` lanes (default: one per stage, which keeps every stage
     busy) that circulate around the stages; each stage caches its own layers' keys and values per lane for a
     Hugging Face model, and a model without a cache recomputes its prefix. Every rank returns the ids.
+
+    ``forward(rows, ids)``: how to run the model on the ids so far of the batch's rows ``rows`` (a slice), for a
+    model that takes more than the ids (an encoder-decoder's sources: ``lambda rows, ids: self.layers((src[rows],
+    ids))``); it must call the module's blocks (its ``nn.Sequential`` or ``nn.ModuleList``) and return logits
+    (batch, length, vocabulary). Without a cache, the whole prefix runs every step.
     """
     from lightning_pipedream.strategy.pipedream import PipeDreamStrategy
 
     trainer = getattr(module, "_trainer", None)
     strategy = getattr(trainer, "strategy", None)
     pipeline = strategy._pipeline if isinstance(strategy, PipeDreamStrategy) else None
-    call = _call_of(module)
+    call = _call_of(module, forward)
     common: dict[str, Any] = {"max_new_tokens": max_new_tokens, "eos_token_id": eos_token_id,
                               "pad_token_id": pad_token_id}
     if pipeline is None or pipeline.placement.num_stages == 1:
         return generate_ids(module, call, input_ids, attention_mask, micro_batches=micro_batches or 1, **common)
     placement = pipeline.placement
-    if placement.num_pipelines > 1 or strategy.options.virtual_stages > 1:
+    if placement.num_pipelines > 1 or placement.round_robin or strategy.options.virtual_stages > 1:
         raise ValueError("generate() under PipeDreamStrategy runs one straight pipeline of one stage per process; "
                          "this one has data-parallel copies or several model chunks per process. Generate with "
                          "a straight pipeline (stages = processes, virtual_stages=1).")

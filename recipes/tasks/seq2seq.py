@@ -1,7 +1,9 @@
 """Sequence-to-sequence tasks (translation, video captioning): teacher-forced cross-entropy, greedy-decoded BLEU.
 
 The task's metric `val_bleu` is corpus BLEU-4 of greedy decoding over the whole held-out set, one forward pass of
-the whole model per generated word (`held_out_metric`, run on rank 0 with the gathered weights). The pipelined
+the whole model per generated word: under PipeDreamStrategy through the pipeline's decode ring, every rank running
+its own stage (`pipelined_held_out_metric`, `lightning_pipedream.generate`), otherwise on rank 0 with the gathered
+weights (`held_out_metric`). The pipelined
 validation step logs `val_bleu_teacher_forced`, the BLEU of the argmax of its one teacher-forced pass, per batch.
 """
 
@@ -50,14 +52,46 @@ class Seq2SeqTask(RecipeTask):
 
     @torch.no_grad()
     def held_out_metric(self, layers: nn.Sequential, datamodule: Any) -> float:
-        """Corpus BLEU-4 of greedy decoding over every held-out sample (each against its own reference)."""
+        """Corpus BLEU-4 of greedy decoding over every held-out sample (each against its own reference), by one
+        process holding the whole model (``layers``)."""
+
+        def decode(sources: tuple[torch.Tensor, ...], max_len: int) -> torch.Tensor:
+            return greedy_decode(layers, sources, self.vocab.stoi[BOS], self.vocab.stoi[EOS], max_len=max_len,
+                                 pad=self.vocab.stoi[PAD])
+
+        return self._corpus_bleu(decode, datamodule)
+
+    @torch.no_grad()
+    def pipelined_held_out_metric(self, datamodule: Any, micro_batches: int | None = None) -> float:
+        """The same BLEU, decoded by ``lightning_pipedream.generate``: under PipeDreamStrategy every rank calls it and
+        runs only its own stage's layers around the decode ring (no weights gathered; the prefix is recomputed each
+        step, as ``greedy_decode`` does); on one device it decodes there. The same tokens as ``held_out_metric``."""
+        from lightning_pipedream import generate
+
+        bos, eos, pad = self.vocab.stoi[BOS], self.vocab.stoi[EOS], self.vocab.stoi[PAD]
+        was_training = self.training
+        self.eval()
+
+        def decode(sources: tuple[torch.Tensor, ...], max_len: int) -> torch.Tensor:
+            prompt = torch.full((sources[0].size(0), 1), bos, dtype=torch.long)
+            ids = generate(self, prompt, max_new_tokens=max_len, eos_token_id=eos, pad_token_id=pad,
+                           micro_batches=micro_batches and min(micro_batches, prompt.size(0)),
+                           forward=lambda rows, words: self.layers((*(s[rows] for s in sources), words)))
+            return ids[:, 1:]
+
+        try:
+            return self._corpus_bleu(decode, datamodule)
+        finally:
+            self.train(was_training)
+
+    def _corpus_bleu(self, decode: Any, datamodule: Any) -> float:
         hyps: list[str] = []
         refs: list[list[str]] = []
         for *sources, _teacher_forced_input, target in datamodule.val_dataloader():
-            decoded = greedy_decode(layers, tuple(sources), self.vocab.stoi[BOS], self.vocab.stoi[EOS],
-                                    max_len=target.size(1) + 10, pad=self.vocab.stoi[PAD])
+            decoded = decode(tuple(sources), target.size(1) + 10)
             hyps += [" ".join(self.vocab.decode(row.tolist())) for row in decoded]
             refs += [[" ".join(self.vocab.decode(row.tolist()))] for row in target]
+        self.last_hypotheses = hyps  # what was decoded, for a comparison of two ways to decode
         return float(bleu_score(hyps, refs))
 
     def bleu(self, predicted: torch.Tensor, target: torch.Tensor) -> float:

@@ -57,7 +57,7 @@ def ring_generate(model: nn.Module, stages: int, lanes: int, ids, mask, eos: int
         trace: list = []
         slices: list = []
 
-        def call(i, a, pos, kw):
+        def call(i, a, pos, kw, rows):
             return mine(input_ids=i, attention_mask=a, position_ids=pos, **kw)
 
         transport = Transport(kind="directional", reverse_group="reverse")
@@ -98,7 +98,7 @@ def test_one_device_decodes_the_same_without_a_transport():
     ids, mask = prompts()
     want = hf_generate(model, ids, mask, eos=63)
 
-    def call(i, a, pos, kw):
+    def call(i, a, pos, kw, rows):
         return model(input_ids=i, attention_mask=a, position_ids=pos, **kw)
 
     got = generate_ids(model, call, ids, mask, max_new_tokens=NEW, eos_token_id=63, pad_token_id=PAD, micro_batches=2)

@@ -112,8 +112,9 @@ def is_hf_model(model: nn.Module) -> Any:
 class StageSlice:
     """Stage ``stage`` of ``num_stages``: blocks ``start .. stop - 1`` of ``blocks`` (see the module's text).
 
-    ``call(input_ids, attention_mask, position_ids, cache)`` runs the whole model's forward and returns its logits
-    (the user's forward, passing the keyword arguments on to a Hugging Face model, or the model itself).
+    ``call(input_ids, attention_mask, position_ids, cache, rows)`` runs the whole model's forward on the rows
+    ``rows`` (a slice) of the batch and returns its logits (the user's forward, passing the keyword arguments on to a
+    Hugging Face model, or the model itself). ``rows[lane]`` is each lane's slice of the batch.
     """
 
     call: Callable[..., Any]
@@ -124,6 +125,7 @@ class StageSlice:
     num_stages: int
     hf: Any = None  # the Hugging Face model, whose caches this stage keeps per lane; None: recompute the prefix
     caches: dict[int, Any] = field(default_factory=dict)
+    rows: dict[int, slice] = field(default_factory=dict)
 
     @property
     def uses_cache(self) -> bool:
@@ -170,7 +172,7 @@ class StageSlice:
                     self.blocks[i] = _Stop()
             with torch.no_grad():
                 try:
-                    out = self.call(new, mask, positions, kwargs)
+                    out = self.call(new, mask, positions, kwargs, self.rows.get(lane, slice(None)))
                 except _Stopped as stopped:
                     return stopped.hidden
         finally:
@@ -303,6 +305,7 @@ def generate_ids(model: nn.Module, call: Callable[..., Any], input_ids: Tensor, 
         slices.append(this)
     sizes = [batch // micro_batches + (1 if i < batch % micro_batches else 0) for i in range(micro_batches)]
     bounds = [sum(sizes[:i]) for i in range(micro_batches + 1)]
+    this.rows = {m: slice(a, b) for m, (a, b) in enumerate(zip(bounds, bounds[1:]))}
     lanes = [Lane(input_ids[a:b], mask[a:b], torch.zeros(b - a, dtype=torch.bool, device=input_ids.device))
              for a, b in zip(bounds, bounds[1:])]
     made = run_decode_ring(this, transport, lanes, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
