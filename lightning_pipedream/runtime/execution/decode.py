@@ -17,6 +17,7 @@ whole prefix every step (:attr:`StageSlice.uses_cache` says which).
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -101,10 +102,10 @@ def _hf_cache_class() -> type | None:
 
 def is_hf_model(model: nn.Module) -> Any:
     """The Hugging Face ``PreTrainedModel`` inside ``model`` (itself or a submodule), or None."""
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:
+    transformers = sys.modules.get("transformers")  # a Hugging Face model imported it; importing it costs seconds
+    if transformers is None:
         return None
+    PreTrainedModel = transformers.PreTrainedModel  # noqa: N806
     return next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
 
 
