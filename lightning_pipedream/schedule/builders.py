@@ -494,6 +494,11 @@ def rank_stages(schedule: str, num_ranks: int, rank: int, virtual_stages: int = 
     return [c * num_ranks + rank for c in range(virtual_stages)]
 
 
+def stage_rank(schedule: str, num_ranks: int, stage: int) -> int:
+    """The rank that holds model stage ``stage`` under ``schedule`` (see :func:`rank_stages`)."""
+    return v_rank(stage, num_ranks) if spec_of(schedule).v_shape else stage % num_ranks
+
+
 def _two_bw_warmup(num_stages: int, stage: int, chunks: int) -> int:
     # At most one minibatch of forwards ahead, so that minibatch t's forwards find version t-1 made.
     return min(num_stages - stage - 1, chunks)

@@ -13,6 +13,7 @@ from lightning_pipedream.graph import GraphCaptureError
 from lightning_pipedream.runtime.communication.microbatch import batch_size, split
 from lightning_pipedream.runtime.faults.failures import from_rank_zero
 from lightning_pipedream.runtime.stages.graph_stage import CapturedStage
+from lightning_pipedream.schedule.builders import rank_stages, stage_rank
 from lightning_pipedream.strategy.batches import EVALUATION_LOOP, STEP_OF, batch_shapes, first_batch
 from lightning_pipedream.strategy.calls import ForwardCall, SubmoduleCall, innermost_called_module
 from lightning_pipedream.strategy.options import PipelineOptions
@@ -38,13 +39,30 @@ class GraphPath:
 
     @property
     def stage(self) -> Any:
-        """This rank's stage module (the captured graph's part that it runs)."""
+        """This rank's stage module (the captured graph's part that it runs; several model chunks: a ModuleList)."""
         assert self.graph is not None
         return self.graph.stage
 
+    @property
+    def chunks(self) -> list[Any]:
+        """This rank's model chunks, in the order the engine takes them (one unless several chunks per process)."""
+        assert self.graph is not None
+        return list(self.graph.chunks)
+
     def local_names(self) -> dict[int, str]:
         """Parameter id -> the module's own name, for this rank's stage."""
-        return {id(p): n for n, p in self.stage.named_parameters()}
+        assert self.graph is not None
+        return {id(p): n for n, p in self.graph.named_parameters().items()}
+
+    def _chunk_layout(self) -> dict[str, Any]:
+        """Several model chunks per process (interleaved, zb-v, dualpipev): the stages this rank holds and where every
+        stage lives, for :class:`CapturedStage`; nothing for one stage per process."""
+        options, placement = self.options, self.placement
+        if options.virtual_stages == 1:
+            return {}
+        p, schedule = placement.num_stages, options.schedule
+        return {"chunks": rank_stages(schedule, p, placement.stage_index, options.virtual_stages),
+                "rank_of_stage": lambda stage: stage_rank(schedule, p, stage)}
 
     def split(self, trainer: Trainer, module: LightningModule) -> None:
         """Capture the forward call on a first batch, choose split points, keep this rank's stage."""
@@ -64,6 +82,7 @@ class GraphPath:
         args, kwargs = self.call.input_of(module, hook, part, 0)
         points = list(options.split_points) if options.split_points is not None else None
         captured = None
+        total = placement.num_stages * options.virtual_stages  # model chunks in all
         if points is None:
             on_rank_zero: dict[str, Any] = {}  # what rank 0 keeps of its work besides the points: the graph, the plan
 
@@ -72,18 +91,17 @@ class GraphPath:
                 from lightning_pipedream.graph.split_points import choose_split_points
 
                 on_rank_zero["captured"] = captured = capture(module, args, kwargs)
-                chosen, on_rank_zero["plan"] = choose_split_points(captured, module, args, kwargs,
-                                                                   placement.num_stages,
+                chosen, on_rank_zero["plan"] = choose_split_points(captured, module, args, kwargs, total,
                                                                    bandwidth=options.link_bandwidth)
-                log.info("PipeDreamStrategy split points (%d stages, schedule=%s): %s", placement.num_stages,
+                log.info("PipeDreamStrategy split points (%d stages, schedule=%s): %s", total,
                          options.schedule, chosen)
                 return chosen
 
             points = from_rank_zero(f"split {type(module).__name__} into stages", choose)
             captured, self.plan = on_rank_zero.get("captured"), on_rank_zero.get("plan")
         if options.split_points is None:
-            self.graph = CapturedStage(module, placement.stage_index, placement.num_stages, points, args, kwargs,
-                                       captured)
+            self.graph = CapturedStage(module, placement.stage_index, total, points, args, kwargs, captured,
+                                       **self._chunk_layout())
         else:
             self.graph = self._stage_of_split_points(module, hook, part, args, kwargs)
         self._inputs_seen = {(module.training, batch_shapes(part))}
@@ -100,9 +118,9 @@ class GraphPath:
         the split points that the step calls (every rank decides alike: the same model, batch and failure)."""
         assert self.options.split_points is not None
         points = list(self.options.split_points)
-        stage_index, num_stages = self.placement.stage_index, self.placement.num_stages
+        stage_index, num_stages = self.placement.stage_index, self.placement.num_stages * self.options.virtual_stages
         try:
-            return CapturedStage(module, stage_index, num_stages, points, args, kwargs)
+            return CapturedStage(module, stage_index, num_stages, points, args, kwargs, **self._chunk_layout())
         except GraphCaptureError as untraceable:
             through = innermost_called_module(module, points, hook, part, 0)
             if through is None:
@@ -120,7 +138,8 @@ class GraphPath:
                          type(module).__name__, through, points)
             self.call = SubmoduleCall(through)
             args, kwargs = self.call.input_of(module, hook, part, 0)
-            return CapturedStage(module, stage_index, num_stages, points, args, kwargs, through=through)
+            return CapturedStage(module, stage_index, num_stages, points, args, kwargs, through=through,
+                                 **self._chunk_layout())
 
     def ensure_captured(self, module: LightningModule, hook: str, parts: list[Any] | tuple[Any, ...],
                         *step_args: Any, **step_kwargs: Any) -> None:

@@ -90,7 +90,7 @@ class StagePipeline:
         if graph is None or graph.graph is None:
             state = self.module.state_dict()
             return whole_state(state) if self.shard is not None else state  # every replica gathers at once
-        share = graph.stage.state_dict()
+        share = graph.graph.state_dict()
         if is_global_zero:  # state the graph never reads (metrics, unused layers) is the same on every rank
             share.update({k: v for k, v in self.module.state_dict().items() if k not in graph.graph.graph_state_names})
         return share
@@ -356,7 +356,7 @@ class StagePipelineBuilder:
             graph = GraphPath(options, placement, ranks.is_global_zero, self.batch_to_device)
             graph.split(trainer, module)
             call, stage, local_names = graph.call, graph.stage, graph.local_names()
-            model_chunks = [stage]
+            model_chunks = graph.chunks
             self.plan = graph.plan if graph.plan is not None else self.plan
         to_device()
         stage.to(ranks.device)  # a graph stage is not a child of the module
@@ -390,14 +390,6 @@ class StagePipelineBuilder:
                 "only for a module whose layers are one nn.Sequential; this one's forward graph must be "
                 "traced with real weights. Put the layers in one nn.Sequential, or build the model on a "
                 "real device (in __init__)."
-            )
-        if self.options.virtual_stages > 1:
-            instead = ("schedule='zb-h1' (one chunk per process)" if self.options.spec.v_shape
-                       else "virtual_stages=1")
-            raise ValueError(
-                f"schedule={self.options.schedule!r} with virtual_stages={self.options.virtual_stages} splits the "
-                f"layers of one nn.Sequential into model chunks, but {type(module).__name__}'s are not one "
-                f"nn.Sequential. Put the layers in one nn.Sequential (layers= names it), or use {instead}."
             )
 
     def _keep_own_stage(self, module: LightningModule, layers: nn.Sequential,

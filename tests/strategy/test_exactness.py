@@ -546,34 +546,6 @@ def test_several_optimizers_are_refused():
 
 
 # ------------------------------------------------------------------ the newer schedules (issue 13)
-class NotSequential(RuleMLP):
-    """RuleMLP's layers called one by one from two attributes: the strategy would split its traced graph."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.front, self.back = self.layers[:4], self.layers[4:]
-        del self.layers
-
-    def forward(self, x):
-        return self.back(self.front(x))
-
-
-def test_v_schedules_refuse_the_graph_path_for_now():
-    with pytest.raises(ValueError, match=r"schedule='zb-v' with virtual_stages=2 splits the layers of one "
-                                         r"nn.Sequential into model chunks, but NotSequential's are not one "
-                                         r"nn.Sequential. Put the layers in one nn.Sequential \(layers= names it\), "
-                                         r"or use schedule='zb-h1' \(one chunk per process\)"):
-        _fit_one_device(NotSequential(), PipeDreamStrategy(schedule="zb-v", chunks=2))
-
-
-def test_interleaved_needs_one_sequential():
-    with pytest.raises(ValueError, match=r"schedule='interleaved' with virtual_stages=2 splits the layers of one "
-                                         r"nn.Sequential into model chunks, but NotSequential's are not one "
-                                         r"nn.Sequential. Put the layers in one nn.Sequential \(layers= names it\), "
-                                         r"or use virtual_stages=1"):
-        _fit_one_device(NotSequential(), PipeDreamStrategy(schedule="interleaved", chunks=2, virtual_stages=2))
-
-
 def one_device(num_batches: int = NEWER_BATCHES) -> dict[str, torch.Tensor]:
     """One epoch of plain SGD on one device (the pipeline rule with one stage is synchronous training)."""
     return reference(balance=[7], epochs=[list(range(num_batches))], num_batches=num_batches)

@@ -48,6 +48,11 @@ CASES = {
 
 
 VALIDATED = ("resnet", "transformer", "hf")
+CHUNKED = {
+    "hf_zb_v": {"schedule": "zb-v", "chunks": 2},
+    "hf_dualpipev": {"schedule": "dualpipev", "chunks": 4},
+    "hf_interleaved": {"schedule": "interleaved", "virtual_stages": 2, "chunks": 2},
+}
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +86,12 @@ def trained(tmp_path_factory) -> Path:
         "schedule": "1f1b", "chunks": 2, "mean_over": "labelled_tokens"}}])
     runs[2].append([str(base / "hf_lm" / "unweighted"), {**lm, "epochs": None, "steps": 1, "limit_val_batches": 0,
                                                           "devices": 2, "strategy": {"schedule": "1f1b", "chunks": 2}}])
+    # Model chunks of a traced model (issue 43), after the "hf" run (its capture comes from the cache): 2 processes x 2
+    # chunks, the embedding tied to the output projection. In a V both ends sit on rank 0 (one shared parameter);
+    # interleaved puts them on ranks 0 and 1 (their gradients summed).
+    hf = {"family": "hf", "module": "hf", "model": {}, "limit_val_batches": 1, "untraceable": False, "devices": 2}
+    for name, strategy in CHUNKED.items():
+        runs[2].append([str(base / name), {**hf, "strategy": strategy}])
     for processes, group in runs.items():
         if group:
             (base / f"runs{processes}.json").write_text(json.dumps(group))
@@ -104,6 +115,20 @@ def test_training_equals_one_device(trained, family):
         assert torch.equal(got["model.head.weight"], got["model.tok.weight"])
     # The checkpoint loads without the strategy.
     (HFStyleModule if family == "hf" else FamilyModule).load_from_checkpoint(pipe / "final.ckpt", map_location="cpu")
+
+
+@pytest.mark.parametrize("name", sorted(CHUNKED))
+def test_model_chunks_of_a_traced_model_equal_one_device(trained, name):
+    """A traced HF-style LM cut into 4 model chunks on 2 processes (profiled split points) trains as one device, its
+    validation loss is one device's and its tied embedding stays one tensor."""
+    got, want = weights(trained / name / "final.ckpt"), weights(trained / "hf" / "single" / "final.ckpt")
+    assert list(got) == list(want)
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-5, msg=lambda m: f"{key}: {m}")
+    assert torch.equal(got["model.head.weight"], got["model.tok.weight"])
+    metrics = [json.loads((d / "metrics.json").read_text()) for d in (trained / name, trained / "hf" / "single")]
+    assert metrics[0]["val_loss"] == pytest.approx(metrics[1]["val_loss"], rel=1e-5)
+    assert len(metrics[0]["split_points"]) == 3  # 4 chunks
 
 
 def test_an_output_dataclass_with_a_cache_trains_and_the_cache_is_named(trained):

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_pipedream.graph import CapturedGraph, GraphStage, build_stages, call_signature, capture, split_graph
 from lightning_pipedream.runtime.stages.ties import TiedParameters
@@ -20,6 +21,11 @@ class CapturedStage:
     the model again (on every rank, at the same step: they see the same batches) whenever a call
     with a new signature comes, and adds this stage's program of it. Parameters used by several
     stages (tied embeddings) are held by each of them; :meth:`before_update` sums their gradients.
+
+    Model chunks (interleaved, zb-v, dualpipev): ``chunks`` lists the stages this rank holds (``num_stages`` counts
+    them all, ``stage_index`` is then the rank) and ``rank_of_stage`` where each stage lives. :attr:`chunks` are their
+    stage modules and :attr:`stage` a ModuleList of them; a parameter tied between chunks of this rank is one
+    parameter shared by them (no message), one tied with another rank's chunk is summed over the ranks.
     """
 
     def __init__(
@@ -32,6 +38,9 @@ class CapturedStage:
         kwargs: dict[str, Any],
         captured: CapturedGraph | None = None,
         through: str | None = None,
+        *,
+        chunks: Sequence[int] | None = None,
+        rank_of_stage: Callable[[int], int] | None = None,
     ) -> None:
         self.through = through  # trace this submodule's call rather than the module's forward (see capture)
         captured = captured if captured is not None else capture(module, args, kwargs, through)
@@ -41,27 +50,50 @@ class CapturedStage:
                      " (same module structure as before: from the cache)" if captured.cached else "")
         split = split_graph(captured, split_points)
         if split.num_stages != num_stages:
+            who = f"{num_stages} processes run it" if chunks is None else f"{num_stages} model chunks run it"
             raise ValueError(
-                f"split_points={split_points} cut the model into {split.num_stages} stages, but {num_stages} "
-                f"processes run it; give {num_stages - 1} split points."
+                f"split_points={split_points} cut the model into {split.num_stages} stages, but {who}; give "
+                f"{num_stages - 1} split points."
             )
         self.split_points = list(split_points)
         self.stage_index = stage_index
-        self.stage: GraphStage = build_stages(module, split, [stage_index])[0]
+        own = list(chunks) if chunks is not None else [stage_index]
+        self.chunks: list[GraphStage] = build_stages(module, split, own)
+        self.stage: nn.Module = self.chunks[0] if chunks is None else nn.ModuleList(self.chunks)
         self.ties = dict(split.ties)
         # Every name (aliases included) of the state the graph reads, whichever stage holds it.
         self.graph_state_names = {alias for name in split.owners for alias in captured.aliases.get(name, [name])}
-        self._attach(module, captured.aliases)
+        local = self._share_local_ties(captured.aliases)
+        self._attach(module, captured.aliases, local)
+        rank_of = rank_of_stage if rank_of_stage is not None else (lambda stage: stage)
+        ranks = {rank_of(s) for s in range(num_stages)}
+        # A tie between ranks: its copies' gradients are summed over the ranks that hold one (each once).
+        rank_ties = {name: sorted({rank_of(s) for s in stages}) for name, stages in split.ties.items()}
+        rank_ties = {name: holders for name, holders in rank_ties.items() if len(holders) > 1}
+        names = None if chunks is None else {name: f"{i}.{name}" for name, i in local.items()}
         # new_group is collective over all ranks: every rank builds the tie groups, members or not.
-        self.tied = TiedParameters(self.stage, split.ties, stage_index) if num_stages > 1 else None
+        self.tied = TiedParameters(self.stage, rank_ties, stage_index, names=names) if len(ranks) > 1 else None
         self._captured = {(module.training, call_signature(args, kwargs))}
 
-    def _attach(self, module: nn.Module, aliases: dict[str, list[str]]) -> None:
-        """Make ``module`` use this stage's copy of each tied parameter, so its optimizer updates that copy."""
+    def _share_local_ties(self, aliases: dict[str, list[str]]) -> dict[str, int]:
+        """Each tied parameter this rank holds, and the first of its chunks that holds it: the other chunks that hold
+        it take that chunk's copy (one parameter, whose gradient gathers both uses)."""
+        local: dict[str, int] = {}
         for name in self.ties:
-            if self.stage_index not in self.ties[name]:
+            holders = [i for i, chunk in enumerate(self.chunks) if name in chunk.owned]
+            if not holders:
                 continue
-            copy = self.stage.canonical_parameters()[name]
+            local[name] = holders[0]
+            shared = self.chunks[holders[0]].canonical_parameters()[name]
+            for i in holders[1:]:
+                for alias in aliases.get(name, [name]):
+                    self.chunks[i]._container(alias).register_parameter(alias.rsplit(".", 1)[-1], shared)
+        return local
+
+    def _attach(self, module: nn.Module, aliases: dict[str, list[str]], local: dict[str, int]) -> None:
+        """Make ``module`` use this rank's copy of each tied parameter, so its optimizer updates that copy."""
+        for name, chunk in local.items():
+            copy = self.chunks[chunk].canonical_parameters()[name]
             for alias in aliases.get(name, [name]):
                 owner_path, _, leaf = alias.rpartition(".")
                 owner = module.get_submodule(owner_path) if owner_path else module
@@ -72,16 +104,32 @@ class CapturedStage:
         key = (module.training, call_signature(args, kwargs))
         if key in self._captured:
             return
-        self.stage.add_split(split_graph(capture(module, args, kwargs, self.through), self.split_points))
+        split = split_graph(capture(module, args, kwargs, self.through), self.split_points)
+        for chunk in self.chunks:
+            chunk.add_split(split)
         self._captured.add(key)
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """This rank's share of the model's state, under the model's own names (every chunk's)."""
+        share: dict[str, Tensor] = {}
+        for chunk in self.chunks:
+            share.update(chunk.state_dict())
+        return share
+
+    def named_parameters(self) -> dict[str, nn.Parameter]:
+        """This rank's parameters under the model's own names (one entry per parameter, shared ones once)."""
+        out: dict[str, nn.Parameter] = {}
+        seen: set[int] = set()
+        for chunk in self.chunks:
+            for name, param in chunk.named_parameters():
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    out[name] = param
+        return out
 
     def before_update(self) -> None:
         """Sum the gradients of the tied copies over the stages that hold them (call on every holder)."""
         if self.tied is not None:
             self.tied.allreduce_grads()
 
-    def tie_copies_held_elsewhere_first(self) -> set[int]:
-        """Ids of this stage's tied copies whose first holder is another stage (counted there in a global norm)."""
-        params = self.stage.canonical_parameters()
-        return {id(params[name]) for name, stages in self.ties.items()
-                if self.stage_index in stages and min(stages) != self.stage_index}
+
