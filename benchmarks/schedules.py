@@ -17,14 +17,16 @@ stage each, the model split evenly) with 1 thread each, over gloo on loopback; i
   communication. ``bound_batch``: the same with one SGD step per batch (a flushed schedule's work).
   Every contender's ``share_of_bound`` is its steps/s over that of the bound doing the same updates.
 * ``ours_<schedule>`` for gpipe, 1f1b, pipedream, zb-h1, interleaved (``virtual_stages=2``: process r
-  holds stages r and r + 2) and 2bw: our ``Pipeline``, one ``step()`` per batch of 512; ``pipedream``
+  holds stages r and r + 2), zb-v (two chunks in a V: process r holds stages r and 2p-1-r) and 2bw: our
+  ``Pipeline``, one ``step()`` per batch of 512; ``pipedream``
   takes one minibatch per ``step()``, so its step is 8 calls of 64 samples (8 optimizer steps per
   stage). The asynchronous ones keep the pipeline full and the timed run ends with ``drain()``.
 * ``ours_*_trace``: the same with ``trace=True`` (the executor records every action): the measured
   bubble, the per-action breakdown of each rank's time and the costs the simulator replays.
 * ``torch_<schedule>``: ``PipelineStage`` + torch's ``ScheduleGPipe``, ``Schedule1F1B``,
   ``ScheduleInterleavedZeroBubble`` (for zb-h1: torch's zero-bubble schedule on our layout) or
-  ``ScheduleInterleaved1F1B`` (our layout) on the same split, then one SGD step. torch has no 2BW.
+  ``ScheduleInterleaved1F1B`` (our layout) or ``ScheduleZBVZeroBubble`` (zb-v, the same V) on the same split, then
+  one SGD step. torch has no 2BW.
 * ``one_thread``: one process, 1 thread, the same 8 micro-batches one after another (gradient
   accumulation), then one SGD step: the work of one step with no parallelism.
 * ``one_thread_per_minibatch``: one process, 1 thread, an SGD step after every 64 samples: the
@@ -79,6 +81,7 @@ from benchmarks.workload import (
     OURS,
     TORCH,
     TORCH_NEWER,
+    V_SHAPED,
     VIRTUAL,
     Config,
     LoadMeter,
@@ -95,7 +98,7 @@ from lightning_pipedream.runtime.communication.transport import TRANSPORT_ENV
 from lightning_pipedream.runtime.execution.allocator import keep_freed_memory
 from lightning_pipedream.runtime.faults.launch import run_local
 from lightning_pipedream.schedule.actions import Op
-from lightning_pipedream.schedule.builders import build_schedule
+from lightning_pipedream.schedule.builders import build_schedule, stage_rank
 from lightning_pipedream.schedule.simulate import simulate
 from lightning_pipedream.schedule.timeline import (
     TimedAction,
@@ -105,8 +108,8 @@ from lightning_pipedream.schedule.timeline import (
     to_chrome_trace,
 )
 
-ALL_OURS = OURS + NEWER
-ALL_TORCH = TORCH + TORCH_NEWER
+ALL_OURS = OURS + NEWER + V_SHAPED
+ALL_TORCH = TORCH + TORCH_NEWER + V_SHAPED
 FLUSHED = ("gpipe", "1f1b", "zb-h1", "interleaved")
 BOUNDS = ("bound", "bound_batch")
 # Ours over torch.distributed (gloo's TCP pairs) instead of shared memory between the two local ranks
@@ -131,7 +134,7 @@ def contenders(include_trace: bool = True, stages: int = 2) -> list[str]:
     names = []
     for s in ALL_OURS:
         names.append(f"ours_{s}")
-        if include_trace:
+        if include_trace and s not in V_SHAPED:  # the traces' analysis knows the one-chunk and interleaved layouts
             names.append(f"ours_{s}_trace")
         if s in OVER_GLOO:
             names.append(f"ours_{s}_gloo")
@@ -616,15 +619,15 @@ def bound_costs(runs: list[dict]) -> dict[str, list[float]]:
 
 def simulated_bound(cfg: Config, flushed: dict[str, list[float]] | None, per_minibatch: dict[str, list[float]] | None
                     ) -> dict[str, Any]:
-    """Each schedule's step on the bound's costs with free links: the bubble-limited bound (``interleaved``: each
-    chunk half a stage's cost; ``zb-h1``: the weight-gradient pass half the backward)."""
+    """Each schedule's step on the bound's costs with free links: the bubble-limited bound (``interleaved``, ``zb-v``:
+    each chunk half a stage's cost; ``zb-h1``, ``zb-v``: the weight-gradient pass half the backward)."""
     out: dict[str, Any] = {}
-    for name in FLUSHED + ("pipedream",):
+    for name in FLUSHED + V_SHAPED + ("pipedream",):
         costs = per_minibatch if name == "pipedream" else flushed
         if costs is None:
             continue
-        v = VIRTUAL if name == "interleaved" else 1
-        per_stage = {k: [costs[k][s % cfg.stages] / v for s in range(cfg.stages * v)] for k in costs}
+        v = VIRTUAL if name in ("interleaved", *V_SHAPED) else 1
+        per_stage = {k: [costs[k][stage_rank(name, cfg.stages, s)] / v for s in range(cfg.stages * v)] for k in costs}
         if name == "pipedream":
             sched = build_schedule("pipedream", cfg.stages, minibatches=4 * cfg.chunks)
         else:

@@ -29,7 +29,8 @@ OURS = ("gpipe", "1f1b", "pipedream")
 NEWER = ("zb-h1", "interleaved", "2bw")  # the newer schedules: ours, and torch's where it has one
 TORCH = ("gpipe", "1f1b")
 TORCH_NEWER = ("zb-h1", "interleaved")  # torch's ScheduleInterleavedZeroBubble and ScheduleInterleaved1F1B
-VIRTUAL = 2  # model chunks per process for interleaved
+VIRTUAL = 2  # model chunks per process for interleaved (and the V schedules' two)
+V_SHAPED = ("zb-v",)  # two chunks per process in a V (the loss on rank 0): ours, and torch's ScheduleZBVZeroBubble
 LR = 1e-3
 
 
@@ -240,20 +241,23 @@ def breakdown(records: list, seconds: float, stash: list[float] | None = None) -
 def torch_worker(rank: int, world: int, cfg: Config, schedule: str, warmup: int, steps: int) -> dict:
     """torch.distributed.pipelining on the same split: ``PipelineStage`` + the schedule, then one SGD step.
     ``zb-h1`` is torch's ``ScheduleInterleavedZeroBubble`` with one stage per process (torch's zero-bubble
-    schedule on our layout), ``interleaved`` its ``ScheduleInterleaved1F1B`` with our layout."""
+    schedule on our layout), ``interleaved`` its ``ScheduleInterleaved1F1B`` with our layout, ``zb-v`` its
+    ``ScheduleZBVZeroBubble`` (process r holds stages r and 2p-1-r, as ours)."""
     from torch.distributed.pipelining import (
         PipelineStage,
         Schedule1F1B,
         ScheduleGPipe,
         ScheduleInterleaved1F1B,
         ScheduleInterleavedZeroBubble,
+        ScheduleZBVZeroBubble,
     )
 
     x, y = make_batch(cfg)
     model = build_model(cfg)
-    v = VIRTUAL if schedule == "interleaved" else 1
+    v = VIRTUAL if schedule in ("interleaved", *V_SHAPED) else 1
     balance = even_balance(len(model), world * v)
-    indices = [c * world + rank for c in range(v)]  # process r holds stages r, r + p, ... as ours
+    # process r holds stages r, r + p, ... as ours (a V: r and 2p-1-r)
+    indices = [rank, 2 * world - 1 - rank] if schedule in V_SHAPED else [c * world + rank for c in range(v)]
     modules = [stage_slice(model, balance, i) for i in indices]
     stages = [PipelineStage(m, i, world * v, torch.device("cpu")) for m, i in zip(modules, indices)]
     # loss_fn is mean-reduced; scale_grads (default True) divides by the micro-batch count, so
@@ -262,20 +266,24 @@ def torch_worker(rank: int, world: int, cfg: Config, schedule: str, warmup: int,
         cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
         sched = cls(stages[0], n_microbatches=cfg.chunks, loss_fn=nn.functional.mse_loss)
     else:
-        cls = ScheduleInterleaved1F1B if schedule == "interleaved" else ScheduleInterleavedZeroBubble
+        multi = {"interleaved": ScheduleInterleaved1F1B, "zb-v": ScheduleZBVZeroBubble}
+        cls = multi.get(schedule, ScheduleInterleavedZeroBubble)
         sched = cls(stages, n_microbatches=cfg.chunks, loss_fn=nn.functional.mse_loss)
     opt = sgd([p for m in modules for p in m.parameters()])
-    return timed(torch_step(sched, opt, x, y, rank, world), warmup, steps)
+    return timed(torch_step(sched, opt, x, y, rank, world, v_shape=schedule in V_SHAPED), warmup, steps)
 
 
-def torch_step(sched: Any, opt: torch.optim.Optimizer, x: Tensor, y: Tensor, rank: int, world: int) -> Callable:
+def torch_step(sched: Any, opt: torch.optim.Optimizer, x: Tensor, y: Tensor, rank: int, world: int,
+               v_shape: bool = False) -> Callable:
     """One training step of a torch.distributed.pipelining schedule and an SGD step; returns the mean loss
-    on the last rank."""
-    first, last = rank == 0, rank == world - 1
+    on the last stage's rank (rank 0 under a V, which also takes the inputs)."""
+    first, last = rank == 0, rank == (0 if v_shape else world - 1)
 
     def step() -> float | None:
         losses: list = []
-        if first:
+        if first and last:
+            sched.step(x, target=y, losses=losses, return_outputs=False)
+        elif first:
             sched.step(x, return_outputs=False)
         elif last:
             sched.step(target=y, losses=losses, return_outputs=False)

@@ -218,10 +218,10 @@ def run(args: argparse.Namespace) -> int:
     if schedule.splits_backward:
         print("B3 = the input-gradient half of the backward, W3 = its weight-gradient half (deferred into bubbles)")
     if schedule.virtual_stages > 1:
-        print(
-            f"F3s5 = forward of micro-batch 3 on stage 5; rank r holds stages r, r+{schedule.num_ranks}, ... "
-            "(one O per stage, one optimizer step)"
-        )
+        held = (f"r and {schedule.num_stages - 1}-r (a V: the loss on rank 0)" if schedule.v_shape
+                else f"r, r+{schedule.num_ranks}, ...")
+        print(f"F3s5 = forward of micro-batch 3 on stage 5; rank r holds stages {held} "
+              "(one O per stage, one optimizer step)")
     if schedule.name == "2bw":
         print(
             "2bw: no flush; each stage updates after a minibatch's backwards, and minibatch t runs on the weights "

@@ -18,7 +18,7 @@ from lightning_pipedream.plan.shards import (
     whole_gradient_bytes,
 )
 from lightning_pipedream.schedule.actions import Op, Schedule
-from lightning_pipedream.schedule.builders import build_schedule
+from lightning_pipedream.schedule.builders import build_schedule, rank_stages, v_virtual_stages
 from lightning_pipedream.schedule.specs import spec_of
 
 # Bytes of optimizer state per byte of parameters: SGD keeps none, momentum one buffer, Adam two (exp_avg, exp_avg_sq).
@@ -382,7 +382,7 @@ def flight_schedule(
         workers = sum(replicas) if replicas is not None else stages
         return build_schedule(schedule, stages, chunks, minibatches=workers + 2, replicas=reps)
     if spec.virtual_stages:
-        return build_schedule(schedule, stages, chunks, virtual_stages=virtual_stages)
+        return build_schedule(schedule, stages, chunks, virtual_stages=v_virtual_stages(schedule, virtual_stages))
     return build_schedule(schedule, stages, chunks, replicas=reps)
 
 
@@ -403,7 +403,8 @@ def predict_memory(
     """Each worker's predicted peak memory under ``schedule`` (one entry per stage; interleaved: per rank).
 
     ``sizes`` are the stages' bytes per whole batch (interleaved: the ``ranks x virtual_stages`` model chunks, chunk
-    c of rank r being stage ``c * ranks + r``); each micro-batch carries ``1 / chunks`` of the activations.
+    c of rank r being stage ``c * ranks + r``; zb-v and dualpipev: ``2 x ranks`` chunks, rank r holding r and
+    ``2 ranks - 1 - r``); each micro-batch carries ``1 / chunks`` of the activations.
     ``recompute[s]`` keeps only stage s's input and output per micro-batch and rebuilds the rest in its backward.
     Stashed versions: pipedream keeps one per minibatch in flight on the worker (``stages - s`` in a straight
     pipeline, ``ceil(workers from s on / replicas of s)`` under replicas), 2bw two, the rest one.
@@ -421,7 +422,7 @@ def predict_memory(
     spec = spec_of(schedule)
     cuda = _check_device(device) == "cuda"
     ratio = optimizer_state_ratio(optimizer)
-    v = virtual_stages if spec.virtual_stages else 1
+    v = v_virtual_stages(schedule, virtual_stages) if spec.virtual_stages else 1  # a V: always its two
     total = len(sizes)
     if total % v:
         raise ValueError(f"{total} stages do not divide into {v} virtual stages per rank; give ranks x {v} stages.")
@@ -451,7 +452,7 @@ def predict_memory(
     workspace = cublas_workspace_bytes(cuda_capability) if cuda else 0
     out = []
     for rank in range(ranks):
-        mine = list(range(rank, total, ranks))
+        mine = rank_stages(schedule, ranks, rank, v)  # interleaved: r, r + ranks, ...; a V: r and 2 ranks - 1 - r
         params = sum(sizes[s].parameters for s in mine)
         h = by_stage[rank]
         act_bytes, count, at_update = h.peak, h.count, h.at_update

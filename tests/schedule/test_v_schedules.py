@@ -121,3 +121,19 @@ def test_a_model_needs_a_layer_per_chunk() -> None:
                                          r"stages, but the model has 7 layers; every stage needs at least one. Use at "
                                          r"most 3 processes, or split the model into more layers."):
         check_chunk_count(7, 4, 2, "zb-v")
+
+
+def test_the_memory_model_counts_each_ranks_two_chunks_of_the_v() -> None:
+    """Rank r holds stages r and 2P-1-r: their parameters, and the activations its own action list keeps (zb-v holds
+    as many chunk micro-batches on every rank; rank 0, with the loss's stage, no more than the others)."""
+    from lightning_pipedream.plan.memory import StageBytes, predict_memory
+
+    sizes = [StageBytes(parameters=1000.0 * (s + 1), input=80.0, layers=160.0, output=80.0) for s in range(4)]
+    for name in ("zb-v", "dualpipev"):
+        ranks = predict_memory(sizes, name, chunks=4, optimizer="sgd")
+        assert [m.chunks for m in ranks] == [(0, 3), (1, 2)]
+        assert [m.parameters for m in ranks] == [1000 + 4000, 2000 + 3000]
+        interleaved = predict_memory(sizes, "interleaved", chunks=4, optimizer="sgd", virtual_stages=2)
+        assert [m.chunks for m in interleaved] == [(0, 2), (1, 3)]
+    zb_v = predict_memory(sizes, "zb-v", chunks=4, optimizer="sgd")
+    assert zb_v[0].held == zb_v[1].held == 4  # 2P chunk micro-batches (P = 2), one stage's worth of 1F1B's stage 0

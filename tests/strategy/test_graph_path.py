@@ -21,7 +21,9 @@ from torch import nn
 
 from lightning_pipedream import PipeDreamStrategy
 
-pytestmark = pytest.mark.multiprocess  # starts several processes: not in the fast suite
+# Starts several processes: not in the fast suite. The module's launches are one fixture, set up within its first
+# test: that test may take as long as the launches' own limits, not pytest's default 240 s.
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(900)]
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "graph_trainer.py"
 
