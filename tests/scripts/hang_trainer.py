@@ -18,7 +18,7 @@ from typing import Any
 import lightning as L
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))  # the libraries the tests share
-from script_runs import trainer_args  # noqa: E402
+from script_runs import exit_without_final_collections, trainer_args  # noqa: E402
 from tiny import SequentialClassifier, data, mlp  # noqa: E402
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -93,4 +93,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    exit_without_final_collections()
     main()

@@ -24,7 +24,7 @@ import lightning as L
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))  # the libraries the tests share
-from script_runs import trainer_args  # noqa: E402
+from script_runs import exit_without_final_collections, trainer_args  # noqa: E402
 from tiny import SequentialClassifier, data  # noqa: E402
 from torch import nn
 from torch.utils.data import DataLoader
@@ -173,4 +173,5 @@ def train(out: str, options: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
+    exit_without_final_collections()
     train(sys.argv[1], json.loads(sys.argv[2]))

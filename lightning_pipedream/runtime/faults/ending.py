@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
 import os
 import signal
@@ -37,6 +38,7 @@ def end_run(message: str, hung: tuple[int, ...] = (), here: bool = False) -> Non
             if box.is_local(rank) and (statuses.get(rank) == SILENT or box.local_state(rank) == "T"):
                 _kill(rank, "it is stopped or frozen")
         _end_local_peers_at_exit()
+    exit_without_final_collections()
     world = dist.get_world_size() if dist.is_initialized() else 1
     if len(statuses) < world - 1 or any(status != ANSWERED for status in statuses.values()):
         post_error_soon(message)  # and the store, for peers whose mailbox this rank does not know or reach
@@ -55,6 +57,29 @@ def _kill(rank: int, why: str) -> None:
 
 
 _ending = [0.0]  # when this process asked its peers to stop (0: it did not)
+_failed = [False]  # this process's run failed (its own failure, a peer's, or a timeout)
+
+
+def exit_without_final_collections() -> None:
+    """This process's run failed: at exit, skip the garbage collector's last passes (see below)."""
+    _failed[0] = True
+
+
+def _skip_final_collections_after_a_failure() -> None:
+    """At exit from a run that failed: skip the garbage collector's last passes over the interpreter's heap.
+
+    A process that imported torch and Lightning spends about 1.3 s of CPU in those passes as it exits (measured: 6.6
+    s of user CPU for import-and-exit, 5.3 s with this, 5.1 s with ``os._exit``), and ten times as long in wall time
+    when many processes share few cores; a failing rank's peers, a launcher and the user wait for that. Every other
+    step of the exit still runs (this is registered at import, so every atexit handler registered later, a logger's
+    or the user's, runs before it), and objects reachable from modules are still freed; only unreachable cycles left
+    at exit are not collected, which Python does not promise to finalize anyway.
+    """
+    if _failed[0]:
+        gc.freeze()
+
+
+atexit.register(_skip_final_collections_after_a_failure)
 
 
 def _end_local_peers_at_exit() -> None:

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from lightning_pipedream.runtime.faults.ending import end_run
+from lightning_pipedream.runtime.faults.ending import end_run, exit_without_final_collections
 from lightning_pipedream.runtime.faults.errors import PeerFailedError, posted_error
 from lightning_pipedream.runtime.faults.flight import (
     PipelineTimeoutError,
@@ -128,8 +128,11 @@ def pipeline_failures(stage: int | None, waiting: str | None = None, peers: tupl
                 _record(err, cause)
                 raise PeerFailedError(cause) from err
             _record(err, cause)
+            # The peer's reason is the whole story: the closed connection or the cut-short wait that brought it here
+            # follows from it, and printed first (as a chained cause) it would read as this rank's error. The
+            # flight recorder keeps this rank's last actions.
             raise PeerFailedError(f"{cause} (this rank, {flight.rank}{_stage_clause(stage)}, stopped because of it)"
-                                  ) from err
+                                  ) from None
         except Exception as err:
             end_run(_own_failure(stage, err, during))
             _record(err)
@@ -186,6 +189,7 @@ def from_rank_zero(what: str, compute: Callable[[], T]) -> T:
 def report_failure(err: BaseException, stage: int | None) -> None:
     """For an error raised outside the pipeline's work (a callback, a checkpoint's write): tell every peer why this
     rank stops, unless a pipeline failure already did (call it from the strategy's ``on_exception``)."""
+    exit_without_final_collections()
     if isinstance(err, PeerFailedError) or getattr(err, "_flight_recorded", False) or isinstance(
             err, (KeyboardInterrupt, SystemExit)):
         return
@@ -200,7 +204,8 @@ def report_failure(err: BaseException, stage: int | None) -> None:
 
 
 def _record(err: BaseException, cause: str | None = None) -> None:
-    """Write the flight recorder for ``err``, once, and say where in the log."""
+    """Write the flight recorder for ``err``, once, and say where in the log; the process exits promptly."""
+    exit_without_final_collections()
     if getattr(err, "_flight_recorded", False):
         return
     path = recorder().dump(cause or f"{type(err).__name__}: {err}")
