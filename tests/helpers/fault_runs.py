@@ -10,7 +10,9 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import zygote
 from script_runs import free_port, script_env
 
 HANG_TRAINER = Path(__file__).resolve().parents[1] / "scripts" / "hang_trainer.py"
@@ -100,7 +102,7 @@ def run_many(runs: list[tuple[Path, dict, dict[int, float]]], world: int = 2, li
     describes; returns each run's ranks. Every rank of every run must end within ``limit`` s (a hung one is killed,
     with its session, and fails the test). Each rank's stderr goes to a file (a stopped rank would hold a pipe)."""
     started = time.monotonic()
-    procs: dict[tuple[int, int], subprocess.Popen] = {}
+    procs: dict[tuple[int, int], Any] = {}
     ended: dict[tuple[int, int], float] = {}
     ports = [free_port() for _ in runs]
     for out, _, _ in runs:
@@ -123,15 +125,22 @@ def run_many(runs: list[tuple[Path, dict, dict[int, float]]], world: int = 2, li
     finally:
         for proc in procs.values():
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+                proc.kill_group()
                 proc.wait()
     return [[RankRun(procs[i, r].returncode, (out / f"stderr_rank{r}.txt").read_text(), ended[i, r])
              for r in range(world)] for i, (out, _, _) in enumerate(runs)]
 
 
-def _start_rank(out: Path, options: dict, rank: int, world: int, port: int) -> subprocess.Popen:
+def _start_rank(out: Path, options: dict, rank: int, world: int, port: int) -> Any:
+    """One rank of setup_fault_trainer.py, as a fork of this worker's zygote (tests/helpers/zygote.py) when there is
+    one, or else a process of its own; either answers poll(), returncode and kill_group()."""
     env = script_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0",
                      WORLD_SIZE=str(world), GLOO_SOCKET_IFNAME="lo", LIGHTNING_PIPEDREAM_FLIGHT_RECORDER=str(out / "flight"))
-    with (out / f"stderr_rank{rank}.txt").open("w") as err:
-        return subprocess.Popen([sys.executable, str(SETUP_FAULT_TRAINER), str(out), json.dumps(options)], cwd=out,
-                                env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+    argv = [sys.executable, str(SETUP_FAULT_TRAINER), str(out), json.dumps(options)]
+    with (out / f"stderr_rank{rank}.txt").open("w") as err, open(os.devnull, "r+") as null:
+        child = zygote.start(argv, out, env, (null.fileno(), null.fileno(), err.fileno()))
+        if child is not None:
+            return child
+        proc = subprocess.Popen(argv, cwd=out, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+        proc.kill_group = lambda: os.killpg(proc.pid, signal.SIGKILL)  # type: ignore[attr-defined]
+        return proc
