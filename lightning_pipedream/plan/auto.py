@@ -38,7 +38,7 @@ from lightning_pipedream.plan.shards import (
 )
 from lightning_pipedream.plan.topology import Topology
 from lightning_pipedream.schedule.actions import Layout, Schedule
-from lightning_pipedream.schedule.builders import build_schedule
+from lightning_pipedream.schedule.builders import V_CHUNKS, build_schedule, least_chunks, rank_stages, stage_rank
 from lightning_pipedream.schedule.simulate import simulate
 from lightning_pipedream.schedule.specs import SCHEDULES, spec_of
 
@@ -245,13 +245,16 @@ class _Search:
                          for s in range(p)]
 
     def interleaved_splits(self, replicas: tuple[int, ...], chunks: int, v: int, least: bool = False,
-                           shard: str | None = None) -> list[tuple[list[int], list[bool]]]:
+                           shard: str | None = None, schedule: str = "interleaved"
+                           ) -> list[tuple[list[int], list[bool]]]:
         """Splits into ``ranks x v`` model chunks to try: the one minimising the slowest chunk, chunks cut at equal
         shares of the time, and equal layer counts with the remainder on the earlier chunks (which evens out each
-        rank's sum). Recompute on every chunk of a rank that needs it (``least``: of a rank it lowers the peak of)."""
+        rank's sum). Recompute on every chunk of a rank that needs it (``least``: of a rank it lowers the peak of).
+        ``schedule`` places the chunks (interleaved: stage s on rank s % ranks; zb-v, dualpipev: in a V)."""
         p = len(replicas)
         ranks = self.ranks_of(replicas)
-        t_plain = [self.time_tables(replicas[s % p], self.group_bandwidth(ranks[s % p]), chunks, shard)[0]
+        rank_of = [stage_rank(schedule, p, s) for s in range(p * v)]
+        t_plain = [self.time_tables(replicas[rank_of[s]], self.group_bandwidth(ranks[rank_of[s]]), chunks, shard)[0]
                    for s in range(p * v)]
         found = minmax_split(t_plain, self.ranges.cuttable)
         if found is None:
@@ -268,15 +271,15 @@ class _Search:
         for balance in balances:
             sizes = self.sizes(balance)
             if least:  # recompute where it lowers the rank's peak (sharded, its replay gathers the whole chunk)
-                plain, again = (self.memory_of("interleaved", sizes, replicas, chunks, v, [rc] * (p * v), shard)
+                plain, again = (self.memory_of(schedule, sizes, replicas, chunks, v, [rc] * (p * v), shard)
                                 for rc in (False, True))
-                out.append((balance, [again[s % p].predicted_peak_bytes < plain[s % p].predicted_peak_bytes
+                out.append((balance, [again[rank_of[s]].predicted_peak_bytes < plain[rank_of[s]].predicted_peak_bytes
                                       for s in range(p * v)]))
                 continue
             flags = [False] * (p * v)
-            for rank, m in enumerate(self.memory_of("interleaved", sizes, replicas, chunks, v, flags, shard)):
+            for rank, m in enumerate(self.memory_of(schedule, sizes, replicas, chunks, v, flags, shard)):
                 if m.predicted_peak_bytes > self.limit:
-                    for s in range(rank, p * v, p):
+                    for s in rank_stages(schedule, p, rank, v):
                         flags[s] = True
             out.append((balance, flags))
         return out
@@ -318,7 +321,7 @@ class _Search:
         fwd, bwd, weight, send, syncs = [], [], [], [], []
         for s in range(p * v):
             i, j = int(bounds[s]), int(bounds[s + 1]) - 1
-            rank = s % p
+            rank = stage_rank(schedule, p, s)
             f, b = float(r.forward[i, j]), float(r.backward[i, j])
             fwd.append(f / chunks + self.overhead)
             bwd.append((b + (f if recompute[s] else 0.0)) / chunks + self.overhead)
@@ -332,8 +335,8 @@ class _Search:
             gather = float(ring_half_seconds(float(r.params[i, j]), replicas[rank], bandwidth)) if gathers else 0.0
             fwd[-1] += gather
             bwd[-1] += gather * max(0, gathers - 1)
-            nxt = (s + 1) % p
             last = s == p * v - 1
+            nxt = rank if last else stage_rank(schedule, p, s + 1)
             send.append(0.0 if last or nxt == rank else float(r.output[0, j]) / chunks / self.link(ranks, rank, nxt))
         d = replicas[0]
         if spec.unequal_replicas and max(replicas) > 1:
@@ -342,8 +345,10 @@ class _Search:
                               allreduce_bandwidth=1.0, check=False)
             self.simulated += 1
             return result.step_time / d  # a step admits one minibatch per replica of the input stage
-        rounds = [float(ring_allreduce_seconds(a, replicas[s % p], 1.0)) for s, a in enumerate(syncs)]
-        per_rank = [sum(rounds[rank::p]) for rank in range(p)]  # interleaved: each of a rank's chunks its own
+        rounds = [float(ring_allreduce_seconds(a, replicas[stage_rank(schedule, p, s)], 1.0))
+                  for s, a in enumerate(syncs)]
+        # several chunks per rank: each of them its own
+        per_rank = [sum(rounds[s] for s in rank_stages(schedule, p, rank, v)) for rank in range(p)]
         if spec.two_weight_versions:  # 2bw all-reduces each minibatch's coalesced gradients
             bwd = [x + a / chunks for x, a in zip(bwd, rounds)]
         result = simulate(self.built(schedule, p, chunks, v), fwd, bwd, activation_bytes=send, bandwidth=1.0,
@@ -356,9 +361,11 @@ class _Search:
 
     def candidate(self, schedule: str, replicas: tuple[int, ...], chunks: int, v: int,
                   fixed: list[int] | None, least: bool = False, shard: str | None = None) -> Candidate | None:
+        if chunks < least_chunks(schedule, len(replicas)):
+            return None  # dualpipev: at least 2 micro-batches per rank
         self.considered += 1
         if v > 1:
-            options = self.interleaved_splits(replicas, chunks, v, least, shard)
+            options = self.interleaved_splits(replicas, chunks, v, least, shard, schedule)
         else:
             found = (self.least_memory if least else self.split)(schedule, replicas, chunks, fixed, shard)
             options = [] if found is None else [found]
@@ -464,12 +471,7 @@ def auto_plan(
         raise ValueError(f"max_chunks must be a whole number >= 1, got {max_chunks!r}.")
     if not microbatch_overhead_s >= 0:
         raise ValueError(f"microbatch_overhead_s must be >= 0 seconds, got {microbatch_overhead_s!r}.")
-    # The V schedules (zb-v, dualpipev) are not weighed yet: their memory model is still to write.
-    names = [n for n in SCHEDULES if not spec_of(n).v_shape] if schedules is None else [
-        spec_of(name).name for name in schedules]
-    if any(spec_of(name).v_shape for name in names):
-        raise ValueError(f"The planner does not weigh the V schedules yet; plan with another schedule, not "
-                         f"{', '.join(n for n in names if spec_of(n).v_shape)}.")
+    names = list(SCHEDULES) if schedules is None else [spec_of(name).name for name in schedules]
     if exact:
         refused = [name for name in names if not spec_of(name).exact]
         if schedules is not None and refused:
@@ -560,7 +562,7 @@ def _shapes(profile: Profile, topology: Topology, names: list[str],
             if unequal and not spec.unequal_replicas:
                 continue
             if spec.virtual_stages:
-                v = INTERLEAVED_VIRTUAL_STAGES
+                v = V_CHUNKS if spec.v_shape else INTERLEAVED_VIRTUAL_STAGES
                 if p < 2 or p * v > stages_possible or unequal:
                     continue
                 out.append((name, replicas, v, None))
@@ -638,9 +640,10 @@ def _to_plan(search: _Search, c: Candidate, runner_up: Candidate | None) -> Plan
     stages = []
     for s in range(len(c.balance)):
         i, j = int(bounds[s]), int(bounds[s + 1]) - 1
-        rep = c.replicas[s % p]
+        rank = stage_rank(c.schedule, p, s)
+        rep = c.replicas[rank]
         f, b = float(r.forward[i, j]), float(r.backward[i, j])
-        sync = float(_sync_seconds(np.asarray(float(r.params[i, j])), rep, search.group_bandwidth(ranks[s % p]),
+        sync = float(_sync_seconds(np.asarray(float(r.params[i, j])), rep, search.group_bandwidth(ranks[rank]),
                                    c.chunks, c.shard, spec_of(c.schedule).splits_backward))
         stages.append(StagePlan(
             layers=names[i : j + 1], replicas=rep, compute_s=(f + b) / rep, forward_s=f / rep, allreduce_s=sync / rep,
@@ -653,7 +656,7 @@ def _to_plan(search: _Search, c: Candidate, runner_up: Candidate | None) -> Plan
         "predicted_peak_bytes": [m.predicted_peak_bytes for m in c.memory],
         "memory": [m.to_json() for m in c.memory],
     }
-    if c.virtual_stages > 1:  # the stages are the model chunks, chunk c of rank r being stage c * ranks + r
+    if c.virtual_stages > 1:  # the stages are the model chunks (interleaved: chunk c of rank r is stage c * ranks + r)
         extra["virtual_stages"] = c.virtual_stages
         extra["chunk_stages"] = True
     if search.memory_limit is not None:

@@ -35,7 +35,8 @@ def can_shard(schedule: str, replicas: Sequence[int]) -> bool:
     zb-h1, interleaved with any number of model chunks, each its own FSDP2 root), what ``check_shard`` and the
     strategy accept."""
     equal = len(set(replicas)) == 1 and replicas[0] >= 2
-    return equal and not spec_of(schedule).asynchronous
+    spec = spec_of(schedule)
+    return equal and not spec.asynchronous and not spec.v_shape  # the V schedules' chunks are not sharded yet
 
 
 def gathered_bytes(shard: str | None, layer_parameters: Sequence[float], parameters: float,

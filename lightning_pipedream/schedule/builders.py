@@ -438,11 +438,16 @@ def _receive_in_send_order(actions: list[list[Action]]) -> tuple[tuple[Action, .
 def _check_v(name: str, num_ranks: int, chunks: int, virtual_stages: int) -> None:
     _check_stages(num_ranks)
     check_schedule_options(name, chunks, virtual_stages=virtual_stages)
-    if name == "dualpipev" and chunks < 2 * num_ranks:
+    if chunks < least_chunks(name, num_ranks):
         raise ValueError(
             f"schedule='dualpipev' needs at least 2 x ranks = {2 * num_ranks} micro-batches per step, got "
             f"chunks={chunks}: raise chunks to {2 * num_ranks} or more, or use schedule='zb-v'."
         )
+
+
+def least_chunks(schedule: str, num_ranks: int) -> int:
+    """The fewest micro-batches per step ``schedule`` runs on ``num_ranks`` ranks: 2 per rank for dualpipev, else 1."""
+    return 2 * num_ranks if schedule == "dualpipev" else 1
 
 
 def _v_schedule(name: str, num_ranks: int, chunks: int, order_of: Callable[[int, int, int], list]) -> Schedule:

@@ -147,6 +147,10 @@ class PipelineOptions:
                              f"schedule='auto'; schedule={self.schedule!r} is fixed. Use schedule='auto' (with "
                              "memory_limit=), or choose shard='full', 'grad_op' or None yourself.")
         spec = self.spec
+        if spec.v_shape:
+            raise ValueError(f"shard={self.shard!r} does not combine with schedule={self.schedule!r} yet (two model "
+                             "chunks per process in a V). Use schedule='zb-h1' or 'interleaved' with shard=, or "
+                             "shard=None.")
         check_shard(self.shard, self.schedule, asynchronous=spec.asynchronous, replicas=(2, 2))
         unequal = self.replicas is not None and (len(set(self.replicas)) != 1 or self.replicas[0] < 2)
         if unequal or not self.straight:

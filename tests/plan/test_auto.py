@@ -41,12 +41,32 @@ def test_without_a_limit_two_data_parallel_replicas_win():
     assert [m.sync_working for m in c.memory] == [4000]
 
 
+ONE_CHUNK_PER_WORKER = ["gpipe", "1f1b", "zb-h1"]  # the exact schedules with one model chunk per worker
+
+
 def test_a_tight_limit_gives_more_stages():
-    result = plan(8999)  # one stage needs 8000 bytes of weights and gradients plus at least 1000 of activations
-    assert len(result.chosen.replicas) == 2
+    result = plan(8999, schedules=ONE_CHUNK_PER_WORKER)  # one stage needs 8000 bytes of weights and gradients plus
+    assert len(result.chosen.replicas) == 2  # at least 1000 of activations
     assert result.chosen.balance == (2, 2)
     assert result.chosen.peak_bytes <= 8999
     assert result.runner_up is not None and result.runner_up.shape != result.chosen.shape
+
+
+def test_the_v_schedules_are_weighed_with_their_two_chunks_per_worker():
+    """With a V schedule allowed, 4 chunks of one layer on 2 workers: zb-v's step (6.25 s: 6 s of work, a quarter
+    second of bubble) beats zb-h1's on 2 stages (6.5 s) and dualpipev's (as fast, more activations), within the limit.
+    Its memory: worker 0 holds stages 0 and 3, worker 1 stages 1 and 2, each 2000 bytes of weights and 2000 of
+    gradients, and the activations of the chunk micro-batches its own action list keeps."""
+    result = plan(8999)
+    c = result.chosen
+    assert (c.schedule, c.balance, c.chunks, c.virtual_stages) == ("zb-v", (1, 1, 1, 1), 4, 2)
+    assert c.time_per_minibatch == pytest.approx(6.25)
+    assert [m.chunks for m in c.memory] == [(0, 3), (1, 2)]
+    assert [m.parameters for m in c.memory] == [2000, 2000]
+    assert c.peak_bytes <= 8999
+    assert result.runner_up is not None and result.runner_up.schedule == "dualpipev"
+    assert plan(8999, schedules=["zb-h1"]).chosen.time_per_minibatch == pytest.approx(6.5)
+    assert result.plan.schedule == "zb-v" and result.plan.extra["virtual_stages"] == 2 and result.plan.num_workers == 2
 
 
 def test_a_tighter_limit_gives_recompute_where_it_is_needed():

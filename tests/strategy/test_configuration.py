@@ -119,6 +119,9 @@ def test_an_unknown_transport_is_refused_when_the_strategy_is_built() -> None:
     ({"schedule": "1f1b", "replicas": [2, 1], "shard": "full"}, "it does not combine with unequal replicas= or "
                                                                 "straight=False yet (equal replicas=[d] * stages"),
     ({"schedule": "1f1b", "shard": "half"}, "shard='half' is not a sharding mode"),
+    ({"schedule": "zb-v", "shard": "full"}, "shard='full' does not combine with schedule='zb-v' yet (two model chunks "
+                                            "per process in a V). Use schedule='zb-h1' or 'interleaved' with shard=, "
+                                            "or shard=None."),
 ])
 def test_what_sharding_cannot_run_is_refused_when_the_strategy_is_built(options: dict, message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
