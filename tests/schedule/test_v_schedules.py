@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
-from lightning_pipedream.schedule.actions import Op, v_rank
+from lightning_pipedream.schedule.actions import Op, Schedule, v_rank
 from lightning_pipedream.schedule.builders import build_schedule, check_schedule_options, inference
 from lightning_pipedream.schedule.check import validate
 from lightning_pipedream.schedule.simulate import simulate
@@ -38,14 +40,21 @@ def _torch_order(cls_name: str, p: int, m: int, rank: int) -> list[tuple[str, in
     return out
 
 
+@functools.cache
+def _validated(name: str, p: int, m: int) -> Schedule:
+    schedule = build_schedule(name, p, m)
+    validate(schedule)
+    return schedule
+
+
 def _our_order(name: str, p: int, m: int, rank: int) -> list[tuple[str, int, int]]:
-    actions = build_schedule(name, p, m).actions[rank]
+    actions = _validated(name, p, m).actions[rank]
     return [(a.op.value, a.stage, a.microbatch) for a in actions if a.op.is_compute]
 
 
 @pytest.mark.parametrize("p", [2, 3, 4, 8])
 def test_per_rank_orders_agree_with_torch(p: int) -> None:
-    for m in sorted({1, 2, p, 2 * p - 1, 2 * p, 2 * p + 1, 3 * p, 4 * p + 3}):
+    for m in sorted({1, 2, p, 2 * p - 1, 2 * p, 2 * p + 1, 3 * p + 1}):
         for rank in range(p):
             assert _our_order("zb-v", p, m, rank) == _torch_order("ScheduleZBVZeroBubble", p, m, rank), (p, m, rank)
             if m >= 2 * p and hasattr(schedules, "ScheduleDualPipeV"):
@@ -53,8 +62,9 @@ def test_per_rank_orders_agree_with_torch(p: int) -> None:
 
 
 def test_every_size_is_valid_and_in_a_v() -> None:
-    for p in range(1, 9):
-        for m in range(1, 25):
+    """Every size up to 6 ranks and 16 micro-batches (8 ranks: see the torch comparison, validated there too)."""
+    for p in range(1, 7):
+        for m in range(1, 17):
             names = ["zb-v"] + (["dualpipev"] if m >= 2 * p else [])
             for name in names:
                 s = build_schedule(name, p, m)
