@@ -109,7 +109,7 @@ def call_signature(args: tuple, kwargs: dict[str, Any] | None = None) -> tuple:
 
 
 def capture(module: nn.Module, args: tuple = (), kwargs: dict[str, Any] | None = None,
-            through: str | None = None, *, cache: bool = True) -> CapturedGraph:
+            through: str | None = None, *, cache: bool = True, on_meta: bool = False) -> CapturedGraph:
     """Trace ``module(*args, **kwargs)`` into a functional graph, in the module's current train/eval mode.
 
     ``through``: trace the call of that submodule instead of ``module.forward`` (whose own code may not
@@ -128,8 +128,14 @@ def capture(module: nn.Module, args: tuple = (), kwargs: dict[str, Any] | None =
     ``cache``: a module of the same structure (classes and their forward code, parameter and buffer names,
     shapes and dtypes, modes, plain attributes) captured for the same call signature before, in this process,
     is not traced again (see :func:`structure_key`); the graph reads the module's own weights when it runs.
+
+    ``on_meta``: trace with every parameter, buffer and argument on the meta device (shapes only: a model built on
+    meta, or one whose other stages' weights this process never holds), then point the graph's device arguments
+    (``arange(..., device=)``, ``.to(device)``) at the device of the call's own tensors, where the stages run.
     """
     args, kwargs = tuple(args), dict(kwargs or {})
+    if on_meta:
+        return _capture_on_meta(module, args, kwargs, through, cache)
     key = structure_key(module, args, kwargs, through) if cache else None
     hit = _CACHE.get(key) if key is not None else None
     if hit is not None:
@@ -170,6 +176,62 @@ def capture(module: nn.Module, args: tuple = (), kwargs: dict[str, Any] | None =
         while len(_CACHE) > CACHE_SIZE:
             _CACHE.popitem(last=False)
     return captured
+
+
+def _capture_on_meta(module: nn.Module, args: tuple, kwargs: dict[str, Any], through: str | None,
+                     cache: bool) -> CapturedGraph:
+    devices = [t.device for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    device = devices[0] if devices else torch.device("cpu")
+    to_meta = functools.partial(pytree.tree_map_only, torch.Tensor, lambda t: t.to("meta"))
+    with _state_on_meta(module):
+        captured = capture(module, to_meta(args), to_meta(kwargs), through, cache=False)
+    made = [name for node, (kind, name) in captured.state.items() if kind == "constant"
+            and captured.constants[name].is_meta]
+    if made:
+        raise GraphCaptureError(
+            f"{type(module).__name__}.forward makes tensor constants {made[:4]} whose values a trace on the meta "
+            "device cannot know. Register them as buffers (their module's reset_parameters() sets them), or build "
+            "the model on a real device."
+        )
+    _point_devices(captured.graph, device)
+    captured.signature = call_signature(args, kwargs)
+    return captured
+
+
+@contextmanager
+def _state_on_meta(module: nn.Module) -> Iterator[None]:
+    """Every parameter and buffer of ``module`` replaced by a meta tensor of its shape (tied ones stay tied) for
+    the duration, then put back: what the trace sees of the weights is their shapes."""
+    saved: list[tuple[nn.Module, dict, str, Any]] = []
+    made: dict[int, Any] = {}
+    for sub in module.modules():
+        for table in (sub._parameters, sub._buffers):
+            for leaf, value in table.items():
+                if value is None or value.is_meta:
+                    continue
+                if id(value) not in made:
+                    meta = torch.empty_like(value, device="meta")
+                    made[id(value)] = nn.Parameter(meta, value.requires_grad) if isinstance(value, nn.Parameter) \
+                        else meta
+                saved.append((sub, table, leaf, value))
+                table[leaf] = made[id(value)]
+    try:
+        yield
+    finally:
+        for _, table, leaf, value in saved:
+            table[leaf] = value
+
+
+def _point_devices(graph: torch.fx.Graph, device: torch.device) -> None:
+    """Replace the meta device in the graph's arguments (factory functions, copies, metadata asserts) by
+    ``device``."""
+    def fix(value: Any) -> Any:
+        return device if isinstance(value, torch.device) and value.type == "meta" else value
+
+    for node in graph.nodes:
+        if node.op == "call_function":
+            node.args = pytree.tree_map(fix, node.args)
+            node.kwargs = pytree.tree_map(fix, node.kwargs)
 
 
 CACHE_SIZE = 16  # captures kept per process (each holds a graph and its shape metadata, not the weights)

@@ -6,18 +6,22 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 
-from lightning_pipedream.graph import GraphCaptureError
+from lightning_pipedream.graph import GraphCaptureError, GraphSplit
+from lightning_pipedream.graph.estimate import estimate_graph
 from lightning_pipedream.runtime.communication.microbatch import batch_size, split
 from lightning_pipedream.runtime.faults.failures import from_rank_zero
 from lightning_pipedream.runtime.stages.graph_stage import CapturedStage
+from lightning_pipedream.runtime.stages.materialize import has_meta_tensors
 from lightning_pipedream.schedule.builders import rank_stages, stage_rank
 from lightning_pipedream.strategy.batches import EVALUATION_LOOP, STEP_OF, batch_shapes, first_batch
 from lightning_pipedream.strategy.calls import ForwardCall, SubmoduleCall, innermost_called_module
 from lightning_pipedream.strategy.options import PipelineOptions
 from lightning_pipedream.strategy.placement import Placement
+from lightning_pipedream.strategy.pretrained import StageWeights
 
 log = logging.getLogger("lightning_pipedream.strategy")
 
@@ -27,14 +31,16 @@ class GraphPath:
     shapes (or a train/eval mode) not seen yet. Owned by the strategy for a module that is not one nn.Sequential."""
 
     def __init__(self, options: PipelineOptions, placement: Placement, is_global_zero: bool,
-                 batch_to_device: Callable[[Any], Any]) -> None:
+                 batch_to_device: Callable[[Any], Any], device: torch.device | None = None) -> None:
         self.options = options
+        self.device = device if device is not None else torch.device("cpu")  # where a meta-built stage materializes
         self.placement = placement
         self.is_global_zero = is_global_zero
         self.batch_to_device = batch_to_device
         self.call: ForwardCall = ForwardCall()  # SubmoduleCall when only a submodule's forward can be traced
         self.graph: CapturedStage | None = None
         self.plan: Any = None  # the partitioner's plan, when split points were chosen by profiling
+        self.weights: StageWeights | None = None  # a meta-built module's per-stage materialization
         self._inputs_seen: set[tuple] = set()
 
     @property
@@ -83,6 +89,15 @@ class GraphPath:
         points = list(options.split_points) if options.split_points is not None else None
         captured = None
         total = placement.num_stages * options.virtual_stages  # model chunks in all
+        # Built on the meta device: traced from shapes, split by a FLOP estimate, this rank's stages alone materialized.
+        on_meta = has_meta_tensors(module)
+        self.weights = StageWeights(options, module, self.device) if on_meta else None
+        if not on_meta and options.pretrained is not None:
+            raise ValueError(
+                f"PipeDreamStrategy(pretrained=...) loads each stage's weights into a model built on the meta device, "
+                f"but {type(module).__name__} was built with real weights. Build it in configure_model (or under "
+                "trainer.init_module(empty_init=True)), or load the weights yourself and drop pretrained=."
+            )
         if points is None:
             on_rank_zero: dict[str, Any] = {}  # what rank 0 keeps of its work besides the points: the graph, the plan
 
@@ -90,18 +105,20 @@ class GraphPath:
                 from lightning_pipedream.graph import capture
                 from lightning_pipedream.graph.split_points import choose_split_points
 
-                on_rank_zero["captured"] = captured = capture(module, args, kwargs)
+                on_rank_zero["captured"] = captured = capture(module, args, kwargs, on_meta=on_meta)
+                estimate = estimate_graph(captured) if on_meta else None  # no weights to time: FLOPs of the shapes
                 chosen, on_rank_zero["plan"] = choose_split_points(captured, module, args, kwargs, total,
-                                                                   bandwidth=options.link_bandwidth)
-                log.info("PipeDreamStrategy split points (%d stages, schedule=%s): %s", total,
-                         options.schedule, chosen)
+                                                                   profile=estimate, bandwidth=options.link_bandwidth)
+                log.info("PipeDreamStrategy split points (%d stages, schedule=%s, from %s): %s", total,
+                         options.schedule, "a FLOP estimate of the meta model's shapes" if on_meta
+                         else "profiling each layer", chosen)
                 return chosen
 
             points = from_rank_zero(f"split {type(module).__name__} into stages", choose)
             captured, self.plan = on_rank_zero.get("captured"), on_rank_zero.get("plan")
         if options.split_points is None:
             self.graph = CapturedStage(module, placement.stage_index, total, points, args, kwargs, captured,
-                                       **self._chunk_layout())
+                                       on_meta=on_meta, prepare=self._prepare, **self._chunk_layout())
         else:
             self.graph = self._stage_of_split_points(module, hook, part, args, kwargs)
         self._inputs_seen = {(module.training, batch_shapes(part))}
@@ -119,8 +136,10 @@ class GraphPath:
         assert self.options.split_points is not None
         points = list(self.options.split_points)
         stage_index, num_stages = self.placement.stage_index, self.placement.num_stages * self.options.virtual_stages
+        on_meta = self.weights is not None
         try:
-            return CapturedStage(module, stage_index, num_stages, points, args, kwargs, **self._chunk_layout())
+            return CapturedStage(module, stage_index, num_stages, points, args, kwargs, on_meta=on_meta,
+                                 prepare=self._prepare, **self._chunk_layout())
         except GraphCaptureError as untraceable:
             through = innermost_called_module(module, points, hook, part, 0)
             if through is None:
@@ -139,7 +158,12 @@ class GraphPath:
             self.call = SubmoduleCall(through)
             args, kwargs = self.call.input_of(module, hook, part, 0)
             return CapturedStage(module, stage_index, num_stages, points, args, kwargs, through=through,
-                                 **self._chunk_layout())
+                                 on_meta=on_meta, prepare=self._prepare, **self._chunk_layout())
+
+    def _prepare(self, split: GraphSplit, stages: list[int]) -> None:
+        """A meta-built module: materialize (and load) this rank's stages' tensors before the stages take them."""
+        if self.weights is not None:
+            self.weights.of_split(split, stages)
 
     def ensure_captured(self, module: LightningModule, hook: str, parts: list[Any] | tuple[Any, ...],
                         *step_args: Any, **step_kwargs: Any) -> None:

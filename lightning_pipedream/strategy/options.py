@@ -50,8 +50,15 @@ class PipelineOptions:
     # data-parallel pipelines: each stage's replicas shard it (runtime/stages/sharding.py); schedule='auto' also takes
     # "auto" (the planner weighs whole against sharded replicas under memory_limit, plan/shards.py)
     shard: str | None = None
+    # a model built on the meta device: each rank reads its stage's tensors from this checkpoint (strategy/pretrained)
+    pretrained: str | os.PathLike | None = None
+    pretrained_prefix: str | None = None  # prepended to the checkpoint's keys; None: found from the names
 
     def __post_init__(self) -> None:
+        if self.pretrained is not None and not os.path.exists(self.pretrained):
+            from lightning_pipedream.runtime.stages.loading import FORMATS
+
+            raise ValueError(f"pretrained={str(self.pretrained)!r} does not exist. Give {FORMATS}.")
         if self.transport is not None:
             transport_kind(self.transport)  # an unknown name is refused here, with the choices
         if self.shard is not None:

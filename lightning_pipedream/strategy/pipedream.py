@@ -182,6 +182,7 @@ class PipeDreamStrategy(DDPStrategy):
         minibatches_per_batch: int = 1,
         transport: str | None = None,
         shard: str | None = None,
+        pretrained: str | os.PathLike | None = None, pretrained_prefix: str | None = None,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -197,6 +198,7 @@ class PipeDreamStrategy(DDPStrategy):
             tuple_or_none(replicas), check_finite, straight, virtual_stages,
             tuple(recompute) if isinstance(recompute, (list, tuple)) else recompute, keep_freed_memory, mean_over,
             memory_limit, exact, on_divergence, divergence_factor, minibatches_per_batch, transport, shard,
+            pretrained, pretrained_prefix,
         )
         if start_method != "popen":
             # spawn/fork launchers copy only rank 0's weights back to the main process: wrong for a pipeline.

@@ -22,8 +22,7 @@ from lightning_pipedream.graph.split import get_path
 from lightning_pipedream.plan.balance import stage_slice
 from lightning_pipedream.runtime.communication.transport import Transport
 from lightning_pipedream.runtime.execution.engine import PipelineEngine
-from lightning_pipedream.runtime.faults.failures import from_rank_zero
-from lightning_pipedream.runtime.stages.materialize import has_meta_tensors, materialize
+from lightning_pipedream.runtime.stages.materialize import has_meta_tensors
 from lightning_pipedream.runtime.stages.replicas import GradientReducer
 from lightning_pipedream.runtime.stages.sharding import (
     ShardedStep,
@@ -55,6 +54,7 @@ from lightning_pipedream.strategy.graph_path import GraphPath
 from lightning_pipedream.strategy.options import PipelineOptions
 from lightning_pipedream.strategy.placement import Placement, ProcessGroups
 from lightning_pipedream.strategy.planning import LayerPlanner
+from lightning_pipedream.strategy.pretrained import StageWeights
 from lightning_pipedream.strategy.summaries import LaggedFromSources, LaggedSummaries, SummaryChannel
 
 log = logging.getLogger(__name__)
@@ -352,8 +352,7 @@ class StagePipelineBuilder:
                 for key, path in here.items():
                     local_names[id(get_path(stage, path))] = f"{name}.{key}"
         else:
-            self._check_graph_path_supported(module)
-            graph = GraphPath(options, placement, ranks.is_global_zero, self.batch_to_device)
+            graph = GraphPath(options, placement, ranks.is_global_zero, self.batch_to_device, ranks.device)
             graph.split(trainer, module)
             call, stage, local_names = graph.call, graph.stage, graph.local_names()
             model_chunks = graph.chunks
@@ -382,16 +381,6 @@ class StagePipelineBuilder:
                                            per_layer=graph is None)
         return pipeline
 
-    def _check_graph_path_supported(self, module: LightningModule) -> None:
-        if has_meta_tensors(module):
-            raise ValueError(
-                f"{type(module).__name__} was built on the meta device (configure_model under "
-                "PipeDreamStrategy, or torch.device('meta')), which PipeDreamStrategy materializes per stage "
-                "only for a module whose layers are one nn.Sequential; this one's forward graph must be "
-                "traced with real weights. Put the layers in one nn.Sequential, or build the model on a "
-                "real device (in __init__)."
-            )
-
     def _keep_own_stage(self, module: LightningModule, layers: nn.Sequential,
                         placement: Placement) -> tuple[nn.Module, list[nn.Module]]:
         """Replace the other stages' layers by placeholders so this rank holds only its own; returns the stage and
@@ -404,13 +393,14 @@ class StagePipelineBuilder:
             OrderedDict((layer_name, layer) for chunk in model_chunks for layer_name, layer in chunk.named_children())
         )
         check_stage_trains(own, placement.stage_index, self.balance)
+        # Built on the meta device: real (or pretrained) weights for this stage only, checked against the whole.
+        weights = StageWeights(self.options, module, self.ranks.device) if has_meta_tensors(module) else None
         stage_of = [s for s, count in enumerate(self.balance) for _ in range(count)]
         for i, layer_name in enumerate(list(layers._modules)):
             if layer_name not in own._modules:
                 layers._modules[layer_name] = Elsewhere(layer_name, stage_of[i])
-        if has_meta_tensors(module):  # built on the meta device: real weights for this stage only
-            # Rank 0's initial seed initializes every layer: the weights do not depend on which rank holds a layer.
-            materialize(module, self.ranks.device, int(from_rank_zero("share its random seed", torch.initial_seed)))
+        if weights is not None:
+            weights.of_names(None)
         return own, model_chunks
 
 

@@ -80,12 +80,21 @@ class GraphBuiltInConfigureModel(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def test_the_graph_path_refuses_a_model_on_the_meta_device():
+def test_a_graph_path_module_built_on_the_meta_device_trains_with_the_weights_materialize_gives():
+    """configure_model runs on the meta device; the graph path traces the shapes and materializes the stage under
+    rank 0's seed (one process: the whole model), exactly as materialize() does."""
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=PipeDreamStrategy(schedule="1f1b"), max_steps=1,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=4)
-    with pytest.raises(ValueError, match=r"GraphBuiltInConfigureModel was built on the meta device .* only for a "
-                                         r"module whose layers are one nn.Sequential.*Put the layers in one "
-                                         r"nn.Sequential, or build the model on a real device"):
-        trainer.fit(GraphBuiltInConfigureModel(), data)
+    module = GraphBuiltInConfigureModel()
+    module.configure_optimizers = lambda: torch.optim.SGD(module.parameters(), lr=0.0)  # weights stay as built
+    trainer.fit(module, data)
+    stage = trainer.strategy._pipeline.stage
+    with torch.device("meta"):
+        expected = GraphBuiltInConfigureModel()
+        expected.configure_model()
+    materialize(expected, torch.device("cpu"), torch.initial_seed())
+    assert set(stage.state_dict()) == set(expected.state_dict())
+    for name, value in expected.state_dict().items():
+        torch.testing.assert_close(stage.state_dict()[name], value, rtol=0, atol=0)

@@ -8,7 +8,15 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from lightning_pipedream.graph import CapturedGraph, GraphStage, build_stages, call_signature, capture, split_graph
+from lightning_pipedream.graph import (
+    CapturedGraph,
+    GraphSplit,
+    GraphStage,
+    build_stages,
+    call_signature,
+    capture,
+    split_graph,
+)
 from lightning_pipedream.runtime.stages.ties import TiedParameters
 
 log = logging.getLogger("lightning_pipedream.graph")
@@ -41,9 +49,15 @@ class CapturedStage:
         *,
         chunks: Sequence[int] | None = None,
         rank_of_stage: Callable[[int], int] | None = None,
+        on_meta: bool = False,
+        prepare: Callable[[GraphSplit, list[int]], None] | None = None,
     ) -> None:
+        """``on_meta``: capture with shapes only (a model built on the meta device, see capture); ``prepare``: called
+        with the split and this rank's stage indices before the stages take their tensors from ``module`` (to
+        materialize and load them)."""
         self.through = through  # trace this submodule's call rather than the module's forward (see capture)
-        captured = captured if captured is not None else capture(module, args, kwargs, through)
+        self.on_meta = on_meta
+        captured = captured if captured is not None else capture(module, args, kwargs, through, on_meta=on_meta)
         self.capture_s, self.cached = captured.capture_s, captured.cached  # the first capture's cost, for the log
         if stage_index == 0:  # once per run, not once per rank
             log.info("Captured %s's forward call in %.2f s%s.", type(module).__name__, captured.capture_s,
@@ -58,6 +72,8 @@ class CapturedStage:
         self.split_points = list(split_points)
         self.stage_index = stage_index
         own = list(chunks) if chunks is not None else [stage_index]
+        if prepare is not None:
+            prepare(split, own)
         self.chunks: list[GraphStage] = build_stages(module, split, own)
         self.stage: nn.Module = self.chunks[0] if chunks is None else nn.ModuleList(self.chunks)
         self.ties = dict(split.ties)
@@ -104,7 +120,7 @@ class CapturedStage:
         key = (module.training, call_signature(args, kwargs))
         if key in self._captured:
             return
-        split = split_graph(capture(module, args, kwargs, self.through), self.split_points)
+        split = split_graph(capture(module, args, kwargs, self.through, on_meta=self.on_meta), self.split_points)
         for chunk in self.chunks:
             chunk.add_split(split)
         self._captured.add(key)

@@ -1,0 +1,121 @@
+"""Hugging Face models built on the meta device (configure_model) and loaded per stage with `pretrained=`, trained
+by a Trainer: `python meta_trainer.py --runs RUNS.json`.
+
+Each run writes, per rank, its stage's final tensors (``stage{rank}.pt``) and its resident-memory figures
+(``memory{rank}.json``: the peak above the process's imports from setup to the first training step, and the
+bytes of the whole model's weights) for the test to compare with one process that used ``from_pretrained``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))  # the libraries the tests share
+from script_runs import main_runs, refuse_unused, trainer_args, write_json  # noqa: E402
+
+from lightning_pipedream import PipeDreamStrategy
+
+
+def status_kb(field: str) -> int:
+    """A field of /proc/self/status in KiB (VmRSS, VmHWM)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def reset_peak() -> None:
+    """VmHWM := VmRSS, so that the peak counts from here (Linux >= 4.0)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+class TokenBatches:
+    """``count`` batches of ``size`` random sequences (a plain iterable: Lightning leaves it as it is)."""
+
+    def __init__(self, vocab: int, count: int, size: int, length: int) -> None:
+        generator = torch.Generator().manual_seed(7)
+        self.items = [(torch.randint(0, vocab, (size, length), generator=generator),) for _ in range(count)]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __iter__(self):
+        return iter(self.items)
+
+
+def lm_loss(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy, a mean over the tokens predicted."""
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                             input_ids[:, 1:].reshape(-1))
+
+
+class MetaLM(L.LightningModule):
+    """The model of ``config_dir`` built in configure_model (on the meta device under PipeDreamStrategy)."""
+
+    def __init__(self, config_dir: str, lr: float = 0.05) -> None:
+        super().__init__()
+        self.config_dir, self.lr = config_dir, lr
+        self.model: Any = None
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            from transformers import AutoConfig, AutoModelForCausalLM
+
+            self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.config_dir))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, use_cache=False).logits
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (input_ids,) = batch
+        return lm_loss(self(input_ids), input_ids)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def load_export() -> None:
+    """Import what torch.export loads on its first trace (tens of MiB of code and tables): imports, not weights."""
+    torch.export.export(torch.nn.Linear(2, 2), (torch.ones(1, 2),), strict=False).run_decompositions({})
+
+
+class PeakBeforeFirstStep(L.Callback):
+    """The resident peak from setup (imports done, torch.export's included) to the first training step, above the
+    resident size then."""
+
+    def __init__(self) -> None:
+        load_export()
+        self.base_kb = status_kb("VmRSS")
+        reset_peak()
+        self.peak_kb: int | None = None
+
+    def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self.peak_kb is None:
+            self.peak_kb = status_kb("VmHWM") - self.base_kb
+
+
+def train(out: str, options: dict[str, Any]) -> None:
+    os.makedirs(out, exist_ok=True)
+    torch.set_num_threads(1)
+    config_dir = options.pop("config_dir")
+    module = MetaLM(config_dir, options.pop("lr", 0.05))
+    peak = PeakBeforeFirstStep()
+    sizes = options.pop("data")  # [vocab, batches, batch size, sequence length]
+    trainer = L.Trainer(**trainer_args(devices=options.pop("devices"), max_epochs=options.pop("epochs", 2),
+                                       use_distributed_sampler=False, callbacks=[peak],
+                                       strategy=PipeDreamStrategy(**options.pop("strategy"))))
+    refuse_unused(options)
+    trainer.fit(module, TokenBatches(*sizes))
+    rank = trainer.global_rank
+    stage = trainer.strategy._pipeline.stage  # this rank's stage module: its tensors under the model's names
+    torch.save({k: v.detach().clone() for k, v in stage.state_dict().items()}, f"{out}/stage{rank}.pt")
+    write_json(f"{out}/memory{rank}.json", {"peak_before_first_step_bytes": (peak.peak_kb or 0) * 1024})
+
+
+if __name__ == "__main__":
+    main_runs(train)

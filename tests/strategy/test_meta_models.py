@@ -1,0 +1,88 @@
+"""Hugging Face models built on the meta device in configure_model, loaded per stage with `pretrained=`, trained on 4
+processes through the Trainer: the final weights equal one process that used `from_pretrained`, and no rank holds
+more than half the model before its first step. One launch runs both models (tests/scripts/meta_trainer.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from meta_trainer import TokenBatches, lm_loss
+from script_runs import run_script
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.multiprocess
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "meta_trainer.py"
+LR, EPOCHS = 0.05, 2
+# Llama large enough (350 MiB) that a stage's weights stand above what tracing and setting up costs a process (about
+# 45 MiB: the graph, its fake tensors, the modules configure_model imports); GPT-2 small
+# (its tied embedding is held by the first and last stages).
+MODELS = {
+    "llama": (lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=512, hidden_size=768, intermediate_size=4096, num_hidden_layers=8, num_attention_heads=12,
+        num_key_value_heads=4, max_position_embeddings=64)), [512, 2, 4, 8]),
+    "gpt2": (lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=128, n_embd=32, n_layer=4, n_head=2, n_positions=32, bos_token_id=0, eos_token_id=0,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),  # no dropout: the same steps as one process
+        [128, 2, 4, 8]),
+}
+
+
+def reference(model_dir: Path, data: list[int]) -> dict[str, torch.Tensor]:
+    """One process: from_pretrained, then the same SGD steps on whole batches."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    for _ in range(EPOCHS):
+        for (input_ids,) in TokenBatches(*data):
+            optimizer.zero_grad()
+            lm_loss(model(input_ids, use_cache=False).logits, input_ids).backward()
+            optimizer.step()
+    return model.state_dict()
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    base = tmp_path_factory.mktemp("meta")
+    runs = []
+    for name, (build, data) in MODELS.items():
+        torch.manual_seed(0)
+        # Llama's in several files (Hugging Face's sharded layout, with its index), GPT-2's in one.
+        build().save_pretrained(base / name / "hf", max_shard_size="1MB" if name == "llama" else "1GB")
+        runs.append([str(base / name / "pipe"), {
+            "config_dir": str(base / name / "hf"), "devices": 4, "data": data, "lr": LR, "epochs": EPOCHS,
+            "strategy": {"schedule": "1f1b", "chunks": 2, "pretrained": str(base / name / "hf")}}])
+    (base / "runs.json").write_text(json.dumps(runs))
+    run_script(SCRIPT, base, {"--runs": str(base / "runs.json")}, timeout=400)
+    return base
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_meta_built_pretrained_pipeline_trains_as_from_pretrained_on_one_process(trained, name):
+    expected = reference(trained / name / "hf", MODELS[name][1])
+    merged: dict[str, torch.Tensor] = {}
+    for rank in range(4):
+        for key, value in torch.load(trained / name / "pipe" / f"stage{rank}.pt").items():
+            key = key.removeprefix("model.")
+            if key in merged:  # a tied weight: every holder ends equal
+                torch.testing.assert_close(value, merged[key], rtol=1e-5, atol=1e-7)
+            merged[key] = value
+    if name == "gpt2":  # tied: the first stage's embedding and the last stage's head are one weight, trained alike
+        torch.testing.assert_close(merged["lm_head.weight"], merged["transformer.wte.weight"], rtol=0, atol=0)
+    assert set(merged) == set(expected)
+    initial = transformers.AutoModelForCausalLM.from_pretrained(trained / name / "hf").state_dict()
+    for key, value in expected.items():
+        # 1e-5 of the tensor's norm (the summation orders of 2 micro-batches and of one batch differ; ~1e-7 here)
+        assert (merged[key] - value).norm() <= 1e-5 * value.norm(), key
+    moved = max(float((expected[k] - initial[k]).norm() / initial[k].norm()) for k in expected if "weight" in k)
+    assert moved > 1e-3  # training changed the weights: equality is not two copies of the pretrained ones
+
+
+def test_no_rank_holds_more_than_half_the_model_before_its_first_step(trained):
+    model_bytes = sum(t.numel() * t.element_size() for t in MODELS["llama"][0]().state_dict().values())
+    peaks = [json.loads((trained / "llama" / "pipe" / f"memory{rank}.json").read_text())["peak_before_first_step_bytes"]
+             for rank in range(4)]
+    assert model_bytes > 300 * 2**20  # big enough that a whole copy would stand out
+    assert max(peaks) <= model_bytes / 2, (peaks, model_bytes)
