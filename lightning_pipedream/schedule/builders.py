@@ -450,6 +450,12 @@ def least_chunks(schedule: str, num_ranks: int) -> int:
     return 2 * num_ranks if schedule == "dualpipev" else 1
 
 
+def step_schedule(schedule: str, num_ranks: int, chunks: int) -> str:
+    """The schedule a step of ``chunks`` micro-batches runs as under ``schedule``: a dualpipev step of fewer than 2 per
+    rank (a smaller last batch) runs zb-v's order, on the same V of chunks and with the same result; else itself."""
+    return "zb-v" if spec_of(schedule).v_shape and chunks < least_chunks(schedule, num_ranks) else schedule
+
+
 def _v_schedule(name: str, num_ranks: int, chunks: int, order_of: Callable[[int, int, int], list]) -> Schedule:
     """A V-shape schedule from its per-rank compute orders: messages around each compute, the turn's
     kept on its rank, receives in send order, and one optimizer step per chunk at the end."""

@@ -147,3 +147,18 @@ def test_the_memory_model_counts_each_ranks_two_chunks_of_the_v() -> None:
         assert [m.chunks for m in interleaved] == [(0, 2), (1, 3)]
     zb_v = predict_memory(sizes, "zb-v", chunks=4, optimizer="sgd")
     assert zb_v[0].held == zb_v[1].held == 4  # 2P chunk micro-batches (P = 2), one stage's worth of 1F1B's stage 0
+
+
+def test_a_dualpipev_step_of_fewer_micro_batches_runs_zb_v_on_the_same_v() -> None:
+    """A smaller last batch (fewer than 2 micro-batches per rank) cannot run dualpipev's order: the engine runs that
+    step as zb-v, whose chunks and placement are the same."""
+    from torch import nn
+
+    from lightning_pipedream.runtime.execution.engine import PipelineEngine
+    from lightning_pipedream.schedule.builders import step_schedule
+
+    assert step_schedule("dualpipev", 2, 3) == "zb-v" and step_schedule("dualpipev", 2, 4) == "dualpipev"
+    assert step_schedule("zb-h1", 2, 1) == "zb-h1"
+    engine = PipelineEngine([nn.Linear(2, 2), nn.Linear(2, 2)], 0, 2, None, schedule="dualpipev", chunks=4)  # type: ignore[arg-type]
+    assert engine.step_actions() == list(build_schedule("dualpipev", 2, 4).actions[0])
+    assert engine.step_actions(micro_batches=3) == list(build_schedule("zb-v", 2, 3).actions[0])

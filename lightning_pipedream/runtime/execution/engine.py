@@ -24,8 +24,10 @@ from lightning_pipedream.schedule.builders import (
     rank_stages,
     replicated_pipedream_drain,
     replicated_pipedream_step,
+    step_schedule,
     two_bw_drain,
     two_bw_step,
+    v_virtual_stages,
 )
 from lightning_pipedream.schedule.specs import spec_of
 
@@ -90,6 +92,7 @@ class PipelineEngine:
         virtual_stages: int = 1,
         sharded_step: ShardedStep | None = None,
     ) -> None:
+        virtual_stages = v_virtual_stages(schedule, virtual_stages)  # a V schedule's default: its two chunks
         check_schedule_options(schedule, chunks, vertical_sync, virtual_stages=virtual_stages, recompute=recompute)
         layout = Layout.of(replicas, num_stages) if replicas is not None else None
         self.layout = layout if layout is not None and layout.is_replicated else None
@@ -191,9 +194,10 @@ class PipelineEngine:
         if self._flushed is not None:
             schedule = self._flushed
             if micro_batches is not None and micro_batches != self.chunks:
-                if micro_batches not in self._shorter:
+                if micro_batches not in self._shorter:  # (dualpipev below 2 per rank: zb-v's order, same V)
+                    name = step_schedule(self.schedule, self.num_stages, micro_batches)
                     self._shorter[micro_batches] = build_schedule(
-                        self.schedule, self.num_stages, micro_batches, virtual_stages=self.virtual_stages,
+                        name, self.num_stages, micro_batches, virtual_stages=self.virtual_stages,
                         replicas=None if self.layout is None else self.layout.replicas)
                 schedule = self._shorter[micro_batches]
             return list(schedule.actions[self.rank if self.layout is not None else self.stage.index])
