@@ -23,9 +23,11 @@ _LAZY = {
     "SCHEDULES": "lightning_pipedream.schedule.builders",
     "build_schedule": "lightning_pipedream.schedule.builders",
     "generate": "lightning_pipedream.strategy.generation",
+    "generates": "lightning_pipedream.strategy.generation",
 }
 
-__all__ = ["PipeDreamStrategy", "Pipeline", "SCHEDULES", "build_schedule", "generate", "__version__"]
+__all__ = ["PipeDreamStrategy", "Pipeline", "SCHEDULES", "build_schedule", "generate", "generates",
+           "__version__"]
 
 _LIGHTNING = "lightning.pytorch"
 _STRATEGY = "lightning_pipedream.strategy"  # registers its names with Lightning's StrategyRegistry on import

@@ -14,6 +14,7 @@ from lightning_pipedream.runtime.execution.shares import BatchShares
 from lightning_pipedream.schedule.actions import Action
 from lightning_pipedream.schedule.builders import inference
 from lightning_pipedream.strategy.batches import batch_args, merge_outputs
+from lightning_pipedream.strategy.generation import generating_step
 from lightning_pipedream.strategy.logs import LogRecorder
 from lightning_pipedream.strategy.options import PipelineOptions
 from lightning_pipedream.strategy.stage_pipeline import StagePipeline
@@ -27,6 +28,8 @@ def evaluate(pipeline: StagePipeline, module: LightningModule, hook: str, args: 
     """Run ``module``'s ``hook`` (``validation_step``, ``test_step``, ``predict_step``) on a batch through the
     pipeline's stages; every rank logs what the last stage's steps logged, and with ``send_output`` returns the
     batch's merged outputs."""
+    if generating_step(module, hook):  # it decodes around the ring itself: every rank runs the whole step
+        return getattr(module, hook)(*args, **kwargs)
     placement = pipeline.placement
     batch, batch_idx = batch_args(args, kwargs)
     extra_args = args[2:]

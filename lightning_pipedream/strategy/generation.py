@@ -1,7 +1,8 @@
 """``lightning_pipedream.generate``: greedy decoding of a LightningModule, through the pipeline's ring under
 :class:`PipeDreamStrategy` and on one device without it, so the same code runs either way.
 
-Under the strategy every rank of the pipeline calls it with the same prompts; each runs its own stage's blocks
+Under the strategy every rank of the pipeline calls it with the same prompts (from a step marked with
+:func:`generates`, or after ``fit``/``validate``); each runs its own stage's blocks
 (the strategy's split for a module whose layers are one ``nn.Sequential``, an even split of the decoder's blocks
 on the graph path, where every rank holds the whole module) and returns the same ids. No rank gathers weights.
 """
@@ -14,6 +15,25 @@ from typing import Any
 from torch import Tensor, nn
 
 from lightning_pipedream.runtime.execution.decode import generate_ids, is_hf_model
+
+_GENERATES = "_pipedream_generates"
+
+
+def generates(step: Callable) -> Callable:
+    """Mark a ``validation_step``, ``test_step`` or ``predict_step`` that calls :func:`generate`.
+
+    Under :class:`PipeDreamStrategy` a marked step runs whole on every rank (its :func:`generate` calls go around the
+    decode ring, every rank with the same batch), instead of being split at its ``self(...)`` call; what it logs and
+    returns is the same on every rank. Such a step must not call ``self(...)`` for a pipelined forward of its own
+    (compute a loss in another step). Without the strategy the mark changes nothing.
+    """
+    setattr(step, _GENERATES, True)
+    return step
+
+
+def generating_step(module: nn.Module, hook: str) -> bool:
+    """Whether ``module``'s ``hook`` is marked with :func:`generates`."""
+    return bool(getattr(getattr(module, hook, None), _GENERATES, False))
 
 
 def _call_of(module: nn.Module, forward: Callable[[slice, Tensor], Any] | None) -> Any:
@@ -38,21 +58,22 @@ def generate(module: nn.Module, input_ids: Tensor, *, attention_mask: Tensor | N
     ``max_new_tokens`` new tokens each, as Hugging Face's ``generate(do_sample=False)`` returns them (a sequence
     that ended gets ``pad_token_id`` after its ``eos_token_id``; the batch stops when all have ended).
 
-    Under :class:`PipeDreamStrategy` (after ``fit``/``validate`` built the pipeline, called on every rank with the
-    same prompts) the batch is split into ``micro_batches`` lanes (default: one per stage, which keeps every stage
-    busy) that circulate around the stages; each stage caches its own layers' keys and values per lane for a
-    Hugging Face model, and a model without a cache recomputes its prefix. Every rank returns the ids.
+    Under :class:`PipeDreamStrategy` (from a step marked with :func:`generates`, or after ``fit``/``validate``
+    built the pipeline; every rank calls it with the same prompts) the batch is split into ``micro_batches`` lanes
+    (default: one per stage, which keeps every stage busy, at most one per sequence) that circulate around the
+    stages; each stage caches its own layers' keys and values per lane for a Hugging Face model, and a model without
+    a cache recomputes its prefix. Every rank returns the ids.
 
     ``forward(rows, ids)``: how to run the model on the ids so far of the batch's rows ``rows`` (a slice), for a
     model that takes more than the ids (an encoder-decoder's sources: ``lambda rows, ids: self.layers((src[rows],
     ids))``); it must call the module's blocks (its ``nn.Sequential`` or ``nn.ModuleList``) and return logits
     (batch, length, vocabulary). Without a cache, the whole prefix runs every step.
     """
-    from lightning_pipedream.strategy.pipedream import PipeDreamStrategy
-
     trainer = getattr(module, "_trainer", None)
     strategy = getattr(trainer, "strategy", None)
-    pipeline = strategy._pipeline if isinstance(strategy, PipeDreamStrategy) else None
+    # PipeDreamStrategy's pipeline (its StagePipeline, once built); told by the class's name: the strategy imports us
+    ours = any(c.__name__ == "PipeDreamStrategy" for c in type(strategy).__mro__)
+    pipeline = getattr(strategy, "_pipeline", None) if ours else None
     call = _call_of(module, forward)
     common: dict[str, Any] = {"max_new_tokens": max_new_tokens, "eos_token_id": eos_token_id,
                               "pad_token_id": pad_token_id}
@@ -66,6 +87,7 @@ def generate(module: nn.Module, input_ids: Tensor, *, attention_mask: Tensor | N
     sequential = getattr(pipeline.call, "name", None) if pipeline.graph is None else None
     blocks = module.get_submodule(sequential) if sequential is not None else None
     split = list(strategy.balance) if blocks is not None and strategy.balance is not None else None
-    return generate_ids(module, call, input_ids, attention_mask, micro_batches=micro_batches or placement.num_stages,
+    lanes = micro_batches or min(placement.num_stages, input_ids.shape[0])
+    return generate_ids(module, call, input_ids, attention_mask, micro_batches=lanes,
                         stage=placement.stage_index, num_stages=placement.num_stages, split=split,
                         transport=pipeline.engine.transport, blocks=blocks, **common)

@@ -2,7 +2,8 @@
 
 A tiny causal LM whose layers are one nn.Sequential (no cache: each stage recomputes its prefix) is validated
 once through the pipeline (which builds it), then every rank calls ``lightning_pipedream.generate`` with the same
-left-padded prompts for each lane count in ``options["lanes"]`` and writes what it got.
+left-padded prompts for each lane count in ``options["lanes"]``, then ``trainer.predict`` runs a ``predict_step``
+that generates, and each rank writes what it got.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
 from script_runs import main_runs, trainer_args, write_json  # noqa: E402
 
-from lightning_pipedream import PipeDreamStrategy, generate  # noqa: E402
+from lightning_pipedream import PipeDreamStrategy, generate, generates  # noqa: E402
 
 VOCAB, WIDTH = 32, 16
 
@@ -38,8 +39,9 @@ class CausalMix(nn.Module):
 
 
 class TinyLM(L.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, eos: int = -1) -> None:
         super().__init__()
+        self.eos = eos  # what predict_step's generate stops at
         torch.manual_seed(0)
         self.layers = nn.Sequential(nn.Embedding(VOCAB, WIDTH), CausalMix(), CausalMix(), CausalMix(),
                                     nn.Linear(WIDTH, VOCAB))
@@ -50,6 +52,11 @@ class TinyLM(L.LightningModule):
     def validation_step(self, batch, batch_idx):
         ids, targets = batch
         self.log("val_loss", F.cross_entropy(self(ids).flatten(0, 1), targets.flatten()))
+
+    @generates
+    def predict_step(self, batch, batch_idx):
+        ids, mask = batch
+        return generate(self, ids, attention_mask=mask, max_new_tokens=5, eos_token_id=self.eos, pad_token_id=0)
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
@@ -65,7 +72,7 @@ def prompts() -> tuple[torch.Tensor, torch.Tensor]:
 
 def run(out: str, options: dict) -> None:
     processes = options["processes"]
-    module = TinyLM()
+    module = TinyLM(options["eos"])
     data = DataLoader(TensorDataset(torch.randint(0, VOCAB, (4, 6)), torch.randint(0, VOCAB, (4, 6))), batch_size=4)
     strategy = PipeDreamStrategy(schedule="gpipe", chunks=2, balance=options["balance"])
     trainer = L.Trainer(**trainer_args(devices=processes, strategy=strategy, use_distributed_sampler=False))
@@ -73,6 +80,9 @@ def run(out: str, options: dict) -> None:
     ids, mask = prompts()
     got = {str(m): generate(module, ids, attention_mask=mask, max_new_tokens=5, eos_token_id=options["eos"],
                             pad_token_id=0, micro_batches=m).tolist() for m in options["lanes"]}
+    # generate from predict_step (marked @generates): every rank runs it around the ring, batches of 3 and 2 prompts
+    loader = DataLoader(TensorDataset(ids, mask), batch_size=3)
+    got["predict"] = [t.tolist() for t in trainer.predict(module, loader)]
     write_json(Path(out) / f"rank{trainer.global_rank}.json", got)
 
 

@@ -1,6 +1,6 @@
 """``lightning_pipedream.generate`` through a Trainer on 2 and 3 processes (one launch each, every lane count in
-it) equals greedy decoding of the same weights on one device, on every rank; and the same call without the
-strategy decodes on one device."""
+it, and a predict_step marked @generates) equals greedy decoding of the same weights on one device, on every rank;
+and the same call without the strategy decodes on one device."""
 
 from __future__ import annotations
 
@@ -49,6 +49,10 @@ def test_generate_under_the_strategy_equals_one_device(tmp_path, processes, bala
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
         for m in lanes:
             assert torch.equal(torch.tensor(got[str(m)]), want), f"rank {rank}, {m} lanes"
+        # predict_step on batches of 3 and 2 prompts
+        for rows, batch in zip((slice(0, 3), slice(3, 5)), got["predict"]):
+            want_batch = greedy(TinyLM(), ids[rows], mask[rows], 5, eos)
+            assert torch.equal(torch.tensor(batch), want_batch), f"rank {rank}, predict_step rows {rows}"
 
 
 def test_without_the_strategy_generate_decodes_on_one_device():
