@@ -43,3 +43,10 @@ def test_without_the_strategy_a_sequential_decodes_greedily():
     for _ in range(3):
         ids = torch.cat([ids, model(ids)[:, -1].argmax(-1, keepdim=True)], 1)
     assert torch.equal(got, ids)
+
+
+def test_a_module_with_parameters_on_the_meta_device_is_refused():
+    with torch.device("meta"):
+        model = lm()
+    with pytest.raises(ValueError, match="holds some of the module's parameters on the meta device"):
+        generate(model, IDS, max_new_tokens=1, pad_token_id=0)

@@ -292,6 +292,11 @@ def generate_ids(model: nn.Module, call: Callable[..., Any], input_ids: Tensor, 
             raise ValueError("generate() needs pad_token_id (or eos_token_id, used as the pad): the token that fills "
                              "a sequence after it ended.")
         pad_token_id = eos_token_id
+    if any(p.is_meta for p in model.parameters()):
+        raise ValueError("generate() runs the module's forward on every stage (embeddings, masks and positions "
+                         "are recomputed locally), but this rank holds some of the module's parameters on the meta "
+                         "device (a model built per stage); decoding such a model is not supported yet. Build the "
+                         "whole module on every rank (without pretrained=/meta construction) to generate.")
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
     batch = input_ids.shape[0]
     if not isinstance(micro_batches, int) or not 1 <= micro_batches <= batch:
