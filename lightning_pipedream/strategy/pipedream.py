@@ -111,12 +111,10 @@ class PipeDreamStrategy(DDPStrategy):
         stages: pipeline stages; on ``stages * d`` processes the strategy runs ``d`` data-parallel
             pipelines (each stage's replicas all-reduce their gradients). Default: one stage per process.
         trace: a directory; each rank writes a Chrome/Perfetto trace of its actions there at the end.
-        keep_freed_memory: on CPU, tell each rank's C allocator (glibc) to keep freed blocks for reuse
-            rather than return them to the OS (:func:`~.allocator.keep_freed_memory`):
-            a stage allocates its gradients and activations anew every minibatch, and faulting their
-            pages back in cost ``pipedream`` ~10 % of its step time in ``benchmarks/lightning.py``. The
-            ranks' resident memory then stays at its peak until ``teardown`` gives the freed memory back.
-            No effect on GPU devices.
+        keep_freed_memory: on CPU, tell each rank's C allocator (glibc) to keep freed blocks for reuse rather than
+            return them to the OS (:func:`~.allocator.keep_freed_memory`): faulting a stage's gradients and
+            activations back in every minibatch cost ``pipedream`` ~10 % of its step in ``benchmarks/lightning.py``.
+            Resident memory then stays at its peak until ``teardown`` gives it back. No effect on GPU devices.
         mean_over: for a loss that is a mean over something other than the batch's samples, a function
             counting it in a batch or micro-batch, e.g. ``lambda batch: (batch["labels"] != -100).sum()`` for a
             token-mean language-model loss with padding: each micro-batch's loss then counts by its count over
@@ -134,10 +132,9 @@ class PipeDreamStrategy(DDPStrategy):
         divergence_factor: how many times its lowest value the smoothed loss may reach (default 2).
         minibatches_per_batch: ``pipedream`` on a straight pipeline: cut each batch into this many minibatches,
             each a PipeDream minibatch with its own update, all run in one training step (default 1: the batch is
-            the minibatch). The updates are those of a DataLoader giving the minibatches one per step, but
-            Lightning's per-step work (fetching the batch, its hooks, ``self.log``) and the strategy's (the step
-            summary) are paid once per batch: on a small model that work is a tenth of a pipeline step
-            (docs/strategy.md, "Several minibatches per batch"). A step then counts ``minibatches_per_batch``
+            the minibatch). The updates are those of a DataLoader giving the minibatches one per step, but the
+            per-step work of Lightning and the strategy is paid once per batch (docs/strategy.md, "Several
+            minibatches per batch"). A step then counts ``minibatches_per_batch``
             updates for ``max_steps``, step-wise LR schedulers (every minibatch of a batch gets the rate of its
             step) and checkpoints every n steps; its logged values and loss are the mean over its minibatches.
         transport: how the stages talk: ``"auto"`` (shared memory between CPU ranks on one machine over gloo,
@@ -146,11 +143,13 @@ class PipeDreamStrategy(DDPStrategy):
             None (default): the environment's ``LIGHTNING_PIPEDREAM_TRANSPORT``, else ``"auto"``.
         shard: with data-parallel pipelines (``stages=S`` on ``S x d`` devices) and ``gpipe``, ``1f1b``, ``zb-h1``
             (weights kept gathered through the step) or ``interleaved`` (each model chunk sharded on its own): each
-            stage's
-            ``d`` replicas shard its weights, gradients and optimizer state with torch's FSDP2 (``"full"``: weights
-            gathered for each forward and backward; ``"grad_op"``: kept whole from a forward to its backward) instead
-            of keeping whole copies; the step's last backward reduce-scatters the gradients once. Checkpoints stay
-            consolidated (single-device form). None (default): whole copies, gradients all-reduced.
+            stage's ``d`` replicas shard its weights, gradients and optimizer state with torch's FSDP2 (``"full"``:
+            weights gathered for each forward and backward; ``"grad_op"``: kept whole from a forward to its
+            backward) instead of keeping whole copies; the step's last backward reduce-scatters the gradients once.
+            Checkpoints stay consolidated (single-device form). None (default): whole copies, gradients all-reduced.
+        pretrained: for a model built on the meta device, a safetensors file, Hugging Face directory, torch state dict
+            or torch.distributed.checkpoint directory from which each rank reads only its stage's tensors;
+            ``pretrained_prefix`` turns its keys into the module's names (default: found). docs/big_models.md.
     """
 
     strategy_name = "pipedream"
@@ -393,17 +392,21 @@ class PipeDreamStrategy(DDPStrategy):
     @override
     @contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
-        """Lightning runs ``configure_model`` in here: its layers are built on the meta device (shapes, no
-        storage), and :meth:`setup` gives real weights only to this rank's stage (per-stage construction)."""
+        """``configure_model`` builds on the meta device; :meth:`setup` gives real weights to this rank's stage only."""
         with torch.device("meta"):
             yield
 
     @override
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """``trainer.init_module(empty_init=True)`` builds on the meta device too: each stage materializes alone."""
+        with torch.device("meta") if empty_init else super().tensor_init_context(empty_init):
+            yield
+
+    @override
     def process_dataloader(self, dataloader: object) -> object:
-        """Keep the order of a custom sampler: Lightning wraps it for distributed training with ``shuffle=True``,
-        which permutes the order it gives (a language model's contiguous streams, for instance), although the
-        wrapper's own documentation leaves the order to the wrapped sampler. The wrapper then only shards it
-        between data-parallel pipelines; every stage of a pipeline still reads the same batches."""
+        """Keep a custom sampler's order (Lightning's wrapper with ``shuffle=True`` permutes it, a language model's
+        contiguous streams say): the wrapper only shards it between pipelines; every stage reads the same batches."""
         sampler = getattr(dataloader, "sampler", None)
         if isinstance(sampler, DistributedSamplerWrapper) and sampler.shuffle:
             sampler.shuffle = False
@@ -567,15 +570,10 @@ class PipeDreamStrategy(DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        strategy_registry.register(
-            "pipedream", cls, description="Pipeline parallelism, PipeDream's asynchronous 1F1B", schedule="pipedream"
-        )
-        strategy_registry.register(
-            "pipedream_1f1b", cls, description="Pipeline parallelism, 1F1B with flush", schedule="1f1b", chunks=4
-        )
-        strategy_registry.register(
-            "pipedream_gpipe", cls, description="Pipeline parallelism, GPipe", schedule="gpipe", chunks=4
-        )
+        for name, description, options in (("pipedream", "PipeDream's asynchronous 1F1B", {"schedule": "pipedream"}),
+                                           ("pipedream_1f1b", "1F1B with flush", {"schedule": "1f1b", "chunks": 4}),
+                                           ("pipedream_gpipe", "GPipe", {"schedule": "gpipe", "chunks": 4})):
+            strategy_registry.register(name, cls, description=f"Pipeline parallelism, {description}", **options)
 
 
 _StrategyRegistry = type(StrategyRegistry)

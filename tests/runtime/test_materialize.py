@@ -98,3 +98,15 @@ def test_a_graph_path_module_built_on_the_meta_device_trains_with_the_weights_ma
     assert set(stage.state_dict()) == set(expected.state_dict())
     for name, value in expected.state_dict().items():
         torch.testing.assert_close(stage.state_dict()[name], value, rtol=0, atol=0)
+
+
+def test_init_module_with_empty_init_builds_on_the_meta_device_and_each_stage_materializes():
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=PipeDreamStrategy(schedule="1f1b"), max_steps=1,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    with trainer.init_module(empty_init=True):
+        module = GraphBuiltInConfigureModel()
+        module.configure_model()
+    assert has_meta_tensors(module)  # nothing allocated yet
+    trainer.fit(module, torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=4))
+    assert not has_meta_tensors(trainer.strategy._pipeline.stage)
