@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -110,6 +112,8 @@ class LayerPlanner:
         if batch is None:
             return None
         sample = self.call.input_of(self.module, "training_step", self.batch_to_device(batch), 0)
+        if has_meta_tensors(layers):  # built on the meta device: no process holds the whole model
+            return profile_block_by_block(layers, sample, working_sets=working_sets)
         return profile_module(layers, sample, working_sets=working_sets)
 
     def auto_plan(self, layers: nn.Sequential, processes_per_node: int, num_nodes: int,
@@ -141,7 +145,7 @@ class LayerPlanner:
                                    shard=shard_choice(options.shard, layers), **gpu)
             except ValueError as refused:  # every rank raises the refusal itself, as if it had planned
                 return None, None, str(refused)
-            log.info("PipeDreamStrategy(schedule='auto') chose:\n%s", chosen.describe())
+            log.info("PipeDreamStrategy(schedule='auto') chose (from %s):\n%s", profile.source, chosen.describe())
             # shard= always: the options' "auto" (or a mode) becomes the plan's choice, None when replicas stay whole
             return {**chosen.strategy_arguments(), "shard": chosen.chosen.shard}, chosen.plan.to_json(), None
 
@@ -224,3 +228,39 @@ def plan_mismatch_words(path: str, planned: list[str], names: list[str], where: 
             f"nn.Sequential ({where}) has {len(names)}; the first that differs is layer {first}: {theirs} in the "
             f"plan, {ours} in the model. Profile this model to make its plan (python -m lightning_pipedream plan), "
             "or drop plan= to plan at the first batch.")
+
+
+def profile_block_by_block(layers: nn.Sequential, sample: Any, working_sets: bool = False) -> Any:
+    """Profile a Sequential built on the meta device one layer at a time: each layer is materialized alone on the
+    sample's device with random weights of its shapes (a layer's time does not depend on its values), profiled on
+    the previous layer's output, and freed, so the peak is the largest layer, not the model. The profile's
+    ``source`` says so (the plan's printout shows it)."""
+    import copy
+    from collections import OrderedDict
+
+    from lightning_pipedream.plan.profile import Profile, _call, profile_module
+    from lightning_pipedream.runtime.stages.materialize import materialize
+    from lightning_pipedream.tree import tensors
+
+    started = time.perf_counter()
+    found = tensors(sample)
+    device = found[0].device if found else torch.device("cpu")
+    results, extra, inputs = [], {}, sample
+    for name, layer in layers.named_children():
+        real = copy.deepcopy(layer)  # still on meta: its own storage from here
+        try:
+            materialize(real, device, 0)
+        except ValueError:  # no reset_parameters(): any values of the right shapes time alike
+            real.to_empty(device=device)
+            with torch.no_grad():
+                for tensor in itertools.chain(real.parameters(), real.buffers()):
+                    tensor.normal_(0.0, 0.02) if tensor.is_floating_point() else tensor.zero_()
+        part = profile_module(nn.Sequential(OrderedDict([(name, real)])), inputs, working_sets=working_sets)
+        extra = extra or part.extra  # the first layer's input is the batch
+        results.extend(part.layers)
+        with torch.no_grad():
+            inputs = _call(real, inputs)
+        del real
+    return Profile(results, batch_size=None if not found or found[0].dim() == 0 else int(found[0].shape[0]),
+                   source="profile_module, one block at a time with random weights (a model on the meta device)",
+                   profiling_s=time.perf_counter() - started, extra=extra)

@@ -110,3 +110,32 @@ def test_init_module_with_empty_init_builds_on_the_meta_device_and_each_stage_ma
     assert has_meta_tensors(module)  # nothing allocated yet
     trainer.fit(module, torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=4))
     assert not has_meta_tensors(trainer.strategy._pipeline.stage)
+
+
+def test_a_sequential_on_the_meta_device_is_profiled_one_block_at_a_time():
+    from lightning_pipedream.plan.profile import profile_module
+    from lightning_pipedream.strategy.planning import profile_block_by_block
+
+    def build() -> nn.Sequential:
+        return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 8), NoReset3())
+
+    with torch.device("meta"):
+        layers = build()
+    profile = profile_block_by_block(layers, torch.randn(4, 16), working_sets=True)
+    assert has_meta_tensors(layers) and all(t.is_meta for t in layers.parameters())  # the model stays shapes only
+    real = profile_module(build(), torch.randn(4, 16), working_sets=True)
+    assert [layer.name for layer in profile.layers] == [layer.name for layer in real.layers]
+    assert [layer.parameter_bytes for layer in profile.layers] == [layer.parameter_bytes for layer in real.layers]
+    assert [layer.activation_bytes for layer in profile.layers] == [layer.activation_bytes for layer in real.layers]
+    assert "one block at a time with random weights" in profile.source
+
+
+class NoReset3(nn.Module):
+    """A layer without reset_parameters(): profiled with random values of its shapes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(8))
+
+    def forward(self, x):
+        return x * self.scale
