@@ -238,7 +238,7 @@ def profile_block_by_block(layers: nn.Sequential, sample: Any, working_sets: boo
     import copy
     from collections import OrderedDict
 
-    from lightning_pipedream.plan.profile import Profile, _call, profile_module
+    from lightning_pipedream.plan.profile import Profile, profile_module
     from lightning_pipedream.runtime.stages.materialize import materialize
     from lightning_pipedream.tree import tensors
 
@@ -259,7 +259,7 @@ def profile_block_by_block(layers: nn.Sequential, sample: Any, working_sets: boo
         extra = extra or part.extra  # the first layer's input is the batch
         results.extend(part.layers)
         with torch.no_grad():
-            inputs = _call(real, inputs)
+            inputs = real(inputs)  # a layer takes its predecessor's output as one argument, as profile_module calls it
         del real
     return Profile(results, batch_size=None if not found or found[0].dim() == 0 else int(found[0].shape[0]),
                    source="profile_module, one block at a time with random weights (a model on the meta device)",
