@@ -62,6 +62,31 @@ class TinyLM(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+class HFLM(L.LightningModule):
+    """A tiny Hugging Face GPT-2 whose forward passes its keyword arguments on: the graph path, every rank holding
+    the whole module; generate() keeps each stage's own layers' keys and values per lane."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = tiny_gpt2()
+
+    def forward(self, **kwargs):
+        return self.model(**kwargs)
+
+    def validation_step(self, batch, batch_idx):
+        ids, _ = batch
+        self.log("val_loss", self(input_ids=ids, labels=ids, use_cache=False).loss)
+
+
+def tiny_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=VOCAB, n_embd=16, n_layer=4, n_head=2, n_positions=32, pad_token_id=0,
+                        bos_token_id=1, eos_token_id=2)
+    return GPT2LMHeadModel(config).eval()
+
+
 def prompts() -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.randint(1, VOCAB, (5, 6), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
@@ -83,6 +108,13 @@ def run(out: str, options: dict) -> None:
     # generate from predict_step (marked @generates): every rank runs it around the ring, batches of 3 and 2 prompts
     loader = DataLoader(TensorDataset(ids, mask), batch_size=3)
     got["predict"] = [t.tolist() for t in trainer.predict(module, loader)]
+    if options.get("hf"):  # the graph path: a Hugging Face model, with caches
+        hf = HFLM()
+        hf_trainer = L.Trainer(**trainer_args(devices=processes, strategy=PipeDreamStrategy(schedule="gpipe"),
+                                              use_distributed_sampler=False))
+        hf_trainer.validate(hf, data)
+        got["hf"] = {str(m): generate(hf, ids, attention_mask=mask, max_new_tokens=5, eos_token_id=options["eos"],
+                                      pad_token_id=0, micro_batches=m).tolist() for m in options["lanes"]}
     write_json(Path(out) / f"rank{trainer.global_rank}.json", got)
 
 

@@ -1,15 +1,17 @@
 """``lightning_pipedream.generate`` through a Trainer on 2 and 3 processes (one launch each, every lane count in
-it, and a predict_step marked @generates) equals greedy decoding of the same weights on one device, on every rank;
+it, and a predict_step marked @generates) equals greedy decoding of the same weights on one device, on every rank,
+and a tiny Hugging Face GPT-2 (graph path, per-stage caches) equals its own ``generate(do_sample=False)``;
 and the same call without the strategy decodes on one device."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
-from generate_trainer import TinyLM, prompts
+from generate_trainer import TinyLM, prompts, tiny_gpt2
 from script_runs import run_script
 
 from lightning_pipedream import generate
@@ -44,11 +46,17 @@ def test_generate_under_the_strategy_equals_one_device(tmp_path, processes, bala
     ids, mask = prompts()
     want = greedy(TinyLM(), ids, mask, 5, eos)
     lanes = sorted({1, processes - 1, processes, processes + 1})
-    run_script(SCRIPT, tmp_path, {"processes": processes, "balance": balance, "lanes": lanes, "eos": eos}, 240)
+    hf = importlib.util.find_spec("transformers") is not None  # in the test extra; not in the oldest environment
+    options = {"processes": processes, "balance": balance, "lanes": lanes, "eos": eos, "hf": hf}
+    run_script(SCRIPT, tmp_path, options, 300)
+    hf_want = tiny_gpt2().generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
+                                   pad_token_id=0, eos_token_id=eos) if hf else None
     for rank in range(processes):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
         for m in lanes:
             assert torch.equal(torch.tensor(got[str(m)]), want), f"rank {rank}, {m} lanes"
+        for m in lanes if hf else ():  # a Hugging Face GPT-2 on the graph path, each stage caching its own layers
+            assert torch.equal(torch.tensor(got["hf"][str(m)]), hf_want), f"rank {rank}, GPT-2, {m} lanes"
         # predict_step on batches of 3 and 2 prompts
         for rows, batch in zip((slice(0, 3), slice(3, 5)), got["predict"]):
             want_batch = greedy(TinyLM(), ids[rows], mask[rows], 5, eos)
