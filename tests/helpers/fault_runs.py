@@ -26,20 +26,25 @@ def run_hang_trainer(tmp_path: Path, options: dict) -> tuple[str, int]:
     Lightning's launcher starts the other ranks on a rendezvous port of this pytest worker's own (script_env)."""
     env = script_env(LIGHTNING_PIPEDREAM_FLIGHT_RECORDER=str(tmp_path / "flight"))
     log = tmp_path / "stderr.txt"
-    with log.open("w") as err:  # a file, not a pipe: a stopped rank would hold a pipe open
-        proc = subprocess.Popen([sys.executable, str(HANG_TRAINER), str(tmp_path), json.dumps(options)], cwd=tmp_path,
-                                env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+    argv = [sys.executable, str(HANG_TRAINER), str(tmp_path), json.dumps(options)]
+    with log.open("w") as err, open(os.devnull, "r+") as null:  # a file, not a pipe: a stopped rank would hold a pipe
+        proc = zygote.start(argv, tmp_path, env, (null.fileno(), null.fileno(), err.fileno()))  # its ranks: forks too
+        if proc is None:
+            proc = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=err,
+                                    start_new_session=True)
+            proc.live = lambda: session_processes(proc.pid)
+            proc.kill_group = lambda: os.killpg(proc.pid, signal.SIGKILL)
         try:
             deadline = time.monotonic() + HANG_LIMIT
-            while session_processes(proc.pid) and time.monotonic() < deadline:
-                proc.poll()  # reaps the launcher; the ranks it started are reaped by init
+            while proc.live() and time.monotonic() < deadline:
+                proc.poll()  # reaps the launcher; the ranks it started are reaped by init (or the zygote)
                 time.sleep(0.1)
-            if session_processes(proc.pid):
+            if proc.live():
                 os.kill(proc.pid, signal.SIGUSR1)  # hang_trainer.py dumps its stacks on it
                 time.sleep(1)
         finally:
-            left = session_processes(proc.pid)
-            os.killpg(proc.pid, signal.SIGKILL) if left else None  # anything still there fails the test below
+            left = proc.live()
+            proc.kill_group() if left else None  # anything still there fails the test below
             proc.wait()
     text = log.read_text()
     assert not left, f"processes left: {left}\n{text[-4000:]}"

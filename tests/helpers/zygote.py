@@ -15,8 +15,8 @@ instead (the old way; for comparison and to rule the zygote out).
 
 Protocol (a Unix socket, one JSON line per request, file descriptors passed with SCM_RIGHTS):
 ``{"op": "start", "argv", "env", "cwd", "group"}`` with the child's stdin, stdout and stderr -> ``{"pid"}``;
-``{"op": "poll", "pid"}`` -> ``{"code"}`` (None while it runs; -N for a signal); ``{"op": "kill", "group"}`` kills
-every live child started under ``group``.
+``{"op": "poll", "pid"}`` -> ``{"code"}`` (None while it runs; -N for a signal); ``{"op": "live", "group"}`` ->
+``{"pids"}`` of the children started under ``group`` that have not ended; ``{"op": "kill", "group"}`` kills them.
 """
 
 from __future__ import annotations
@@ -100,6 +100,10 @@ class ZygoteProcess:
     def kill_group(self) -> None:
         """Kill this run's every process: this one and the ranks its launcher started."""
         _request(self.path, {"op": "kill", "group": self.group})
+
+    def live(self) -> list[int]:
+        """This run's processes that have not ended: this one and the ranks its launcher started."""
+        return list(_request(self.path, {"op": "live", "group": self.group})["pids"])
 
 
 _ZYGOTE: list[Any] = []  # this worker's zygote: [Popen, socket path]
@@ -258,6 +262,8 @@ def serve(path: str, ready: str) -> None:
                 answer = {"code": codes.get(pid)}
                 if pid not in codes and pid not in children:
                     answer = {"code": -signal.SIGKILL}  # not ours, or reaped long ago: treat as ended
+            elif message["op"] == "live":
+                answer = {"pids": [pid for pid, group in children.items() if group == message["group"]]}
             else:
                 for pid, group in list(children.items()):
                     if group == message["group"]:
