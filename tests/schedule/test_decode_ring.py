@@ -11,6 +11,8 @@ import pytest
 from lightning_pipedream.schedule.actions import Action, Op, Schedule
 from lightning_pipedream.schedule.check import ScheduleError, validate
 from lightning_pipedream.schedule.generation import decode_ring, ring_bubble, simulate_ring
+from lightning_pipedream.schedule.simulate import simulate
+from lightning_pipedream.schedule.timeline import from_chrome_trace, to_chrome_trace
 
 
 @pytest.mark.parametrize("stages", [1, 2, 3, 4])
@@ -87,3 +89,11 @@ def test_bad_sizes_are_refused_with_the_way_out():
         decode_ring(2, 2, [3])
     with pytest.raises(ValueError, match="lanes must be an integer >= 1, got 0"):
         decode_ring(2, 0, 3)
+
+
+def test_a_simulated_ring_makes_a_timeline_with_the_token_link():
+    events = simulate(decode_ring(2, 2, [2, 3]), 1.0, 0.0, activation_bytes=[8.0, 1.0], bandwidth=8.0).events
+    assert from_chrome_trace(to_chrome_trace(events)) == events
+    back = [e for e in events if e.rank == 0 and e.action.op is Op.RECV_ACT]  # tokens from the last stage
+    assert [(e.action.microbatch, e.action.step) for e in back] == [(0, 1), (1, 1), (0, 2), (1, 2), (1, 3)]
+    assert all(e.action.peer == 1 for e in back)
