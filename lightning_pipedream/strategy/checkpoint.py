@@ -6,6 +6,7 @@ import glob
 import io
 import os
 import re
+import shutil
 import time
 import zipfile
 from collections.abc import Callable, Mapping
@@ -57,7 +58,7 @@ class OptimizerLayout:
         groups = [{k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]]
         return {"state": named, "groups": groups}
 
-    def to_full(self, optimizer: torch.optim.Optimizer, parts: list[dict[str, Any]]) -> dict[str, Any]:
+    def to_full(self, parts: list[dict[str, Any]]) -> dict[str, Any]:
         """Merge every rank's named state into one single-device optimizer state dict."""
         merged: dict[str, Any] = {}
         for part in parts:
@@ -109,7 +110,7 @@ class CheckpointGather:
         self.world_size = world_size
         self.full_keys = full_keys
 
-    def _gather(self, share: Any) -> list[Any] | None:
+    def gather(self, share: Any) -> list[Any] | None:
         """Every rank's ``share`` on rank 0 (None elsewhere). Replicas of a stage send the same share."""
         if self.world_size == 1:
             return [share]
@@ -122,7 +123,7 @@ class CheckpointGather:
     def state_dict(self, share: dict[str, Tensor]) -> dict[str, Any]:
         """The whole model's state dict on rank 0 from every rank's ``share``, keyed and ordered like the module's
         own; ``{}`` elsewhere."""
-        shares = self._gather(map_tensors(_to_cpu, share))
+        shares = self.gather(map_tensors(_to_cpu, share))
         if shares is None:
             return {}
         full: dict[str, Any] = {}
@@ -134,8 +135,8 @@ class CheckpointGather:
         self, optimizer: torch.optim.Optimizer, layout: OptimizerLayout, local_names: dict[int, str]
     ) -> dict[str, Any]:
         """The optimizer's state in single-device form (indices over the whole model) on rank 0; ``{}`` elsewhere."""
-        shares = self._gather(layout.named_state(optimizer, local_names))
-        return layout.to_full(optimizer, shares) if shares is not None else {}
+        shares = self.gather(layout.named_state(optimizer, local_names))
+        return layout.to_full(shares) if shares is not None else {}
 
 
 STALE_AFTER = 60.0  # seconds since its last write after which a dead writer's temporary file is removed
@@ -195,7 +196,8 @@ _TEMPORARY = re.compile(r".+\.tmp-(\d+)$")
 
 def remove_stale_temporaries(directory: str) -> list[str]:
     """Remove the temporary files a killed :class:`AtomicCheckpointIO` left in ``directory`` (``*.tmp-<pid>``, the
-    pid gone from this machine, unchanged for :data:`STALE_AFTER` seconds); returns their paths."""
+    pid gone from this machine, unchanged for :data:`STALE_AFTER` seconds), and the temporary directories of a killed
+    sharded save; returns their paths."""
     removed = []
     for candidate in glob.glob(os.path.join(glob.escape(directory), "*.tmp-*")):
         found = _TEMPORARY.match(os.path.basename(candidate))
@@ -203,7 +205,7 @@ def remove_stale_temporaries(directory: str) -> list[str]:
             continue
         try:
             if time.time() - os.path.getmtime(candidate) > STALE_AFTER:
-                os.remove(candidate)
+                shutil.rmtree(candidate) if os.path.isdir(candidate) else os.remove(candidate)
                 removed.append(candidate)
         except OSError:  # another process removed it, or it is not ours to remove
             continue

@@ -36,10 +36,9 @@ from lightning_pipedream.runtime.faults.failures import pipeline_failures, repor
 from lightning_pipedream.runtime.faults.launch import rendezvous_store
 from lightning_pipedream.runtime.faults.watchdog import watchdog
 from lightning_pipedream.runtime.stages.materialize import has_meta_tensors
-from lightning_pipedream.runtime.stages.sharding import sharded_model_state
 from lightning_pipedream.schedule.specs import SCHEDULES
 from lightning_pipedream.strategy.batches import batch_args, loop_loader
-from lightning_pipedream.strategy.checkpoint import AtomicCheckpointIO, load_own_share
+from lightning_pipedream.strategy.checkpoint import AtomicCheckpointIO
 from lightning_pipedream.strategy.checks import (
     check_last_batch_fits,
     check_optimizers,
@@ -52,6 +51,7 @@ from lightning_pipedream.strategy.divergence import DEFAULT_FACTOR, Divergence
 from lightning_pipedream.strategy.evaluation import evaluate
 from lightning_pipedream.strategy.options import PipelineOptions, tuple_or_none
 from lightning_pipedream.strategy.placement import Placement, ProcessGroups
+from lightning_pipedream.strategy.sharded_checkpoint import PipelineCheckpoints, refuse_after_failure
 from lightning_pipedream.strategy.stage_pipeline import (
     Ranks,
     StagePipeline,
@@ -59,6 +59,7 @@ from lightning_pipedream.strategy.stage_pipeline import (
     check_shard_layout,
     choose_automatically,
     decide_placement,
+    keep_parameters,
 )
 from lightning_pipedream.strategy.training import Training, drain_before_callbacks
 
@@ -146,10 +147,14 @@ class PipeDreamStrategy(DDPStrategy):
             stage's ``d`` replicas shard its weights, gradients and optimizer state with torch's FSDP2 (``"full"``:
             weights gathered for each forward and backward; ``"grad_op"``: kept whole from a forward to its
             backward) instead of keeping whole copies; the step's last backward reduce-scatters the gradients once.
-            Checkpoints stay consolidated (single-device form). None (default): whole copies, gradients all-reduced.
+            None (default): whole copies, gradients all-reduced.
         pretrained: for a model built on the meta device, a safetensors file, Hugging Face directory, torch state dict
             or torch.distributed.checkpoint directory from which each rank reads only its stage's tensors;
             ``pretrained_prefix`` turns its keys into the module's names (default: found). docs/big_models.md.
+        checkpoint: ``"sharded"``: a checkpoint is a directory in which each rank writes its own stage's weights and
+            optimizer state by parameter name (torch.distributed.checkpoint and ``meta.pt``; it resumes on any layout;
+            ``python -m lightning_pipedream checkpoint consolidate`` makes one file of it); ``"full"``: one file in
+            single-device form, gathered on rank 0; ``"auto"`` (default): sharded from 1 GiB of weights, else full.
     """
 
     strategy_name = "pipedream"
@@ -181,7 +186,7 @@ class PipeDreamStrategy(DDPStrategy):
         minibatches_per_batch: int = 1,
         transport: str | None = None,
         shard: str | None = None,
-        pretrained: str | os.PathLike | None = None, pretrained_prefix: str | None = None,
+        pretrained: str | os.PathLike | None = None, pretrained_prefix: str | None = None, checkpoint: str = "auto",
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -223,6 +228,7 @@ class PipeDreamStrategy(DDPStrategy):
         self._training: Training | None = None  # a fit's batches, updates and drains, from setup on
         self._failure: BaseException | None = None
         self._keeping_freed_memory = False  # set while this process keeps freed memory (from setup to teardown)
+        self.checkpoints = PipelineCheckpoints(checkpoint)  # what the checkpoint hooks delegate to
 
     # -------------------------------------------------------------------------------- options
     @property
@@ -362,6 +368,7 @@ class PipeDreamStrategy(DDPStrategy):
                 check_last_batch_fits(loop_loader(trainer.fit_loop), self.options.chunks, self.placement.num_pipelines,
                                       self.options.schedule)
         if self._pipeline is None or self._pipeline.module is not module:
+            self.checkpoints.measure(module)  # still whole (or on meta): checkpoint="auto" goes by its size
             builder = StagePipelineBuilder(self.options, self._ranks(), self.plan, self.batch_to_device)
             self._pipeline = builder.build(trainer, module, fitting, self._prepare_module)
             self.plan, self.balance = builder.plan, builder.balance
@@ -371,7 +378,7 @@ class PipeDreamStrategy(DDPStrategy):
             self.setup_optimizers(trainer)
             check_optimizers(self.optimizers)
             if self._pipeline.graph is not None:  # every rank holds the whole module; its optimizer trains its stage
-                _keep_parameters(self.optimizers, {id(p) for p in self._pipeline.stage.parameters()})
+                keep_parameters(self.optimizers, {id(p) for p in self._pipeline.stage.parameters()})
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -379,6 +386,7 @@ class PipeDreamStrategy(DDPStrategy):
                                       self.root_device, self.global_rank, lambda: self.optimizers, self.switched)
             drain_before_callbacks(trainer, self.drain, self._pipeline_failed)
         self._failure = None
+        self.checkpoints.after_setup(self._pipeline)  # a sharded checkpoint's weights, now that the stage exists
 
     def _ranks(self) -> Ranks:
         return Ranks(self.global_rank, self.world_size, len(self.parallel_devices or [None]), self.num_nodes,
@@ -495,42 +503,39 @@ class PipeDreamStrategy(DDPStrategy):
     # ---------------------------------------------------------------------------- checkpoints
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The whole model's state dict, keyed by the module's own names, gathered on rank 0."""
-        self._refuse_after_failure()
+        """By the module's own names: this rank's share (sharded checkpoints), or the whole model on rank 0."""
+        refuse_after_failure(self._failure)
         self.drain()
         assert self._pipeline is not None
-        return self._pipeline.checkpoint.state_dict(self._pipeline.state_share(self.is_global_zero))
+        return self.checkpoints.model_state(self._pipeline, self.is_global_zero)
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Tensor]:
-        """The optimizer's state in single-device form (indices over the whole model), on rank 0."""
-        self._refuse_after_failure()
-        pipeline = self._pipeline
-        assert pipeline is not None
+        """By parameter name, this rank's (sharded); or in single-device form on rank 0."""
+        refuse_after_failure(self._failure)
+        assert self._pipeline is not None
         index = self.optimizers.index(optimizer) if optimizer in self.optimizers else 0
-        return pipeline.optimizer_state(optimizer, index)
+        return self.checkpoints.optimizer_state(self._pipeline, optimizer, index)
 
-    def _refuse_after_failure(self) -> None:
-        if self._failure is not None:
-            raise RuntimeError(
-                f"PipeDreamStrategy does not save a checkpoint after a pipeline step failed or was interrupted "
-                f"({type(self._failure).__name__}: {self._failure}): its stages stopped in different places, "
-                "holding weights of different minibatches, and some may be gone. Resume from the last checkpoint "
-                "saved before the failure; it was left as it was."
-            )
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        assert self._pipeline is not None
+        self.checkpoints.save(checkpoint, os.fspath(filepath), self._pipeline, self.is_global_zero, self.broadcast,
+                              lambda c, path: DDPStrategy.save_checkpoint(self, c, path, storage_options))
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        return self.checkpoints.load(os.fspath(checkpoint_path), weights_only,
+                                     lambda path: DDPStrategy.load_checkpoint(self, path, weights_only))
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        state = checkpoint["state_dict"]
-        if self.options.shard is not None:  # each replica takes its shards of the consolidated tensors
-            state = sharded_model_state(self.lightning_module, dict(state))
-        load_own_share(self.lightning_module, state, strict)
+        self.checkpoints.load_model(checkpoint, strict, self.lightning_module, self.options.shard is not None)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        pipeline = self._pipeline
-        assert pipeline is not None
-        pipeline.load_optimizer_states(self.optimizers, checkpoint["optimizer_states"])
+        assert self._pipeline is not None
+        self.checkpoints.load_optimizers(checkpoint, self._pipeline, self.optimizers)
 
     # ------------------------------------------------------------------------------------ end
     @override
@@ -577,13 +582,6 @@ class PipeDreamStrategy(DDPStrategy):
 
 
 _StrategyRegistry = type(StrategyRegistry)
-
-
-def _keep_parameters(optimizers: list[torch.optim.Optimizer], keep: set[int]) -> None:
-    """Drop from the optimizers' groups the parameters another stage trains."""
-    for optimizer in optimizers:
-        for group in optimizer.param_groups:
-            group["params"] = [p for p in group["params"] if id(p) in keep]
 
 
 _package_log = logging.getLogger("lightning_pipedream")

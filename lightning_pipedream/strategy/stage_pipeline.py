@@ -438,3 +438,10 @@ def clip_grad_by_norm(pipeline: StagePipeline, optimizer: torch.optim.Optimizer,
         for p in group["params"]:
             if p.grad is not None and not (asynchronous and id(p) in skip):
                 scale_gradient(p.grad, factor)
+
+
+def keep_parameters(optimizers: list[torch.optim.Optimizer], keep: set[int]) -> None:
+    """Drop from the optimizers' groups the parameters another stage trains."""
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            group["params"] = [p for p in group["params"] if id(p) in keep]

@@ -1,0 +1,334 @@
+"""Sharded checkpoints: a directory in which each rank writes its own stage's weights and optimizer state, by name.
+
+The layout is Lightning's for model-parallel strategies: torch.distributed.checkpoint files (every tensor under one
+flat name, ``model/<parameter name>`` and ``optimizer<i>/<parameter name>/<state>``, see
+:mod:`~lightning_pipedream.runtime.stages.named_tensors`) and ``meta.pt``, which rank 0 writes with the rest of
+Lightning's checkpoint (loops, callbacks, schedulers, hyperparameters), each optimizer's groups in single-device form
+and the model's key order. No rank gathers another's share: a 4-stage checkpoint resumes on 2 stages, on replicas or
+shards, each rank reading only the names it holds. ``python -m lightning_pipedream checkpoint consolidate`` turns it
+into one ordinary file (:func:`consolidate`). A save writes ``<path>.tmp-<pid>`` and renames it into place: a kill
+while saving leaves the previous checkpoint whole.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from lightning_pipedream.runtime.stages.named_tensors import (
+    empty_targets,
+    read_all,
+    read_named,
+    saved_entries,
+    tensor_bytes,
+    write_named,
+)
+from lightning_pipedream.runtime.stages.sharding import WholeOptimizerState, sharded_model_state
+from lightning_pipedream.strategy.checkpoint import load_own_share, remove_stale_temporaries
+
+if TYPE_CHECKING:
+    from lightning_pipedream.strategy.stage_pipeline import StagePipeline
+
+CHECKPOINT_MODES = ("auto", "sharded", "full")
+SHARDED_FROM = 2**30  # checkpoint="auto": a model whose state dict has this many bytes or more saves sharded
+META_FILE = "meta.pt"  # Lightning's name (lightning.fabric.utilities.load._METADATA_FILENAME)
+INFO = "pipedream_sharded"  # meta.pt's entry that says what wrote it: the model, its keys, its optimizers' names
+LOADED = "pipedream_sharded_checkpoint"  # in a loaded checkpoint: the directory to read each rank's share from
+MODEL = "model/"
+FORMAT = 1
+
+
+def check_checkpoint_mode(mode: str) -> str:
+    if mode not in CHECKPOINT_MODES:
+        raise ValueError(
+            f"PipeDreamStrategy(checkpoint={mode!r}) is not a checkpoint form; use 'sharded' (a directory, each rank "
+            "writing its own stage), 'full' (one file gathered on rank 0) or 'auto' (sharded from 1 GiB of weights)."
+        )
+    return mode
+
+
+def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
+    """A directory with ``meta.pt`` (Lightning's test for a sharded checkpoint)."""
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, META_FILE))
+
+
+def optimizer_prefix(index: int) -> str:
+    return f"optimizer{index}/"
+
+
+def split_state_name(rest: str) -> tuple[str, str]:
+    """``<parameter name>/<state>`` -> its two parts (parameter names hold dots, never slashes)."""
+    name, key = rest.rsplit("/", 1)
+    return name, key
+
+
+def refuse_after_failure(failure: BaseException | None) -> None:
+    if failure is not None:
+        raise RuntimeError(
+            f"PipeDreamStrategy does not save a checkpoint after a pipeline step failed or was interrupted "
+            f"({type(failure).__name__}: {failure}): its stages stopped in different places, "
+            "holding weights of different minibatches, and some may be gone. Resume from the last checkpoint "
+            "saved before the failure; it was left as it was."
+        )
+
+
+@dataclass
+class SavedShards:
+    """A sharded checkpoint being read: its directory, what ``meta.pt`` says wrote it, and its entries' shapes."""
+
+    path: str
+    info: dict[str, Any]
+    entries: dict[str, Any] = field(default_factory=dict)
+
+    def check_model(self, keys: list[str], targets: Mapping[str, Any], strict: bool) -> list[str]:
+        """The names of ``targets`` to read; refuses a checkpoint of another model (under ``strict``) or a tensor of
+        another shape, naming them."""
+        saved, here = list(self.info["keys"]), set(keys)
+        missing = [k for k in keys if k not in set(saved)]
+        unexpected = [k for k in saved if k not in here]
+        if strict and (missing or unexpected):
+            raise ValueError(
+                f"The sharded checkpoint {self.path} was written by {self.info.get('module')} and does not fit this "
+                f"model: {len(missing)} of this model's names are not in it {missing[:4]}, and it holds "
+                f"{len(unexpected)} this model lacks {unexpected[:4]}. Resume from a checkpoint of this model, or "
+                "set the LightningModule's strict_loading = False to load the names both have."
+            )
+        for name, tensor in targets.items():
+            entry = self.entries.get(MODEL + name)
+            if entry is not None and isinstance(tensor, Tensor) and tuple(entry[0]) != tuple(tensor.shape):
+                raise ValueError(
+                    f"The sharded checkpoint {self.path} holds {name} of shape {tuple(entry[0])}, but this model's "
+                    f"is {tuple(tensor.shape)}: it was written by another model ({self.info.get('module')}). "
+                    "Resume from a checkpoint of this model."
+                )
+        return [k for k in targets if MODEL + k in self.entries]
+
+
+class PipelineCheckpoints:
+    """What the strategy's checkpoint hooks delegate to: which form to save (``checkpoint=``), each rank's share of a
+    sharded save, and reading a sharded checkpoint back after setup, when each rank knows its stage."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = check_checkpoint_mode(mode)
+        self.model_bytes: int | None = None  # the whole model's state dict, measured before setup splits it
+        self.pending: tuple[SavedShards, bool] | None = None  # a sharded checkpoint to load once the stage exists
+
+    def measure(self, module: torch.nn.Module) -> None:
+        """The whole model's size (meta tensors count by shape), for ``checkpoint="auto"``; once, before the split."""
+        if self.model_bytes is None:
+            self.model_bytes = tensor_bytes(module.state_dict().values())
+
+    @property
+    def sharded(self) -> bool:
+        return self.mode == "sharded" or (self.mode == "auto" and (self.model_bytes or 0) >= SHARDED_FROM)
+
+    # -- saving ----------------------------------------------------------------------------------------------------
+    def model_state(self, pipeline: StagePipeline, is_global_zero: bool) -> dict[str, Any]:
+        """Sharded: this rank's share under the module's names. Full: the whole state dict on rank 0."""
+        share = pipeline.state_share(is_global_zero)
+        return share if self.sharded else pipeline.checkpoint.state_dict(share)
+
+    def optimizer_state(self, pipeline: StagePipeline, optimizer: torch.optim.Optimizer, index: int) -> dict[str, Any]:
+        """Sharded: this rank's optimizer state by parameter name. Full: single-device form on rank 0."""
+        if not self.sharded:
+            return pipeline.optimizer_state(optimizer, index)
+        raw: Any = getattr(optimizer, "_optimizer", optimizer)
+        if pipeline.shard is not None:  # the stage's shards gathered whole on its replicas (one stage, not the model)
+            raw = WholeOptimizerState(raw)
+        return pipeline.optimizer_layouts[index].named_state(raw, pipeline.local_names)
+
+    def save(self, checkpoint: dict[str, Any], path: str, pipeline: StagePipeline, is_global_zero: bool,
+             broadcast: Callable[[Any], Any], write_full: Callable[[dict[str, Any], str], None]) -> None:
+        """Every rank calls it: sharded, each writes its share into ``<path>.tmp-<pid>`` and rank 0 renames it into
+        place; full, rank 0 writes the file (``write_full``) that the gather made."""
+        path = broadcast(path)  # one path for all ranks, as rank 0 names it
+        if not self.sharded:
+            if is_global_zero and os.path.isdir(path):  # a sharded checkpoint at this path before
+                replace_path(path, lambda target: write_full(checkpoint, target))
+            elif is_global_zero:
+                write_full(checkpoint, path)
+            return
+        temporary = f"{path}.tmp-{os.getpid()}"
+        if is_global_zero:
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            remove_stale_temporaries(os.path.dirname(path) or ".")
+            if os.path.isdir(temporary):  # this process's own save that failed before
+                shutil.rmtree(temporary)
+        temporary = broadcast(temporary)  # after rank 0 cleared the way
+        model = checkpoint.pop("state_dict")
+        optimizers = checkpoint.pop("optimizer_states", None)
+        named = {MODEL + k: v for k, v in model.items()}
+        for i, share in enumerate(optimizers or []):
+            for name, state in share["state"].items():
+                named.update({f"{optimizer_prefix(i)}{name}/{key}": value for key, value in state.items()})
+        write_named(named, temporary)  # collective: each rank writes its own; rank 0 the global metadata
+        groups = [pipeline.checkpoint.gather(share["groups"]) for share in optimizers or []]  # settings, no tensors
+        if not is_global_zero:
+            return
+        layouts = pipeline.optimizer_layouts
+        if optimizers is not None:  # each optimizer's groups in single-device form; the state is in the shards
+            checkpoint["optimizer_states"] = [layouts[i].to_full([{"state": {}, "groups": g} for g in parts or []])
+                                              for i, parts in enumerate(groups)]
+        checkpoint[INFO] = {"format": FORMAT, "module": type(pipeline.module).__qualname__,
+                            "keys": list(pipeline.checkpoint.full_keys),
+                            "optimizers": [layout.groups for layout in layouts],
+                            "world_size": pipeline.checkpoint.world_size}
+        _write_file(checkpoint, os.path.join(temporary, META_FILE))
+        replace_path(path, lambda target: os.replace(temporary, target))
+
+    # -- loading ---------------------------------------------------------------------------------------------------
+    def load(self, path: str, weights_only: bool | None, read_file: Callable[[str], dict[str, Any]]
+             ) -> dict[str, Any]:
+        """What Lightning restores from ``path``: a file as before, or a sharded directory's ``meta.pt`` with a
+        promise to read this rank's share once setup has built its stage."""
+        if not os.path.exists(path):
+            path = interrupted_replacement(path) or path
+        if not os.path.isdir(path):
+            return read_file(path)
+        if not is_sharded_checkpoint(path):
+            raise FileNotFoundError(
+                f"The checkpoint {path} is a directory without {META_FILE}: not a sharded checkpoint (or its save did "
+                "not finish). Give a checkpoint file or a directory PipeDreamStrategy(checkpoint='sharded') wrote."
+            )
+        meta = torch.load(os.path.join(path, META_FILE), map_location="cpu", weights_only=bool(weights_only))
+        info = meta.pop(INFO, None)
+        if info is None:
+            raise ValueError(
+                f"The sharded checkpoint {path} was not written by PipeDreamStrategy (its {META_FILE} has no "
+                f"{INFO!r}): another strategy's parameter names and optimizer layout differ. Convert it to one file "
+                "with that strategy, then resume from the file."
+            )
+        shards = SavedShards(path, info, saved_entries(path))
+        return {**meta, "state_dict": {}, LOADED: shards}
+
+    def load_model(self, checkpoint: Mapping[str, Any], strict: bool, module: torch.nn.Module, shard: bool) -> None:
+        """A sharded checkpoint's weights wait for :meth:`after_setup` (each rank reads its own); a file's are loaded
+        now, this rank's part (``shard``: cut to this replica's shards)."""
+        if LOADED in checkpoint:
+            self.pending = (checkpoint[LOADED], strict)
+            return
+        state = checkpoint["state_dict"]
+        if shard:
+            state = sharded_model_state(module, dict(state))
+        load_own_share(module, state, strict)
+
+    def after_setup(self, pipeline: StagePipeline) -> None:
+        """Read this rank's weights (only those) from the pending sharded checkpoint; every rank at once."""
+        if self.pending is None:
+            return
+        shards, strict = self.pending
+        self.pending = None
+        targets = own_tensors(pipeline)
+        names = shards.check_model(pipeline.checkpoint.full_keys, targets, strict)
+        fresh = {k for k in names if _is_dtensor(targets[k])}  # sharded stage: read whole, then cut to this shard
+        request = {MODEL + k: torch.empty(targets[k].shape, dtype=targets[k].dtype) if k in fresh else targets[k]
+                   for k in names}
+        read_named(request, shards.path)
+        if fresh:
+            pipeline.module.load_state_dict(
+                sharded_model_state(pipeline.module, {k: request[MODEL + k] for k in fresh}), strict=False)
+
+    def load_optimizers(self, checkpoint: Mapping[str, Any], pipeline: StagePipeline,
+                        optimizers: list[torch.optim.Optimizer]) -> None:
+        """Each optimizer takes the state of the parameters it trains; from a sharded checkpoint it reads only those."""
+        shards = checkpoint.get(LOADED)
+        if shards is None:
+            pipeline.load_optimizer_states(optimizers, checkpoint["optimizer_states"])
+            return
+        states = []
+        for i, optimizer in enumerate(optimizers):
+            raw = getattr(optimizer, "_optimizer", optimizer)
+            own = {pipeline.local_names[id(p)] for g in raw.param_groups for p in g["params"]}
+            prefix = optimizer_prefix(i)
+            names = [n for n in shards.entries if n.startswith(prefix) and split_state_name(n[len(prefix):])[0] in own]
+            read = read_named(empty_targets(shards.entries, names), shards.path)
+            index = {name: j for j, name in enumerate(n for group in shards.info["optimizers"][i] for n in group)}
+            state: dict[int, dict[str, Any]] = {}
+            for key, value in read.items():
+                name, part = split_state_name(key[len(prefix):])
+                state.setdefault(index[name], {})[part] = value
+            states.append({"state": state, "param_groups": checkpoint["optimizer_states"][i]["param_groups"]})
+        pipeline.load_optimizer_states(optimizers, states)
+
+
+def own_tensors(pipeline: StagePipeline) -> dict[str, Any]:
+    """The tensors this rank loads, under the module's names: its stage's, and (graph path) the state no stage holds,
+    which every rank keeps alike."""
+    graph = pipeline.graph
+    if graph is None or graph.graph is None:
+        return pipeline.module.state_dict()
+    own = graph.stage.state_dict()
+    own.update({k: v for k, v in pipeline.module.state_dict().items() if k not in graph.graph.graph_state_names})
+    return own
+
+
+def _is_dtensor(t: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _write_file(value: Any, path: str) -> None:
+    with open(path, "wb") as f:
+        torch.save(value, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def replace_path(path: str, write: Callable[[str], None]) -> None:
+    """Put a new checkpoint at ``path`` (``write`` puts it at the path it is given), the previous one (file or
+    directory) kept aside as ``<path>.old-<pid>`` until the new one is in place: a kill leaves one of them whole."""
+    if not os.path.lexists(path):
+        write(path)
+        return
+    old = f"{path}.old-{os.getpid()}"
+    os.replace(path, old)
+    write(path)
+    shutil.rmtree(old) if os.path.isdir(old) else os.remove(old)
+
+
+def interrupted_replacement(path: str) -> str | None:
+    """The previous checkpoint a save interrupted while replacing ``path`` left as ``<path>.old-<pid>``, if any."""
+    olds = sorted(glob.glob(f"{glob.escape(path)}.old-*"), key=os.path.getmtime)
+    if not olds:
+        return None
+    warnings.warn(f"{path} is missing: a save was interrupted while replacing it; reading the previous checkpoint, "
+                  f"{olds[-1]}, instead.", stacklevel=3)
+    return olds[-1]
+
+
+def read_meta(directory: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``meta.pt`` of a sharded checkpoint, and what it says about the model that wrote it."""
+    if not is_sharded_checkpoint(directory):
+        raise FileNotFoundError(f"{directory} is not a sharded checkpoint (a directory with {META_FILE}).")
+    meta = torch.load(os.path.join(directory, META_FILE), map_location="cpu", weights_only=False)
+    info = meta.pop(INFO, None)
+    if info is None:
+        raise ValueError(f"{directory}/{META_FILE} was not written by PipeDreamStrategy (no {INFO!r} in it).")
+    return meta, info
+
+
+def consolidate(directory: str) -> dict[str, Any]:
+    """The single-device checkpoint of a sharded one (in this process: the whole model), as Lightning writes it:
+    ``MyModule.load_from_checkpoint`` and a one-device ``Trainer`` read it."""
+    meta, info = read_meta(directory)
+    tensors = read_all(directory)
+    meta["state_dict"] = {k: tensors[MODEL + k] for k in info["keys"] if MODEL + k in tensors}
+    for i, optimizer in enumerate(meta.get("optimizer_states", [])):
+        index = {n: j for j, n in enumerate(n for group in info["optimizers"][i] for n in group)}
+        prefix = optimizer_prefix(i)
+        state: dict[int, dict[str, Any]] = {}
+        for key, value in tensors.items():
+            if key.startswith(prefix):
+                name, part = split_state_name(key[len(prefix):])
+                state.setdefault(index[name], {})[part] = value
+        optimizer["state"] = dict(sorted(state.items()))
+    return meta
