@@ -149,13 +149,13 @@ class PipelineCheckpoints:
              broadcast: Callable[[Any], Any], write_full: Callable[[dict[str, Any], str], None]) -> None:
         """Every rank calls it: sharded, each writes its share into ``<path>.tmp-<pid>`` and rank 0 renames it into
         place; full, rank 0 writes the file (``write_full``) that the gather made."""
-        path = broadcast(path)  # one path for all ranks, as rank 0 names it
-        if not self.sharded:
+        if not self.sharded:  # rank 0 writes the file, as Lightning does (no collective)
             if is_global_zero and os.path.isdir(path):  # a sharded checkpoint at this path before
                 replace_path(path, lambda target: write_full(checkpoint, target))
             elif is_global_zero:
                 write_full(checkpoint, path)
             return
+        path = broadcast(path)  # one path for all ranks, as rank 0 names it
         temporary = f"{path}.tmp-{os.getpid()}"
         if is_global_zero:
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)

@@ -201,6 +201,31 @@ def _members(group) -> list[int] | None:
     return None if group is None else sorted(torch.distributed.get_process_group_ranks(group))
 
 
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+def measure_saves(trainer: L.Trainer, out: str) -> None:
+    """Each rank's resident peak raised by a sharded save, then by a full one (in this order: a full save's gather
+    leaves freed memory behind), with the whole model's bytes: rank{r}_saves.json."""
+    import torch.distributed.checkpoint  # noqa: F401  (its import is not the save's memory)
+
+    checkpoints = trainer.strategy.checkpoints
+    checkpoints.mode = "sharded"
+    trainer.save_checkpoint(os.path.join(out, "warm.ckpt"))  # first-call costs (planner caches, gloo buffers)
+    growth = {}
+    for mode in ("sharded", "full"):
+        checkpoints.mode = mode
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM := VmRSS: the peak from here on
+        before = _status_bytes("VmRSS")
+        trainer.save_checkpoint(os.path.join(out, f"{mode}.ckpt"))
+        growth[mode] = _status_bytes("VmHWM") - before
+    write_json(os.path.join(out, f"rank{trainer.global_rank}_saves.json"),
+               {**growth, "model_bytes": checkpoints.model_bytes})
+
+
 def train(out: str, options: dict) -> None:
     """One training run in ``out`` (its working directory too): final.ckpt, rank{r}.json, metrics.json on rank 0."""
     os.makedirs(out, exist_ok=True)
@@ -255,6 +280,8 @@ def train(out: str, options: dict) -> None:
     if options.pop("test", False):
         trainer.test(model, DataLoader(data(24), batch_size=12))
         metrics.update({k: float(v) for k, v in trainer.callback_metrics.items()})
+    if options.pop("measure_saves", False):
+        measure_saves(trainer, out)
     predictions = trainer.predict(model, DataLoader(data(24), batch_size=12)) if options.pop("predict", False) else None
     if trainer.is_global_zero:
         metrics["epoch"] = trainer.current_epoch

@@ -1,0 +1,257 @@
+"""Sharded checkpoints (PipeDreamStrategy(checkpoint="sharded")): each rank writes its own stage by name; the
+directory resumes on other layouts (4 stages -> 2 stages, 2 x 2 replicas, 2 x 2 shards) with the losses of an
+uninterrupted run, consolidates into one file that one device resumes, and exports to Hugging Face's layout.
+
+The multi-process trainings run in two launches of tiny.py (4 processes, then 2); the one-device resume runs here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_pipedream.strategy import sharded_checkpoint
+from lightning_pipedream.strategy.checkpoint import CheckpointGather
+from lightning_pipedream.strategy.checkpoint_commands import export_hf
+from lightning_pipedream.strategy.checkpoint_commands import main as checkpoint_main
+from lightning_pipedream.strategy.sharded_checkpoint import (
+    SHARDED_FROM,
+    PipelineCheckpoints,
+    consolidate,
+    is_sharded_checkpoint,
+)
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+from script_runs import run_script, script_env  # noqa: E402
+
+RESUME = {"batch_size": 60, "max_steps": 4, "checkpoint_every_epoch": True, "model": {"hidden": 2}}  # 1 batch/epoch
+SHARDED = {"schedule": "1f1b", "chunks": 2, "checkpoint": "sharded"}
+DATA_PARALLEL = {"batch_size": 30, "trainer": {"use_distributed_sampler": True}}  # 2 pipelines x 30 = the batch
+FROM_4 = "{runs}/sharded-4/epoch=1-step=2.ckpt"
+RUNS: dict[str, dict] = {
+    # 4 stages, uninterrupted: its checkpoint after step 2 is what the others resume.
+    "sharded-4": {**RESUME, "devices": 4, "strategy": {**SHARDED, "balance": [2, 2, 2, 1]}},
+    "resumed-2x2": {**RESUME, **DATA_PARALLEL, "devices": 4, "resume": FROM_4,
+                    "strategy": {**SHARDED, "stages": 2, "balance": [4, 3]}},
+    "resumed-shard-2x2": {**RESUME, **DATA_PARALLEL, "devices": 4, "resume": FROM_4,
+                          "strategy": {**SHARDED, "stages": 2, "balance": [4, 3], "shard": "full"}},
+    # 25 MB of weights on 4 stages (the largest a third of them): what a save adds to each rank's resident peak.
+    "memory": {"devices": 4, "max_steps": 1, "batch_size": 12, "measure_saves": True, "model": {"width": 1024,
+               "hidden": 6}, "strategy": {**SHARDED, "balance": [4, 4, 4, 3], "keep_freed_memory": False}},
+    "resumed-2": {**RESUME, "devices": 2, "resume": FROM_4, "strategy": {**SHARDED, "balance": [4, 3]}},
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("sharded")
+    for devices in (4, 2):  # the 2-process run resumes the 4-process one's checkpoint
+        group = [[str(base / name), json.loads(json.dumps(options).replace("{runs}", str(base)))]
+                 for name, options in RUNS.items() if options["devices"] == devices]
+        (base / f"runs{devices}.json").write_text(json.dumps(group))
+        run_script(SCRIPTS / "tiny.py", base, {"--runs": str(base / f"runs{devices}.json")}, 400)
+    return {name: base / name for name in RUNS}
+
+
+def losses(out: Path) -> list[float]:
+    return json.loads((out / "rank0.json").read_text())["losses"]
+
+
+def final_weights(out: Path) -> dict[str, torch.Tensor]:
+    return consolidate(str(out / "final.ckpt"))["state_dict"]
+
+
+@pytest.mark.multiprocess
+def test_each_rank_writes_its_own_stage_by_name(runs):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    directory = runs["sharded-4"] / "epoch=1-step=2.ckpt"
+    assert is_sharded_checkpoint(directory)
+    storage = FileSystemReader(str(directory)).read_metadata().storage_data
+    writer = {index.fqn: info.relative_path.split("_")[2] for index, info in storage.items()}
+    # balance [2, 2, 2, 1]: Linear layers 0, 2, 4 on ranks 0, 1, 2 and 6 on rank 3, each with its momentum
+    for layer, rank in ((0, "0"), (2, "1"), (4, "2"), (6, "3")):
+        assert writer[f"model/layers.{layer}.weight"] == rank
+        assert writer[f"optimizer0/layers.{layer}.weight/momentum_buffer"] == rank
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("resumed", ["resumed-2", "resumed-2x2", "resumed-shard-2x2"])
+def test_a_4_stage_checkpoint_resumes_on_other_layouts(runs, resumed):
+    uninterrupted = runs["sharded-4"]
+    if resumed == "resumed-2":  # one pipeline: the same logged losses as the run that was not stopped
+        assert losses(runs[resumed]) == pytest.approx(losses(uninterrupted)[2:], rel=1e-5)
+    want, got = final_weights(uninterrupted), final_weights(runs[resumed])
+    assert list(got) == list(want)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.multiprocess
+def test_consolidated_checkpoint_loads_and_resumes_on_one_device(runs, tmp_path):
+    import lightning as L
+    from tiny import LossRecorder, TinyClassifier, data
+    from torch.utils.data import DataLoader
+
+    source = runs["sharded-4"] / "epoch=1-step=2.ckpt"
+    one = tmp_path / "one.ckpt"
+    done = subprocess.run([sys.executable, "-m", "lightning_pipedream", "checkpoint", "consolidate", str(source),
+                           str(one)], capture_output=True, text=True, env=script_env(), timeout=120)
+    assert done.returncode == 0, done.stderr
+    model = TinyClassifier.load_from_checkpoint(one)  # no strategy
+    assert model.hparams.hidden == 2
+    L.seed_everything(0, verbose=False)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=4, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, callbacks=[LossRecorder(str(tmp_path))])
+    trainer.fit(TinyClassifier(hidden=2), DataLoader(data(), batch_size=60), ckpt_path=one)
+    assert losses(tmp_path) == pytest.approx(losses(runs["sharded-4"])[2:], rel=1e-5)
+    want = final_weights(runs["sharded-4"])
+    for name, tensor in trainer.lightning_module.state_dict().items():
+        if name in want:
+            torch.testing.assert_close(tensor, want[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.multiprocess
+def test_a_sharded_save_raises_no_rank_peak_by_half_the_model(runs):
+    saves = [json.loads((runs["memory"] / f"rank{r}_saves.json").read_text()) for r in range(4)]
+    model = saves[0]["model_bytes"]
+    assert model > 24e6
+    for rank, save in enumerate(saves):
+        assert save["sharded"] <= 0.5 * model, (rank, save)
+    assert saves[0]["full"] >= model, saves[0]  # the meter sees a gather: the full save holds the whole model
+
+
+# -- one process: the writer, its failures and the offline commands ----------------------------------------------
+class Net(nn.Module):
+    def __init__(self, width: int = 4) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(3, width), nn.Tanh(), nn.Linear(width, 2))
+
+
+def save_alone(module: nn.Module, path: Path, **extra) -> None:
+    """What the strategy's save does, on one process (no process group): the real writer."""
+    keys = list(module.state_dict())
+    pipeline = SimpleNamespace(module=module, checkpoint=CheckpointGather(0, 1, keys), optimizer_layouts=[],
+                               shard=None)
+    checkpoint = {"state_dict": module.state_dict(), "epoch": 3, **extra}
+    PipelineCheckpoints("sharded").save(checkpoint, str(path), pipeline, True, lambda x: x, None)
+
+
+def test_a_kill_while_saving_leaves_the_previous_checkpoint_readable(tmp_path, monkeypatch):
+    path = tmp_path / "last.ckpt"
+    first = Net()
+    save_alone(first, path)
+
+    def killed(tensors, directory):  # the data files begin, then the process dies before meta.pt and the rename
+        os.makedirs(directory, exist_ok=True)
+        (Path(directory) / "__0_0.distcp").write_bytes(b"partial")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sharded_checkpoint, "write_named", killed)
+    with pytest.raises(KeyboardInterrupt):
+        save_alone(Net(), path)
+    monkeypatch.undo()
+    for name, tensor in consolidate(str(path))["state_dict"].items():
+        assert torch.equal(tensor, first.state_dict()[name])
+    left = tmp_path / f"last.ckpt.tmp-{os.getpid()}"
+    assert left.is_dir()  # what the kill left; the next save clears it
+    second = Net()
+    save_alone(second, path)
+    assert not left.exists()
+    assert torch.equal(consolidate(str(path))["state_dict"]["layers.0.weight"], second.layers[0].weight)
+    # A dead writer's temporary directory goes at the next save in that folder, once a minute old.
+    dead = tmp_path / "other.ckpt.tmp-999999999"
+    dead.mkdir()
+    os.utime(dead, (time.time() - 120, time.time() - 120))
+    save_alone(second, path)
+    assert not dead.exists()
+
+
+def test_a_kill_between_the_renames_reads_the_previous_checkpoint(tmp_path):
+    path = tmp_path / "last.ckpt"
+    first = Net()
+    save_alone(first, path)
+    os.replace(path, tmp_path / "last.ckpt.old-4242")  # the previous one set aside, the new one not yet in place
+    with pytest.warns(UserWarning, match="a save was interrupted while replacing it; reading the previous"):
+        loaded = PipelineCheckpoints("sharded").load(str(path), None, torch.load)
+    assert loaded["epoch"] == 3 and loaded["state_dict"] == {}
+
+
+def test_a_checkpoint_of_another_model_is_refused_with_its_names(tmp_path):
+    save_alone(Net(), tmp_path / "a")
+    shards = PipelineCheckpoints("sharded").load(str(tmp_path / "a"), None, torch.load)[sharded_checkpoint.LOADED]
+    other = nn.Sequential(nn.Linear(3, 4))
+    with pytest.raises(ValueError, match=r"written by Net and does not fit this model: 2 of this model's names are "
+                                         r"not in it \['0.weight', '0.bias'\], and it holds 4 this model lacks"):
+        shards.check_model(list(other.state_dict()), other.state_dict(), strict=True)
+    wider = Net(width=5)
+    with pytest.raises(ValueError, match=r"holds layers.0.weight of shape \(4, 3\), but this model's is \(5, 3\)"):
+        shards.check_model(list(wider.state_dict()), wider.state_dict(), strict=True)
+    with pytest.raises(FileNotFoundError, match="is a directory without meta.pt: not a sharded checkpoint"):
+        PipelineCheckpoints("sharded").load(str(tmp_path), None, torch.load)
+    torch.save({"epoch": 1}, tmp_path / "meta.pt")  # Lightning's ModelParallelStrategy writes meta.pt too
+    with pytest.raises(ValueError, match="was not written by PipeDreamStrategy"):
+        PipelineCheckpoints("sharded").load(str(tmp_path), None, torch.load)
+
+
+def test_the_checkpoint_form_follows_checkpoint_and_the_model_size():
+    with pytest.raises(ValueError, match=r"checkpoint='sharding'\) is not a checkpoint form; use 'sharded'"):
+        PipelineCheckpoints("sharding")
+    auto = PipelineCheckpoints("auto")
+    auto.measure(Net())
+    assert not auto.sharded and PipelineCheckpoints("sharded").sharded and not PipelineCheckpoints("full").sharded
+    with torch.device("meta"):  # a model built on meta counts by its shapes
+        big = nn.Linear(SHARDED_FROM // 4 // 1024, 1024, bias=False)
+    auto = PipelineCheckpoints("auto")
+    auto.measure(big)
+    assert auto.sharded
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_export_hf_is_read_by_from_pretrained_with_the_same_logits(tmp_path, family):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("safetensors")
+    torch.manual_seed(0)
+    if family == "gpt2":
+        config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+        hf = transformers.GPT2LMHeadModel(config)
+    else:
+        config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
+        hf = transformers.LlamaForCausalLM(config)
+    holder = nn.Module()
+    holder.model = hf  # the LightningModule's attribute: names begin with "model."
+    with torch.no_grad():  # "fine-tuned": not the initial weights
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    save_alone(holder, tmp_path / "ckpt")
+    config.save_pretrained(tmp_path / "pretrained")
+    out = tmp_path / "hf"
+    if family == "gpt2":  # through the command
+        assert checkpoint_main(["export-hf", str(tmp_path / "ckpt"), str(out), "--prefix", "model.", "--config",
+                                str(tmp_path / "pretrained")]) == 0
+        assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    else:  # files of at most 40 kB: several, with the index from_pretrained follows
+        files = export_hf(str(tmp_path / "ckpt"), str(out), "model.", str(tmp_path / "pretrained"), 40_000)
+        assert "model.safetensors.index.json" in files and len(files) > 3
+    loaded = type(hf).from_pretrained(out)
+    ids = torch.randint(0, 64, (2, 7))
+    hf.eval()
+    torch.testing.assert_close(loaded(ids).logits, hf(ids).logits, rtol=0, atol=0)
+
+
+def test_export_hf_names_the_prefixes_it_found(tmp_path, capsys):
+    save_alone(Net(), tmp_path / "ckpt")
+    assert checkpoint_main(["export-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--prefix", "model."]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "No weights in" in err and "begin with 'model.'; its names begin with ['layers.']" in err
