@@ -276,6 +276,9 @@ def train(out: str, options: dict) -> None:
     else:
         trainer.fit(model, train, val, ckpt_path=options.pop("resume", None))
         trainer.save_checkpoint(os.path.join(out, "final.ckpt"))
+        if options.pop("also_full", False):  # the same state as one file too (checkpoint="sharded" wrote final.ckpt)
+            trainer.strategy.checkpoints.mode = "full"
+            trainer.save_checkpoint(os.path.join(out, "final-full.ckpt"))
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     if options.pop("test", False):
         trainer.test(model, DataLoader(data(24), batch_size=12))

@@ -49,6 +49,11 @@ RUNS: dict[str, dict] = {
     "memory": {"devices": 4, "max_steps": 1, "batch_size": 12, "measure_saves": True, "model": {"width": 1024,
                "hidden": 6}, "strategy": {**SHARDED, "balance": [4, 4, 4, 3], "keep_freed_memory": False}},
     "resumed-2": {**RESUME, "devices": 2, "resume": FROM_4, "strategy": {**SHARDED, "balance": [4, 3]}},
+    # Asynchronous schedules (weight stashing, 2BW's two versions) drain before saving: sharded holds what full does.
+    "pipedream-2": {"devices": 2, "max_steps": 3, "also_full": True, "strategy": {"schedule": "pipedream",
+                    "checkpoint": "sharded"}},
+    "2bw-2": {"devices": 2, "max_steps": 3, "also_full": True, "model": {"scheduler": False},
+              "strategy": {"schedule": "2bw", "chunks": 2, "checkpoint": "sharded"}},
 }
 
 
@@ -95,6 +100,22 @@ def test_a_4_stage_checkpoint_resumes_on_other_layouts(runs, resumed):
     assert list(got) == list(want)
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("schedule", ["pipedream", "2bw"])
+def test_an_asynchronous_schedule_saves_sharded_what_it_saves_in_one_file(runs, schedule):
+    sharded = consolidate(str(runs[f"{schedule}-2"] / "final.ckpt"))
+    full = torch.load(runs[f"{schedule}-2"] / "final-full.ckpt", weights_only=False)
+    assert list(sharded["state_dict"]) == list(full["state_dict"])
+    for name, tensor in full["state_dict"].items():
+        assert torch.equal(sharded["state_dict"][name], tensor), name
+    (got,), (want,) = sharded["optimizer_states"], full["optimizer_states"]
+    assert got["param_groups"] == want["param_groups"] and sorted(got["state"]) == sorted(want["state"])
+    for index, state in want["state"].items():
+        assert state.keys() == got["state"][index].keys()
+        assert all(torch.equal(got["state"][index][k], v) for k, v in state.items())
+    assert sharded["global_step"] == full["global_step"] == 3 and sharded["loops"] == full["loops"]
 
 
 @pytest.mark.multiprocess
