@@ -265,7 +265,7 @@ def own_tensors(pipeline: StagePipeline) -> dict[str, Any]:
     graph = pipeline.graph
     if graph is None or graph.graph is None:
         return pipeline.module.state_dict()
-    own = graph.stage.state_dict()
+    own = graph.graph.state_dict()  # every model chunk's, under the module's names (as the save's share)
     own.update({k: v for k, v in pipeline.module.state_dict().items() if k not in graph.graph.graph_state_names})
     return own
 

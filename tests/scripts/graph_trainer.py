@@ -149,8 +149,11 @@ def train(out: str, options: dict[str, Any]) -> None:
         train_data, val_data = padded(train_data), padded(val_data, seed=4)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(model, Batches(train_data), Batches(val_data))
+        trainer.fit(model, Batches(train_data), Batches(val_data), ckpt_path=options.pop("resume", None))
     trainer.save_checkpoint(os.path.join(out, "final.ckpt"))
+    if options.pop("also_full", False):  # the same state as one file too (checkpoint="sharded" wrote final.ckpt)
+        trainer.strategy.checkpoints.mode = "full"
+        trainer.save_checkpoint(os.path.join(out, "final-full.ckpt"))
     if trainer.is_global_zero:
         metrics: dict[str, Any] = {k: float(v) for k, v in trainer.callback_metrics.items()}
         metrics["global_step"] = trainer.global_step

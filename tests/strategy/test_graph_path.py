@@ -75,6 +75,12 @@ def trained(tmp_path_factory) -> Path:
     # The same module structure as the "hf" run before it in this launch: its capture and profile come from the cache.
     runs[2].append([str(base / "hf_2bw"), {"family": "hf", "module": "hf", "devices": 2, "strategy": {
         "schedule": "2bw", "chunks": 2}}])
+    # The "hf" pipeline's run again, its checkpoint sharded (each rank its stage, by name); then resumed from it at the
+    # last step (nothing left to train): what it saves in one file is what it read back.
+    hf_sharded = {"family": "hf", "module": "hf", "devices": 2, "strategy": {**CASES["hf"][1], "checkpoint": "sharded"}}
+    runs[2].append([str(base / "hf_sharded"), hf_sharded])
+    runs[2].append([str(base / "hf_sharded_resumed"), {**hf_sharded, "also_full": True,
+                                                       "resume": str(base / "hf_sharded" / "final.ckpt")}])
     tied = {"family": "lstm", "module": "tied_sequential", "devices": 2}  # a Sequential tied across its stages
     runs[2].append([str(base / "tied_sequential"), {**tied, "strategy": {"schedule": "pipedream", "balance": [2, 2]}}])
     runs[2].append([str(base / "tied_sequential_2bw"), {**tied, "clip": 0.05, "strategy": {
@@ -131,6 +137,22 @@ def test_model_chunks_of_a_traced_model_equal_one_device(trained, name):
     metrics = [json.loads((d / "metrics.json").read_text()) for d in (trained / name, trained / "hf" / "single")]
     assert metrics[0]["val_loss"] == pytest.approx(metrics[1]["val_loss"], rel=1e-5)
     assert len(metrics[0]["split_points"]) == 3  # 4 chunks
+
+
+def test_a_traced_graphs_sharded_checkpoint_holds_and_restores_the_full_ones_state(trained):
+    from lightning_pipedream.strategy.sharded_checkpoint import consolidate
+
+    full = torch.load(trained / "hf" / "pipe" / "final.ckpt", weights_only=False, map_location="cpu")
+    sharded = consolidate(str(trained / "hf_sharded" / "final.ckpt"))
+    restored = torch.load(trained / "hf_sharded_resumed" / "final-full.ckpt", weights_only=False, map_location="cpu")
+    for got in (sharded, restored):
+        assert list(got["state_dict"]) == list(full["state_dict"])  # tied names and all, in the module's order
+        for key, want in full["state_dict"].items():
+            assert torch.equal(got["state_dict"][key], want), key
+        (opt,), (want_opt,) = got["optimizer_states"], full["optimizer_states"]
+        assert sorted(opt["state"]) == sorted(want_opt["state"]) and opt["param_groups"] == want_opt["param_groups"]
+        for index, state in want_opt["state"].items():
+            assert all(torch.equal(opt["state"][index][k], v) for k, v in state.items()), index
 
 
 def test_an_output_dataclass_with_a_cache_trains_and_the_cache_is_named(trained):

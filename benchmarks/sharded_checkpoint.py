@@ -1,0 +1,151 @@
+"""What a checkpoint save adds to each rank's resident peak, sharded against full, and what consolidating costs.
+
+Run from the repository root::
+
+    python -m benchmarks.sharded_checkpoint                  # results/sharded_checkpoint.json (~1 min alone)
+    python -m benchmarks.sharded_checkpoint --quick --json /tmp/quick.json   # a 16 MB model
+
+The model is one ``nn.Sequential`` of ``layers`` x ``Linear(width, width)`` (12 x 2048 x 2048 fp32: 201 MB of
+weights, 201 MB more of momentum), trained one step under ``PipeDreamStrategy(schedule="1f1b", chunks=2)`` on 4 CPU
+processes with SGD and momentum. Then every rank saves twice: ``checkpoint="sharded"`` (each rank writes its own
+stage by name) and ``checkpoint="full"`` (gathered on rank 0), in that order (the full save's gather leaves freed
+memory behind). Per rank and save: ``growth_mb``, the resident peak (VmHWM, reset just before) above the resident
+memory just before, and ``seconds``. Then ``consolidate``: one process reads the sharded directory into one file
+(``peak_growth_mb`` above its resident memory before, and ``seconds``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PROCESSES = 4
+
+
+def _status_mb(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS (Linux >= 4.0)
+
+
+def _worker(spec: dict) -> None:
+    import lightning as L
+    import torch
+    import torch.distributed.checkpoint  # noqa: F401  (its import is not a save's memory)
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_pipedream import PipeDreamStrategy
+
+    torch.set_num_threads(1)
+    width, layers, out = spec["width"], spec["layers"], Path(spec["out"])
+
+    class Wide(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = None
+
+        def configure_model(self) -> None:  # each rank materializes only its stage
+            if self.layers is None:
+                self.layers = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+
+        def forward(self, x):
+            return self.layers(x)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return nn.functional.mse_loss(self(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1e-4, momentum=0.9)
+
+    data = TensorDataset(torch.randn(8, width), torch.randn(8, width))
+    strategy = PipeDreamStrategy(schedule="1f1b", chunks=2, keep_freed_memory=False, checkpoint="sharded")
+    trainer = L.Trainer(accelerator="cpu", devices=PROCESSES, strategy=strategy, max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        use_distributed_sampler=False)
+    trainer.fit(Wide(), DataLoader(data, batch_size=8))
+    trainer.save_checkpoint(out / "warm.ckpt")  # first-call costs of a sharded save (its planner, gloo buffers)
+    result: dict = {"rank": trainer.global_rank}
+    for mode in ("sharded", "full"):
+        strategy.checkpoints.mode = mode
+        _reset_peak()
+        before, start = _status_mb("VmRSS"), time.perf_counter()
+        trainer.save_checkpoint(out / f"{mode}.ckpt")
+        result[mode] = {"growth_mb": _status_mb("VmHWM") - before, "seconds": time.perf_counter() - start}
+    result["stage_weights_mb"] = sum(p.numel() * p.element_size() for p in strategy.lightning_module.parameters()
+                                     ) / 2**20
+    (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+
+
+def _consolidate(directory: str, out: str) -> dict:
+    from lightning_pipedream.strategy.checkpoint_commands import consolidate_to_file
+
+    _reset_peak()
+    before, start = _status_mb("VmRSS"), time.perf_counter()
+    consolidate_to_file(directory, out)
+    return {"peak_growth_mb": _status_mb("VmHWM") - before, "seconds": time.perf_counter() - start,
+            "file_mb": os.path.getsize(out) / 2**20}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--consolidate", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--quick", action="store_true", help="a 16 MB model (smoke run)")
+    parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "sharded_checkpoint.json")
+    parser.add_argument("--timeout", type=float, default=600.0)
+    args = parser.parse_args()
+    if args.worker:
+        _worker(json.loads(args.worker))
+        return
+    if args.consolidate:
+        print(json.dumps(_consolidate(*args.consolidate)))
+        return
+    width, layers = (1024, 4) if args.quick else (2048, 12)
+    weights_mb = layers * (width * width + width) * 4 / 2**20
+    result: dict = {"model": f"{layers} x Linear({width}, {width}), fp32, SGD with momentum", "weights_mb": weights_mb,
+                    "processes": PROCESSES, "when": time.strftime("%Y-%m-%d %H:%M"), "load_before": os.getloadavg()}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = {"width": width, "layers": layers, "out": tmp}
+        proc = subprocess.run([sys.executable, "-m", "benchmarks.sharded_checkpoint", "--worker", json.dumps(spec)],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
+        if proc.returncode != 0:
+            raise RuntimeError(f"the training failed:\n{proc.stderr[-3000:]}")
+        result["ranks"] = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(PROCESSES)]
+        proc = subprocess.run([sys.executable, "-m", "benchmarks.sharded_checkpoint", "--consolidate",
+                               str(Path(tmp) / "sharded.ckpt"), str(Path(tmp) / "one.ckpt")],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
+        if proc.returncode != 0:
+            raise RuntimeError(f"consolidate failed:\n{proc.stderr[-3000:]}")
+        result["consolidate"] = json.loads(proc.stdout.strip().splitlines()[-1])
+    for r in result["ranks"]:
+        print(f"rank {r['rank']} (stage {r['stage_weights_mb']:.0f} MB): sharded save +{r['sharded']['growth_mb']:.1f} "
+              f"MB in {r['sharded']['seconds']:.2f} s, full save +{r['full']['growth_mb']:.1f} MB in "
+              f"{r['full']['seconds']:.2f} s")
+    c = result["consolidate"]
+    print(f"consolidate: +{c['peak_growth_mb']:.0f} MB in {c['seconds']:.2f} s, a {c['file_mb']:.0f} MB file "
+          f"(model {weights_mb:.0f} MB)")
+    result["load_after"] = os.getloadavg()
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=1))
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
