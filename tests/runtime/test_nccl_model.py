@@ -140,6 +140,8 @@ def test_a_receive_of_another_size_is_an_error():
         ("zb-v", 3, 5, {}),  # micro-batches of unequal sizes, fewer than 2P - 1
         ("dualpipev", 2, 4, {}),
         ("dualpipev", 3, 6, {}),
+        ("zb-v", 4, 8, {}),  # 8 chunks of one layer each
+        ("dualpipev", 4, 8, {}),
     ],
 )
 def test_flushed_schedules_equal_one_process_under_nccl_rules(schedule, stages, chunks, options):
