@@ -100,9 +100,12 @@ class PretrainedWeights:
             if self.kind == "safetensors":
                 from safetensors import safe_open
 
-                with safe_open(str(file), framework="pt") as f:
-                    for name in names:
-                        yield name, f.get_tensor(name)
+                for name in names:
+                    # The file is memory-mapped: the pages read stay resident (and count in this process's peak)
+                    # until it is closed, so it is opened for each tensor, and the peak is the stage plus one tensor.
+                    with safe_open(str(file), framework="pt") as f:
+                        tensor = f.get_tensor(name)
+                    yield name, tensor
             elif self.kind == "torch":
                 state = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
                 state = state["state_dict"] if isinstance(state.get("state_dict"), dict) else state

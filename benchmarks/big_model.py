@@ -1,0 +1,201 @@
+"""A pretrained Hugging Face Llama fine-tuned on 4 CPU processes, built on the meta device and loaded per stage.
+
+Run from the repository root::
+
+    python -m benchmarks.big_model            # a 0.8 GB model, a few minutes: results/big_model.json
+    python -m benchmarks.big_model --big      # an ~8 GB model (the issue's size: a third of a 24 GB machine)
+
+The model is saved with ``save_pretrained`` (sharded safetensors and their index) to a temporary directory, then:
+
+* ``from_pretrained``: one process loads it whole, as a user would before the strategy splits it: the load's
+  wall time and the resident peak above the process's imports;
+* ``per_stage``: a LightningModule builds it in ``configure_model`` (on the meta device under the strategy) and
+  ``PipeDreamStrategy(schedule="1f1b", chunks=2, pretrained=DIR)`` gives each of 4 ranks its own stage, read
+  from the files that hold it; 3 SGD steps. Per rank: ``setup_s`` (trace, split, materialize and read, up to
+  the first step), ``peak_before_first_step_mb`` and ``peak_training_mb`` above the imports (torch.export's
+  first-trace imports included), and ``stage_weights_mb``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SIZES = {  # hidden, intermediate, layers, vocabulary
+    "default": (1024, 4096, 12, 8192),
+    "big": (2048, 8192, 30, 32000),
+}
+
+
+def _status_mb(field: str) -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 1024
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS (Linux >= 4.0)
+
+
+def _config(size: str):  # noqa: ANN202 - transformers is imported lazily
+    from transformers import LlamaConfig
+
+    hidden, intermediate, layers, vocab = SIZES[size]
+    return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                       num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=hidden // 256,
+                       max_position_embeddings=128)
+
+
+def _save(size: str, directory: str) -> float:
+    import torch
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(_config(size))
+    model.to_empty(device="cpu")
+    with torch.no_grad():  # values do not matter to memory or time; normal_ is cheaper than the full init
+        for p in model.parameters():
+            p.normal_(0.0, 0.02)
+    model.save_pretrained(directory, max_shard_size="500MB")
+    return sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+
+
+def _from_pretrained(directory: str) -> dict:
+    import lightning  # noqa: F401 - the same imports as a rank
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    base = _status_mb("VmRSS")
+    _reset_peak()
+    started = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(directory)
+    sum(float(p.sum()) for p in model.parameters())  # touch every weight (a lazy mapping is not a load)
+    return {"load_s": time.perf_counter() - started, "peak_mb": _status_mb("VmHWM") - base}
+
+
+def _per_stage(spec: dict) -> None:
+    import lightning as L
+    import torch
+
+    from lightning_pipedream import PipeDreamStrategy
+
+    torch.set_num_threads(1)
+    torch.export.export(torch.nn.Linear(2, 2), (torch.ones(1, 2),), strict=False).run_decompositions({})
+    directory, out = spec["dir"], Path(spec["out"])
+
+    class FineTune(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = None
+
+        def configure_model(self) -> None:
+            if self.model is None:
+                from transformers import AutoConfig, AutoModelForCausalLM
+
+                self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory))
+
+        def forward(self, ids):  # the strategy pipelines the call self(...)
+            return self.model(ids, use_cache=False).logits
+
+        def training_step(self, batch, batch_idx):
+            (ids,) = batch
+            logits = self(ids)
+            return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1e-4)
+
+    class Measure(L.Callback):
+        def __init__(self) -> None:
+            self.base, self.started = _status_mb("VmRSS"), time.perf_counter()
+            _reset_peak()
+            self.first: dict | None = None
+
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            if self.first is None:
+                self.first = {"setup_s": time.perf_counter() - self.started,
+                              "peak_before_first_step_mb": _status_mb("VmHWM") - self.base}
+
+        def on_train_end(self, trainer, module):
+            stage = trainer.strategy._pipeline.stage
+            result = {"rank": trainer.global_rank, **(self.first or {}),
+                      "peak_training_mb": _status_mb("VmHWM") - self.base,
+                      "stage_weights_mb": sum(p.numel() * p.element_size() for p in stage.parameters()) / 2**20}
+            (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+
+    class Batches:
+        def __init__(self) -> None:
+            generator = torch.Generator().manual_seed(0)
+            self.items = [(torch.randint(0, spec["vocab"], (4, 64), generator=generator),) for _ in range(3)]
+
+        def __len__(self) -> int:
+            return len(self.items)
+
+        def __iter__(self):
+            return iter(self.items)
+
+    trainer = L.Trainer(accelerator="cpu", devices=4, max_steps=3, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+                        callbacks=[Measure()],
+                        strategy=PipeDreamStrategy(schedule="1f1b", chunks=2, pretrained=directory))
+    trainer.fit(FineTune(), Batches())
+
+
+def _python(args: list[str], timeout: float) -> str:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.big_model", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{args[0]} failed:\n{proc.stderr[-3000:]}")
+    return proc.stdout
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--load", help=argparse.SUPPRESS)
+    parser.add_argument("--big", action="store_true", help="an ~8 GB model (the issue's size)")
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--timeout", type=float, default=1800.0)
+    args = parser.parse_args()
+    if args.worker:
+        _per_stage(json.loads(args.worker))
+        return
+    if args.load:
+        print(json.dumps(_from_pretrained(args.load)))
+        return
+    size = "big" if args.big else "default"
+    out_json = args.json or ROOT / "benchmarks" / "results" / f"big_model{'_big' if args.big else ''}.json"
+    with tempfile.TemporaryDirectory() as tmp:
+        weights_mb = _save(size, f"{tmp}/hf")
+        loaded = json.loads(_python(["--load", f"{tmp}/hf"], args.timeout).strip().splitlines()[-1])
+        (Path(tmp) / "out").mkdir()
+        spec = {"dir": f"{tmp}/hf", "out": f"{tmp}/out", "vocab": SIZES[size][3]}
+        _python(["--worker", json.dumps(spec)], args.timeout)
+        ranks = [json.loads((Path(tmp) / "out" / f"rank{r}.json").read_text()) for r in range(4)]
+    result = {"model": f"Llama {SIZES[size]} (hidden, intermediate, layers, vocabulary), fp32",
+              "weights_mb": weights_mb, "processes": 4, "schedule": "1f1b, chunks=2, SGD, 3 steps",
+              "when": time.strftime("%Y-%m-%d %H:%M"), "load_avg": os.getloadavg(),
+              "from_pretrained": loaded, "per_stage": ranks}
+    print(f"model {weights_mb:.0f} MB; from_pretrained on one process: {loaded['load_s']:.1f} s, peak "
+          f"{loaded['peak_mb']:.0f} MB")
+    for r in ranks:
+        print(f"rank {r['rank']}: setup {r['setup_s']:.1f} s, peak before first step "
+              f"{r['peak_before_first_step_mb']:.0f} MB, training {r['peak_training_mb']:.0f} MB, stage weights "
+              f"{r['stage_weights_mb']:.0f} MB")
+    out_json.parent.mkdir(parents=True, exist_ok=True)
+    out_json.write_text(json.dumps(result, indent=1))
+    print(f"wrote {out_json}")
+
+
+if __name__ == "__main__":
+    main()
