@@ -41,6 +41,7 @@ class StageWeights:
             self.source = match_names(self.weights.keys(), module, prefix)
         self.aliases = module_names(module)
         self.read_bytes = 0
+        self.read_s = 0.0  # wall time of materializing and reading this rank's stage
 
     def of_split(self, split: GraphSplit, stage_indices: Collection[int]) -> None:
         """Materialize the tensors that stages ``stage_indices`` of ``split`` hold (every name of each)."""
@@ -59,6 +60,8 @@ class StageWeights:
         materialize(self.module, self.device, self.seed, names=None if every else owned, loaded=loaded)
         if self.weights is not None:
             self.read_bytes = load_own(self.module, self.weights, self.source, firsts)
+        self.read_s = time.perf_counter() - started
+        if self.weights is not None:
             log.info("PipeDreamStrategy: read %.1f MiB of pretrained weights for this stage from %s in %.2f s.",
-                     self.read_bytes / 2**20, self.weights.path, time.perf_counter() - started)
+                     self.read_bytes / 2**20, self.weights.path, self.read_s)
         keep_meta_tensors(self.module)
