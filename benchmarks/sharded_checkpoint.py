@@ -73,6 +73,7 @@ def _worker(spec: dict) -> None:
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=1e-4, momentum=0.9)
 
+    torch.manual_seed(0)  # every rank the same batch
     data = TensorDataset(torch.randn(8, width), torch.randn(8, width))
     strategy = PipeDreamStrategy(schedule="1f1b", chunks=2, keep_freed_memory=False, checkpoint="sharded")
     trainer = L.Trainer(accelerator="cpu", devices=PROCESSES, strategy=strategy, max_steps=1, logger=False,
