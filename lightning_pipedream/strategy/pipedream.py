@@ -521,7 +521,8 @@ class PipeDreamStrategy(DDPStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         assert self._pipeline is not None
         self.checkpoints.save(checkpoint, os.fspath(filepath), self._pipeline, self.is_global_zero, self.broadcast,
-                              lambda c, path: DDPStrategy.save_checkpoint(self, c, path, storage_options))
+                              lambda c, path: DDPStrategy.save_checkpoint(self, c, path, storage_options),
+                              storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

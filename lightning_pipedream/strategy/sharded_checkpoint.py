@@ -146,9 +146,16 @@ class PipelineCheckpoints:
         return pipeline.optimizer_layouts[index].named_state(raw, pipeline.local_names)
 
     def save(self, checkpoint: dict[str, Any], path: str, pipeline: StagePipeline, is_global_zero: bool,
-             broadcast: Callable[[Any], Any], write_full: Callable[[dict[str, Any], str], None]) -> None:
+             broadcast: Callable[[Any], Any], write_full: Callable[[dict[str, Any], str], None],
+             storage_options: Any | None = None) -> None:
         """Every rank calls it: sharded, each writes its share into ``<path>.tmp-<pid>`` and rank 0 renames it into
         place; full, rank 0 writes the file (``write_full``) that the gather made."""
+        if self.sharded and storage_options is not None:
+            raise TypeError(
+                "PipeDreamStrategy(checkpoint='sharded') writes a directory on a local or shared filesystem itself, "
+                "without the CheckpointIO, so it takes no storage_options. Use checkpoint='full' to save through the "
+                "CheckpointIO with storage_options, or save to a local path."
+            )
         if not self.sharded:  # rank 0 writes the file, as Lightning does (no collective)
             if is_global_zero and os.path.isdir(path):  # a sharded checkpoint at this path before
                 replace_path(path, lambda target: write_full(checkpoint, target))

@@ -159,13 +159,13 @@ class Net(nn.Module):
         self.layers = nn.Sequential(nn.Linear(3, width), nn.Tanh(), nn.Linear(width, 2))
 
 
-def save_alone(module: nn.Module, path: Path, **extra) -> None:
+def save_alone(module: nn.Module, path: Path, storage_options: dict | None = None) -> None:
     """What the strategy's save does, on one process (no process group): the real writer."""
     keys = list(module.state_dict())
     pipeline = SimpleNamespace(module=module, checkpoint=CheckpointGather(0, 1, keys), optimizer_layouts=[],
                                shard=None)
-    checkpoint = {"state_dict": module.state_dict(), "epoch": 3, **extra}
-    PipelineCheckpoints("sharded").save(checkpoint, str(path), pipeline, True, lambda x: x, None)
+    checkpoint = {"state_dict": module.state_dict(), "epoch": 3}
+    PipelineCheckpoints("sharded").save(checkpoint, str(path), pipeline, True, lambda x: x, None, storage_options)
 
 
 def test_a_kill_while_saving_leaves_the_previous_checkpoint_readable(tmp_path, monkeypatch):
@@ -223,6 +223,11 @@ def test_a_checkpoint_of_another_model_is_refused_with_its_names(tmp_path):
     torch.save({"epoch": 1}, tmp_path / "meta.pt")  # Lightning's ModelParallelStrategy writes meta.pt too
     with pytest.raises(ValueError, match="was not written by PipeDreamStrategy"):
         PipelineCheckpoints("sharded").load(str(tmp_path), None, torch.load)
+
+
+def test_a_sharded_save_refuses_storage_options(tmp_path):
+    with pytest.raises(TypeError, match="takes no storage_options. Use checkpoint='full' to save through the"):
+        save_alone(Net(), tmp_path / "a", storage_options={"compression": "gzip"})
 
 
 def test_the_checkpoint_form_follows_checkpoint_and_the_model_size():
