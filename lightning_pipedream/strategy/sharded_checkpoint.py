@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from lightning_pipedream.runtime.stages.materialize import has_meta_tensors
 from lightning_pipedream.runtime.stages.named_tensors import (
     empty_targets,
     read_all,
@@ -119,7 +120,8 @@ class PipelineCheckpoints:
     def __init__(self, mode: str) -> None:
         self.mode = check_checkpoint_mode(mode)
         self.model_bytes: int | None = None  # the whole model's state dict, measured before setup splits it
-        self.pending: tuple[SavedShards, bool] | None = None  # a sharded checkpoint to load once the stage exists
+        # what to load once the stage exists: a sharded checkpoint, or a file's state dict for a model built on meta
+        self.pending: tuple[SavedShards | dict[str, Any], bool] | None = None
 
     def measure(self, module: torch.nn.Module) -> None:
         """The whole model's size (meta tensors count by shape), for ``checkpoint="auto"``; once, before the split."""
@@ -217,10 +219,11 @@ class PipelineCheckpoints:
         return {**meta, "state_dict": {}, LOADED: shards}
 
     def load_model(self, checkpoint: Mapping[str, Any], strict: bool, module: torch.nn.Module, shard: bool) -> None:
-        """A sharded checkpoint's weights wait for :meth:`after_setup` (each rank reads its own); a file's are loaded
-        now, this rank's part (``shard``: cut to this replica's shards)."""
-        if LOADED in checkpoint:
-            self.pending = (checkpoint[LOADED], strict)
+        """A sharded checkpoint's weights wait for :meth:`after_setup` (each rank reads its own); so do a file's for
+        a model built on the meta device (Lightning restores before setup, whose materialization would initialize
+        them again); otherwise a file's are loaded now, this rank's part (``shard``: cut to this replica's shards)."""
+        if LOADED in checkpoint or has_meta_tensors(module):
+            self.pending = (checkpoint.get(LOADED, checkpoint["state_dict"]), strict)
             return
         state = checkpoint["state_dict"]
         if shard:
@@ -233,6 +236,10 @@ class PipelineCheckpoints:
             return
         shards, strict = self.pending
         self.pending = None
+        if not isinstance(shards, SavedShards):  # a file's state dict, for a model that was built on meta
+            state = sharded_model_state(pipeline.module, shards) if pipeline.shard is not None else shards
+            load_own_share(pipeline.module, state, strict)
+            return
         targets = own_tensors(pipeline)
         names = shards.check_model(pipeline.checkpoint.full_keys, targets, strict)
         fresh = {k for k in names if _is_dtensor(targets[k])}  # sharded stage: read whole, then cut to this shard

@@ -153,6 +153,32 @@ def test_a_sharded_save_raises_no_rank_peak_by_half_the_model(runs):
 
 
 # -- one process: the writer, its failures and the offline commands ----------------------------------------------
+@pytest.mark.parametrize("form", ["full", "sharded"])
+def test_a_model_built_on_meta_resumes_the_checkpoints_weights(tmp_path, form):
+    # Lightning restores a checkpoint before setup, which materializes (initializes) a model built in configure_model:
+    # its weights are loaded after the stage exists. Resumed at the step it was saved, nothing trains.
+    import lightning as L
+    from tiny import TinyClassifier, data
+    from torch.utils.data import DataLoader
+
+    from lightning_pipedream import PipeDreamStrategy
+
+    def fit(seed: int, **kwargs) -> L.Trainer:
+        L.seed_everything(seed, verbose=False)
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_progress_bar=False,
+                            enable_model_summary=False, enable_checkpointing=False,
+                            strategy=PipeDreamStrategy(schedule="1f1b", chunks=2, checkpoint=form))
+        trainer.fit(TinyClassifier(build_in_configure_model=True), DataLoader(data(), batch_size=12), **kwargs)
+        return trainer
+
+    first = fit(0)
+    first.save_checkpoint(tmp_path / "a.ckpt")
+    resumed = fit(1, ckpt_path=tmp_path / "a.ckpt")
+    want = first.lightning_module.state_dict()
+    for name, tensor in resumed.lightning_module.state_dict().items():
+        assert torch.equal(tensor, want[name]), name
+
+
 class Net(nn.Module):
     def __init__(self, width: int = 4) -> None:
         super().__init__()
