@@ -21,7 +21,7 @@ from lightning_pipedream.strategy.batches import EVALUATION_LOOP, STEP_OF, batch
 from lightning_pipedream.strategy.calls import ForwardCall, SubmoduleCall, innermost_called_module
 from lightning_pipedream.strategy.options import PipelineOptions
 from lightning_pipedream.strategy.placement import Placement
-from lightning_pipedream.strategy.pretrained import StageWeights
+from lightning_pipedream.strategy.pretrained import StageWeights, refuse_pretrained_with_real_weights
 
 log = logging.getLogger("lightning_pipedream.strategy")
 
@@ -92,12 +92,8 @@ class GraphPath:
         # Built on the meta device: traced from shapes, split by a FLOP estimate, this rank's stages alone materialized.
         on_meta = has_meta_tensors(module)
         self.weights = StageWeights(options, module, self.device) if on_meta else None
-        if not on_meta and options.pretrained is not None:
-            raise ValueError(
-                f"PipeDreamStrategy(pretrained=...) loads each stage's weights into a model built on the meta device, "
-                f"but {type(module).__name__} was built with real weights. Build it in configure_model (or under "
-                "trainer.init_module(empty_init=True)), or load the weights yourself and drop pretrained=."
-            )
+        if not on_meta:
+            refuse_pretrained_with_real_weights(options, module)
         if points is None:
             on_rank_zero: dict[str, Any] = {}  # what rank 0 keeps of its work besides the points: the graph, the plan
 

@@ -25,6 +25,16 @@ from lightning_pipedream.strategy.options import PipelineOptions
 log = logging.getLogger("lightning_pipedream.strategy")
 
 
+def refuse_pretrained_with_real_weights(options: PipelineOptions, module: LightningModule) -> None:
+    """``pretrained=`` fills a model built on the meta device; one built with real weights would silently keep them."""
+    if options.pretrained is not None:
+        raise ValueError(
+            f"PipeDreamStrategy(pretrained=...) loads each stage's weights into a model built on the meta device, "
+            f"but {type(module).__name__} was built with real weights. Build it in configure_model (or under "
+            "trainer.init_module(empty_init=True)), or load the weights yourself and drop pretrained=."
+        )
+
+
 class StageWeights:
     """Materializes (and loads) one stage of ``module``. Built on every rank alike: it checks the checkpoint's names
     against the whole module from headers alone, so a mismatch stops every rank before anything is read."""

@@ -54,7 +54,7 @@ from lightning_pipedream.strategy.graph_path import GraphPath
 from lightning_pipedream.strategy.options import PipelineOptions
 from lightning_pipedream.strategy.placement import Placement, ProcessGroups
 from lightning_pipedream.strategy.planning import LayerPlanner
-from lightning_pipedream.strategy.pretrained import StageWeights
+from lightning_pipedream.strategy.pretrained import StageWeights, refuse_pretrained_with_real_weights
 from lightning_pipedream.strategy.summaries import LaggedFromSources, LaggedSummaries, SummaryChannel
 
 log = logging.getLogger(__name__)
@@ -395,6 +395,8 @@ class StagePipelineBuilder:
         check_stage_trains(own, placement.stage_index, self.balance)
         # Built on the meta device: real (or pretrained) weights for this stage only, checked against the whole.
         weights = StageWeights(self.options, module, self.ranks.device) if has_meta_tensors(module) else None
+        if weights is None:
+            refuse_pretrained_with_real_weights(self.options, module)
         stage_of = [s for s, count in enumerate(self.balance) for _ in range(count)]
         for i, layer_name in enumerate(list(layers._modules)):
             if layer_name not in own._modules:

@@ -60,7 +60,7 @@ def test_a_module_that_cannot_initialize_itself_is_named():
 
 
 class GraphBuiltInConfigureModel(L.LightningModule):
-    """Not one nn.Sequential: the graph path, which must trace real weights."""
+    """Not one nn.Sequential: the graph path, which traces the shapes of a model built on the meta device."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -139,3 +139,46 @@ class NoReset3(nn.Module):
 
     def forward(self, x):
         return x * self.scale
+
+
+class SequentialBuiltInConfigureModel(GraphBuiltInConfigureModel):
+    """One nn.Sequential: the layer path."""
+
+    def configure_model(self) -> None:
+        if self.encoder is None:
+            self.encoder = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+
+    def forward(self, x):
+        return self.encoder(x)
+
+
+@pytest.mark.parametrize("module_class", [GraphBuiltInConfigureModel, SequentialBuiltInConfigureModel])
+def test_pretrained_weights_load_into_either_path(tmp_path, module_class):
+    reference = module_class()
+    reference.configure_model()
+    torch.save(reference.state_dict(), tmp_path / "weights.pt")
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        strategy=PipeDreamStrategy(schedule="1f1b", pretrained=tmp_path / "weights.pt"))
+    module = module_class()
+    module.configure_optimizers = lambda: torch.optim.SGD(module.parameters(), lr=0.0)  # weights stay as loaded
+    trainer.fit(module, torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=4))
+    held = trainer.strategy._pipeline.stage.state_dict()
+    for name, value in reference.state_dict().items():
+        stage_name = name.removeprefix("encoder.") if module_class is SequentialBuiltInConfigureModel else name
+        torch.testing.assert_close(held[stage_name], value, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("module_class", [GraphBuiltInConfigureModel, SequentialBuiltInConfigureModel])
+def test_pretrained_with_a_model_built_on_real_weights_is_refused(tmp_path, module_class):
+    module = module_class()
+    module.configure_model()
+    torch.save(module.state_dict(), tmp_path / "weights.pt")
+    module.configure_model = lambda: None  # built already, with real weights
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        strategy=PipeDreamStrategy(schedule="1f1b", pretrained=tmp_path / "weights.pt"))
+    with pytest.raises(ValueError, match=r"pretrained=...\) loads each stage's weights into a model built on the "
+                                         r"meta device, but \w+BuiltInConfigureModel was built with real weights"):
+        trainer.fit(module, torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)),
+                                                        batch_size=4))
