@@ -4,12 +4,16 @@ Bahdanau attention from the first decoder layer fed to every later decoder layer
 Tensors travel between layers as tuples (batch first, so a batch splits into micro-batches along dim 0):
     (src, tgt_in) -> (enc, src, tgt_in) -> ... -> (enc, src, y) -> (dec, context) -> ... -> logits
 `src` (token ids) travels with the encoder states so the attention layer can mask padding.
+While decoding (`lightning_pipedream.generate`) each stage keeps its decoder LSTMs' (h, c) per lane and its encoder
+LSTMs' outputs, so a step feeds one target word (`carried_lstm`).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from lightning_pipedream.runtime.execution.decode import carried_lstm
 
 PAD = 0
 
@@ -30,6 +34,8 @@ class SourceEmbedding(nn.Module):
 class EncoderLSTM(nn.Module):
     """One encoder LSTM layer; `residual` adds its input to its output (GNMT does this from layer 3 on)."""
 
+    carries_decode_state = True
+
     def __init__(self, input_size: int, hidden_size: int, dropout: float, bidirectional: bool = False,
                  residual: bool = False) -> None:
         super().__init__()
@@ -39,7 +45,7 @@ class EncoderLSTM(nn.Module):
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         x, src, tgt_in = inputs
-        out, _ = self.lstm(self.dropout(x))
+        out = carried_lstm(self.lstm, self.dropout(x), source=True)  # the source: once per decoded lane
         return (out + x if self.residual else out), src, tgt_in
 
 
@@ -76,6 +82,8 @@ class BahdanauAttention(nn.Module):
 class AttentionDecoderLSTM(nn.Module):
     """First decoder layer: LSTM over target embeddings, then attention over the encoder -> (dec, context)."""
 
+    carries_decode_state = True
+
     def __init__(self, hidden_size: int) -> None:
         super().__init__()
         self.lstm = nn.LSTM(hidden_size, hidden_size, batch_first=True)
@@ -83,13 +91,15 @@ class AttentionDecoderLSTM(nn.Module):
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         enc, src, y = inputs
-        dec, _ = self.lstm(y)
+        dec = carried_lstm(self.lstm, y)
         context = self.attention(dec, enc, src != PAD)
         return dec, context
 
 
 class DecoderLSTM(nn.Module):
     """Later decoder layers: LSTM over [dec; context], residual from the third decoder layer on."""
+
+    carries_decode_state = True
 
     def __init__(self, hidden_size: int, dropout: float, residual: bool) -> None:
         super().__init__()
@@ -99,7 +109,7 @@ class DecoderLSTM(nn.Module):
 
     def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         dec, context = inputs
-        out, _ = self.lstm(self.dropout(torch.cat([dec, context], dim=-1)))
+        out = carried_lstm(self.lstm, self.dropout(torch.cat([dec, context], dim=-1)))
         return (out + dec if self.residual else out), context
 
 

@@ -4,12 +4,16 @@ language LSTM reads [visual state; previous word] and predicts the caption.
 Both LSTMs run over frames followed by words (F + T steps); frames see zero words and words see zero frames,
 as in the paper. Tuples between layers (batch first): (feats, cap_in) -> (frames, cap_in) -> (h1, cap_in)
 -> (h1, words, cap_in) -> h2 over the caption steps -> logits (B, T, V).
+While decoding (`lightning_pipedream.generate`) each stage keeps its LSTMs' (h, c) per lane, so a step feeds one
+word and no frames (`carried_lstm`).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from lightning_pipedream.runtime.execution.decode import carried_lstm, has_carried_state
 
 PAD = 0
 
@@ -28,7 +32,10 @@ class FrameEmbedding(nn.Module):
 
 
 class VisualLSTM(nn.Module):
-    """First LSTM: frames, then zero padding for the caption steps -> hidden states (B, F + T, H)."""
+    """First LSTM: frames, then zero padding for the caption steps -> hidden states (B, F + T, H); while decoding,
+    after a lane's first step, the new caption steps only (the frames were read)."""
+
+    carries_decode_state = True
 
     def __init__(self, hidden_size: int) -> None:
         super().__init__()
@@ -37,8 +44,9 @@ class VisualLSTM(nn.Module):
     def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         frames, cap_in = inputs
         pad = frames.new_zeros(frames.size(0), cap_in.size(1), frames.size(2))
-        h1, _ = self.lstm(torch.cat([frames, pad], dim=1))
-        return h1, cap_in
+        if has_carried_state(self.lstm):
+            return carried_lstm(self.lstm, pad), cap_in
+        return carried_lstm(self.lstm, torch.cat([frames, pad], dim=1)), cap_in
 
 
 class WordEmbedding(nn.Module):
@@ -60,6 +68,8 @@ class WordEmbedding(nn.Module):
 class LanguageLSTM(nn.Module):
     """Second LSTM over [h1; words]; returns only the caption steps (B, T, H), which predict the words."""
 
+    carries_decode_state = True
+
     def __init__(self, hidden_size: int, dropout: float) -> None:
         super().__init__()
         self.lstm = nn.LSTM(2 * hidden_size, hidden_size, batch_first=True)
@@ -67,7 +77,7 @@ class LanguageLSTM(nn.Module):
 
     def forward(self, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
         h1, words, cap_in = inputs
-        h2, _ = self.lstm(torch.cat([h1, words], dim=-1))
+        h2 = carried_lstm(self.lstm, torch.cat([h1, words], dim=-1))
         return self.dropout(h2[:, h2.size(1) - cap_in.size(1):])
 
 

@@ -1,9 +1,9 @@
 """Sequence-to-sequence tasks (translation, video captioning): teacher-forced cross-entropy, greedy-decoded BLEU.
 
-The task's metric `val_bleu` is corpus BLEU-4 of greedy decoding over the whole held-out set, one forward pass of
-the whole model per generated word: under PipeDreamStrategy through the pipeline's decode ring, every rank running
-its own stage (`pipelined_held_out_metric`, `lightning_pipedream.generate`), otherwise on rank 0 with the gathered
-weights (`held_out_metric`). The pipelined
+The task's metric `val_bleu` is corpus BLEU-4 of greedy decoding over the whole held-out set: under
+PipeDreamStrategy through the pipeline's decode ring, every rank running its own stage and keeping its LSTMs' states
+per lane (`pipelined_held_out_metric`, `lightning_pipedream.generate`), otherwise on rank 0 with the gathered weights,
+one forward pass of the whole model per generated word (`held_out_metric`). The pipelined
 validation step logs `val_bleu_teacher_forced`, the BLEU of the argmax of its one teacher-forced pass, per batch.
 """
 
@@ -64,8 +64,9 @@ class Seq2SeqTask(RecipeTask):
     @torch.no_grad()
     def pipelined_held_out_metric(self, datamodule: Any, micro_batches: int | None = None) -> float:
         """The same BLEU, decoded by ``lightning_pipedream.generate``: under PipeDreamStrategy every rank calls it and
-        runs only its own stage's layers around the decode ring (no weights gathered; the prefix is recomputed each
-        step, as ``greedy_decode`` does); on one device it decodes there. The same tokens as ``held_out_metric``."""
+        runs only its own stage's layers around the decode ring (no weights gathered; each stage keeps its own LSTMs'
+        states per lane, so a step feeds one word where ``greedy_decode`` recomputes the prefix); on one device it
+        decodes there. The same tokens as ``held_out_metric``."""
         from lightning_pipedream import generate
 
         bos, eos, pad = self.vocab.stoi[BOS], self.vocab.stoi[EOS], self.vocab.stoi[PAD]

@@ -1,6 +1,7 @@
 """The recipes' val_bleu decoded through the pipeline's ring equals today's one-process greedy decoding, token for
 token: on one device through ``lightning_pipedream.generate``, and on 2 and 3 stages (ranks as threads under the
-model of NCCL's rules) with the GNMT and S2VT layers split, 1 lane and one per stage, some rows ending early."""
+model of NCCL's rules) with the GNMT and S2VT layers split, 1 lane and one per stage, some rows ending early. The ring
+feeds each stage one word per step after a lane's first (the stage keeps its own LSTMs' states per lane)."""
 
 from __future__ import annotations
 
@@ -25,8 +26,10 @@ def model(name: str) -> nn.Sequential:
     sizes = {"gnmt8": {"src_vocab_size": 11, "tgt_vocab_size": 11}, "s2vt": {"feature_size": 12, "vocab_size": 11}}
     layers = build_model(name, "translation" if name == "gnmt8" else "video_captioning", hidden_size=8, dropout=0.0,
                          **sizes[name]).eval()
-    with torch.no_grad():
-        [m for m in layers[-1].modules() if isinstance(m, nn.Linear)][-1].bias[EOS] += 0.3  # some rows end early
+    with torch.no_grad():  # weights spread wide enough that rows differ, and EOS favoured: some rows end early
+        for p in layers.parameters():
+            p.normal_(0, 1)
+        [m for m in layers[-1].modules() if isinstance(m, nn.Linear)][-1].bias[EOS] += {"gnmt8": 1.6, "s2vt": 2.0}[name]
     return layers
 
 
@@ -62,19 +65,30 @@ def test_the_ring_decodes_the_recipes_models_as_one_process_does(name, stages):
     layers, src = model(name), sources(name)
     with torch.no_grad():
         want = greedy_decode(layers, src, BOS, EOS, max_len=8, pad=PAD)
+    first_ended = want[:, 0] == EOS
+    assert want.shape[1] > 3 and first_ended.any() and not first_ended.all(), want  # some rows end early, some go on
     prompt = torch.full((5, 1), BOS)
     for lanes in (1, stages):
         net = PointToPointModel(stages, watchdog_s=30)
 
         def rank_main(rank: int, lanes: int = lanes):
             mine = copy.deepcopy(layers)
+            fed: list[int] = []
 
             def call(ids, mask, positions, cache, rows):
+                fed.append(ids.shape[1])
                 return mine((*(s[rows] for s in src), ids))
 
             transport = Transport(kind="directional", reverse_group="reverse")
-            return generate_ids(mine, call, prompt, None, max_new_tokens=8, eos_token_id=EOS, pad_token_id=PAD,
-                                micro_batches=lanes, stage=rank, num_stages=stages, transport=transport, blocks=mine)
+            slices: list = []
+            ids = generate_ids(mine, call, prompt, None, max_new_tokens=8, eos_token_id=EOS, pad_token_id=PAD,
+                               micro_batches=lanes, stage=rank, num_stages=stages, transport=transport, blocks=mine,
+                               slices=slices)
+            this = slices[0]
+            own = {m for block in list(mine)[this.start:this.stop] for m in block.modules() if isinstance(m, nn.LSTM)}
+            return ids, fed, this.uses_cache, set(this.state_bytes()), own
 
-        for rank, got in enumerate(net.run(rank_main, timeout=120)):
+        for rank, (got, fed, cached, kept, own) in enumerate(net.run(rank_main, timeout=120)):
             assert torch.equal(got[:, 1:], want), f"rank {rank}, {lanes} lanes"
+            assert cached and len(fed) > lanes and set(fed) == {1}, fed  # one word per step, never the prefix
+            assert kept == own, f"rank {rank} keeps states of its own LSTMs only"

@@ -12,13 +12,20 @@ own block. Everything outside the blocks (embeddings, masks, rotary tables) is r
 only the hidden states travel. Hugging Face models keep a cache per lane holding only this stage's layers
 (``use_cache=True``: the keys and values of its own attention layers); a model without a cache recomputes the
 whole prefix every step (:attr:`StageSlice.uses_cache` says which).
+
+Recurrent models keep each stage's LSTM states per lane instead: a module that runs its LSTMs through
+:func:`carried_lstm` and says so (``carries_decode_state = True``) is fed only the new token at each step, each of
+its LSTMs continuing from the (h, c) this stage kept for the lane; an LSTM over the unchanging source (an encoder)
+runs once per lane (``source=True``). Outside decoding :func:`carried_lstm` is the LSTM's plain call.
 """
 
 from __future__ import annotations
 
+import contextvars
 import inspect
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +63,46 @@ class _Stop(nn.Module):
 
     def forward(self, hidden: Any, *args: Any, **kwargs: Any) -> Any:
         raise _Stopped(hidden)
+
+
+_LANE_STATE: contextvars.ContextVar[dict | None] = contextvars.ContextVar("lane_state", default=None)
+
+
+@contextmanager
+def _lane_state(store: dict | None) -> Iterator[None]:
+    token = _LANE_STATE.set(store)
+    try:
+        yield
+    finally:
+        _LANE_STATE.reset(token)
+
+
+def carried_lstm(lstm: nn.Module, x: Tensor, *, source: bool = False) -> Tensor:
+    """``lstm(x)[0]``, except while :func:`generate_ids` decodes a model that carries its LSTM states: then ``x``
+    holds only the positions new since this lane's last step, and the LSTM continues from the (h, c) this stage
+    kept for the lane; with ``source=True`` (an input that does not change while decoding: the source sentence)
+    the output of the lane's first step is reused."""
+    store = _LANE_STATE.get()
+    if store is None:
+        return lstm(x)[0]
+    if source:
+        if lstm not in store:
+            store[lstm] = lstm(x)[0]
+        return store[lstm]
+    out, state = lstm(x, store.get(lstm))
+    store[lstm] = state
+    return out
+
+
+def has_carried_state(lstm: nn.Module) -> bool:
+    """Whether ``lstm`` has run for this lane already (its input then holds only the new positions)."""
+    store = _LANE_STATE.get()
+    return store is not None and lstm in store
+
+
+def carries_state(model: nn.Module) -> bool:
+    """Whether ``model`` runs its LSTMs through :func:`carried_lstm` (a submodule with ``carries_decode_state``)."""
+    return any(getattr(m, "carries_decode_state", False) for m in model.modules())
 
 
 def find_blocks(model: nn.Module) -> tuple[str, nn.Module]:
@@ -125,17 +172,28 @@ class StageSlice:
     stage: int
     num_stages: int
     hf: Any = None  # the Hugging Face model, whose caches this stage keeps per lane; None: recompute the prefix
+    recurrent: bool = False  # the model carries its LSTM states (carried_lstm): this stage keeps them per lane
     caches: dict[int, Any] = field(default_factory=dict)
     rows: dict[int, slice] = field(default_factory=dict)
+    seen: dict[int, int] = field(default_factory=dict)  # positions each lane's carried states have read
 
     @property
     def uses_cache(self) -> bool:
-        return self.hf is not None
+        return self.hf is not None or self.recurrent
+
+    def state_bytes(self) -> dict[nn.Module, int]:
+        """Bytes of the LSTM states and source outputs kept per module, over every lane (own layers only)."""
+        sizes: dict[nn.Module, int] = {}
+        for store in self.caches.values() if self.recurrent else ():
+            for module, kept in store.items():
+                tensors = kept if isinstance(kept, tuple) else (kept,)
+                sizes[module] = sizes.get(module, 0) + sum(t.numel() * t.element_size() for t in tensors)
+        return sizes
 
     def cache_bytes(self) -> dict[int, int]:
         """Bytes of cached keys and values per layer index, over every lane (only own layers have any)."""
         sizes: dict[int, int] = {}
-        for cache in self.caches.values():
+        for cache in self.caches.values() if not self.recurrent else ():
             for i, layer in enumerate(getattr(cache, "layers", [])):
                 for name in ("keys", "values"):
                     t = getattr(layer, name, None)
@@ -150,7 +208,12 @@ class StageSlice:
         new = ids
         positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
         kwargs: dict[str, Any] = {}
-        if self.hf is not None:
+        store: dict | None = None
+        if self.recurrent:
+            store = self.caches.setdefault(lane, {})
+            new, positions = ids[:, self.seen.get(lane, 0):], positions[:, self.seen.get(lane, 0):]
+            self.seen[lane] = ids.shape[1]
+        elif self.hf is not None:
             cache = self.caches.get(lane)
             if cache is None:
                 cache_class = _hf_cache_class()
@@ -171,7 +234,7 @@ class StageSlice:
                     self.blocks[i] = _Inject(saved[i], slot)
                 elif i == self.stop:  # the next stage's first block (the last stage has none)
                     self.blocks[i] = _Stop()
-            with torch.no_grad():
+            with torch.no_grad(), _lane_state(store):
                 try:
                     out = self.call(new, mask, positions, kwargs, self.rows.get(lane, slice(None)))
                 except _Stopped as stopped:
@@ -306,7 +369,9 @@ def generate_ids(model: nn.Module, call: Callable[..., Any], input_ids: Tensor, 
         _, blocks = find_blocks(model)
     split = even_split(len(blocks), num_stages) if split is None else split
     start = sum(split[:stage])
-    this = StageSlice(call, blocks, start, start + split[stage], stage, num_stages, hf=is_hf_model(model))
+    hf = is_hf_model(model)
+    this = StageSlice(call, blocks, start, start + split[stage], stage, num_stages, hf=hf,
+                      recurrent=hf is None and carries_state(model))
     if slices is not None:
         slices.append(this)
     sizes = [batch // micro_batches + (1 if i < batch % micro_batches else 0) for i in range(micro_batches)]
