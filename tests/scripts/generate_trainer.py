@@ -63,12 +63,12 @@ class TinyLM(L.LightningModule):
 
 
 class HFLM(L.LightningModule):
-    """A tiny Hugging Face GPT-2 whose forward passes its keyword arguments on: the graph path, every rank holding
-    the whole module; generate() keeps each stage's own layers' keys and values per lane."""
+    """A tiny Hugging Face GPT-2 or Llama whose forward passes its keyword arguments on: the graph path, every rank
+    holding the whole module; generate() keeps each stage's own layers' keys and values per lane."""
 
-    def __init__(self) -> None:
+    def __init__(self, build=None) -> None:
         super().__init__()
-        self.model = tiny_gpt2()
+        self.model = (build or tiny_gpt2)()
 
     def forward(self, **kwargs):
         return self.model(**kwargs)
@@ -85,6 +85,16 @@ def tiny_gpt2():
     config = GPT2Config(vocab_size=VOCAB, n_embd=16, n_layer=4, n_head=2, n_positions=32, pad_token_id=0,
                         bos_token_id=1, eos_token_id=2)
     return GPT2LMHeadModel(config).eval()
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, pad_token_id=0,
+                         bos_token_id=1, eos_token_id=2)
+    return LlamaForCausalLM(config).eval()
 
 
 def prompts() -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,13 +118,16 @@ def run(out: str, options: dict) -> None:
     # generate from predict_step (marked @generates): every rank runs it around the ring, batches of 3 and 2 prompts
     loader = DataLoader(TensorDataset(ids, mask), batch_size=3)
     got["predict"] = [t.tolist() for t in trainer.predict(module, loader)]
-    if options.get("hf"):  # the graph path: a Hugging Face model, with caches
-        hf = HFLM()
+    # the graph path: Hugging Face models, with caches (GPT-2, then Llama with an EOS of its own)
+    for key, build, eos in (("hf", tiny_gpt2, options["eos"]), ("llama", tiny_llama, options.get("llama_eos"))):
+        if not options.get("hf"):
+            break
+        hf = HFLM(build)
         hf_trainer = L.Trainer(**trainer_args(devices=processes, strategy=PipeDreamStrategy(schedule="gpipe"),
                                               use_distributed_sampler=False))
         hf_trainer.validate(hf, data)
-        got["hf"] = {str(m): generate(hf, ids, attention_mask=mask, max_new_tokens=5, eos_token_id=options["eos"],
-                                      pad_token_id=0, micro_batches=m).tolist() for m in options["lanes"]}
+        got[key] = {str(m): generate(hf, ids, attention_mask=mask, max_new_tokens=5, eos_token_id=eos,
+                                     pad_token_id=0, micro_batches=m).tolist() for m in options["lanes"]}
     write_json(Path(out) / f"rank{trainer.global_rank}.json", got)
 
 

@@ -1,6 +1,7 @@
 """``lightning_pipedream.generate`` through a Trainer on 2 and 3 processes (one launch each, every lane count in
 it, and a predict_step marked @generates) equals greedy decoding of the same weights on one device, on every rank,
-and a tiny Hugging Face GPT-2 (graph path, per-stage caches) equals its own ``generate(do_sample=False)``;
+and a tiny Hugging Face GPT-2 and Llama (graph path, per-stage caches) equal their own ``generate(do_sample=False)``
+(ragged left-padded prompts, an EOS that some sequences reach early);
 and the same call without the strategy decodes on one device."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from generate_trainer import TinyLM, prompts, tiny_gpt2
+from generate_trainer import TinyLM, prompts, tiny_gpt2, tiny_llama
 from script_runs import run_script
 
 from lightning_pipedream import generate
@@ -48,6 +49,15 @@ def test_generate_under_the_strategy_equals_one_device(tmp_path, processes, bala
     lanes = sorted({1, processes - 1, processes, processes + 1})
     hf = importlib.util.find_spec("transformers") is not None  # in the test extra; not in the oldest environment
     options = {"processes": processes, "balance": balance, "lanes": lanes, "eos": eos, "hf": hf}
+    if hf:  # Llama's EOS: the second new token of sequence 1, so that it ends early and the others go on
+        llama = tiny_llama()
+        options["llama_eos"] = llama_eos = int(llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5,
+                                                              do_sample=False, pad_token_id=0, eos_token_id=None)
+                                               [1, ids.shape[1] + 1])
+        llama_want = llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
+                                    pad_token_id=0, eos_token_id=llama_eos)
+        ended = (llama_want[:, ids.shape[1]:] == llama_eos).any(1)
+        assert ended[1] and not ended.all(), llama_want  # some end early, some do not
     run_script(SCRIPT, tmp_path, options, 300)
     hf_want = tiny_gpt2().generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
                                    pad_token_id=0, eos_token_id=eos) if hf else None
@@ -57,6 +67,7 @@ def test_generate_under_the_strategy_equals_one_device(tmp_path, processes, bala
             assert torch.equal(torch.tensor(got[str(m)]), want), f"rank {rank}, {m} lanes"
         for m in lanes if hf else ():  # a Hugging Face GPT-2 on the graph path, each stage caching its own layers
             assert torch.equal(torch.tensor(got["hf"][str(m)]), hf_want), f"rank {rank}, GPT-2, {m} lanes"
+            assert torch.equal(torch.tensor(got["llama"][str(m)]), llama_want), f"rank {rank}, Llama, {m} lanes"
         # predict_step on batches of 3 and 2 prompts
         for rows, batch in zip((slice(0, 3), slice(3, 5)), got["predict"]):
             want_batch = greedy(TinyLM(), ids[rows], mask[rows], 5, eos)
