@@ -20,7 +20,6 @@ def _load(name: str):
     return importlib.import_module(f"benchmarks.{name}")  # the repository root is on pytest's pythonpath
 
 
-@pytest.mark.timeout(360)  # ~45 s alone; its 24 contenders start processes, twice as slow beside another file
 def test_schedules_memory_and_timelines_run(tmp_path):
     """Every schedule (ours and torch's) against the machine's bound; then the timelines and the memory probe."""
     schedules = _load("schedules")
@@ -32,7 +31,7 @@ def test_schedules_memory_and_timelines_run(tmp_path):
     # threads have run (a test worker's, after other files) hangs the first time the child computes on two threads.
     args = ["--layers", "4", *TINY[2:], "--rounds", "1", "--steps", "2", "--warmup", "0", "--quick", "--max-wait", "0",
             "--wait-budget", "0", "--only", ",".join(names), "--json", str(out), "--trace-dir", str(traces)]
-    proc = run_killable([sys.executable, "-m", "benchmarks.schedules", *args], ROOT, 330)
+    proc = run_killable([sys.executable, "-m", "benchmarks.schedules", *args], ROOT, 540)
     assert proc.returncode == 0, proc.stderr[-4000:]
     saved = json.loads(out.read_text())
     assert saved["contenders"].keys() == set(names)
@@ -76,7 +75,6 @@ def test_schedules_memory_and_timelines_run(tmp_path):
     assert all(r["peak_activation_mb"] > 0 and r["peak_rss_mb"] > 0 for r in ranks)
 
 
-@pytest.mark.timeout(90)
 def test_schedules_parts_run_on_three_stages():
     """--stages N: the link probe (which paired rank r with 1 - r and hung from 3 ranks on) and the bound on 3
     processes; the one-process contender takes as many threads. (No capsys here: a forked rank's faulthandler needs
@@ -100,7 +98,6 @@ def test_schedules_on_three_stages_ask_interleaved_for_a_layer_per_model_chunk(c
     assert "--layers must be at least 6" in capsys.readouterr().err
 
 
-@pytest.mark.timeout(240)
 def test_lightning_quick_runs(tmp_path):
     """`python -m benchmarks.lightning --quick`: every contender trains on the same samples, with the same updates
     as the contenders it is compared with, and the JSON holds the ratios the docs quote."""
@@ -142,7 +139,6 @@ def test_lightning_quick_runs(tmp_path):
     assert (tmp_path / "lightning.png").stat().st_size > 0
 
 
-@pytest.mark.timeout(240)
 def test_replication_quick_runs(tmp_path):
     """`python -m benchmarks.replication --quick`: the planner's plans and predictions are recorded, the hybrid (2-1),
     straight and DDP runs on 3 processes do the same updates and end with one-process training's weights."""

@@ -10,7 +10,6 @@ import pytest
 pytestmark = pytest.mark.multiprocess  # starts 2 processes: not in the fast suite
 
 
-@pytest.mark.timeout(60)
 def test_every_schedule_and_stage_has_measured_predicted_and_ratio(tmp_path):
     bench = importlib.import_module("benchmarks.memory_model")  # the repository root is on pytest's pythonpath
     out = tmp_path / "memory_model.json"

@@ -11,7 +11,6 @@ import pytest
 pytestmark = pytest.mark.multiprocess  # starts 4 processes per configuration: not in the fast suite
 
 
-@pytest.mark.timeout(180)
 def test_shards_hold_half_the_training_state_and_the_model_predicts_each_mode(tmp_path):
     bench = importlib.import_module("benchmarks.sharding")  # the repository root is on pytest's pythonpath
     out = tmp_path / "sharding.json"
