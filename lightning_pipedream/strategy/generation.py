@@ -1,5 +1,5 @@
-"""``lightning_pipedream.generate``: greedy decoding of a LightningModule, through the pipeline's ring under
-:class:`PipeDreamStrategy` and on one device without it, so the same code runs either way.
+"""``lightning_pipedream.generate``: greedy decoding (or sampling) of a LightningModule, through the pipeline's
+ring under :class:`PipeDreamStrategy` and on one device without it, so the same code runs either way.
 
 Under the strategy every rank of the pipeline calls it with the same prompts (from a step marked with
 :func:`generates`, or after ``fit``/``validate``); each runs its own stage's blocks
@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from lightning_pipedream.runtime.execution.decode import generate_ids, is_hf_model
@@ -53,7 +54,9 @@ def _call_of(module: nn.Module, forward: Callable[[slice, Tensor], Any] | None) 
 
 def generate(module: nn.Module, input_ids: Tensor, *, attention_mask: Tensor | None = None, max_new_tokens: int,
              eos_token_id: int | None = None, pad_token_id: int | None = None,
-             micro_batches: int | None = None, forward: Callable[[slice, Tensor], Any] | None = None) -> Tensor:
+             micro_batches: int | None = None, forward: Callable[[slice, Tensor], Any] | None = None,
+             do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
+             generator: torch.Generator | None = None) -> Tensor:
     """Greedy decoding: the prompts (left-padded, ``attention_mask`` 0 on the padding) followed by up to
     ``max_new_tokens`` new tokens each, as Hugging Face's ``generate(do_sample=False)`` returns them (a sequence
     that ended gets ``pad_token_id`` after its ``eos_token_id``; the batch stops when all have ended).
@@ -68,6 +71,10 @@ def generate(module: nn.Module, input_ids: Tensor, *, attention_mask: Tensor | N
     model that takes more than the ids (an encoder-decoder's sources: ``lambda rows, ids: self.layers((src[rows],
     ids))``); it must call the module's blocks (its ``nn.Sequential`` or ``nn.ModuleList``) and return logits
     (batch, length, vocabulary). Without a cache, the whole prefix runs every step.
+
+    ``do_sample=True`` samples from ``softmax(logits / temperature)`` over the ``top_k`` likeliest tokens (all if
+    None) instead; it needs ``generator``, a ``torch.Generator`` seeded alike on every rank (each call draws one seed
+    from it). The tokens depend on the seed only: the same for any lane count, under the strategy and on one device.
     """
     trainer = getattr(module, "_trainer", None)
     strategy = getattr(trainer, "strategy", None)
@@ -76,7 +83,8 @@ def generate(module: nn.Module, input_ids: Tensor, *, attention_mask: Tensor | N
     pipeline = getattr(strategy, "_pipeline", None) if ours else None
     call = _call_of(module, forward)
     common: dict[str, Any] = {"max_new_tokens": max_new_tokens, "eos_token_id": eos_token_id,
-                              "pad_token_id": pad_token_id}
+                              "pad_token_id": pad_token_id, "do_sample": do_sample, "temperature": temperature,
+                              "top_k": top_k, "generator": generator}
     if pipeline is None or pipeline.placement.num_stages == 1:
         return generate_ids(module, call, input_ids, attention_mask, micro_batches=micro_batches or 1, **common)
     placement = pipeline.placement

@@ -267,13 +267,51 @@ class Lane:
         self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
 
 
+@dataclass
+class Sampler:
+    """Sampling instead of the argmax: ``softmax(logits / temperature)`` over the ``top_k`` likeliest tokens (all if
+    None), drawn by the Gumbel-max trick with noise that depends only on ``seed``, the step and the sequence's row
+    in the whole batch: the same tokens for any lane count, any number of stages, and on one device."""
+
+    seed: int
+    temperature: float = 1.0
+    top_k: int | None = None
+    batch: int = 1  # the whole batch's sequences (the noise is drawn for all, each lane takes its rows)
+
+    def __call__(self, logits: Tensor, rows: slice, step: int) -> Tensor:
+        logits = logits.float() / self.temperature
+        if self.top_k is not None and self.top_k < logits.shape[-1]:
+            kth = logits.topk(self.top_k, dim=-1).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        g = torch.Generator().manual_seed((self.seed + 1_000_003 * step) % 2**63)
+        noise = torch.rand(self.batch, logits.shape[-1], generator=g)[rows].to(logits.device)
+        return (logits - torch.log(-torch.log(noise.clamp_min(1e-20)))).argmax(-1)
+
+
+def sampler(generator: torch.Generator | None, temperature: float, top_k: int | None, batch: int) -> Sampler:
+    """A :class:`Sampler` whose seed is drawn from ``generator`` (seeded alike on every rank, it draws alike and
+    stays in step), with the arguments checked."""
+    if not isinstance(generator, torch.Generator):
+        raise ValueError("do_sample=True needs generator=torch.Generator().manual_seed(seed), seeded alike on every "
+                         f"rank (the pipeline's ranks must draw the same tokens), got {generator!r}.")
+    if not isinstance(temperature, (int, float)) or temperature <= 0:
+        raise ValueError(f"temperature must be a number > 0, got {temperature!r}; for greedy decoding pass "
+                         "do_sample=False.")
+    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be an integer >= 1 or None (every token), got {top_k!r}.")
+    seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+    return Sampler(seed, float(temperature), top_k, batch)
+
+
 def run_decode_ring(stage: StageSlice, transport: Any, lanes: list[Lane], *, max_new_tokens: int,
-                    eos_token_id: int | None, pad_token_id: int, trace: list[Action] | None = None) -> list[Tensor]:
+                    eos_token_id: int | None, pad_token_id: int, trace: list[Action] | None = None,
+                    pick: Callable[[Tensor, slice, int], Tensor] | None = None) -> list[Tensor]:
     """Greedy decoding of ``lanes`` through the ring; every rank returns each lane's new tokens (batch x k, k the
     lane's steps: a lane stops once all its sequences have ended; an ended sequence gets ``pad_token_id``).
 
     ``transport`` sends tensor trees between the pipeline's ranks (peers are stage indices); ``trace`` collects
     the actions this rank ran, as :func:`~lightning_pipedream.schedule.generation.decode_ring` writes them.
+    ``pick(logits, rows, step)`` chooses the tokens on the last stage (a :class:`Sampler`; the argmax if None).
     """
     p, s = stage.num_stages, stage.stage
     last = p - 1
@@ -306,7 +344,7 @@ def run_decode_ring(stage: StageSlice, transport: Any, lanes: list[Lane], *, max
                 transport.send(out, s + 1, channel=channel)
                 record(Action(Op.SEND_ACT, s, m, s + 1, t))
                 continue
-            token = out.argmax(-1)
+            token = out.argmax(-1) if pick is None else pick(out, stage.rows.get(m, slice(None)), t)
             token = torch.where(lane.finished, torch.full_like(token, pad_token_id), token)
             if eos_token_id is not None:
                 lane.finished = lane.finished | (token == eos_token_id)
@@ -337,10 +375,12 @@ def generate_ids(model: nn.Module, call: Callable[..., Any], input_ids: Tensor, 
                  max_new_tokens: int, eos_token_id: int | None, pad_token_id: int | None, micro_batches: int,
                  stage: int = 0, num_stages: int = 1, split: list[int] | None = None, transport: Any = None,
                  trace: list[Action] | None = None, slices: list[StageSlice] | None = None,
-                 blocks: nn.Module | None = None) -> Tensor:
-    """Greedy decoding of ``input_ids`` (left-padded; ``attention_mask`` 0 on the padding) on stage ``stage`` of
-    ``num_stages``; returns the prompts followed by the new tokens, as Hugging Face's ``generate`` does (padded
-    with ``pad_token_id`` after a sequence's end, up to the longest generation of the batch).
+                 blocks: nn.Module | None = None, do_sample: bool = False, temperature: float = 1.0,
+                 top_k: int | None = None, generator: torch.Generator | None = None) -> Tensor:
+    """Greedy decoding (or sampling: ``do_sample``, see :class:`Sampler`) of ``input_ids`` (left-padded;
+    ``attention_mask`` 0 on the padding) on stage ``stage`` of ``num_stages``; returns the prompts followed by the
+    new tokens, as Hugging Face's ``generate`` does (padded with ``pad_token_id`` after a sequence's end, up to the
+    longest generation of the batch).
 
     The batch is split into ``micro_batches`` lanes along dim 0; ``split`` gives the blocks per stage (even by
     default) of ``blocks`` (default: :func:`find_blocks`). ``slices`` receives this rank's :class:`StageSlice`
@@ -379,8 +419,9 @@ def generate_ids(model: nn.Module, call: Callable[..., Any], input_ids: Tensor, 
     this.rows = {m: slice(a, b) for m, (a, b) in enumerate(zip(bounds, bounds[1:]))}
     lanes = [Lane(input_ids[a:b], mask[a:b], torch.zeros(b - a, dtype=torch.bool, device=input_ids.device))
              for a, b in zip(bounds, bounds[1:])]
+    pick = sampler(generator, temperature, top_k, batch) if do_sample else None
     made = run_decode_ring(this, transport, lanes, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
-                           pad_token_id=pad_token_id, trace=trace)
+                           pad_token_id=pad_token_id, trace=trace, pick=pick)
     longest = max(t.shape[1] for t in made)
     made = [torch.cat([t, torch.full((t.shape[0], longest - t.shape[1]), pad_token_id, dtype=t.dtype,
                                      device=t.device)], dim=1) for t in made]
