@@ -165,7 +165,28 @@ def make(family: str) -> tuple[nn.Module, tuple]:
         return LSTMLM(), (torch.randint(0, 31, (2, 6), generator=g),)
     if family == "hf":
         return HFStyleLM(), (torch.randint(0, 29, (2, 8), generator=g),)
+    if family in HF_MODELS:
+        return hf_model(family), (torch.randint(0, 29, (2, 8), generator=g),)
     raise ValueError(family)
+
+
+# Real Hugging Face causal LMs, tiny, with 4 decoder layers (2 x 2 model chunks need at least 4 blocks to cut): Llama
+# (grouped-query attention, rotary positions, untied head) and GPT-2 (its head tied to the token embedding). No dropout
+# and no cache: the same steps as one device, and nothing but the loss and logits out of the forward.
+HF_MODELS = ("llama", "gpt2")
+
+
+def hf_model(family: str) -> nn.Module:
+    """A tiny seeded ``LlamaForCausalLM`` or ``GPT2LMHeadModel`` (transformers is imported only here)."""
+    import transformers
+
+    if family == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=2,
+            num_key_value_heads=1, max_position_embeddings=16, use_cache=False))
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=32, n_embd=16, n_layer=4, n_head=2, n_positions=16, bos_token_id=0, eos_token_id=0,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False))
 
 
 def batches(family: str, steps: int, size: int) -> list[tuple[tuple, torch.Tensor]]:
@@ -176,7 +197,7 @@ def batches(family: str, steps: int, size: int) -> list[tuple[tuple, torch.Tenso
         if family == "resnet":
             out.append(((torch.randn(size, 3, 16, 16, generator=g),), torch.randint(0, 10, (size,), generator=g)))
         else:
-            vocab, length = {"gpt": (29, 8), "hf": (29, 8), "lstm": (31, 6), "transformer": (23, 5)}[family]
+            vocab, length = {"gpt": (29, 8), "hf": (29, 8), "llama": (29, 8), "gpt2": (29, 8), "lstm": (31, 6), "transformer": (23, 5)}[family]
             tokens = torch.randint(1, vocab, (size, length + 1), generator=g)
             args = (tokens[:, :-1],) if family != "transformer" else (tokens[:, 1:], tokens[:, :-1])
             out.append((args, tokens[:, 1:]))

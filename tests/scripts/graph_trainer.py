@@ -51,9 +51,9 @@ class HFStyleModule(FamilyModule):
     """The usual Hugging Face training step: the model computes its own (token-mean) loss from the labels.
     ``skip_batch``: training_step returns None for that batch (Lightning's way to skip it)."""
 
-    def __init__(self, family: str, lr: float = 0.1, skip_batch: int | None = None) -> None:
+    def __init__(self, family: str, lr: float = 0.1, skip_batch: int | None = None, scheduler: bool = False) -> None:
         super().__init__(family, lr)
-        self.save_hyperparameters()  # skip_batch too
+        self.save_hyperparameters()  # skip_batch and scheduler too
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
         return self.model(input_ids, labels=labels)
@@ -69,6 +69,14 @@ class HFStyleModule(FamilyModule):
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         (input_ids,), labels = batch
         self.log("val_loss", self(input_ids, labels=labels).loss)
+
+    def configure_optimizers(self) -> Any:
+        optimizer = super().configure_optimizers()
+        if not self.hparams.scheduler:
+            return optimizer
+        # The rate halves every 2 steps: a scheduler stepped per optimizer step, which every rank must follow.
+        step = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": step, "interval": "step"}}
 
 
 class TiedSequentialLM(FamilyModule):

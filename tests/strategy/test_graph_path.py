@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from graph_models import LSTMOutput, batches, loss_fn, make
+from graph_models import HF_MODELS, LSTMOutput, batches, loss_fn, make
 from graph_trainer import FamilyModule, HFStyleModule, TiedSequentialLM
 from pipedream_reference import Minibatch, PipeDreamRule
 from script_runs import run_script
@@ -55,6 +55,9 @@ CHUNKED = {
     "hf_dualpipev": {"schedule": "dualpipev", "chunks": 4},
     "hf_interleaved": {"schedule": "interleaved", "virtual_stages": 2, "chunks": 2},
 }
+
+REAL_HF = {"module": "hf", "model": {"scheduler": True}, "epochs": 2, "limit_val_batches": 1, "clip": 0.5}
+REAL_CHUNKED = {**CHUNKED, "hf_zb_v": {"schedule": "zb-v", "chunks": 4}}
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +103,14 @@ def trained(tmp_path_factory) -> Path:
     hf = {"family": "hf", "module": "hf", "model": {}, "limit_val_batches": 1, "untraceable": False, "devices": 2}
     for name, strategy in CHUNKED.items():
         runs[2].append([str(base / name), {**hf, "strategy": strategy}])
+    # Real Hugging Face models (Llama; GPT-2, tied) cut into 4 chunks on 2 processes under each chunked schedule, and on
+    # one device: two epochs of 3 batches with validation, clipping by the norm (active: the gradients' norms exceed it)
+    # and a per-step scheduler.
+    for family in HF_MODELS:
+        real = {**REAL_HF, "family": family}
+        runs[1].append([str(base / family / "single"), real])
+        for name, strategy in REAL_CHUNKED.items():
+            runs[2].append([str(base / family / name), {**real, "devices": 2, "strategy": strategy}])
     for processes, group in runs.items():
         if group:
             (base / f"runs{processes}.json").write_text(json.dumps(group))
@@ -137,6 +148,28 @@ def test_model_chunks_of_a_traced_model_equal_one_device(trained, name):
     metrics = [json.loads((d / "metrics.json").read_text()) for d in (trained / name, trained / "hf" / "single")]
     assert metrics[0]["val_loss"] == pytest.approx(metrics[1]["val_loss"], rel=1e-5)
     assert len(metrics[0]["split_points"]) == 3  # 4 chunks
+
+
+@pytest.mark.parametrize("name", sorted(REAL_CHUNKED))
+@pytest.mark.parametrize("family", HF_MODELS)
+def test_real_hugging_face_models_in_model_chunks_equal_one_device(trained, family, name):
+    """A tiny LlamaForCausalLM and GPT2LMHeadModel (tied head), traced and cut into 4 chunks on 2 processes, under zb-v,
+    dualpipev and interleaved: two epochs with validation, clipping and a scheduler end with one device's weights
+    (1e-6; measured about 1e-8), its logged train_loss and val_loss (1e-6), and GPT-2's head still its embedding."""
+    out, single = trained / family / name, trained / family / "single"
+    got, want = weights(out / "final.ckpt"), weights(single / "final.ckpt")
+    assert list(got) == list(want)
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-6, atol=1e-6, msg=lambda m: f"{key}: {m}")
+    initial = {f"model.{k}": v for k, v in make(family)[0].state_dict().items()}
+    assert max((want[k] - initial[k]).abs().max().item() for k in want) > 1e-2  # training moved the weights
+    metrics = [json.loads((d / "metrics.json").read_text()) for d in (out, single)]
+    assert metrics[0]["global_step"] == metrics[1]["global_step"] == 6
+    for logged in ("train_loss", "val_loss"):
+        assert metrics[0][logged] == pytest.approx(metrics[1][logged], rel=1e-6), logged
+    assert len(metrics[0]["split_points"]) == 3  # 4 chunks
+    if family == "gpt2":
+        assert torch.equal(got["model.lm_head.weight"], got["model.transformer.wte.weight"])
 
 
 def test_a_traced_graphs_sharded_checkpoint_holds_and_restores_the_full_ones_state(trained):
