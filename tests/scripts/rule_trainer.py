@@ -28,16 +28,18 @@ INPUTS, WIDTH, OUTPUTS = 4, 8, 2
 
 
 class RuleMLP(L.LightningModule):
-    """7 layers (Linear/Tanh), MSE; SGD, SGD with momentum or Adam; optional per-step scheduler."""
+    """7 layers (Linear/Tanh), MSE; SGD, SGD with momentum or Adam; optional per-step scheduler. ``deeper``: that
+    many more (Linear, Tanh) pairs before the output layer (7 + 2 * deeper layers, for runs of many model chunks)."""
 
     def __init__(self, optimizer: str = "sgd", lr: float = 0.2, scheduler: str | None = None,
                  blow_up_at: int | None = None, overflow_at: int | None = None,
-                 overflow_unit_at: int | None = None) -> None:
+                 overflow_unit_at: int | None = None, deeper: int = 0) -> None:
         super().__init__()
         self.save_hyperparameters()
+        more = [layer for _ in range(deeper) for layer in (nn.Linear(WIDTH, WIDTH), nn.Tanh())]
         self.layers = nn.Sequential(
             nn.Linear(INPUTS, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.Tanh(),
-            nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, OUTPUTS),
+            nn.Linear(WIDTH, WIDTH), nn.Tanh(), *more, nn.Linear(WIDTH, OUTPUTS),
         )
         if overflow_at is not None:  # a planted overflow in the first layer's gradient only (stage 0's) at that step
             self.layers[0].weight.register_hook(self._overflow)

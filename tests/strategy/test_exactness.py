@@ -207,6 +207,12 @@ for _schedule in ("zb-v", "dualpipev"):
 # Three processes (6 chunks): one epoch each, dualpipev at its least micro-batches (2 x 3).
 RUNS["zb-v-3x4"] = newer("zb-v", INTERLEAVED_BALANCE[3], 3, chunks=4)
 RUNS["dualpipev-3x6"] = newer("dualpipev", INTERLEAVED_BALANCE[3], 3, chunks=6)
+# Four processes (8 chunks of an 11-layer Sequential, one or two layers each): two epochs with momentum, a per-step
+# StepLR and clipping by the norm; dualpipev at its least micro-batches (2 x 4).
+V4 = {"model": {**SCHEDULED, "deeper": 2}, "trainer": {"max_epochs": 2, "gradient_clip_val": V_CLIP}}
+V4_BALANCE = [2, 2, 2, 1, 1, 1, 1, 1]
+for _schedule in ("zb-v", "dualpipev"):
+    RUNS[f"{_schedule}-two-epochs-4x8"] = {**newer(_schedule, V4_BALANCE, 4, chunks=8), **V4}
 RUNS["zb-v-resumed-under-1f1b-2"] = {**newer("1f1b", TWO, 2, chunks=2), "model": SCHEDULED,
                                      "trainer": {"max_epochs": 2, "gradient_clip_val": V_CLIP},
                                      "resume": "{runs}/zb-v-two-epochs-2x4/step=2.ckpt"}
@@ -797,6 +803,26 @@ def test_v_schedules_equal_one_device_with_the_loss_on_rank_0(runs, schedule):
         with torch.no_grad():
             losses = [torch.nn.functional.mse_loss(model(x), y) for x, y in batches(2, seed=9)]
         assert float(sum(losses) / len(losses)) == pytest.approx(value, rel=1e-5), name
+
+
+@pytest.mark.parametrize("schedule", ["zb-v", "dualpipev"])
+def test_v_schedules_on_four_processes_equal_one_device(runs, schedule):
+    """8 chunks in a V on 4 processes (rank r holds chunks r and 7 - r): two epochs with momentum, StepLR and clipping
+    equal one device, and the logged train_loss is one device's loss of the last batch."""
+    out, epoch = runs[f"{schedule}-two-epochs-4x8"], list(range(NEWER_BATCHES))
+    model = V4["model"]
+    want = reference(balance=[sum(V4_BALANCE)], model=model, epochs=[epoch, epoch], num_batches=NEWER_BATCHES,
+                     clip_norm=V_CLIP)
+    assert_weights(out, want)
+    got = result(out)
+    assert got["global_step"] == 2 * NEWER_BATCHES
+    module = RuleMLP(**model)
+    module.load_state_dict(reference(balance=[sum(V4_BALANCE)], model=model, epochs=[epoch, epoch[:-1]],
+                                     num_batches=NEWER_BATCHES, clip_norm=V_CLIP))  # the weights the last batch met
+    x, y = batches(NEWER_BATCHES)[-1]
+    with torch.no_grad():
+        assert got["metrics"]["train_loss"] == pytest.approx(float(torch.nn.functional.mse_loss(module(x), y)),
+                                                             rel=1e-6)
 
 
 @pytest.mark.parametrize("name", ["zb-v-3x4", "dualpipev-3x6"])
