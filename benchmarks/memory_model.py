@@ -23,9 +23,9 @@ from lightning_pipedream.runtime.faults.launch import run_local
 from lightning_pipedream.runtime.pipeline import Pipeline
 from lightning_pipedream.schedule.specs import spec_of
 
-SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved", "pipedream", "2bw")
+SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved", "pipedream", "2bw", "zb-v", "dualpipev")
 STAGES = 2
-VIRTUAL = 2  # model chunks per process under interleaved
+VIRTUAL = 2  # model chunks per process under interleaved (and the V schedules' two)
 OPTIMIZER = "adam"  # two state buffers per parameter: the optimizer term is visible
 
 
@@ -261,13 +261,14 @@ def runs_for(model: str, layers: int, quick: bool) -> list[dict]:
     chunks = 2 if quick else 4
     runs = []
     for schedule in SCHEDULES:
-        v = VIRTUAL if schedule == "interleaved" else 1
+        v = VIRTUAL if spec_of(schedule).virtual_stages else 1  # interleaved; zb-v, dualpipev: chunks in a V
         if layers < STAGES * v:
             continue
+        # pipedream: one minibatch per step; dualpipev: at least 2 micro-batches per rank (fewer run zb-v's order)
+        count = {"pipedream": 1, "dualpipev": max(chunks, 2 * STAGES)}.get(schedule, chunks)
         for recompute in (False,) if quick else (False, True):  # --quick: every schedule, once
             runs.append({
-                "schedule": schedule, "recompute": recompute, "virtual_stages": v,
-                "chunks": 1 if schedule == "pipedream" else chunks,  # pipedream: one minibatch per step
+                "schedule": schedule, "recompute": recompute, "virtual_stages": v, "chunks": count,
                 "balance": even_balance(layers, STAGES * v),
             })
     return runs
