@@ -6,6 +6,8 @@ backpropagation through time, as the AWD-LSTM code does; the data must then come
 recipes/data/language_model.py). The state lives in the layer, so under a pipeline each stage carries its own
 layers' state and nothing extra crosses stages. `tie_weights=True` shares the embedding with the decoder (as
 the paper does); PipeDreamStrategy gives the two stages holding them a copy each and sums their gradients.
+While decoding (`lightning_pipedream.generate`, evaluation without `carry_in_eval`) each stage keeps its own LSTMs'
+(h, c) per lane, so a step feeds one token (`carried_lstm`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
+
+from lightning_pipedream.runtime.execution.decode import carried_lstm
 
 
 class LockedDropout(nn.Module):
@@ -67,6 +71,12 @@ class WeightDropLSTM(nn.Module):
         self.carry_in_eval = False
         self.reset_state()
 
+    @property
+    def carries_decode_state(self) -> bool:
+        """Whether a decode step feeds this layer one token (its state kept per lane): not while it carries its own
+        state in evaluation."""
+        return not self.carry_in_eval
+
     def reset_state(self) -> None:
         """Forget the carried state and the row count (the next batch starts from zeros)."""
         self._rows: int | None = None
@@ -108,6 +118,8 @@ class WeightDropLSTM(nn.Module):
             # functional_call swaps in the dropped weight for this call only; the raw weight keeps its gradient
             dropped = F.dropout(self.lstm.weight_hh_l0, p=self.wdrop, training=True)
             out, (h, c) = functional_call(self.lstm, {"weight_hh_l0": dropped}, (x, state), strict=False)
+        elif not carry:  # plain lstm(x) outside decoding; the lane's own state while decoding
+            return self.locked(carried_lstm(self.lstm, x))
         else:
             out, (h, c) = self.lstm(x, state)
         if carry:

@@ -1,7 +1,8 @@
 """The recipes' val_bleu decoded through the pipeline's ring equals today's one-process greedy decoding, token for
 token: on one device through ``lightning_pipedream.generate``, and on 2 and 3 stages (ranks as threads under the
 model of NCCL's rules) with the GNMT and S2VT layers split, 1 lane and one per stage, some rows ending early. The ring
-feeds each stage one word per step after a lane's first (the stage keeps its own LSTMs' states per lane)."""
+feeds each stage one word per step after a lane's first (the stage keeps its own LSTMs' states per lane); the same for
+the AWD-LSTM language model."""
 
 from __future__ import annotations
 
@@ -92,3 +93,38 @@ def test_the_ring_decodes_the_recipes_models_as_one_process_does(name, stages):
             assert torch.equal(got[:, 1:], want), f"rank {rank}, {lanes} lanes"
             assert cached and len(fed) > lanes and set(fed) == {1}, fed  # one word per step, never the prefix
             assert kept == own, f"rank {rank} keeps states of its own LSTMs only"
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_the_ring_decodes_the_language_model_carrying_its_states(stages):
+    """AWD-LSTM (3 weight-dropped LSTMs): one token fed per step, each rank keeping its own LSTMs' states, the same
+    tokens as recomputing the prefix on one device."""
+    torch.manual_seed(0)
+    layers = build_model("awd_lstm", "language_model", vocab_size=11, embedding_size=8, hidden_size=8, dropoute=0.0,
+                         dropouti=0.0, dropouth=0.0, dropout=0.0, wdrop=0.0).eval()
+    with torch.no_grad():
+        for p in layers.parameters():
+            p.normal_(0, 1)
+    prompt = torch.randint(4, 11, (5, 3), generator=torch.Generator().manual_seed(4))
+    words = prompt
+    with torch.no_grad():
+        for _ in range(6):
+            words = torch.cat([words, layers(words)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert len({tuple(r) for r in words[:, 3:].tolist()}) > 1  # not one answer for every prompt
+    for lanes in (1, stages):
+        def rank_main(rank: int, lanes: int = lanes):
+            mine = copy.deepcopy(layers)
+            fed: list[int] = []
+
+            def call(ids, mask, positions, cache, rows):
+                fed.append(ids.shape[1])
+                return mine(ids)
+
+            got = generate_ids(mine, call, prompt, None, max_new_tokens=6, eos_token_id=None, pad_token_id=PAD,
+                               micro_batches=lanes, stage=rank, num_stages=stages, blocks=mine,
+                               transport=Transport(kind="directional", reverse_group="reverse"))
+            return got, fed
+
+        for rank, (got, fed) in enumerate(PointToPointModel(stages, watchdog_s=30).run(rank_main, timeout=120)):
+            assert torch.equal(got, words), f"rank {rank}, {lanes} lanes"
+            assert fed == [3] * lanes + [1] * (len(fed) - lanes), fed  # the prompt, then one token per step
