@@ -111,6 +111,12 @@ def trained(tmp_path_factory) -> Path:
         runs[1].append([str(base / family / "single"), real])
         for name, strategy in REAL_CHUNKED.items():
             runs[2].append([str(base / family / name), {**real, "devices": 2, "strategy": strategy}])
+    # Llama's zb-v checkpoint (4 chunks in a V) resumes under 1f1b on 2 stages for a third epoch: one device's 3 epochs.
+    llama = {**REAL_HF, "family": "llama", "epochs": 3}
+    runs[1].append([str(base / "llama" / "single_3"), llama])
+    runs[2].append([str(base / "llama" / "zb_v_resumed_under_1f1b"), {
+        **llama, "devices": 2, "strategy": {"schedule": "1f1b", "chunks": 2},
+        "resume": str(base / "llama" / "hf_zb_v" / "final.ckpt")}])
     for processes, group in runs.items():
         if group:
             (base / f"runs{processes}.json").write_text(json.dumps(group))
@@ -170,6 +176,19 @@ def test_real_hugging_face_models_in_model_chunks_equal_one_device(trained, fami
     assert len(metrics[0]["split_points"]) == 3  # 4 chunks
     if family == "gpt2":
         assert torch.equal(got["model.lm_head.weight"], got["model.transformer.wte.weight"])
+
+
+def test_a_zb_v_checkpoint_of_a_hugging_face_model_resumes_under_1f1b(trained):
+    """The V run's checkpoint (4 chunks, the last on rank 0) holds the module's state whole: under 1f1b on 2 stages a
+    third epoch ends with one device's weights after 3 epochs (optimizer momentum and scheduler restored)."""
+    out, single = trained / "llama" / "zb_v_resumed_under_1f1b", trained / "llama" / "single_3"
+    got, want = weights(out / "final.ckpt"), weights(single / "final.ckpt")
+    assert list(got) == list(want)
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-6, atol=1e-6, msg=lambda m: f"{key}: {m}")
+    metrics = [json.loads((d / "metrics.json").read_text()) for d in (out, single)]
+    assert metrics[0]["global_step"] == metrics[1]["global_step"] == 9
+    assert metrics[0]["train_loss"] == pytest.approx(metrics[1]["train_loss"], rel=1e-6)
 
 
 def test_a_traced_graphs_sharded_checkpoint_holds_and_restores_the_full_ones_state(trained):
