@@ -36,8 +36,6 @@ def export_hf(directory: str, out: str, prefix: str = "", config: str | None = N
               max_shard_bytes: int = 5 * 2**30) -> list[str]:
     """Write the weights under ``prefix`` of sharded checkpoint ``directory`` to ``out`` in safetensors' layout
     (the prefix stripped from their names); returns the files written."""
-    from safetensors.torch import save_file
-
     read_meta(directory)  # refuses what PipeDreamStrategy did not write
     entries = saved_entries(directory)
     names = [n for n in entries if n.startswith(MODEL + prefix) and entries[n] is not None]
@@ -45,6 +43,11 @@ def export_hf(directory: str, out: str, prefix: str = "", config: str | None = N
         found = sorted({n[len(MODEL):].split(".", 1)[0] + "." for n in entries if n.startswith(MODEL)})
         raise ValueError(f"No weights in {directory} begin with {prefix!r}; its names begin with {found[:6]}. "
                          "Give --prefix the submodule that holds the Hugging Face model (e.g. --prefix model.).")
+    try:
+        from safetensors.torch import save_file
+    except ImportError as err:
+        raise ValueError("export-hf writes safetensors files, and the safetensors package is not installed: pip "
+                         "install safetensors") from err
     sizes = {n: torch.Size(entries[n][0]).numel() * torch.empty((), dtype=entries[n][1]).element_size()
              for n in names}
     groups: list[list[str]] = [[]]

@@ -24,8 +24,9 @@ def _torch_order(cls_name: str, p: int, m: int, rank: int) -> list[tuple[str, in
     out: list[tuple[str, int, int]] = []
 
     def add(action) -> None:
-        kind = action.computation_type.value
-        if action.sub_actions is not None:
+        kind = action.computation_type.value  # "F", "I", "W", "B" (torch 2.8: numbers, the letters are str(type))
+        kind = kind if isinstance(kind, str) else str(action.computation_type)
+        if getattr(action, "sub_actions", None) is not None:  # torch 2.8's actions have none (no overlapped F and B)
             for sub in action.sub_actions:
                 add(sub)
         elif kind == "B":
