@@ -210,6 +210,37 @@ def _run_child(message: dict, fds: list[int]) -> None:
         os._exit(code)
 
 
+def _answer(message: dict, fds: list[int], server: socket.socket, conn: socket.socket, children: dict[int, str],
+            codes: dict[int, int]) -> dict:
+    """One request's answer; a ``start`` forks the child (which never returns from here)."""
+    if message["op"] == "start":
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            server.close()
+            conn.close()
+            _run_child(message, fds)
+        for fd in fds:
+            os.close(fd)
+        children[pid] = message["group"]
+        return {"pid": pid}
+    if message["op"] == "poll":
+        pid = message["pid"]
+        if pid not in codes and pid not in children:
+            return {"code": -signal.SIGKILL}  # not ours, or reaped long ago: treat as ended
+        return {"code": codes.get(pid)}
+    if message["op"] == "live":
+        return {"pids": [pid for pid, group in children.items() if group == message["group"]]}
+    for pid, group in list(children.items()):  # "kill"
+        if group == message["group"]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    return {}
+
+
 def serve(path: str, ready: str) -> None:
     """Import everything the scripts import, then fork a child per ``start`` request until the parent is gone."""
     import importlib
@@ -240,41 +271,23 @@ def serve(path: str, ready: str) -> None:
             continue
         conn, _ = server.accept()
         with conn:
-            data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 8)
-            while not data.endswith(b"\n"):
-                more = conn.recv(1 << 20)
-                if not more:
-                    break
-                data += more
-            message = json.loads(data)
-            if message["op"] == "start":
-                sys.stdout.flush()
-                sys.stderr.flush()
-                pid = os.fork()
-                if pid == 0:
-                    server.close()
-                    conn.close()
-                    _run_child(message, fds)
+            fds: list[int] = []
+            try:
+                data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 8)
+                while not data.endswith(b"\n"):
+                    more = conn.recv(1 << 20)
+                    if not more:
+                        break
+                    data += more
+                message = json.loads(data)
+                answer = _answer(message, fds, server, conn, children, codes)
+                fds = []
+                conn.sendall(json.dumps(answer).encode() + b"\n")
+            except (OSError, ValueError, KeyError, TypeError):
+                # A client that went away mid-request (a rank its test killed while it polled a sibling): nothing
+                # to answer, and no reason for the other runs to lose their zygote.
                 for fd in fds:
                     os.close(fd)
-                children[pid] = message["group"]
-                answer: dict = {"pid": pid}
-            elif message["op"] == "poll":
-                pid = message["pid"]
-                answer = {"code": codes.get(pid)}
-                if pid not in codes and pid not in children:
-                    answer = {"code": -signal.SIGKILL}  # not ours, or reaped long ago: treat as ended
-            elif message["op"] == "live":
-                answer = {"pids": [pid for pid, group in children.items() if group == message["group"]]}
-            else:
-                for pid, group in list(children.items()):
-                    if group == message["group"]:
-                        try:
-                            os.kill(pid, signal.SIGKILL)
-                        except ProcessLookupError:
-                            pass
-                answer = {}
-            conn.sendall(json.dumps(answer).encode() + b"\n")
     for pid in children:  # the pytest worker is gone: so are its runs
         try:
             os.kill(pid, signal.SIGKILL)
