@@ -3,8 +3,9 @@ ring under :class:`PipeDreamStrategy` and on one device without it, so the same 
 
 Under the strategy every rank of the pipeline calls it with the same prompts (from a step marked with
 :func:`generates`, or after ``fit``/``validate``); each runs its own stage's blocks
-(the strategy's split for a module whose layers are one ``nn.Sequential``, an even split of the decoder's blocks
-on the graph path, where every rank holds the whole module) and returns the same ids. No rank gathers weights.
+(the strategy's split for a module whose layers are one ``nn.Sequential``; on the graph path, the blocks each rank
+materialized for a module built per stage on the meta device, else an even split of the decoder's blocks, every rank
+holding the whole module) and returns the same ids. No rank gathers or materializes weights it does not own.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_pipedream.runtime.execution.decode import generate_ids, is_hf_model
+from lightning_pipedream.runtime.execution.decode import find_blocks, generate_ids, is_hf_model, split_of_owners
 
 _GENERATES = "_pipedream_generates"
 
@@ -95,6 +96,11 @@ def generate(module: nn.Module, input_ids: Tensor, *, attention_mask: Tensor | N
     sequential = getattr(pipeline.call, "name", None) if pipeline.graph is None else None
     blocks = module.get_submodule(sequential) if sequential is not None else None
     split = list(strategy.balance) if blocks is not None and strategy.balance is not None else None
+    path = pipeline.graph
+    if path is not None and path.weights is not None and path.graph is not None:
+        # Built per stage on the meta device: each rank decodes with the blocks it materialized for training.
+        name, blocks = find_blocks(module)
+        split = split_of_owners(module, path.graph.owners, placement.num_stages, name)
     lanes = micro_batches or min(placement.num_stages, input_ids.shape[0])
     return generate_ids(module, call, input_ids, attention_mask, micro_batches=lanes,
                         stage=placement.stage_index, num_stages=placement.num_stages, split=split,

@@ -78,6 +78,26 @@ class HFLM(L.LightningModule):
         self.log("val_loss", self(input_ids=ids, labels=ids, use_cache=False).loss)
 
 
+class MetaHF(HFLM):
+    """The Hugging Face model saved in ``model_dir``, built in configure_model: on the meta device under
+    PipeDreamStrategy, each rank materializing (and loading, ``pretrained=``) only its stage's tensors."""
+
+    def __init__(self, model_dir: str) -> None:
+        L.LightningModule.__init__(self)
+        self.model_dir, self.model = model_dir, None
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            from transformers import AutoConfig, AutoModelForCausalLM
+
+            self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.model_dir))
+
+
+def real_parameters(module: nn.Module) -> dict[str, int]:
+    """Bytes of each parameter this process holds for real (not on the meta device)."""
+    return {n: p.numel() * p.element_size() for n, p in module.named_parameters() if not p.is_meta}
+
+
 def tiny_gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -128,6 +148,17 @@ def run(out: str, options: dict) -> None:
         hf_trainer.validate(hf, data)
         got[key] = {str(m): generate(hf, ids, attention_mask=mask, max_new_tokens=5, eos_token_id=eos,
                                      pad_token_id=0, micro_batches=m).tolist() for m in options["lanes"]}
+    # built per stage on the meta device, loaded from a saved model: each rank decodes with the blocks it holds
+    for key, model_dir, eos, points in options.get("meta", []):
+        meta = MetaHF(model_dir)
+        meta_trainer = L.Trainer(**trainer_args(devices=processes, use_distributed_sampler=False, strategy=(
+            PipeDreamStrategy(schedule="gpipe", pretrained=model_dir, split_points=points))))
+        meta_trainer.validate(meta, data)
+        before = real_parameters(meta)
+        tokens = {str(m): generate(meta, ids, attention_mask=mask, max_new_tokens=5, eos_token_id=eos,
+                                   pad_token_id=0, micro_batches=m).tolist() for m in options["lanes"]}
+        got[key] = {"tokens": tokens, "real_before": before, "real_after": real_parameters(meta),
+                    "model_bytes": sum(p.numel() * p.element_size() for p in meta.parameters())}
     write_json(Path(out) / f"rank{trainer.global_rank}.json", got)
 
 

@@ -1,7 +1,8 @@
 """``lightning_pipedream.generate`` through a Trainer on 2 and 3 processes (one launch each, every lane count in
 it, and a predict_step marked @generates) equals greedy decoding of the same weights on one device, on every rank,
 and a tiny Hugging Face GPT-2 and Llama (graph path, per-stage caches) equal their own ``generate(do_sample=False)``
-(ragged left-padded prompts, an EOS that some sequences reach early);
+(ragged left-padded prompts, an EOS that some sequences reach early), also when built per stage on the meta device
+from a saved model (configure_model, ``pretrained=``), no rank materializing another stage's parameters;
 and the same call without the strategy decodes on one device."""
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from lightning_pipedream import generate
 
 pytestmark = pytest.mark.multiprocess
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "generate_trainer.py"
+META_POINTS = {"gpt2": ["model.transformer.h.1", "model.transformer.h.3"],
+               "llama": ["model.model.layers.1", "model.model.layers.3"]}
 
 
 def greedy(module: TinyLM, ids: torch.Tensor, mask: torch.Tensor, new: int, eos: int) -> torch.Tensor:
@@ -58,6 +61,15 @@ def test_generate_under_the_strategy_equals_one_device(tmp_path, processes, bala
                                     pad_token_id=0, eos_token_id=llama_eos)
         ended = (llama_want[:, ids.shape[1]:] == llama_eos).any(1)
         assert ended[1] and not ended.all(), llama_want  # some end early, some do not
+        # the same models saved, then built per stage on the meta device (configure_model, pretrained=): the FLOP
+        # estimate's split on 2 processes (at block boundaries), split_points at block boundaries on 3 (the estimate
+        # cuts inside a block there, which generate() refuses: tests/runtime/test_decode_meta.py)
+        tiny_gpt2().save_pretrained(tmp_path / "gpt2")
+        llama.save_pretrained(tmp_path / "llama")
+        three = processes == 3
+        options["meta"] = [
+            ["meta_gpt2", str(tmp_path / "gpt2"), eos, META_POINTS["gpt2"] if three else None],
+            ["meta_llama", str(tmp_path / "llama"), llama_eos, META_POINTS["llama"] if three else None]]
     run_script(SCRIPT, tmp_path, options, 300)
     hf_want = tiny_gpt2().generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
                                    pad_token_id=0, eos_token_id=eos) if hf else None
@@ -68,10 +80,22 @@ def test_generate_under_the_strategy_equals_one_device(tmp_path, processes, bala
         for m in lanes if hf else ():  # a Hugging Face GPT-2 on the graph path, each stage caching its own layers
             assert torch.equal(torch.tensor(got["hf"][str(m)]), hf_want), f"rank {rank}, GPT-2, {m} lanes"
             assert torch.equal(torch.tensor(got["llama"][str(m)]), llama_want), f"rank {rank}, Llama, {m} lanes"
+        for key, want_hf in (("meta_gpt2", hf_want), ("meta_llama", llama_want)) if hf else ():
+            for m in lanes:
+                assert torch.equal(torch.tensor(got[key]["tokens"][str(m)]), want_hf), f"rank {rank}, {key}, {m} lanes"
+            # no rank materialized a parameter it does not hold, and none holds the whole model
+            assert got[key]["real_after"] == got[key]["real_before"], f"rank {rank}, {key}"
+            assert 0 < sum(got[key]["real_after"].values()) < got[key]["model_bytes"], f"rank {rank}, {key}"
         # predict_step on batches of 3 and 2 prompts
         for rows, batch in zip((slice(0, 3), slice(3, 5)), got["predict"]):
             want_batch = greedy(TinyLM(), ids[rows], mask[rows], 5, eos)
             assert torch.equal(torch.tensor(batch), want_batch), f"rank {rank}, predict_step rows {rows}"
+
+
+    for key in ("meta_gpt2", "meta_llama") if hf else ():  # together the ranks hold every parameter
+        ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text())[key] for rank in range(processes)]
+        every = tiny_gpt2() if key == "meta_gpt2" else llama
+        assert set().union(*(r["real_after"] for r in ranks)) == {f"model.{n}" for n, _ in every.named_parameters()}
 
 
 def test_without_the_strategy_generate_decodes_on_one_device():

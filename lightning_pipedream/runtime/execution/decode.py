@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import contextvars
 import inspect
+import itertools
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Collection, Iterator, Mapping
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,6 +125,123 @@ def even_split(blocks: int, stages: int) -> list[int]:
     if blocks < stages:
         raise ValueError(f"generate() needs at least one block per stage: {blocks} blocks for {stages} stages.")
     return [blocks // stages + (1 if s < blocks % stages else 0) for s in range(stages)]
+
+
+def split_of_owners(model: nn.Module, owners: Mapping[str, Collection[int]], num_stages: int,
+                    blocks_name: str | None = None) -> list[int]:
+    """Blocks per stage of a model whose stages the pipeline split from its graph (``owners``: every parameter's
+    qualified name, aliases included -> the stages that hold it), so that each rank decodes with the blocks it holds.
+
+    Refused, on every rank alike (each knows the whole split), where a stage's share is not whole blocks: the split
+    cuts inside a block, a stage holds no whole block, or a tensor outside the blocks (embeddings, final norm, head)
+    sits on a middle stage; the words say where to split instead.
+    """
+    name, blocks = find_blocks(model) if blocks_name is None else (blocks_name, model.get_submodule(blocks_name))
+    held = [sorted({s for n, _ in block.named_parameters(remove_duplicate=False)
+                    for s in owners.get(f"{name}.{i}.{n}", ())}) for i, block in enumerate(blocks)]
+    what = f"{type(model).__name__}'s {name} ({len(blocks)} blocks)"
+    # where each stage would begin if every cut block went wholly to the later stage that holds part of it
+    starts = [min((i for i, stages in enumerate(held) if s in stages), default=-1) for s in range(1, num_stages)]
+    if any(b <= a for a, b in zip([0] + starts, starts)):
+        even = even_split(len(blocks), num_stages) if len(blocks) >= num_stages else [1] * num_stages
+        starts = [sum(even[:s]) for s in range(1, num_stages)]
+    fix = (f"Split the model at block boundaries, e.g. PipeDreamStrategy(split_points="
+           f"{[f'{name}.{i}' for i in starts]}), so that each stage holds whole blocks.")
+    for i, stages in enumerate(held):
+        if len(stages) > 1:
+            raise ValueError(f"generate() runs each stage's own blocks of {what}, the stages the model was split "
+                             f"into for training, but that split cuts inside block {name}.{i}: stages {stages} each "
+                             f"hold part of it. {fix}")
+    stage_of = [stages[0] if stages else 0 for stages in held]
+    counts = [stage_of.count(s) for s in range(num_stages)]
+    if stage_of != sorted(stage_of) or 0 in counts:
+        raise ValueError(f"generate() runs each stage's own blocks of {what}, but in the split the model was trained "
+                         f"with, stage {counts.index(0) if 0 in counts else 0} holds no whole block (blocks per "
+                         f"stage: {counts}); each stage needs at least one. {fix}")
+    ends = {0, num_stages - 1}
+    outside = {n: sorted(owners.get(n, ())) for n, _ in model.named_parameters(remove_duplicate=False)
+               if not n.startswith(name + ".") and not set(owners.get(n, ())) <= ends}
+    if outside:
+        n, stages = next(iter(outside.items()))
+        raise ValueError(f"generate() recomputes what lies outside {what} (embeddings before the blocks, the final "
+                         f"norm and head after them) on the first and last stages, but {n} is held by stages "
+                         f"{stages}. {fix}")
+    return counts
+
+
+class _Absent(nn.Module):
+    """A module outside the blocks that this stage does not hold (built on the meta device; its weights are another
+    stage's). An embedding gives zeros of its output's shape: on a stage after the first, the hidden states received
+    replace its output at the stage's first block. Any other such module must not run here."""
+
+    def __init__(self, name: str, module: nn.Module, device: torch.device) -> None:
+        super().__init__()
+        self.qualified, self.kind, self.device = name, type(module).__name__, device
+        self.width = module.embedding_dim if isinstance(module, nn.Embedding) else None
+        self.dtype = module.weight.dtype if isinstance(module, nn.Embedding) else None
+
+    def forward(self, x: Any, *args: Any, **kwargs: Any) -> Tensor:
+        if self.width is None:
+            raise ValueError(f"generate() ran {self.qualified} ({self.kind}) on a stage that does not hold it (its "
+                             "tensors are on the meta device here): a stage recomputes only embeddings outside the "
+                             "blocks it holds. Keep such modules inside the model's blocks, or on the stage that "
+                             "runs them.")
+        return torch.zeros(*x.shape, self.width, dtype=self.dtype, device=self.device)
+
+
+@contextmanager
+def standing_in(model: nn.Module, blocks: nn.Module, device: torch.device) -> Iterator[None]:
+    """While this stage decodes a model built per stage (some tensors on the meta device): outside ``blocks``,
+    non-persistent buffers still on the meta device (a rotary embedding's ``inv_freq``: computed from the config,
+    in no checkpoint) are computed here, and every other module holding meta tensors is stood in for by
+    :class:`_Absent` (no weights); all is put back after. Nothing that another stage holds is materialized here."""
+    from lightning_pipedream.runtime.stages.materialize import materialize
+
+    inside = {id(m) for m in blocks.modules()}
+    computed: dict[nn.Module, dict[str, Tensor]] = {}
+    absent: list[tuple[nn.Module, str, str, nn.Module]] = []
+    for name, sub in model.named_modules():
+        if id(sub) in inside:
+            continue
+        own = [(leaf, t, leaf in sub._buffers and leaf in sub._non_persistent_buffers_set)
+               for table in (sub._parameters, sub._buffers) for leaf, t in table.items() if t is not None]
+        if not any(t.is_meta for _, t, _ in own):
+            continue
+        if all(t.is_meta and derived for _, t, derived in own):
+            computed[sub] = {leaf: t for leaf, t, _ in own}
+        elif not any(id(m) in inside for m in sub.modules()) and name:
+            parent, _, leaf = name.rpartition(".")
+            absent.append((model.get_submodule(parent), leaf, name, sub))
+        else:
+            raise ValueError(f"generate() runs {name or type(model).__name__} on every stage (it holds the blocks), "
+                             "but some of its own tensors are on the meta device on this stage. Keep the tensors "
+                             "outside the blocks in submodules (an embedding, a norm, a head).")
+    names = {f"{name}.{leaf}" if name else leaf for name, sub in model.named_modules() if sub in computed
+             for leaf in computed[sub]}
+    for parent, leaf, name, sub in absent:
+        parent._modules[leaf] = _Absent(name, sub, device)
+    try:
+        if names:
+            materialize(model, device, 0, names=names)
+        yield
+    finally:
+        for parent, leaf, _, sub in absent:
+            parent._modules[leaf] = sub
+        for sub, tensors in computed.items():
+            sub._buffers.update(tensors)
+
+
+@contextmanager
+def evaluating(model: nn.Module) -> Iterator[None]:
+    """``model`` in evaluation mode (no dropout, batch-norm statistics left alone) while it decodes: called after
+    ``fit`` its modules are in training mode; each gets its own mode back after."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
 
 
 def _hf_cache_class() -> type | None:
@@ -395,11 +513,12 @@ def generate_ids(model: nn.Module, call: Callable[..., Any], input_ids: Tensor, 
             raise ValueError("generate() needs pad_token_id (or eos_token_id, used as the pad): the token that fills "
                              "a sequence after it ended.")
         pad_token_id = eos_token_id
-    if any(p.is_meta for p in model.parameters()):
-        raise ValueError("generate() runs the module's forward on every stage (embeddings, masks and positions "
-                         "are recomputed locally), but this rank holds some of the module's parameters on the meta "
-                         "device (a model built per stage); decoding such a model is not supported yet. Build the "
-                         "whole module on every rank (without pretrained=/meta construction) to generate.")
+    meta = any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
+    if meta and num_stages == 1:
+        raise ValueError("generate() on one device runs the whole module, but some of its tensors are on the meta "
+                         "device (a model built per stage holds only its stage's). Generate under the "
+                         "PipeDreamStrategy that built it (every rank calling generate()), or materialize the whole "
+                         "module first.")
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
     batch = input_ids.shape[0]
     if not isinstance(micro_batches, int) or not 1 <= micro_batches <= batch:
@@ -409,6 +528,11 @@ def generate_ids(model: nn.Module, call: Callable[..., Any], input_ids: Tensor, 
         _, blocks = find_blocks(model)
     split = even_split(len(blocks), num_stages) if split is None else split
     start = sum(split[:stage])
+    for i in range(start, start + split[stage]) if meta else ():
+        if any(t.is_meta for t in itertools.chain(blocks[i].parameters(), blocks[i].buffers())):
+            raise ValueError(f"generate() runs blocks {start}..{start + split[stage] - 1} on stage {stage}, but block "
+                             f"{i} is on the meta device on this rank (built per stage, it holds other blocks): "
+                             f"the decode ring's split {split} is not the one the stages were built with.")
     hf = is_hf_model(model)
     this = StageSlice(call, blocks, start, start + split[stage], stage, num_stages, hf=hf,
                       recurrent=hf is None and carries_state(model))
@@ -420,8 +544,11 @@ def generate_ids(model: nn.Module, call: Callable[..., Any], input_ids: Tensor, 
     lanes = [Lane(input_ids[a:b], mask[a:b], torch.zeros(b - a, dtype=torch.bool, device=input_ids.device))
              for a, b in zip(bounds, bounds[1:])]
     pick = sampler(generator, temperature, top_k, batch) if do_sample else None
-    made = run_decode_ring(this, transport, lanes, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
-                           pad_token_id=pad_token_id, trace=trace, pick=pick)
+    device = next((p.device for i in range(start, start + split[stage]) for p in blocks[i].parameters()),
+                  input_ids.device)
+    with standing_in(model, blocks, device) if meta else nullcontext(), evaluating(model):
+        made = run_decode_ring(this, transport, lanes, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
+                               pad_token_id=pad_token_id, trace=trace, pick=pick)
     longest = max(t.shape[1] for t in made)
     made = [torch.cat([t, torch.full((t.shape[0], longest - t.shape[1]), pad_token_id, dtype=t.dtype,
                                      device=t.device)], dim=1) for t in made]

@@ -79,6 +79,9 @@ class CapturedStage:
         self.ties = dict(split.ties)
         # Every name (aliases included) of the state the graph reads, whichever stage holds it.
         self.graph_state_names = {alias for name in split.owners for alias in captured.aliases.get(name, [name])}
+        # Which stages hold each tensor, under every name (aliases included): every rank knows the whole split.
+        self.owners = {alias: list(stages) for name, stages in split.owners.items()
+                       for alias in captured.aliases.get(name, [name])}
         local = self._share_local_ties(captured.aliases)
         self._attach(module, captured.aliases, local)
         rank_of = rank_of_stage if rank_of_stage is not None else (lambda stage: stage)
