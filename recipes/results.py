@@ -81,6 +81,7 @@ class ResultsCallback(L.Callback):
         self.eval_seconds = 0.0
         self._step_start = 0.0
         self._model: torch.nn.Module | None = None
+        self.samples_file: Path | None = None  # where rank 0 appends the language model's samples
 
     @property
     def throughput(self) -> float | None:
@@ -119,12 +120,50 @@ class ResultsCallback(L.Callback):
         self._model.eval()
         return pl_module.held_out_metric(self._model, trainer.datamodule)
 
+    def held_out_samples(self, trainer: L.Trainer, pl_module: RecipeTask) -> tuple[list[tuple[str, str]], str] | None:
+        """The language model's samples (`LanguageModelTask.held_out_samples`) and how they were decoded, on rank 0
+        (None elsewhere).
+
+        Under a straight pipeline every rank decodes its own stage around the decode ring (nothing gathered); under
+        another PipeDreamStrategy layout rank 0 decodes its whole copy, which `held_out_metric` has just loaded with
+        the gathered weights; otherwise (one device, DDP: rank 0 holds the whole model) rank 0 decodes the module."""
+        from lightning_pipedream import PipeDreamStrategy
+
+        if getattr(getattr(pl_module, "samples", None), "count", 0) == 0:
+            return None
+        if _straight_pipeline(trainer):
+            samples = pl_module.held_out_samples(trainer.datamodule)  # type: ignore[attr-defined]
+            how = f"through the pipeline's decode ring ({trainer.world_size} stages)"
+            return (samples, how) if trainer.is_global_zero else None
+        if isinstance(trainer.strategy, PipeDreamStrategy) and trainer.world_size > 1:
+            whole, how = self._model, "on rank 0 with the gathered weights"
+        else:
+            whole, how = None, "on one device"
+        if not trainer.is_global_zero:
+            return None
+        return pl_module.held_out_samples(trainer.datamodule, whole), how  # type: ignore[attr-defined]
+
+    def report_samples(self, trainer: L.Trainer, samples: list[tuple[str, str]], how: str) -> None:
+        """Rank 0: print the samples, append them to `samples_file` and give them to a logger that takes text."""
+        head = f"samples after epoch {trainer.current_epoch} (step {trainer.global_step}), decoded {how}:"
+        lines = [head] + [f"  {i}: {prompt!r} -> {continuation!r}" for i, (prompt, continuation) in enumerate(samples)]
+        self.echo("\n".join(lines))
+        if self.samples_file is not None:
+            with self.samples_file.open("a", encoding="utf-8") as f:
+                f.write("\n".join(lines) + "\n")
+        experiment = getattr(trainer.logger, "experiment", None) if trainer.logger is not None else None
+        if hasattr(experiment, "add_text"):  # TensorBoard
+            experiment.add_text("samples", "\n\n".join(f"{p} **{c}**" for p, c in samples), trainer.global_step)
+
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking or not isinstance(pl_module, RecipeTask):
             return
         began = time.perf_counter()
         metric = self.held_out_metric(trainer, pl_module)
+        samples = self.held_out_samples(trainer, pl_module)
         self.eval_seconds += time.perf_counter() - began
+        if samples is not None and samples[0]:
+            self.report_samples(trainer, *samples)
         if metric is None or math.isnan(metric):
             return
         self.metric = metric

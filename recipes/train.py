@@ -87,7 +87,11 @@ def build(cfg: DictConfig, start: float) -> tuple[Any, Any, Any, Any]:
     datamodule = build_datamodule(data_options.pop("name"), task, seed=cfg.seed, **data_options)
     datamodule.setup("fit")
     layers = build_model(model_options.pop("name"), task, **{**model_options, **datamodule.model_kwargs()})
-    module = TASKS[task].from_data(layers, OmegaConf.to_container(cfg.optim, resolve=True), datamodule)
+    # the task config's own options besides its name and target (the language model's `samples`)
+    task_options = {k: v for k, v in OmegaConf.to_container(cfg.task, resolve=True).items()
+                    if k not in ("name", "target")}
+    module = TASKS[task].from_data(layers, OmegaConf.to_container(cfg.optim, resolve=True), datamodule,
+                                   **task_options)
 
     results = ResultsCallback(target=cfg.task.target, start=start)
     # null in conf/trainer means "Lightning's default": leave those keys out
@@ -107,6 +111,7 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, Any] | None:
     start = time.perf_counter()  # the job's clock: data, model, process start, profiling and training
     try:
         trainer, module, datamodule, results = build(cfg, start)
+        results.samples_file = output_dir / "samples.txt"  # the language model's samples, after each validation
         _hand_this_job_to_child_processes(output_dir)
         trainer.fit(module, datamodule=datamodule)
     except Exception as err:  # reported in results.json; the sweep summary names the job

@@ -4,7 +4,8 @@ steps that call `self(x)` exactly once and reduce to a mean loss."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import lightning as L
@@ -26,8 +27,13 @@ class RecipeTask(L.LightningModule):
         self.optim = dict(optim)
 
     @classmethod
-    def from_data(cls, layers: nn.Sequential, optim: Mapping[str, Any], datamodule: Any) -> RecipeTask:
-        """Build the task for `layers`; subclasses take what they need from the data (e.g. the vocabulary)."""
+    def from_data(cls, layers: nn.Sequential, optim: Mapping[str, Any], datamodule: Any,
+                  **options: Any) -> RecipeTask:
+        """Build the task for `layers`; subclasses take what they need from the data (e.g. the vocabulary) and the
+        task config's own `options` (the language model's `samples`)."""
+        if options:
+            raise ValueError(f"task options {sorted(options)} are not known to {cls.__name__}; remove them from "
+                             "the task config")
         return cls(layers, optim)
 
     def forward(self, x: Any) -> Any:
@@ -93,15 +99,93 @@ class ClassificationTask(RecipeTask):
         return correct / max(1, total)
 
 
+@dataclass(frozen=True)
+class SampleOptions:
+    """The language model's samples (`task.samples` in conf/task/language_model.yaml): after each validation,
+    continuations of `count` fixed prompts of `prompt` held-out tokens, `length` new tokens each; greedy, or sampled
+    at `temperature` (> 0) from the `top_k` likeliest tokens with a generator seeded with `seed`."""
+
+    count: int = 0
+    prompt: int = 24
+    length: int = 48
+    temperature: float = 0.0
+    top_k: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.count, int) or self.count < 0:
+            raise ValueError(f"task.samples.count must be an integer >= 0 (0: no samples), got {self.count!r}")
+        for key in ("prompt", "length"):
+            if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
+                raise ValueError(f"task.samples.{key} must be an integer >= 1, got {getattr(self, key)!r}")
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise ValueError(f"task.samples.temperature must be >= 0 (0: greedy), got {self.temperature!r}")
+
+
 class LanguageModelTask(RecipeTask):
     """Next-token prediction; the metric is perplexity, exp of the mean cross-entropy over the held-out text.
 
     Layers with a `reset_state()` (AWD-LSTM with `carry_state`) carry their hidden state from one training batch to
     the next (truncated backpropagation through time); it starts from zeros at each epoch, as in the AWD-LSTM code.
+
+    With `samples` (:class:`SampleOptions`), :meth:`held_out_samples` continues fixed held-out prompts with
+    ``lightning_pipedream.generate``: under a straight PipeDreamStrategy through the pipeline's decode ring (every
+    rank its own stage, nothing gathered), otherwise on one device; the recipes print them and write them to
+    `samples.txt` after each validation (recipes/results.py).
     """
 
     metric_name, metric_mode = "perplexity", "min"
     eval_streams = 10  # AWD-LSTM evaluates the validation text as 10 parallel streams
+
+    def __init__(self, layers: nn.Sequential, optim: Mapping[str, Any], itos: Sequence[str] | None = None,
+                 joiner: str = " ", samples: Mapping[str, Any] | None = None) -> None:
+        super().__init__(layers, optim)
+        self.itos = list(itos) if itos is not None else None
+        self.joiner = joiner  # between tokens in the samples' text: "" for characters
+        self.samples = SampleOptions(**dict(samples or {}))
+
+    @classmethod
+    def from_data(cls, layers: nn.Sequential, optim: Mapping[str, Any], datamodule: Any,
+                  **options: Any) -> RecipeTask:
+        vocab = getattr(datamodule, "vocab", None)
+        joiner = "" if getattr(datamodule, "level", "word") == "char" else " "
+        return cls(layers, optim, vocab.itos if vocab is not None else None, joiner, **options)
+
+    def sample_prompts(self, datamodule: Any) -> torch.Tensor:
+        """`samples.count` prompts of `samples.prompt` tokens, evenly spaced over the held-out text (the same ones
+        at every validation and on every rank)."""
+        inputs, targets = datamodule.val_set.tensors
+        stream = torch.cat([inputs.flatten(), targets[-1, -1:]])
+        size, count = self.samples.prompt, self.samples.count
+        if len(stream) < size:
+            raise ValueError(f"task.samples.prompt={size} is longer than the held-out text ({len(stream)} tokens)")
+        starts = torch.linspace(0, len(stream) - size, count).long().tolist() if count > 1 else [0]
+        return torch.stack([stream[s:s + size] for s in starts])
+
+    @torch.no_grad()
+    def held_out_samples(self, datamodule: Any, layers: nn.Module | None = None) -> list[tuple[str, str]]:
+        """(prompt, continuation) text of each sample, decoded by ``lightning_pipedream.generate``: of this module
+        (under PipeDreamStrategy every rank must call it: the pipeline's decode ring), or of the whole model `layers`
+        in this process. Empty with `samples.count` 0."""
+        from lightning_pipedream import generate
+
+        options = self.samples
+        if options.count == 0:
+            return []
+        prompts = self.sample_prompts(datamodule)
+        sampling = options.temperature > 0
+        model: nn.Module = self if layers is None else layers
+        ids = generate(model, prompts, max_new_tokens=options.length, pad_token_id=0, eos_token_id=None,
+                       do_sample=sampling, temperature=options.temperature if sampling else 1.0,
+                       top_k=options.top_k, generator=torch.Generator().manual_seed(options.seed) if sampling else None,
+                       forward=(lambda rows, tokens: self.layers(tokens)) if layers is None else None)
+        return [(self.text(row[:options.prompt]), self.text(row[options.prompt:])) for row in ids.tolist()]
+
+    def text(self, ids: Sequence[int]) -> str:
+        """Tokens as text (ids themselves without a vocabulary)."""
+        if self.itos is None:
+            return " ".join(str(i) for i in ids)
+        return self.joiner.join(self.itos[i] for i in ids)
 
     def on_train_epoch_start(self) -> None:
         # every rank resets the layers it holds (also dropping states left by the strategy's profiling forwards)

@@ -30,7 +30,11 @@ class Seq2SeqTask(RecipeTask):
         self.vocab = Vocab(itos)
 
     @classmethod
-    def from_data(cls, layers: nn.Sequential, optim: Mapping[str, Any], datamodule: Any) -> Seq2SeqTask:
+    def from_data(cls, layers: nn.Sequential, optim: Mapping[str, Any], datamodule: Any,
+                  **options: Any) -> Seq2SeqTask:
+        if options:
+            raise ValueError(f"task options {sorted(options)} are not known to {cls.__name__}; remove them from "
+                             "the task config")
         return cls(layers, optim, datamodule.vocab.itos)
 
     def _forward_loss(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

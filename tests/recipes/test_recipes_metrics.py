@@ -3,6 +3,7 @@ batch split, and the reproduction table; all in one process."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from pathlib import Path
@@ -102,6 +103,79 @@ def test_held_out_perplexity_carries_the_state_over_the_validation_text() -> Non
         want = math.exp(nn.functional.cross_entropy(lstm_model(carry=False)(x).flatten(0, 1), y.flatten()))
     assert got == pytest.approx(want, rel=1e-5)
     assert model[1].carry_in_eval is False and model[1]._state is None  # left as it was
+
+
+class HeldOutText:
+    """A language-model data module's held-out windows and vocabulary (characters)."""
+
+    def __init__(self) -> None:
+        self.val_set = stream_windows(torch.randint(0, 17, (161,), generator=torch.Generator().manual_seed(5)).tolist(),
+                                      bptt=8, streams=1)
+        self.vocab = type("Vocab", (), {"itos": [chr(ord("a") + i) for i in range(17)]})()
+        self.level = "char"
+
+
+def test_language_model_samples_continue_held_out_prompts_greedily_or_seeded() -> None:
+    """Greedy samples are the argmax continuation of evenly spaced held-out prompts (recomputing the prefix here;
+    the task decodes carrying the LSTM states); the module, or a whole copy given as `layers`, gives the same text;
+    sampling with one seed gives one text, another seed another."""
+    data = HeldOutText()
+    model = lstm_model(carry=True)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 1)  # spread: rows continue differently
+    task = LanguageModelTask.from_data(model, {"name": "adam"}, data, samples={"count": 3, "prompt": 5, "length": 6})
+    prompts = task.sample_prompts(data)
+    stream = torch.cat([data.val_set.tensors[0].flatten(), data.val_set.tensors[1][-1, -1:]])
+    assert prompts.tolist() == [stream[s:s + 5].tolist() for s in (0, 78, 156)]  # the first, middle and last
+    ids = prompts
+    with torch.no_grad():
+        for _ in range(6):
+            ids = torch.cat([ids, model.eval()(ids)[:, -1].argmax(-1, keepdim=True)], 1)
+    model.train()  # as after a training step: the samples decode in evaluation mode and leave the mode alone
+    want = [("".join(chr(ord("a") + i) for i in row[:5]), "".join(chr(ord("a") + i) for i in row[5:]))
+            for row in ids.tolist()]
+    assert len({c for _, c in want}) > 1
+    assert task.held_out_samples(data) == want and model.training
+    assert task.held_out_samples(data, copy.deepcopy(model)) == want
+    sampled = [LanguageModelTask.from_data(model, {}, data, samples={"count": 3, "prompt": 5, "length": 6,
+                                                                      "temperature": 1.0, "seed": seed})
+               .held_out_samples(data) for seed in (0, 0, 1)]
+    assert sampled[0] == sampled[1] != sampled[2] and sampled[0] != want
+    assert LanguageModelTask.from_data(model, {}, data).held_out_samples(data) == []  # count 0: none
+
+
+@pytest.mark.parametrize(("options", "words"), [
+    ({"count": -1}, r"task.samples.count must be an integer >= 0 \(0: no samples\), got -1"),
+    ({"count": 2, "length": 0}, r"task.samples.length must be an integer >= 1, got 0"),
+    ({"count": 2, "temperature": -0.5}, r"task.samples.temperature must be >= 0 \(0: greedy\), got -0.5"),
+    ({"count": 2, "colour": 1}, r"unexpected keyword argument 'colour'"),
+])
+def test_bad_sample_options_are_refused_in_words(options, words) -> None:
+    with pytest.raises((ValueError, TypeError), match=words):
+        LanguageModelTask(lstm_model(carry=False), {}, samples=options)
+
+
+def test_task_options_another_task_does_not_know_are_refused() -> None:
+    from recipes.tasks.base import ClassificationTask
+
+    with pytest.raises(ValueError, match=r"task options \['samples'\] are not known to ClassificationTask; remove "
+                                         "them from the task config"):
+        ClassificationTask.from_data(nn.Sequential(nn.Linear(2, 2)), {}, None, samples={"count": 1})
+
+
+def test_samples_are_printed_and_appended_to_the_run_directory(tmp_path: Path) -> None:
+    from recipes.results import ResultsCallback
+
+    lines: list[str] = []
+    callback = ResultsCallback(None, 0.0, echo=lines.append)
+    callback.samples_file = tmp_path / "samples.txt"
+    trainer = type("Trainer", (), {"current_epoch": 1, "global_step": 8, "logger": None})()
+    for _ in range(2):
+        callback.report_samples(trainer, [("ab", "cd\n"), ("x", "y")], "on one device")
+    block = ["samples after epoch 1 (step 8), decoded on one device:", "  0: 'ab' -> 'cd\\n'", "  1: 'x' -> 'y'"]
+    assert lines == ["\n".join(block)] * 2
+    assert callback.samples_file.read_text().splitlines() == block * 2
 
 
 def test_tied_awd_lstm_shares_embedding_and_decoder() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import csv
 import json
 import math
@@ -152,9 +153,12 @@ SEQUENCE_RUNS = {
 def test_sequence_recipe_on_two_processes_equals_one_process(tmp_path: Path, task: str) -> None:
     """The task's smallest config under 1f1b on 2 processes trains exactly as on one process (strategy=auto): the
     same batches (use_distributed_sampler=false), no dropout; every checkpoint weight after 2 Adam steps to 1e-5
-    and the same validation metric."""
+    and the same validation metric. The language model's samples (sampled at temperature 1 with a fixed seed: after
+    2 steps greedy decoding repeats one character) are the same text decoded through the pipeline's ring as on one
+    device."""
     no_dropout, chunks = SEQUENCE_RUNS[task]
-    same = [f"experiment=smoke_{task}", *no_dropout, "trainer.use_distributed_sampler=false",
+    samples = ["task.samples.temperature=1.0"] if task == "language_model" else []
+    same = [f"experiment=smoke_{task}", *no_dropout, *samples, "trainer.use_distributed_sampler=false",
             "trainer.enable_checkpointing=true", "trainer.default_root_dir=${hydra:runtime.output_dir}"]
     train([*same, "strategy.schedule=1f1b", f"strategy.chunks={chunks}", f"hydra.run.dir={tmp_path / 'two'}"],
           cwd=tmp_path)
@@ -170,6 +174,13 @@ def test_sequence_recipe_on_two_processes_equals_one_process(tmp_path: Path, tas
     assert list(got) == list(want)
     for key in want:
         torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=lambda m: f"{task} {key}: {m}")
+    if samples:
+        one_text, two_text = ((tmp_path / run / "samples.txt").read_text().splitlines() for run in ("one", "two"))
+        assert one_text[0] == "samples after epoch 0 (step 2), decoded on one device:"
+        assert two_text[0] == "samples after epoch 0 (step 2), decoded through the pipeline's decode ring (2 stages):"
+        assert len(one_text) == 4 and two_text[1:] == one_text[1:]
+        continuations = [line.split(" -> ")[1] for line in one_text[1:]]
+        assert len(set(continuations)) == 3 and all(len(ast.literal_eval(c)) >= 48 for c in continuations)
 
 
 def test_pipedream_recipe_follows_the_rule(tmp_path: Path) -> None:
