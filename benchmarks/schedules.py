@@ -91,6 +91,7 @@ from benchmarks.workload import (
     ours_worker,
     profile,
     single_worker,
+    torch_dualpipev,
     torch_worker,
     wait_for_quiet,
 )
@@ -138,7 +139,8 @@ def contenders(include_trace: bool = True, stages: int = 2) -> list[str]:
             names.append(f"ours_{s}_trace")
         if s in OVER_GLOO:
             names.append(f"ours_{s}_gloo")
-    names += [f"torch_{s}" for s in ALL_TORCH]
+    # torch's DualPipeV only where the installed torch has it (2.9 and later)
+    names += [f"torch_{s}" for s in ALL_TORCH if s != "dualpipev" or torch_dualpipev() is not None]
     names += ["one_thread", "one_thread_per_minibatch", threads_contender(stages), *BOUNDS]
     return names
 

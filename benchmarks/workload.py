@@ -30,7 +30,8 @@ NEWER = ("zb-h1", "interleaved", "2bw")  # the newer schedules: ours, and torch'
 TORCH = ("gpipe", "1f1b")
 TORCH_NEWER = ("zb-h1", "interleaved")  # torch's ScheduleInterleavedZeroBubble and ScheduleInterleaved1F1B
 VIRTUAL = 2  # model chunks per process for interleaved (and the V schedules' two)
-V_SHAPED = ("zb-v",)  # two chunks per process in a V (the loss on rank 0): ours, and torch's ScheduleZBVZeroBubble
+# two chunks per process in a V (the loss on rank 0): ours, and torch's ScheduleZBVZeroBubble and ScheduleDualPipeV
+V_SHAPED = ("zb-v", "dualpipev")
 LR = 1e-3
 
 
@@ -238,11 +239,19 @@ def breakdown(records: list, seconds: float, stash: list[float] | None = None) -
     return {k: round(v, 6) for k, v in out.items()}
 
 
+def torch_dualpipev() -> Any:
+    """torch's ``ScheduleDualPipeV`` (torch 2.9 and later), or None where the installed torch lacks it."""
+    from torch.distributed import pipelining
+
+    return getattr(pipelining, "ScheduleDualPipeV", None)
+
+
 def torch_worker(rank: int, world: int, cfg: Config, schedule: str, warmup: int, steps: int) -> dict:
     """torch.distributed.pipelining on the same split: ``PipelineStage`` + the schedule, then one SGD step.
     ``zb-h1`` is torch's ``ScheduleInterleavedZeroBubble`` with one stage per process (torch's zero-bubble
     schedule on our layout), ``interleaved`` its ``ScheduleInterleaved1F1B`` with our layout, ``zb-v`` its
-    ``ScheduleZBVZeroBubble`` (process r holds stages r and 2p-1-r, as ours)."""
+    ``ScheduleZBVZeroBubble`` and ``dualpipev`` its ``ScheduleDualPipeV`` (process r holds stages r and 2p-1-r, as
+    ours)."""
     from torch.distributed.pipelining import (
         PipelineStage,
         Schedule1F1B,
@@ -266,7 +275,8 @@ def torch_worker(rank: int, world: int, cfg: Config, schedule: str, warmup: int,
         cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
         sched = cls(stages[0], n_microbatches=cfg.chunks, loss_fn=nn.functional.mse_loss)
     else:
-        multi = {"interleaved": ScheduleInterleaved1F1B, "zb-v": ScheduleZBVZeroBubble}
+        multi = {"interleaved": ScheduleInterleaved1F1B, "zb-v": ScheduleZBVZeroBubble,
+                 "dualpipev": torch_dualpipev()}
         cls = multi.get(schedule, ScheduleInterleavedZeroBubble)
         sched = cls(stages, n_microbatches=cfg.chunks, loss_fn=nn.functional.mse_loss)
     opt = sgd([p for m in modules for p in m.parameters()])

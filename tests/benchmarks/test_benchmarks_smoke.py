@@ -42,7 +42,7 @@ def test_schedules_memory_and_timelines_run(tmp_path):
         assert c["share_of_bound"] == pytest.approx(c["steps_per_s"] / contenders[c["bound"]]["steps_per_s"])
         assert all(t["main"] >= 0 for t in saved["runs"][name][0]["threads_cpu_s_per_step"]), name
     assert contenders["bound"]["share_of_bound"] == contenders["bound_batch"]["share_of_bound"] == 1
-    for s in ("gpipe", "1f1b", "zb-h1", "interleaved", "zb-v"):  # flushed: a share of the bubble-limited bound too
+    for s in ("gpipe", "1f1b", "zb-h1", "interleaved", "zb-v", "dualpipev"):  # flushed: a share of the bubble-limited bound too
         assert contenders[f"ours_{s}"]["share_of_simulated_bound"] > 0, s
         assert contenders[f"ours_{s}"]["ratio_vs_torch_of"] == f"torch_{s}"
     for name in ("ours_gpipe", "ours_1f1b", "ours_pipedream"):
@@ -52,8 +52,8 @@ def test_schedules_memory_and_timelines_run(tmp_path):
     breakdown = saved["runs"]["ours_pipedream_trace"][0]["breakdown_s_per_step"]
     assert len(breakdown) == 2 and breakdown[0]["stash_copy"] > 0 and breakdown[1]["forward"] > 0
     # every contender trains the same model on the same data: the flushed schedules agree on the loss
-    flushed = ["ours_gpipe", "ours_1f1b", "ours_zb-h1", "ours_interleaved", "ours_zb-v", "torch_gpipe", "torch_1f1b",
-               "torch_zb-h1", "torch_interleaved", "torch_zb-v", "one_thread"]
+    flushed = ["ours_gpipe", "ours_1f1b", "ours_zb-h1", "ours_interleaved", "ours_zb-v", "ours_dualpipev", "torch_gpipe",
+               "torch_1f1b", "torch_zb-h1", "torch_interleaved", "torch_zb-v", "torch_dualpipev", "one_thread"]
     losses = [contenders[n]["loss"] for n in flushed]
     assert max(losses) == pytest.approx(min(losses), rel=1e-4)
     assert saved["bubble"]["gpipe"]["analytic"] == pytest.approx(1 / 5)
