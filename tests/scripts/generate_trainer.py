@@ -159,6 +159,16 @@ def run(out: str, options: dict) -> None:
                                    pad_token_id=0, micro_batches=m).tolist() for m in options["lanes"]}
         got[key] = {"tokens": tokens, "real_before": before, "real_after": real_parameters(meta),
                     "model_bytes": sum(p.numel() * p.element_size() for p in meta.parameters())}
+    # a training split that cuts inside a block: every rank refuses alike, before any message of the ring
+    if options.get("refuse"):
+        model_dir, points = options["refuse"]
+        meta = MetaHF(model_dir)
+        L.Trainer(**trainer_args(devices=processes, use_distributed_sampler=False, strategy=PipeDreamStrategy(
+            schedule="gpipe", pretrained=model_dir, split_points=points))).validate(meta, data)
+        try:
+            generate(meta, ids, attention_mask=mask, max_new_tokens=5, pad_token_id=0)
+        except ValueError as refused:
+            got["refused"] = str(refused)
     write_json(Path(out) / f"rank{trainer.global_rank}.json", got)
 
 

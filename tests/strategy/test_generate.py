@@ -70,6 +70,8 @@ def test_generate_under_the_strategy_equals_one_device(tmp_path, processes, bala
         options["meta"] = [
             ["meta_gpt2", str(tmp_path / "gpt2"), eos, META_POINTS["gpt2"] if three else None],
             ["meta_llama", str(tmp_path / "llama"), llama_eos, META_POINTS["llama"] if three else None]]
+        if not three:  # split inside block 1: refused on every rank, saying where to split
+            options["refuse"] = [str(tmp_path / "llama"), ["model.model.layers.1.mlp"]]
     run_script(SCRIPT, tmp_path, options, 300)
     hf_want = tiny_gpt2().generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
                                    pad_token_id=0, eos_token_id=eos) if hf else None
@@ -92,6 +94,14 @@ def test_generate_under_the_strategy_equals_one_device(tmp_path, processes, bala
             assert torch.equal(torch.tensor(batch), want_batch), f"rank {rank}, predict_step rows {rows}"
 
 
+    if hf and processes == 2:
+        for rank in range(processes):
+            refused = json.loads((tmp_path / f"rank{rank}.json").read_text())["refused"]
+            assert refused.startswith("generate() runs each stage's own blocks of MetaHF's model.model.layers (4 "
+                                      "blocks), the stages the model was split into for training, but that split cuts "
+                                      "inside block model.model.layers.1: stages [0, 1] each hold part of it. Split "
+                                      "the model at block boundaries, e.g. PipeDreamStrategy(split_points="
+                                      "['model.model.layers.1'])"), refused
     for key in ("meta_gpt2", "meta_llama") if hf else ():  # together the ranks hold every parameter
         ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text())[key] for rank in range(processes)]
         every = tiny_gpt2() if key == "meta_gpt2" else llama
