@@ -2,7 +2,8 @@
 it, and a predict_step marked @generates) equals greedy decoding of the same weights on one device, on every rank,
 and a tiny Hugging Face GPT-2 and Llama (graph path, per-stage caches) equal their own ``generate(do_sample=False)``
 (ragged left-padded prompts, an EOS that some sequences reach early), also when built per stage on the meta device
-from a saved model (configure_model, ``pretrained=``), no rank materializing another stage's parameters;
+from a saved model (configure_model, ``pretrained=``), no rank materializing another stage's parameters (and a
+training split inside a block refused on every rank);
 and the same call without the strategy decodes on one device."""
 
 from __future__ import annotations
