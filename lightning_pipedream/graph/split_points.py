@@ -158,17 +158,17 @@ def choose_split_points(captured: CapturedGraph, module: nn.Module, args: tuple,
     steady = steady_profile(profile, captured)
     best = plan_of(steady)
     for depth in range(1, _max_depth(module, captured) + 1):
-        allowed = _unit_starts(module, captured, depth)
+        allowed = unit_starts(module, captured, depth)
         if len(allowed) < num_stages - 1:
             continue
         barred = sorted(set(steady.no_cut_after) | {i for i in range(len(steady.layers) - 1) if i + 1 not in allowed})
         coarse = plan_of(dataclasses.replace(steady, no_cut_after=barred))
         if coarse.time_per_minibatch <= best.time_per_minibatch * (1 + tolerance):
-            return _module_names(module, captured, plan_split_points(coarse)), coarse
-    return _module_names(module, captured, plan_split_points(best)), best
+            return module_names(module, captured, plan_split_points(coarse)), coarse
+    return module_names(module, captured, plan_split_points(best)), best
 
 
-def _module_names(module: nn.Module, captured: CapturedGraph, points: list[str]) -> list[str]:
+def module_names(module: nn.Module, captured: CapturedGraph, points: list[str]) -> list[str]:
     """Each split point as the outermost module that begins there ("blocks.2" rather than "blocks.2.ln1"), which
     names the same cut (see resolve_split_points), else as the layer name."""
     index_of = {layer.name: i for i, layer in enumerate(captured.layers)}
@@ -245,7 +245,7 @@ def _max_depth(module: nn.Module, captured: CapturedGraph) -> int:
     return max((len(layer.module.split(".")) for layer in captured.layers if layer.module), default=1)
 
 
-def _unit_starts(module: nn.Module, captured: CapturedGraph, depth: int) -> set[int]:
+def unit_starts(module: nn.Module, captured: CapturedGraph, depth: int) -> set[int]:
     """Layers where a new module at ``depth`` begins (a cut may go before them)."""
     units = [(_unit(module, layer.module, depth), layer.module == "") for layer in captured.layers]
     return {i for i in range(1, len(units)) if units[i] != units[i - 1] or units[i][1]}

@@ -403,14 +403,16 @@ def _sync_seconds(params: np.ndarray, replicas: int, bandwidth: float, chunks: i
 _Layout = tuple[tuple[int, ...], "list[int] | None"]  # replicas per stage, and a fixed split (None: the planner's)
 
 
-def _layouts(profile: Profile, topology: Topology, stages_possible: int) -> list[_Layout]:
+def _layouts(profile: Profile, topology: Topology, stages_possible: int, straight: bool = False) -> list[_Layout]:
     """Equal replicas (d data-parallel pipelines of W/d stages, split by the planner), and PipeDream's optimizer's
-    unequal replicas with its split."""
+    unequal replicas with its split; ``straight``: one pipeline of W stages only."""
     workers = topology.num_workers
     out: list[_Layout] = []
-    for d in range(1, workers + 1):
+    for d in (1,) if straight else range(1, workers + 1):
         if workers % d == 0 and workers // d <= stages_possible:
             out.append(((d,) * (workers // d), None))
+    if straight:
+        return out
     try:
         plan = partition(profile, topology, "pipedream")
     except ValueError:
@@ -444,6 +446,7 @@ def auto_plan(
     device: str = "cpu",
     cuda_capability: tuple[int, int] = (9, 0),
     shard: str | None = None,
+    straight: bool = False,
 ) -> AutoPlan:
     """Choose the stage split, replicas, schedule, micro-batches and per-stage recompute for ``topology``.
 
@@ -459,7 +462,7 @@ def auto_plan(
     be (equal replicas of a flushed schedule: gpipe, 1f1b, interleaved, zb-h1; recompute where a stage needs it)
     and tries only those; ``"auto"`` weighs both: sharding where
     whole replicas do not fit, replicas where both fit (they avoid the all-gathers), the reason in
-    :attr:`AutoPlan.shard_note`.
+    :attr:`AutoPlan.shard_note`. ``straight``: one stage per worker, no replicas (what a traced graph's split runs).
 
     Raises :class:`NoPlanFitsError`, naming the smallest limit that fits, when nothing fits.
     """
@@ -486,7 +489,7 @@ def auto_plan(
                      LayerRanges(profile, float(input_bytes), device), device=device,
                      cuda_capability=tuple(cuda_capability))  # type: ignore[arg-type]
     stages_possible = 1 + int(search.ranges.cuttable.sum())
-    groups = _groups(profile, topology, names, stages_possible, modes)
+    groups = _groups(profile, topology, names, stages_possible, modes, straight)
     if not groups and None not in modes:
         raise ValueError(
             f"shard={shard!r} shards equal replicas (at least 2 per stage) of a flushed schedule (gpipe, 1f1b, "
@@ -543,19 +546,19 @@ _Group = tuple[str, tuple[int, ...], int, "list[int] | None", "str | None"]  # +
 
 
 def _groups(profile: Profile, topology: Topology, names: list[str], stages_possible: int,
-            modes: tuple[str | None, ...] = (None,)) -> list[_Group]:
+            modes: tuple[str | None, ...] = (None,), straight: bool = False) -> list[_Group]:
     """(schedule, replicas, virtual stages, fixed split or None, shard) for every configuration shape to try: each
     shape once per sharding mode in ``modes`` it can run (plan.shards.can_shard)."""
     out: list[_Group] = []
-    for name, replicas, v, fixed in _shapes(profile, topology, names, stages_possible):
+    for name, replicas, v, fixed in _shapes(profile, topology, names, stages_possible, straight):
         out += [(name, replicas, v, fixed, mode) for mode in modes if mode is None or can_shard(name, replicas)]
     return out
 
 
-def _shapes(profile: Profile, topology: Topology, names: list[str],
-            stages_possible: int) -> list[tuple[str, tuple[int, ...], int, list[int] | None]]:
+def _shapes(profile: Profile, topology: Topology, names: list[str], stages_possible: int,
+            straight: bool = False) -> list[tuple[str, tuple[int, ...], int, list[int] | None]]:
     out: list[tuple[str, tuple[int, ...], int, list[int] | None]] = []
-    for replicas, fixed in _layouts(profile, topology, stages_possible):
+    for replicas, fixed in _layouts(profile, topology, stages_possible, straight):
         p, unequal = len(replicas), len(set(replicas)) > 1
         for name in names:
             spec = spec_of(name)

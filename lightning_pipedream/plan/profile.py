@@ -421,10 +421,11 @@ def _saved_by_forward(layer: nn.Module, inputs: Any) -> tuple[int, bool, int]:
     return created, any(ptr in produced for ptr in seen), inputs_saved
 
 
-def _backward_bytes(layer: nn.Module, inputs: Any) -> tuple[int, int, int]:
+def backward_bytes(layer: nn.Module, inputs: Any, split: bool = True) -> tuple[int, int, int]:
     """What one backward of ``layer`` needs on top of its saved tensors, in bytes: the activation gradients it holds at
     once, the parameter-gradient temporaries on top of those (each added into an existing ``.grad``, as from the
-    second micro-batch on), and the gradients a split backward keeps for its weight half (zero bubble)."""
+    second micro-batch on), and the gradients a split backward keeps for its weight half (zero bubble; 0 without
+    ``split``: that measure tells storages apart by address, which fake tensors do not have)."""
     import torch
 
     from lightning_pipedream.plan.live_bytes import LiveTensorBytes
@@ -468,7 +469,7 @@ def _backward_bytes(layer: nn.Module, inputs: Any) -> tuple[int, int, int]:
             probed = [t for t in tensors(probe) if t.requires_grad]
             working = max(0, rise(probe, probed) - sum(t.numel() * t.element_size() for t in probed))
         total = rise(inputs, [*wanted, *params])
-        deferred = pending()
+        deferred = pending() if split else 0
     for t in (*params, *wanted):
         t.grad = kept[id(t)]
     return working, max(0, total - working), deferred
@@ -519,7 +520,7 @@ def _profile_layer(
             input_s = backward_time(needed) if needed and params else (0.0 if not needed else backward_s)
             weight_s = min(backward_s, max(0.0, backward_s - input_s))
     largest = max((p.numel() * p.element_size() for p in layer.parameters()), default=0)
-    working, temporaries, pending = _backward_bytes(layer, inputs) if working_sets else (None, None, None)
+    working, temporaries, pending = backward_bytes(layer, inputs) if working_sets else (None, None, None)
     profile = LayerProfile(
         name, forward_s, backward_s, int(activation_bytes), int(parameter_bytes), type(layer).__name__,
         saved_bytes=int(saved), output_saved=output_saved, weight_s=weight_s, grad_working_bytes=working,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -41,6 +43,9 @@ class GraphPath:
         self.graph: CapturedStage | None = None
         self.plan: Any = None  # the partitioner's plan, when split points were chosen by profiling
         self.weights: StageWeights | None = None  # a meta-built module's per-stage materialization
+        # a meta-built module split by the FLOP estimate: each rank's predicted peak memory and its terms
+        # (plan.memory.StageMemory.to_json, one per rank), None when not predicted
+        self.predicted_memory: list[dict[str, Any]] | None = None
         self._inputs_seen: set[tuple] = set()
 
     @property
@@ -103,14 +108,18 @@ class GraphPath:
 
                 on_rank_zero["captured"] = captured = capture(module, args, kwargs, on_meta=on_meta)
                 estimate = estimate_graph(captured) if on_meta else None  # no weights to time: FLOPs of the shapes
-                chosen, on_rank_zero["plan"] = choose_split_points(captured, module, args, kwargs, total,
-                                                                   profile=estimate, bandwidth=options.link_bandwidth)
-                log.info("PipeDreamStrategy split points (%d stages, schedule=%s, from %s): %s", total,
+                chosen, plan = choose_split_points(captured, module, args, kwargs, total, profile=estimate,
+                                                   bandwidth=options.link_bandwidth)
+                on_rank_zero["plan"] = plan
+                memory = predicted_memory(options, placement, module, captured, estimate, plan.balance, chunks,
+                                          self.device) if estimate is not None else None
+                log.info("PipeDreamStrategy split points (%d stages, schedule=%s, from %s): %s%s", total,
                          options.schedule, "a FLOP estimate of the meta model's shapes" if on_meta
-                         else "profiling each layer", chosen)
-                return chosen
+                         else "profiling each layer", chosen, memory_text(memory, plan))
+                return chosen, memory
 
-            points = from_rank_zero(f"split {type(module).__name__} into stages", choose)
+            points, memory = from_rank_zero(f"split {type(module).__name__} into stages", choose)
+            self.predicted_memory = memory
             captured, self.plan = on_rank_zero.get("captured"), on_rank_zero.get("plan")
         if options.split_points is None:
             self.graph = CapturedStage(module, placement.stage_index, total, points, args, kwargs, captured,
@@ -172,3 +181,111 @@ class GraphPath:
                 args, kwargs = self.call.input_of(module, hook, part, *step_args, **step_kwargs)
                 self.graph.ensure(module, args, kwargs)
                 self._inputs_seen.add(key)
+
+
+def predicted_memory(options: PipelineOptions, placement: Placement, module: LightningModule, captured: Any,
+                     estimate: Any, balance: list[int], chunks: int, device: torch.device) -> list[dict] | None:
+    """Each rank's predicted peak memory (``StageMemory.to_json``) for the split ``balance`` (layers per stage) of
+    ``captured``, with ``estimate`` (of one micro-batch of ``chunks``) given the memory model's working sets on fake
+    tensors; None (and a log line saying why) where the model does not say: an optimizer of unknown state, shards."""
+    from lightning_pipedream.graph.estimate import scaled_to_batch, with_working_sets
+    from lightning_pipedream.plan.memory import optimizer_kind, predict_memory, stage_bytes
+    from lightning_pipedream.strategy.checks import optimizers_unvalidated
+
+    try:
+        optimizers, _ = optimizers_unvalidated(module)  # on the meta device: only its kind and groups are read
+        kind = optimizer_kind(optimizers[0]) if optimizers else "sgd"
+    except (ValueError, TypeError, RuntimeError) as unknown:
+        log.info("PipeDreamStrategy: no memory prediction for the stages (%s)", unknown)
+        return None
+    if options.shard is not None or len(optimizers) > 1:
+        return None
+    frozen = {name for name, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    profile = scaled_to_batch(with_working_sets(estimate, captured, device, frozen), chunks)
+    replicas = [placement.num_pipelines] * placement.num_stages if placement.num_pipelines > 1 else None
+    memory = predict_memory(stage_bytes(profile, balance, device=device.type), options.schedule, chunks,
+                            replicas=replicas, virtual_stages=options.virtual_stages, recompute=options.recompute,
+                            optimizer=kind, device=device.type)
+    return [m.to_json() | {"optimizer": kind} for m in memory]
+
+
+def memory_text(memory: list[dict] | None, plan: Any) -> str:
+    """The log's lines for :func:`predicted_memory`: per rank its layers and each term of its predicted peak."""
+    if not memory:
+        return ""
+    from lightning_pipedream.plan.choice import bytes_text
+
+    lines = [f"\npredicted memory per rank (optimizer {memory[0]['optimizer']}; the FLOP estimate's shapes, what "
+             "autograd saves found on fake tensors):"]
+    for m in memory:
+        first, last = plan.stages[m["chunks"][0]].layers[0], plan.stages[m["chunks"][-1]].layers[-1]
+        step = m["activations_at_update"] + max(m["update_working"], m.get("sync_working", 0))
+        lines.append(f"  rank {m['stage']} ({first} .. {last}): weights {bytes_text(m['parameters'])}, gradients "
+                     f"{bytes_text(m['gradients'])}, optimizer {bytes_text(m['optimizer_state'])}, activations "
+                     f"{bytes_text(m['activations'])} ({m['held']} micro-batches in flight), backward "
+                     f"{bytes_text(m['backward_working'])}, step {bytes_text(step)}: peak "
+                     f"{bytes_text(m['predicted_peak_bytes'])}")
+    return "\n".join(lines)
+
+
+def auto_plan_graph(options: PipelineOptions, trainer: Trainer, module: LightningModule,
+                    batch_to_device: Callable[[Any], Any], processes_per_node: int, num_nodes: int, optimizer: str,
+                    device: torch.device) -> tuple[dict[str, Any], Any]:
+    """``schedule='auto'`` for a module split from its traced graph: rank 0 traces the forward call on the first
+    training batch (on the meta device for a model built there), estimates each layer (a FLOP estimate of the shapes
+    on meta, else profiled), finds what each layer's forward and backward hold on fake tensors, and the auto planner
+    chooses the split (between the model's blocks), schedule, micro-batches and recompute for one stage per process
+    within ``memory_limit``. Every rank gets the strategy arguments (``split_points`` for the split) and the Plan."""
+    from lightning_pipedream.graph import capture
+    from lightning_pipedream.graph.estimate import with_working_sets
+    from lightning_pipedream.graph.split_points import module_names, profile_graph, unit_starts
+    from lightning_pipedream.plan.auto import auto_plan
+    from lightning_pipedream.plan.partition import Plan
+    from lightning_pipedream.plan.topology import Topology
+
+    workers = processes_per_node * num_nodes
+
+    def choose() -> tuple[dict[str, Any] | None, dict | None, str | None]:
+        batch = first_batch(trainer.fit_loop)
+        if batch is None:
+            return None, None, ("PipeDreamStrategy(schedule='auto') plans on the first training batch, but the "
+                                "dataloader gave none. Give a dataloader with at least one batch, or name a schedule.")
+        args, kwargs = ForwardCall().input_of(module, "training_step", batch_to_device(batch), 0)
+        on_meta = has_meta_tensors(module)
+        captured = capture(module, args, kwargs, on_meta=on_meta)
+        profile = estimate_graph(captured) if on_meta else profile_graph(captured, module, args, kwargs)
+        frozen = {name for name, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        profile = with_working_sets(profile, captured, device, frozen)
+        # Cuts between the model's blocks: the shallowest modules that give every chunk of an interleaved split one
+        depths = range(1, 1 + max((len(layer.module.split(".")) for layer in captured.layers), default=1))
+        starts = [unit_starts(module, captured, depth) for depth in depths]
+        allowed = next((s for s in starts if len(s) >= 2 * workers - 1),
+                       next((s for s in starts if len(s) >= workers - 1), None))
+        if allowed is not None:
+            profile = dataclasses.replace(profile, no_cut_after=sorted(
+                set(profile.no_cut_after) | {i for i in range(len(profile.layers) - 1) if i + 1 not in allowed}))
+        try:
+            chosen = auto_plan(profile, Topology.of_cluster(processes_per_node, num_nodes, options.bandwidth),
+                               options.memory_limit, exact=options.exact, optimizer=optimizer,
+                               shard=None if options.shard == "auto" else options.shard, straight=True,
+                               **({"device": "cuda", "cuda_capability": tuple(torch.cuda.get_device_capability(device))}
+                                  if device.type == "cuda" else {}))
+        except ValueError as refused:  # every rank raises the refusal itself, as if it had planned
+            return None, None, str(refused)
+        arguments = chosen.strategy_arguments()
+        starts_at = list(itertools.accumulate(arguments.pop("balance")))[:-1]
+        points = module_names(module, captured, [profile.layers[i].name for i in starts_at])
+        arguments["split_points"] = points
+        described = chosen.describe().rsplit("\n", 1)[0]  # its last line names balance=, which a graph does not take
+        log.info("PipeDreamStrategy(schedule='auto') chose (from %s; memory from what autograd saves, found on fake "
+                 "tensors):\n%s\nrun it with PipeDreamStrategy(%s)", "a FLOP estimate of the meta model's shapes"
+                 if on_meta else "profiling each layer", described,
+                 ", ".join(f"{key}={value!r}" for key, value in arguments.items()))
+        return {**arguments, "shard": None}, chosen.plan.to_json(), None
+
+    arguments, plan_json, refused = from_rank_zero(f"trace {type(module).__name__} and plan the pipeline "
+                                                   "(schedule='auto')", choose)
+    if refused is not None:
+        raise ValueError(refused)
+    assert arguments is not None
+    return arguments, Plan.from_json(plan_json)

@@ -226,17 +226,19 @@ def choose_automatically(options: PipelineOptions, ranks: Ranks, trainer: Traine
     """``schedule='auto'``: the planner chooses the schedule, the split, replicas, micro-batches and recompute on
     a profile of the first training batch. Returns the options of its choice and its plan."""
     found = sequential_layers(options, module, ranks.is_global_zero)
-    if found is None:
-        raise ValueError(
-            f"PipeDreamStrategy(schedule='auto') plans a module whose layers are one nn.Sequential; "
-            f"{type(module).__name__}'s are not. Name a schedule (the graph path profiles and splits any module), "
-            "or put the layers in one nn.Sequential."
-        )
     if not fitting:  # nothing to profile a training step with: an even split, flushed, one stage per process
         return dataclasses.replace(options, schedule="1f1b", memory_limit=None, exact=False, shard=None), None
     optimizers, _ = optimizers_unvalidated(module)
     from lightning_pipedream.plan.memory import optimizer_kind
 
+    if found is None:  # the graph path: traced, one stage per process
+        from lightning_pipedream.strategy.graph_path import auto_plan_graph
+
+        arguments, plan = auto_plan_graph(options, trainer, module, batch_to_device, ranks.devices_per_node,
+                                          ranks.num_nodes, optimizer_kind(optimizers[0]) if optimizers else "adam",
+                                          ranks.device)
+        arguments = {k: tuple(v) if isinstance(v, list) else v for k, v in arguments.items()}
+        return dataclasses.replace(options, memory_limit=None, exact=False, **arguments), plan
     planner = LayerPlanner(options, trainer, module, SequentialCall(found[0]), ranks.is_global_zero, batch_to_device)
     arguments, plan = planner.auto_plan(found[1], ranks.devices_per_node, ranks.num_nodes,
                                         optimizer_kind(optimizers[0]) if optimizers else "adam", device=ranks.device)
@@ -357,6 +359,8 @@ class StagePipelineBuilder:
             call, stage, local_names = graph.call, graph.stage, graph.local_names()
             model_chunks = graph.chunks
             self.plan = graph.plan if graph.plan is not None else self.plan
+            if graph.predicted_memory is None and self.plan is not None:  # schedule="auto": the planner's prediction
+                graph.predicted_memory = self.plan.extra.get("memory")
         to_device()
         stage.to(ranks.device)  # a graph stage is not a child of the module
         if options.shard is not None:  # before the optimizers: they keep state for this rank's shards only

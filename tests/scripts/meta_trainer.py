@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -57,9 +58,9 @@ def lm_loss(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
 class MetaLM(L.LightningModule):
     """The model of ``config_dir`` built in configure_model (on the meta device under PipeDreamStrategy)."""
 
-    def __init__(self, config_dir: str, lr: float = 0.05) -> None:
+    def __init__(self, config_dir: str, lr: float = 0.05, optimizer: str = "sgd") -> None:
         super().__init__()
-        self.config_dir, self.lr = config_dir, lr
+        self.config_dir, self.lr, self.optimizer = config_dir, lr, optimizer
         self.model: Any = None
 
     def configure_model(self) -> None:
@@ -76,6 +77,8 @@ class MetaLM(L.LightningModule):
         return lm_loss(self(input_ids), input_ids)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.optimizer == "adam":
+            return torch.optim.Adam(self.parameters(), lr=self.lr)
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
@@ -99,22 +102,77 @@ class PeakBeforeFirstStep(L.Callback):
             self.peak_kb = status_kb("VmHWM") - self.base_kb
 
 
+class StepMemory(L.Callback):
+    """The live tensor bytes of one training step (``LiveTensorBytes``, every storage an operator returns; the stage's
+    parameters, gradients and optimizer state counted from the start), the memory model's quantity, with the terms
+    it sums: this rank's parameters, their gradients before the update, the optimizer's state after it."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.meter, self.result = step, None, None  # type: ignore[var-annotated]
+        self.gradients = 0
+
+    def _stage_tensors(self, trainer: L.Trainer) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        params = list(trainer.strategy._pipeline.stage.parameters())
+        state = [t for s in trainer.optimizers[0].state.values() for t in s.values() if isinstance(t, torch.Tensor)
+                 and t.dim() > 0]  # Adam's step count is a 0-d tensor: not a term of the model
+        return params, [p.grad for p in params if p.grad is not None], state
+
+    def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step != self.step or self.meter is not None:
+            return
+        from lightning_pipedream.plan.live_bytes import LiveTensorBytes
+
+        self.meter = LiveTensorBytes()
+        params, grads, state = self._stage_tensors(trainer)
+        self.meter.add_all([*params, *trainer.strategy._pipeline.stage.buffers(), *grads, *state, *batch])
+        for stage in trainer.strategy._pipeline.engine.stages.values():  # what ran at the peak
+            for name in ("forward", "backward", "backward_input", "backward_weight"):
+                setattr(stage, name, self.meter.labelled(name, getattr(stage, name)))
+        self.meter.__enter__()
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, module: L.LightningModule, optimizer: Any) -> None:
+        if self.meter is not None and self.result is None:
+            self.gradients = sum(nbytes(g) for g in self._stage_tensors(trainer)[1])
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self.meter is None or self.result is not None:
+            return
+        self.meter.__exit__(None, None, None)
+        params, _, state = self._stage_tensors(trainer)
+        self.result = {"peak_tensor_bytes": self.meter.peak, "peak_phase": self.meter.peak_phase,
+                       "peak_phase_base_bytes": self.meter.peak_phase_base,
+                       "parameters": sum(nbytes(p) for p in params), "gradients": self.gradients,
+                       "optimizer_state": sum(nbytes(t) for t in state)}
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
 def train(out: str, options: dict[str, Any]) -> None:
     os.makedirs(out, exist_ok=True)
+    started = time.process_time()
     torch.set_num_threads(1)
     config_dir = options.pop("config_dir")
-    module = MetaLM(config_dir, options.pop("lr", 0.05))
+    module = MetaLM(config_dir, options.pop("lr", 0.05), options.pop("optimizer", "sgd"))
     peak = PeakBeforeFirstStep()
+    step = StepMemory(options.pop("measure_step")) if "measure_step" in options else None
     sizes = options.pop("data")  # [vocab, batches, batch size, sequence length]
     trainer = L.Trainer(**trainer_args(devices=options.pop("devices"), max_epochs=options.pop("epochs", 2),
-                                       use_distributed_sampler=False, callbacks=[peak],
+                                       use_distributed_sampler=False,
+                                       callbacks=[peak] + ([step] if step is not None else []),
                                        strategy=PipeDreamStrategy(**options.pop("strategy"))))
     refuse_unused(options)
     trainer.fit(module, TokenBatches(*sizes))
     rank = trainer.global_rank
     stage = trainer.strategy._pipeline.stage  # this rank's stage module: its tensors under the model's names
     torch.save({k: v.detach().clone() for k, v in stage.state_dict().items()}, f"{out}/stage{rank}.pt")
-    write_json(f"{out}/memory{rank}.json", {"peak_before_first_step_bytes": (peak.peak_kb or 0) * 1024})
+    write_json(f"{out}/memory{rank}.json", {
+        "peak_before_first_step_bytes": (peak.peak_kb or 0) * 1024,
+        # the strategy's prediction of every rank's peak (plan.memory.StageMemory terms) and this rank's measured step
+        "predicted": trainer.strategy._pipeline.graph.predicted_memory, "step": step.result if step else None,
+        "cpu_s": time.process_time() - started})  # this rank's CPU time for the run (what it adds to the suite)
 
 
 if __name__ == "__main__":
