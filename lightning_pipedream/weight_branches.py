@@ -100,7 +100,8 @@ class WeightBranches:
 
     def pending_bytes(self) -> int:
         """Bytes of the gradients kept at the branch points (once per storage): what waits for the weight half."""
-        kept = {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes()
+        # by storage, not address: fake tensors (the memory model's, on a model built on meta) have none
+        kept = {g.untyped_storage()._cdata: g.untyped_storage().nbytes()
                 for grads in self._captured.values() for g in grads if g is not None}
         return sum(kept.values())
 

@@ -107,11 +107,14 @@ class _LayerProgram(nn.Module):
 def with_working_sets(profile: Profile, captured: CapturedGraph, device: torch.device | str = "cpu",
                       frozen: Iterable[str] = ()) -> Profile:
     """``profile`` (of ``captured``'s layers) with the memory model's per-layer figures found on fake tensors: the
-    bytes each layer's forward leaves for the backward (``saved_bytes``: what it creates and autograd saves, and its
-    outputs that a later layer saves; parameters aside), whether its outputs are kept so, the activation gradients
-    its backward holds at once and the parameter-gradient temporaries on top (``plan.profile``'s measure, run on fake
-    tensors), its largest parameter, and ``extra["input_bytes"]`` (the call's tensors). Parameters named in
-    ``frozen`` need no gradient. Nothing is allocated: every tensor is a fake one on ``device``."""
+    bytes each layer's forward leaves for the backward (``saved_bytes``: what it creates and autograd saves, once per
+    storage and with the layer that made it, parameters and the call's inputs aside; the call's outputs too, which
+    the loss reads until the backward, though not what the loss itself saves, such as a cross-entropy's
+    log-probabilities: that is the user's code), whether its outputs are kept so, the activation gradients its
+    backward holds at once, the parameter-gradient temporaries on top and what a split backward keeps for its weight
+    half (``plan.profile``'s measures, run on fake tensors), its largest parameter, and ``extra["input_bytes"]`` (the
+    call's tensors). Parameters named in ``frozen`` need no gradient. Nothing is allocated: every tensor is a fake one
+    on ``device``."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from lightning_pipedream.graph.split import stage_program
@@ -122,7 +125,7 @@ def with_working_sets(profile: Profile, captured: CapturedGraph, device: torch.d
     outputs = {v for v in captured.outputs if isinstance(v, Node)}
     saved = [0] * len(captured.layers)
     output_saved = [False] * len(captured.layers)
-    work: list[tuple[int, int]] = []
+    work: list[tuple[int, int, int]] = []
     with FakeTensorMode(allow_non_fake_inputs=False):
         def fake(node: Node, grad: bool = False) -> Any:
             val = node.meta.get("val")
@@ -186,13 +189,13 @@ def with_working_sets(profile: Profile, captured: CapturedGraph, device: torch.d
                     saved[producer[key]] += value.untyped_storage().nbytes()
                     output_saved[producer[key]] = True
                     counted.add(key)
-            work.append(backward_bytes(_LayerProgram(program, used), in_args, split=False)[:2])
+            work.append(backward_bytes(_LayerProgram(program, used), in_args))
     layers = []
-    for index, (layer, (working, temps)) in enumerate(zip(profile.layers, work)):
+    for index, (layer, (working, temps, pending)) in enumerate(zip(profile.layers, work)):
         largest = max((_bytes(p.meta.get("val")) for p in captured.state if captured.state[p][0] == "parameter"
                        and any(u in captured.layers[index].nodes for u in p.users)), default=0)
         layers.append(dataclasses.replace(layer, saved_bytes=saved[index], output_saved=output_saved[index],
-                                          grad_working_bytes=working, grad_temp_bytes=temps,
+                                          grad_working_bytes=working, grad_temp_bytes=temps, pending_bytes=pending,
                                           largest_parameter_bytes=largest))
     input_bytes = sum(_bytes(n.meta.get("val")) for n in captured.inputs)
     return dataclasses.replace(profile, layers=layers, extra={**profile.extra, "input_bytes": input_bytes})

@@ -421,11 +421,10 @@ def _saved_by_forward(layer: nn.Module, inputs: Any) -> tuple[int, bool, int]:
     return created, any(ptr in produced for ptr in seen), inputs_saved
 
 
-def backward_bytes(layer: nn.Module, inputs: Any, split: bool = True) -> tuple[int, int, int]:
+def backward_bytes(layer: nn.Module, inputs: Any) -> tuple[int, int, int]:
     """What one backward of ``layer`` needs on top of its saved tensors, in bytes: the activation gradients it holds at
     once, the parameter-gradient temporaries on top of those (each added into an existing ``.grad``, as from the
-    second micro-batch on), and the gradients a split backward keeps for its weight half (zero bubble; 0 without
-    ``split``: that measure tells storages apart by address, which fake tensors do not have)."""
+    second micro-batch on), and the gradients a split backward keeps for its weight half (zero bubble)."""
     import torch
 
     from lightning_pipedream.plan.live_bytes import LiveTensorBytes
@@ -469,7 +468,7 @@ def backward_bytes(layer: nn.Module, inputs: Any, split: bool = True) -> tuple[i
             probed = [t for t in tensors(probe) if t.requires_grad]
             working = max(0, rise(probe, probed) - sum(t.numel() * t.element_size() for t in probed))
         total = rise(inputs, [*wanted, *params])
-        deferred = pending() if split else 0
+        deferred = pending()
     for t in (*params, *wanted):
         t.grad = kept[id(t)]
     return working, max(0, total - working), deferred

@@ -53,6 +53,40 @@ def run_hang_trainer(tmp_path: Path, options: dict) -> tuple[str, int]:
     return text, proc.returncode
 
 
+def kill_at_marker(script: Path, out: Path, runs: Path, marker: Path, limit: float = HANG_LIMIT) -> str:
+    """``script --runs RUNS`` (a launcher and its ranks, in a group of their own), killed with SIGKILL, every process
+    of it at once, as soon as the run writes ``marker`` (the moment the test wants it dead). Returns its stderr. Fails
+    the test when the marker does not come within ``limit`` seconds (the run ended or hung before) or a process
+    outlives the kill; never waits longer than that."""
+    env = script_env()
+    log = out / "stderr.txt"
+    argv = [sys.executable, str(script), "--runs", str(runs)]
+    with log.open("w") as err, open(os.devnull, "r+") as null:
+        proc = zygote.start(argv, out, env, (null.fileno(), null.fileno(), err.fileno()))
+        if proc is None:
+            proc = subprocess.Popen(argv, cwd=out, env=env, stdout=subprocess.DEVNULL, stderr=err,
+                                    start_new_session=True)
+            proc.live = lambda: session_processes(proc.pid)
+            proc.kill_group = lambda: os.killpg(proc.pid, signal.SIGKILL)
+        try:
+            deadline = time.monotonic() + limit
+            while not marker.exists() and proc.live() and time.monotonic() < deadline:
+                proc.poll()
+                time.sleep(0.1)
+        finally:
+            reached = marker.exists()
+            proc.kill_group()
+            proc.wait()
+            deadline = time.monotonic() + 30
+            while proc.live() and time.monotonic() < deadline:  # SIGKILL'd processes end at once; reaped by others
+                time.sleep(0.1)
+            left = proc.live()
+    text = log.read_text()
+    assert reached, f"the run did not reach its marker ({marker.name}):\n{text[-4000:]}"
+    assert not left, f"processes left after the kill: {left}\n{text[-4000:]}"
+    return text
+
+
 def session_processes(session: int) -> list[int]:
     """The live (not ended) processes of ``session``: the launcher and the ranks it started."""
     found = []

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -206,6 +207,40 @@ def _status_bytes(field: str) -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
 
 
+class KilledInSecondSave(L.Callback):
+    """Saves the sharded checkpoint ``last.ckpt`` at the end of epoch 0 (and the same state as ``first.ckpt``, for the
+    test to compare with), and again at the end of epoch 1, where rank ``rank`` writes its data files, says so
+    (``marker``) and waits to be killed: the test kills every process while the new checkpoint is half written."""
+
+    def __init__(self, out: str, rank: int, marker: str) -> None:
+        self.out, self.rank, self.marker = out, rank, marker
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        last = os.path.join(self.out, "last.ckpt")
+        if trainer.current_epoch == 0:
+            trainer.save_checkpoint(last)
+            trainer.save_checkpoint(os.path.join(self.out, "first.ckpt"))
+        elif trainer.current_epoch == 1:
+            if trainer.global_rank == self.rank:
+                self._stop_after_writing()
+            trainer.save_checkpoint(last)
+
+    def _stop_after_writing(self) -> None:
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        write_data, marker = FileSystemWriter.write_data, self.marker
+
+        def written_then_stopped(writer: Any, plan: Any, planner: Any) -> Any:
+            done = write_data(writer, plan, planner)
+            done.wait()  # this rank's files are on disk; the other ranks wait for it to finish the save
+            with open(marker, "w") as f:
+                f.write(str(os.getpid()))
+            time.sleep(600)  # killed here by the test (its own limit ends it otherwise)
+            return done
+
+        FileSystemWriter.write_data = written_then_stopped  # type: ignore[method-assign]
+
+
 def measure_saves(trainer: L.Trainer, out: str) -> None:
     """Each rank's resident peak raised by a sharded save, then by a full one (in this order: a full save's gather
     leaves freed memory behind), with the whole model's bytes: rank{r}_saves.json."""
@@ -253,6 +288,8 @@ def train(out: str, options: dict) -> None:
     if options.pop("checkpoint_every_epoch", False):
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=out, every_n_epochs=1, save_top_k=-1))
         args["enable_checkpointing"] = True
+    if "killed_in_second_save" in options:  # {"rank": r, "marker": path}
+        callbacks.append(KilledInSecondSave(out, **options.pop("killed_in_second_save")))
     if "monitor" in options:  # ModelCheckpoint and EarlyStopping on a metric logged by the last stage
         monitor = options.pop("monitor")
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=out, monitor=monitor, mode="max", save_top_k=1))

@@ -32,6 +32,7 @@ from lightning_pipedream.strategy.sharded_checkpoint import (
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
+from fault_runs import kill_at_marker  # noqa: E402
 from script_runs import run_script, script_env  # noqa: E402
 
 RESUME = {"batch_size": 60, "max_steps": 4, "checkpoint_every_epoch": True, "model": {"hidden": 2}}  # 1 batch/epoch
@@ -222,6 +223,41 @@ def test_a_kill_while_saving_leaves_the_previous_checkpoint_readable(tmp_path, m
     os.utime(dead, (time.time() - 120, time.time() - 120))
     save_alone(second, path)
     assert not dead.exists()
+
+
+@pytest.mark.multiprocess
+def test_a_real_kill_during_a_sharded_save_leaves_the_previous_checkpoint_and_the_next_save_clears_it(tmp_path):
+    """2 processes train and save last.ckpt (sharded) after epoch 0; in the save after epoch 1, rank 1 writes its data
+    files and stops there (rank 0 waits for it inside torch.distributed.checkpoint's save), and the test kills every
+    process with SIGKILL. last.ckpt still reads back, tensor for tensor, as the epoch-0 save that first.ckpt holds
+    too; the half-written save is a temporary directory beside it, which a new run resuming from last.ckpt clears at
+    its next save in that folder (a dead writer's, once a minute old)."""
+    out, marker = tmp_path / "run", tmp_path / "rank1-wrote-its-files"
+    out.mkdir()
+    run = {"devices": 2, "batch_size": 60, "max_steps": 4, "model": {"hidden": 2},  # 1 batch per epoch
+           "strategy": {**SHARDED, "balance": [4, 3]}}
+    (tmp_path / "killed.json").write_text(json.dumps([[str(out), {**run, "killed_in_second_save": {
+        "rank": 1, "marker": str(marker)}}]]))
+    kill_at_marker(SCRIPTS / "tiny.py", tmp_path, tmp_path / "killed.json", marker)
+    [left] = list(out.glob("last.ckpt.tmp-*"))  # the save the kill interrupted
+    assert sorted(p.name for p in left.iterdir()) == ["__0_0.distcp", "__1_0.distcp"]  # no .metadata, no meta.pt
+    previous, first = consolidate(str(out / "last.ckpt")), consolidate(str(out / "first.ckpt"))
+    assert previous["epoch"] == first["epoch"] == 0 and previous["global_step"] == first["global_step"] == 1
+    assert previous["state_dict"].keys() == first["state_dict"].keys() and previous["state_dict"]
+    for name, tensor in first["state_dict"].items():
+        assert torch.equal(previous["state_dict"][name], tensor), name
+    for mine, theirs in zip(previous["optimizer_states"], first["optimizer_states"], strict=True):
+        assert mine["state"].keys() == theirs["state"].keys()
+        for index, state in theirs["state"].items():
+            for key, value in state.items():
+                assert torch.equal(mine["state"][index][key], value), (index, key)
+    # A new run resumes from it (each rank reading its share), trains on, and its save in that folder clears what the
+    # killed one left, once that is a minute old (a dead writer's: its process id is gone).
+    os.utime(left, (time.time() - 120, time.time() - 120))
+    (tmp_path / "resumed.json").write_text(json.dumps([[str(out), {**run, "resume": str(out / "last.ckpt")}]]))
+    run_script(SCRIPTS / "tiny.py", out, {"--runs": str(tmp_path / "resumed.json")}, 300)
+    assert not left.exists() and not list(out.glob("*.tmp-*"))
+    assert consolidate(str(out / "final.ckpt"))["global_step"] == 4  # resumed at step 1, trained to 4
 
 
 def test_a_kill_between_the_renames_reads_the_previous_checkpoint(tmp_path):
