@@ -170,7 +170,8 @@ def make(family: str) -> tuple[nn.Module, tuple]:
     raise ValueError(family)
 
 
-# Real Hugging Face causal LMs, tiny, with 4 decoder layers (2 x 2 model chunks need at least 4 blocks to cut): Llama
+# Real Hugging Face causal LMs, tiny, with 4 decoder layers (the graph path cuts between the traced graph's nodes, so
+# 4 processes' 8 model chunks cut inside the blocks, e.g. after a block's attention): Llama
 # (grouped-query attention, rotary positions, untied head) and GPT-2 (its head tied to the token embedding). No dropout
 # and no cache: the same steps as one device, and nothing but the loss and logits out of the forward.
 HF_MODELS = ("llama", "gpt2")

@@ -1,7 +1,7 @@
 """Trainer(strategy=PipeDreamStrategy) on models that are not one nn.Sequential: split from the traced forward graph.
 
-Each family of tests/scripts/graph_models.py, wrapped in a LightningModule (tests/scripts/graph_trainer.py),
-trains in a subprocess on 2 or 3 processes; the consolidated checkpoint must equal one-device training
+Each family of tests/helpers/graph_models.py, wrapped in a LightningModule (tests/scripts/graph_trainer.py),
+trains in a subprocess on 2, 3 or 4 processes; the consolidated checkpoint must equal one-device training
 (every parameter and buffer, 1e-5) and carry exactly the module's own state_dict keys.
 """
 
@@ -56,15 +56,23 @@ CHUNKED = {
     "hf_interleaved": {"schedule": "interleaved", "virtual_stages": 2, "chunks": 2},
 }
 
-REAL_HF = {"module": "hf", "model": {"scheduler": True}, "epochs": 2, "limit_val_batches": 1, "clip": 0.5}
-REAL_CHUNKED = {**CHUNKED, "hf_zb_v": {"schedule": "zb-v", "chunks": 4}}
+# Batches of 8: dualpipev on 4 processes needs 8 micro-batches (2 x processes); the same one-device runs serve both.
+REAL_HF = {"module": "hf", "model": {"scheduler": True}, "epochs": 2, "limit_val_batches": 1, "clip": 0.5,
+           "batch_size": 8}
+REAL_CHUNKED = {
+    # processes: {run: strategy}, each run cut into 2 x processes chunks
+    2: {**CHUNKED, "hf_zb_v": {"schedule": "zb-v", "chunks": 4}},
+    4: {"hf_zb_v": {"schedule": "zb-v", "chunks": 8}, "hf_dualpipev": {"schedule": "dualpipev", "chunks": 8},
+        "hf_interleaved": {"schedule": "interleaved", "virtual_stages": 2, "chunks": 8}},
+}
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
     """Every family on one device and as a pipeline; the runs of one process count share one launch."""
     base = tmp_path_factory.mktemp("graph")
-    runs: dict[int, list] = {1: [], 2: [], 3: []}
+    # The 4-process launch before the 2-process one: a 4-process checkpoint resumes on 2 processes.
+    runs: dict[int, list] = {1: [], 4: [], 2: [], 3: []}
     for case, (processes, strategy, model) in CASES.items():
         family, _, untraceable = case.partition("_")
         # Validation (an eval-mode capture) where eval mode changes the graph: BatchNorm, nn.Transformer's masks.
@@ -103,20 +111,28 @@ def trained(tmp_path_factory) -> Path:
     hf = {"family": "hf", "module": "hf", "model": {}, "limit_val_batches": 1, "untraceable": False, "devices": 2}
     for name, strategy in CHUNKED.items():
         runs[2].append([str(base / name), {**hf, "strategy": strategy}])
-    # Real Hugging Face models (Llama; GPT-2, tied) cut into 4 chunks on 2 processes under each chunked schedule, and on
-    # one device: two epochs of 3 batches with validation, clipping by the norm (active: the gradients' norms exceed it)
-    # and a per-step scheduler.
+    # Real Hugging Face models (Llama; GPT-2, tied) cut into 4 chunks on 2 processes and 8 chunks on 4 under each
+    # chunked schedule, and on one device: two epochs of 3 batches with validation, clipping by the norm (active: the
+    # gradients' norms exceed it) and a per-step scheduler.
     for family in HF_MODELS:
         real = {**REAL_HF, "family": family}
         runs[1].append([str(base / family / "single"), real])
-        for name, strategy in REAL_CHUNKED.items():
-            runs[2].append([str(base / family / name), {**real, "devices": 2, "strategy": strategy}])
-    # Llama's zb-v checkpoint (4 chunks in a V) resumes under 1f1b on 2 stages for a third epoch: one device's 3 epochs.
-    llama = {**REAL_HF, "family": "llama", "epochs": 3}
-    runs[1].append([str(base / "llama" / "single_3"), llama])
-    runs[2].append([str(base / "llama" / "zb_v_resumed_under_1f1b"), {
-        **llama, "devices": 2, "strategy": {"schedule": "1f1b", "chunks": 2},
-        "resume": str(base / "llama" / "hf_zb_v" / "final.ckpt")}])
+        for processes, strategies in REAL_CHUNKED.items():
+            for name, strategy in strategies.items():
+                runs[processes].append([str(base / family / f"{name}_on_{processes}"), {
+                    **real, "devices": processes, "strategy": strategy}])
+    # Llama's zb-v checkpoint (4 chunks in a V) resumes under 1f1b on 2 stages for a third epoch, and GPT-2's (8 chunks
+    # in a V on 4 processes) under interleaved on 2 processes (4 chunks; the tied head on rank 1, no longer beside the
+    # embedding): one device's 3 epochs.
+    for family, resumed, processes, strategy in (
+            ("llama", "zb_v_resumed_under_1f1b", 2, {"schedule": "1f1b", "chunks": 2}),
+            ("gpt2", "zb_v_on_4_resumed_under_interleaved", 4, {"schedule": "interleaved", "virtual_stages": 2,
+                                                                "chunks": 2})):
+        three = {**REAL_HF, "family": family, "epochs": 3}
+        runs[1].append([str(base / family / "single_3"), three])
+        runs[2].append([str(base / family / resumed), {
+            **three, "devices": 2, "strategy": strategy,
+            "resume": str(base / family / f"hf_zb_v_on_{processes}" / "final.ckpt")}])
     for processes, group in runs.items():
         if group:
             (base / f"runs{processes}.json").write_text(json.dumps(group))
@@ -156,13 +172,14 @@ def test_model_chunks_of_a_traced_model_equal_one_device(trained, name):
     assert len(metrics[0]["split_points"]) == 3  # 4 chunks
 
 
-@pytest.mark.parametrize("name", sorted(REAL_CHUNKED))
+@pytest.mark.parametrize(("processes", "name"), [(p, name) for p, runs in REAL_CHUNKED.items() for name in sorted(runs)])
 @pytest.mark.parametrize("family", HF_MODELS)
-def test_real_hugging_face_models_in_model_chunks_equal_one_device(trained, family, name):
-    """A tiny LlamaForCausalLM and GPT2LMHeadModel (tied head), traced and cut into 4 chunks on 2 processes, under zb-v,
-    dualpipev and interleaved: two epochs with validation, clipping and a scheduler end with one device's weights
-    (1e-6; measured about 1e-8), its logged train_loss and val_loss (1e-6), and GPT-2's head still its embedding."""
-    out, single = trained / family / name, trained / family / "single"
+def test_real_hugging_face_models_in_model_chunks_equal_one_device(trained, family, processes, name):
+    """A tiny LlamaForCausalLM and GPT2LMHeadModel (tied head), traced and cut into 4 chunks on 2 processes and 8 on 4,
+    under zb-v, dualpipev and interleaved: two epochs with validation, clipping and a scheduler end with one device's
+    weights (1e-6; measured about 1e-8), its logged train_loss and val_loss (1e-6; logged on rank 0, which holds the
+    last stage in a V and not in interleaved), and GPT-2's head still its embedding."""
+    out, single = trained / family / f"{name}_on_{processes}", trained / family / "single"
     got, want = weights(out / "final.ckpt"), weights(single / "final.ckpt")
     assert list(got) == list(want)
     for key in want:
@@ -173,15 +190,18 @@ def test_real_hugging_face_models_in_model_chunks_equal_one_device(trained, fami
     assert metrics[0]["global_step"] == metrics[1]["global_step"] == 6
     for logged in ("train_loss", "val_loss"):
         assert metrics[0][logged] == pytest.approx(metrics[1][logged], rel=1e-6), logged
-    assert len(metrics[0]["split_points"]) == 3  # 4 chunks
+    assert len(metrics[0]["split_points"]) == 2 * processes - 1  # 2 chunks per process
     if family == "gpt2":
         assert torch.equal(got["model.lm_head.weight"], got["model.transformer.wte.weight"])
 
 
-def test_a_zb_v_checkpoint_of_a_hugging_face_model_resumes_under_1f1b(trained):
-    """The V run's checkpoint (4 chunks, the last on rank 0) holds the module's state whole: under 1f1b on 2 stages a
-    third epoch ends with one device's weights after 3 epochs (optimizer momentum and scheduler restored)."""
-    out, single = trained / "llama" / "zb_v_resumed_under_1f1b", trained / "llama" / "single_3"
+@pytest.mark.parametrize(("family", "resumed"), [("llama", "zb_v_resumed_under_1f1b"),
+                                               ("gpt2", "zb_v_on_4_resumed_under_interleaved")])
+def test_a_zb_v_checkpoint_of_a_hugging_face_model_resumes_on_another_schedule(trained, family, resumed):
+    """The V run's checkpoint (the last chunk on rank 0) holds the module's state whole: Llama's (4 chunks on 2
+    processes) under 1f1b on 2 stages, GPT-2's (8 chunks on 4 processes) under interleaved on 2 processes, a third
+    epoch ends with one device's weights after 3 epochs (optimizer momentum and scheduler restored)."""
+    out, single = trained / family / resumed, trained / family / "single_3"
     got, want = weights(out / "final.ckpt"), weights(single / "final.ckpt")
     assert list(got) == list(want)
     for key in want:
@@ -189,6 +209,8 @@ def test_a_zb_v_checkpoint_of_a_hugging_face_model_resumes_under_1f1b(trained):
     metrics = [json.loads((d / "metrics.json").read_text()) for d in (out, single)]
     assert metrics[0]["global_step"] == metrics[1]["global_step"] == 9
     assert metrics[0]["train_loss"] == pytest.approx(metrics[1]["train_loss"], rel=1e-6)
+    if family == "gpt2":
+        assert torch.equal(got["model.lm_head.weight"], got["model.transformer.wte.weight"])
 
 
 def test_a_traced_graphs_sharded_checkpoint_holds_and_restores_the_full_ones_state(trained):
