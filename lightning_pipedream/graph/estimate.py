@@ -105,7 +105,7 @@ class _LayerProgram(nn.Module):
 
 
 def with_working_sets(profile: Profile, captured: CapturedGraph, device: torch.device | str = "cpu",
-                      frozen: Iterable[str] = ()) -> Profile:
+                      frozen: Iterable[str] = (), outputs_kept: bool = True) -> Profile:
     """``profile`` (of ``captured``'s layers) with the memory model's per-layer figures found on fake tensors: the
     bytes each layer's forward leaves for the backward (``saved_bytes``: what it creates and autograd saves, once per
     storage and with the layer that made it, parameters and the call's inputs aside; the call's outputs too, which
@@ -113,8 +113,9 @@ def with_working_sets(profile: Profile, captured: CapturedGraph, device: torch.d
     log-probabilities: that is the user's code), whether its outputs are kept so, the activation gradients its
     backward holds at once, the parameter-gradient temporaries on top and what a split backward keeps for its weight
     half (``plan.profile``'s measures, run on fake tensors), its largest parameter, and ``extra["input_bytes"]`` (the
-    call's tensors). Parameters named in ``frozen`` need no gradient. Nothing is allocated: every tensor is a fake one
-    on ``device``."""
+    call's tensors). Parameters named in ``frozen`` need no gradient. ``outputs_kept=False``: the call's outputs are
+    left to the loss's own count (``strategy.graph_memory.loss_bytes``: a loss that saves them keeps them). Nothing is
+    allocated: every tensor is a fake one on ``device``."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from lightning_pipedream.graph.split import stage_program
@@ -185,7 +186,7 @@ def with_working_sets(profile: Profile, captured: CapturedGraph, device: torch.d
                     counted.add(key)
             for node, value in zip(produced, values):  # the call's outputs: the loss reads them, until the backward
                 key = value.untyped_storage()._cdata if isinstance(value, Tensor) else None
-                if node in outputs and key is not None and key not in counted:
+                if outputs_kept and node in outputs and key is not None and key not in counted:
                     saved[producer[key]] += value.untyped_storage().nbytes()
                     output_saved[producer[key]] = True
                     counted.add(key)

@@ -21,6 +21,7 @@ from lightning_pipedream.runtime.stages.materialize import has_meta_tensors
 from lightning_pipedream.schedule.builders import rank_stages, stage_rank
 from lightning_pipedream.strategy.batches import EVALUATION_LOOP, STEP_OF, batch_shapes, first_batch
 from lightning_pipedream.strategy.calls import ForwardCall, SubmoduleCall, innermost_called_module
+from lightning_pipedream.strategy.graph_memory import loss_bytes, with_loss
 from lightning_pipedream.strategy.options import PipelineOptions
 from lightning_pipedream.strategy.placement import Placement
 from lightning_pipedream.strategy.pretrained import StageWeights, refuse_pretrained_with_real_weights
@@ -111,8 +112,11 @@ class GraphPath:
                 chosen, plan = choose_split_points(captured, module, args, kwargs, total, profile=estimate,
                                                    bandwidth=options.link_bandwidth)
                 on_rank_zero["plan"] = plan
-                memory = predicted_memory(options, placement, module, captured, estimate, plan.balance, chunks,
-                                          self.device) if estimate is not None else None
+                memory = None
+                if estimate is not None and hook == "training_step":  # what training holds: the memory model's
+                    loss = loss_bytes(module, self.call, hook, part, captured, self.device)
+                    memory = predicted_memory(options, placement, module, captured, estimate, plan.balance, chunks,
+                                              self.device, loss)
                 log.info("PipeDreamStrategy split points (%d stages, schedule=%s, from %s): %s%s", total,
                          options.schedule, "a FLOP estimate of the meta model's shapes" if on_meta
                          else "profiling each layer", chosen, memory_text(memory, plan))
@@ -184,10 +188,12 @@ class GraphPath:
 
 
 def predicted_memory(options: PipelineOptions, placement: Placement, module: LightningModule, captured: Any,
-                     estimate: Any, balance: list[int], chunks: int, device: torch.device) -> list[dict] | None:
+                     estimate: Any, balance: list[int], chunks: int, device: torch.device,
+                     loss: tuple[int, int] | None = None) -> list[dict] | None:
     """Each rank's predicted peak memory (``StageMemory.to_json``) for the split ``balance`` (layers per stage) of
     ``captured``, with ``estimate`` (of one micro-batch of ``chunks``) given the memory model's working sets on fake
-    tensors; None (and a log line saying why) where the model does not say: an optimizer of unknown state, shards."""
+    tensors and ``loss``'s bytes (:func:`~lightning_pipedream.strategy.graph_memory.loss_bytes`); None (and a log line
+    saying why) where the model does not say: an optimizer of unknown state, shards."""
     from lightning_pipedream.graph.estimate import scaled_to_batch, with_working_sets
     from lightning_pipedream.plan.memory import optimizer_kind, predict_memory, stage_bytes
     from lightning_pipedream.strategy.checks import optimizers_unvalidated
@@ -201,7 +207,8 @@ def predicted_memory(options: PipelineOptions, placement: Placement, module: Lig
     if options.shard is not None or len(optimizers) > 1:
         return None
     frozen = {name for name, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
-    profile = scaled_to_batch(with_working_sets(estimate, captured, device, frozen), chunks)
+    profile = scaled_to_batch(with_loss(with_working_sets(estimate, captured, device, frozen, loss is None), loss),
+                              chunks)
     replicas = [placement.num_pipelines] * placement.num_stages if placement.num_pipelines > 1 else None
     memory = predict_memory(stage_bytes(profile, balance, device=device.type), options.schedule, chunks,
                             replicas=replicas, virtual_stages=options.virtual_stages, recompute=options.recompute,
@@ -250,12 +257,14 @@ def auto_plan_graph(options: PipelineOptions, trainer: Trainer, module: Lightnin
         if batch is None:
             return None, None, ("PipeDreamStrategy(schedule='auto') plans on the first training batch, but the "
                                 "dataloader gave none. Give a dataloader with at least one batch, or name a schedule.")
-        args, kwargs = ForwardCall().input_of(module, "training_step", batch_to_device(batch), 0)
+        batch = batch_to_device(batch)
+        args, kwargs = ForwardCall().input_of(module, "training_step", batch, 0)
         on_meta = has_meta_tensors(module)
         captured = capture(module, args, kwargs, on_meta=on_meta)
         profile = estimate_graph(captured) if on_meta else profile_graph(captured, module, args, kwargs)
         frozen = {name for name, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
-        profile = with_working_sets(profile, captured, device, frozen)
+        loss = loss_bytes(module, ForwardCall(), "training_step", batch, captured, device)
+        profile = with_loss(with_working_sets(profile, captured, device, frozen, loss is None), loss)
         # Cuts between the model's blocks: the shallowest modules that give every chunk of an interleaved split one
         depths = range(1, 1 + max((len(layer.module.split(".")) for layer in captured.layers), default=1))
         starts = [unit_starts(module, captured, depth) for depth in depths]

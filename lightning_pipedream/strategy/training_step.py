@@ -89,7 +89,9 @@ class TrainingStep:
         with self.pipeline.call.replaying(module, output), logged:
             step_output = module.training_step(shares.part(mb), self.batch_idx)
         value = loss_of(step_output)
-        self.outputs.append(step_output)
+        # Detached: the loss's graph goes with its backward. (Kept whole, a split backward's weight half, which never
+        # reaches the loss, left every micro-batch's loss tensors, such as its log-probabilities, until the step's end.)
+        self.outputs.append(map_tensors(Tensor.detach, step_output))
         self.loss_sum += float(value.detach()) * shares.share(mb)
         weight = shares.weight(mb) * self.scale
         return scaled(value * weight if weight != 1.0 else value, self.precision)  # 16-mixed

@@ -125,9 +125,16 @@ class StepMemory(L.Callback):
         self.meter = LiveTensorBytes()
         params, grads, state = self._stage_tensors(trainer)
         self.meter.add_all([*params, *trainer.strategy._pipeline.stage.buffers(), *grads, *state, *batch])
-        for stage in trainer.strategy._pipeline.engine.stages.values():  # what ran at the peak
+        engine = trainer.strategy._pipeline.engine
+        for stage in engine.stages.values():  # what ran at the peak
             for name in ("forward", "backward", "backward_input", "backward_weight"):
                 setattr(stage, name, self.meter.labelled(name, getattr(stage, name)))
+        train_step, meter = engine.train_step, self.meter
+
+        def labelled_loss(inputs: Any, loss: Any, *args: Any, **kwargs: Any) -> Any:  # the user's loss
+            return train_step(inputs, meter.labelled("loss", loss), *args, **kwargs)
+
+        engine.train_step = labelled_loss
         self.meter.__enter__()
 
     def on_before_optimizer_step(self, trainer: L.Trainer, module: L.LightningModule, optimizer: Any) -> None:
@@ -141,7 +148,7 @@ class StepMemory(L.Callback):
         self.meter.__exit__(None, None, None)
         params, _, state = self._stage_tensors(trainer)
         self.result = {"peak_tensor_bytes": self.meter.peak, "peak_phase": self.meter.peak_phase,
-                       "peak_phase_base_bytes": self.meter.peak_phase_base,
+                       "peak_phase_base_bytes": self.meter.peak_phase_base, "transient": dict(self.meter.transient),
                        "parameters": sum(nbytes(p) for p in params), "gradients": self.gradients,
                        "optimizer_state": sum(nbytes(t) for t in state)}
 
