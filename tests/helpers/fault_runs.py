@@ -77,7 +77,7 @@ def kill_at_marker(script: Path, out: Path, runs: Path, marker: Path, limit: flo
             reached = marker.exists()
             proc.kill_group()
             proc.wait()
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + HANG_LIMIT
             while proc.live() and time.monotonic() < deadline:  # SIGKILL'd processes end at once; reaped by others
                 time.sleep(0.1)
             left = proc.live()
