@@ -184,7 +184,8 @@ class ForwardCall:
 
         step = getattr(module, hook)
         try:
-            with _forward_replaced(self._called(module), stop), LogRecorder().capture(module, 1):
+            with _forward_replaced(self._called(module), stop), LogRecorder().capture(module, 1), \
+                    explaining_meta_calls(module, hook):
                 step(*args, **kwargs)
         except InputCaptured as captured:
             return captured.value
@@ -270,3 +271,31 @@ def loss_of(step_output: Any) -> Tensor:
             f"'loss' scalar); it returned {type(step_output).__name__}."
         )
     return value
+
+
+class MetaModuleCalledError(RuntimeError):
+    """A step ran a module built on the meta device outside the pipelined call."""
+
+
+@contextmanager
+def explaining_meta_calls(module: LightningModule, hook: str) -> Iterator[None]:
+    """Torch's words for a module run with meta tensors (no data to compute with) become what happened and what to
+    do, when ``module`` was built on the meta device: a step ran one of its submodules itself, outside the pipeline."""
+    try:
+        yield
+    except (NotImplementedError, RuntimeError) as err:
+        if isinstance(err, MetaModuleCalledError) or "meta" not in str(err):
+            raise
+        from lightning_pipedream.runtime.stages.materialize import has_meta_tensors
+
+        if not has_meta_tensors(module):
+            raise
+        raise MetaModuleCalledError(
+            f"{type(module).__name__}.{hook} ran a module whose weights are on the meta device, outside the pipelined "
+            f"call ({type(err).__name__}: {err}). Under PipeDreamStrategy a model built in configure_model (or under "
+            "trainer.init_module(empty_init=True)) stays a meta skeleton: each rank holds only its own stage's "
+            "weights, inside the pipeline, so a direct call such as self.model(...) has nothing to compute with. Call "
+            "the LightningModule itself, self(...), whose forward the strategy pipelines, and compute the rest from "
+            "what it returns; to run the whole model in one process, consolidate a checkpoint (python -m "
+            "lightning_pipedream checkpoint consolidate) and load it without the strategy."
+        ) from err

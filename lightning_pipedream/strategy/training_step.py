@@ -14,7 +14,7 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 
 from lightning_pipedream.runtime.execution.shares import BatchShares
-from lightning_pipedream.strategy.calls import loss_of
+from lightning_pipedream.strategy.calls import explaining_meta_calls, loss_of
 from lightning_pipedream.strategy.consistency import (
     CHECK_EVERY,
     CHECK_EVERY_ASYNC,
@@ -86,7 +86,7 @@ class TrainingStep:
         mb -= self.first
         shares, module = self.shares, self.module
         logged = self.logs.capture(module, shares.log_weight(mb), shares.size(mb))
-        with self.pipeline.call.replaying(module, output), logged:
+        with self.pipeline.call.replaying(module, output), logged, explaining_meta_calls(module, "training_step"):
             step_output = module.training_step(shares.part(mb), self.batch_idx)
         value = loss_of(step_output)
         # Detached: the loss's graph goes with its backward. (Kept whole, a split backward's weight half, which never
