@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 import torch
 from pipedream_reference import Minibatch, PipeDreamRule, train_one_process
@@ -221,6 +224,19 @@ def test_failing_stage_stops_every_rank_with_its_error():
     assert "2 of 2 ranks failed" in text and "did not finish" not in text
     rank0 = text.split("--- rank 1 ---")[0]
     assert "PeerFailedError: Pipeline stage 1 failed with ValueError: boom in stage 1" in rank0
+
+
+def killed_rank(rank, world):
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # as the out-of-memory killer would: no traceback, no report
+    torch.distributed.barrier()
+
+
+def test_a_rank_that_dies_without_a_report_is_named_with_its_signal():
+    with pytest.raises(RankFailedError) as info:
+        run_local(killed_rank, 2, timeout=120)
+    text = str(info.value)
+    assert "--- rank 1 ---\nended without a report, killed by signal 9 (SIGKILL)" in text, text
 
 
 def bad_pipeline(rank, world, case):

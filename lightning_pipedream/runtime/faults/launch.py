@@ -8,6 +8,7 @@ import os
 import pickle
 import queue as queue_module
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -64,6 +65,17 @@ def _child(fn: Callable, rank: int, world_size: int, store_path: str, timeout: f
     os._exit(code)
 
 
+def _exit_words(code: int) -> str:
+    """A process's exit code in words: ``-9`` -> "killed by signal 9 (SIGKILL)"."""
+    if code >= 0:
+        return f"exit code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = "an unknown signal"
+    return f"killed by signal {-code} ({name})"
+
+
 def run_local(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` forked processes and return their results.
 
@@ -107,12 +119,19 @@ def run_local(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
             else:
                 failures[rank] = payload
     finally:
-        for p in procs:
+        killed_here: dict[int, bool] = {}
+        for r, p in enumerate(procs):
             p.join(timeout=max(0.1, min(5.0, deadline - time.monotonic())))
             if p.is_alive():
+                killed_here[r] = True
                 p.kill()
                 p.join()
         shutil.rmtree(store_dir, ignore_errors=True)
+    # A rank that ended without a report (a signal: the kernel's out-of-memory killer, a crash in native code)
+    silent = {r: p.exitcode for r, p in enumerate(procs) if r not in results and r not in failures
+              and p.exitcode not in (None, 0) and not killed_here.get(r)}
+    for r, code in silent.items():
+        failures[r] = f"ended without a report, {_exit_words(code)}"
     if failures:
         text = "\n".join(f"--- rank {r} ---\n{msg}" for r, msg in sorted(failures.items()))
         raise RankFailedError(f"{len(failures)} of {world_size} ranks failed:\n{text}")
