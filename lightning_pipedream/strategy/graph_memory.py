@@ -88,3 +88,19 @@ def with_loss(profile: Any, loss: tuple[int, int] | None) -> Any:
     last = dataclasses.replace(last, saved_bytes=(last.saved_bytes or 0) + kept,
                                grad_working_bytes=max(last.grad_working_bytes or 0, working))
     return dataclasses.replace(profile, layers=[*profile.layers[:-1], last])
+
+
+def memory_profile(profile: Any, captured: Any, device: torch.device, frozen: set[str], loss: tuple[int, int] | None
+                   ) -> Any:
+    """``profile`` with the memory model's figures found on fake tensors (``graph.estimate.with_working_sets``) and the
+    loss's; a graph whose layers do not run on fake tensors (one that reads a value, ``.item()``) keeps the model's
+    own estimates of them, said in the log."""
+    from lightning_pipedream.graph.estimate import with_working_sets
+
+    try:
+        profile = with_working_sets(profile, captured, device, frozen, outputs_kept=loss is None)
+    except Exception as unknown:  # noqa: BLE001 - any op may lack a fake-tensor rule; the model's estimates stand
+        log.info("PipeDreamStrategy: the layers' memory is estimated from their outputs (they do not run on fake "
+                 "tensors: %s: %s)", type(unknown).__name__, str(unknown).split("\n")[0])
+        return profile
+    return with_loss(profile, loss)

@@ -21,7 +21,7 @@ from lightning_pipedream.runtime.stages.materialize import has_meta_tensors
 from lightning_pipedream.schedule.builders import rank_stages, stage_rank
 from lightning_pipedream.strategy.batches import EVALUATION_LOOP, STEP_OF, batch_shapes, first_batch
 from lightning_pipedream.strategy.calls import ForwardCall, SubmoduleCall, innermost_called_module
-from lightning_pipedream.strategy.graph_memory import loss_bytes, with_loss
+from lightning_pipedream.strategy.graph_memory import loss_bytes, memory_profile
 from lightning_pipedream.strategy.options import PipelineOptions
 from lightning_pipedream.strategy.placement import Placement
 from lightning_pipedream.strategy.pretrained import StageWeights, refuse_pretrained_with_real_weights
@@ -194,7 +194,7 @@ def predicted_memory(options: PipelineOptions, placement: Placement, module: Lig
     ``captured``, with ``estimate`` (of one micro-batch of ``chunks``) given the memory model's working sets on fake
     tensors and ``loss``'s bytes (:func:`~lightning_pipedream.strategy.graph_memory.loss_bytes`); None (and a log line
     saying why) where the model does not say: an optimizer of unknown state, shards."""
-    from lightning_pipedream.graph.estimate import scaled_to_batch, with_working_sets
+    from lightning_pipedream.graph.estimate import scaled_to_batch
     from lightning_pipedream.plan.memory import optimizer_kind, predict_memory, stage_bytes
     from lightning_pipedream.strategy.checks import optimizers_unvalidated
 
@@ -207,8 +207,7 @@ def predicted_memory(options: PipelineOptions, placement: Placement, module: Lig
     if options.shard is not None or len(optimizers) > 1:
         return None
     frozen = {name for name, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
-    profile = scaled_to_batch(with_loss(with_working_sets(estimate, captured, device, frozen, loss is None), loss),
-                              chunks)
+    profile = scaled_to_batch(memory_profile(estimate, captured, device, frozen, loss), chunks)
     replicas = [placement.num_pipelines] * placement.num_stages if placement.num_pipelines > 1 else None
     memory = predict_memory(stage_bytes(profile, balance, device=device.type), options.schedule, chunks,
                             replicas=replicas, virtual_stages=options.virtual_stages, recompute=options.recompute,
@@ -244,7 +243,6 @@ def auto_plan_graph(options: PipelineOptions, trainer: Trainer, module: Lightnin
     chooses the split (between the model's blocks), schedule, micro-batches and recompute for one stage per process
     within ``memory_limit``. Every rank gets the strategy arguments (``split_points`` for the split) and the Plan."""
     from lightning_pipedream.graph import capture
-    from lightning_pipedream.graph.estimate import with_working_sets
     from lightning_pipedream.graph.split_points import module_names, profile_graph, unit_starts
     from lightning_pipedream.plan.auto import auto_plan
     from lightning_pipedream.plan.partition import Plan
@@ -264,7 +262,7 @@ def auto_plan_graph(options: PipelineOptions, trainer: Trainer, module: Lightnin
         profile = estimate_graph(captured) if on_meta else profile_graph(captured, module, args, kwargs)
         frozen = {name for name, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
         loss = loss_bytes(module, ForwardCall(), "training_step", batch, captured, device)
-        profile = with_loss(with_working_sets(profile, captured, device, frozen, loss is None), loss)
+        profile = memory_profile(profile, captured, device, frozen, loss)
         # Cuts between the model's blocks: the shallowest modules that give every chunk of an interleaved split one
         depths = range(1, 1 + max((len(layer.module.split(".")) for layer in captured.layers), default=1))
         starts = [unit_starts(module, captured, depth) for depth in depths]
