@@ -28,6 +28,23 @@ log = logging.getLogger("lightning_pipedream.strategy")
 
 
 @contextmanager
+def _attributes_kept(module: LightningModule) -> Iterator[None]:
+    """Every submodule's attributes as they were, after: what the step assigns on fake tensors (a metric's state, a
+    counter) goes. (Tensors it changes in place are real ones wrapped for the fake mode: their data stays.)"""
+    tables = ("_parameters", "_buffers", "_modules")
+    saved = [(m, dict(m.__dict__), {t: dict(getattr(m, t)) for t in tables}) for m in module.modules()]
+    try:
+        yield
+    finally:
+        for m, attributes, registered in saved:
+            m.__dict__.clear()
+            m.__dict__.update(attributes)
+            for table, entries in registered.items():
+                getattr(m, table).clear()
+                getattr(m, table).update(entries)
+
+
+@contextmanager
 def _logs_ignored(module: LightningModule) -> Iterator[None]:
     """``self.log`` does nothing for the duration (a fake value has no number to log)."""
     module.log = lambda *args, **kwargs: None  # type: ignore[method-assign]  # an instance attribute shadows it
@@ -63,8 +80,8 @@ def loss_bytes(module: LightningModule, call: ForwardCall, hook: str, part: Any,
                 saved[storage._cdata] = storage.nbytes()
                 return t
 
-            with call.replaying(module, output), _logs_ignored(module), torch.enable_grad(), \
-                    torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with _attributes_kept(module), call.replaying(module, output), _logs_ignored(module), \
+                    torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 loss = loss_of(getattr(module, hook)(batch, 0))
             wanted = [t for t in leaves if isinstance(t, Tensor) and t.requires_grad]
             meter = LiveTensorBytes(device.type)

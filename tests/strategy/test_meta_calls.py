@@ -55,3 +55,49 @@ def test_only_meta_failures_of_a_meta_built_module_are_reworded():
     assert not isinstance(err.value, MetaModuleCalledError)
     with pytest.raises(ValueError, match="the user's own"), explaining_meta_calls(Net(direct=True), "training_step"):
         raise ValueError("the user's own error, about meta tensors or not")
+
+
+@pytest.mark.multiprocess  # a forked child: see below
+def test_the_loss_s_memory_is_found_on_fake_tensors_and_the_module_left_as_it_was():
+    """strategy.graph_memory.loss_bytes runs the step after the model's call on fake tensors (what the memory model
+    adds for the loss): what the step assigns there (a metric's state, a counter) is put back, logs go nowhere."""
+    from lightning_pipedream.runtime.faults.launch import run_local
+
+    # In a forked child: a trace (torch.export) and a backward in one process make autograd refuse to run in the
+    # processes forked from it later (other tests' ranks).
+    run_local(_in_child, 1, check_the_loss_probe, timeout=120)
+
+
+def _in_child(rank: int, world: int, fn) -> None:
+    fn()
+
+
+def check_the_loss_probe() -> None:
+    import torchmetrics
+
+    from lightning_pipedream.graph import capture
+    from lightning_pipedream.strategy.graph_memory import loss_bytes
+
+    class Classifier(Net):
+        def __init__(self) -> None:
+            super().__init__(direct=False)
+            self.accuracy, self.calls = torchmetrics.Accuracy(task="multiclass", num_classes=2), 0
+
+        def training_step(self, batch: tuple, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            out = self(x)
+            self.calls += 1
+            self.accuracy(out, y)
+            self.log("accuracy", self.accuracy)
+            return nn.functional.cross_entropy(out, y)
+
+    module = Classifier()
+    x, y = torch.ones(5, 4), torch.tensor([0, 1, 1, 0, 1])
+    kept, working = loss_bytes(module, ForwardCall(), "training_step", (x, y), capture(module, (x,), on_meta=True),
+                               torch.device("cpu"))
+    assert kept >= 5 * 2 * 4 and working >= 5 * 2 * 4  # the log-probabilities kept; the logits' gradient made
+    assert module.calls == 0 and not {"forward", "log"} & set(module.__dict__)
+    assert all(isinstance(t, torch.Tensor) and t.sum() == 0 and type(t) is torch.Tensor
+               for t in (getattr(module.accuracy, name) for name in module.accuracy._defaults))
+    module.accuracy.update(torch.tensor([[1.0, 0.0]] * 5), y)
+    assert float(module.accuracy.compute()) == pytest.approx(0.4)  # the metric still counts real values
