@@ -13,7 +13,14 @@ The model is saved with ``save_pretrained`` (sharded safetensors and their index
   ``PipeDreamStrategy(schedule="1f1b", chunks=2, pretrained=DIR)`` gives each of 4 ranks its own stage, read
   from the files that hold it; 3 SGD steps. Per rank: ``setup_s`` (trace, split, materialize and read, up to
   the first step), ``read_s`` (materializing and reading the stage alone), ``peak_before_first_step_mb`` and
-  ``peak_training_mb`` above the imports (torch.export's first-trace imports included), and ``stage_weights_mb``.
+  ``peak_training_mb`` above the imports (torch.export's first-trace imports included), ``stage_weights_mb``, then
+  ``trainer.save_checkpoint`` of a sharded checkpoint (each rank its stage's weights and SGD state):
+  ``save_s`` and ``peak_saving_mb``, the resident peak during the save above the resident size before it;
+* ``whole_model`` (the default size only; ``--no-whole`` skips it): the path a user takes without the meta device,
+  ``from_pretrained`` in the LightningModule's ``__init__`` and ``PipeDreamStrategy(schedule="1f1b", chunks=2)``
+  without ``pretrained=``: every rank's peak before the first step, where rank 0 profiles the whole model. Its
+  ratio to the model's weights is what that path would need of the big model (the ``--big`` run quotes it from
+  the default run's JSON: 3 copies of 7.8 GB on rank 0 alone do not fit this 24 GB machine beside ranks 1-3).
 """
 
 from __future__ import annotations
@@ -90,12 +97,16 @@ def _per_stage(spec: dict) -> None:
 
     torch.set_num_threads(1)
     torch.export.export(torch.nn.Linear(2, 2), (torch.ones(1, 2),), strict=False).run_decompositions({})
-    directory, out = spec["dir"], Path(spec["out"])
+    directory, out, whole = spec["dir"], Path(spec["out"]), spec.get("whole", False)
 
     class FineTune(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
             self.model = None
+            if whole:  # the whole-model path: every rank loads all of it before the strategy splits it
+                from transformers import AutoModelForCausalLM
+
+                self.model = AutoModelForCausalLM.from_pretrained(directory)
 
         def configure_model(self) -> None:
             if self.model is None:
@@ -126,11 +137,11 @@ def _per_stage(spec: dict) -> None:
                               "peak_before_first_step_mb": _status_mb("VmHWM") - self.base}
 
         def on_train_end(self, trainer, module):
-            stage, weights = trainer.strategy._pipeline.stage, trainer.strategy._pipeline.graph.weights
-            result = {"rank": trainer.global_rank, **(self.first or {}), "read_s": weights.read_s,
-                      "peak_training_mb": _status_mb("VmHWM") - self.base,
-                      "stage_weights_mb": sum(p.numel() * p.element_size() for p in stage.parameters()) / 2**20}
-            (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+            stage, graph = trainer.strategy._pipeline.stage, trainer.strategy._pipeline.graph
+            self.result = {"rank": trainer.global_rank, **(self.first or {}),
+                           "read_s": graph.weights.read_s if graph is not None and graph.weights else None,
+                           "peak_training_mb": _status_mb("VmHWM") - self.base,
+                           "stage_weights_mb": sum(p.numel() * p.element_size() for p in stage.parameters()) / 2**20}
 
     class Batches:
         def __init__(self) -> None:
@@ -143,11 +154,20 @@ def _per_stage(spec: dict) -> None:
         def __iter__(self):
             return iter(self.items)
 
+    measure = Measure()
+    options = {} if whole else {"pretrained": directory, "checkpoint": "sharded"}
     trainer = L.Trainer(accelerator="cpu", devices=4, max_steps=3, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-                        callbacks=[Measure()],
-                        strategy=PipeDreamStrategy(schedule="1f1b", chunks=2, pretrained=directory))
+                        callbacks=[measure], strategy=PipeDreamStrategy(schedule="1f1b", chunks=2, **options))
     trainer.fit(FineTune(), Batches())
+    result = measure.result
+    if not whole:  # a sharded save: each rank writes its own stage; its peak above what it held before
+        before = _status_mb("VmRSS")
+        _reset_peak()
+        started = time.perf_counter()
+        trainer.save_checkpoint(f"{spec['out']}/saved.ckpt")
+        result.update(save_s=time.perf_counter() - started, peak_saving_mb=_status_mb("VmHWM") - before)
+    (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 
 def _python(args: list[str], timeout: float) -> str:
@@ -164,6 +184,7 @@ def main() -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--load", help=argparse.SUPPRESS)
     parser.add_argument("--big", action="store_true", help="an ~8 GB model (the issue's size)")
+    parser.add_argument("--no-whole", action="store_true", help="skip the whole-model path (default size only)")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--timeout", type=float, default=1800.0)
     args = parser.parse_args()
@@ -182,16 +203,32 @@ def main() -> None:
         spec = {"dir": f"{tmp}/hf", "out": f"{tmp}/out", "vocab": SIZES[size][3]}
         _python(["--worker", json.dumps(spec)], args.timeout)
         ranks = [json.loads((Path(tmp) / "out" / f"rank{r}.json").read_text()) for r in range(4)]
+        whole = None
+        if not args.big and not args.no_whole:
+            (Path(tmp) / "whole").mkdir()
+            _python(["--worker", json.dumps({**spec, "out": f"{tmp}/whole", "whole": True})], args.timeout)
+            whole = [json.loads((Path(tmp) / "whole" / f"rank{r}.json").read_text()) for r in range(4)]
     result = {"model": f"Llama {SIZES[size]} (hidden, intermediate, layers, vocabulary), fp32",
               "weights_mb": weights_mb, "processes": 4, "schedule": "1f1b, chunks=2, SGD, 3 steps",
               "when": time.strftime("%Y-%m-%d %H:%M"), "load_avg": os.getloadavg(),
               "from_pretrained": loaded, "per_stage": ranks}
+    if whole is not None:
+        result["whole_model"] = whole
+        result["whole_model_rank0_peak_over_weights"] = whole[0]["peak_before_first_step_mb"] / weights_mb
+    elif args.big:  # what the whole-model path needs, by its measured ratio at the default size
+        default = ROOT / "benchmarks" / "results" / "big_model.json"
+        ratio = json.loads(default.read_text()).get("whole_model_rank0_peak_over_weights") if default.exists() else None
+        if ratio is not None:
+            result["whole_model_rank0_needs_mb_by_default_run_ratio"] = {"ratio": ratio, "mb": ratio * weights_mb}
     print(f"model {weights_mb:.0f} MB; from_pretrained on one process: {loaded['load_s']:.1f} s, peak "
           f"{loaded['peak_mb']:.0f} MB")
     for r in ranks:
         print(f"rank {r['rank']}: setup {r['setup_s']:.1f} s (materialize + read {r['read_s']:.1f} s), peak before "
               f"first step {r['peak_before_first_step_mb']:.0f} MB, training {r['peak_training_mb']:.0f} MB, "
-              f"stage weights {r['stage_weights_mb']:.0f} MB")
+              f"stage weights {r['stage_weights_mb']:.0f} MB; sharded save {r['save_s']:.1f} s, peak "
+              f"+{r['peak_saving_mb']:.0f} MB")
+    for r in whole or []:
+        print(f"whole-model path, rank {r['rank']}: peak before first step {r['peak_before_first_step_mb']:.0f} MB")
     out_json.parent.mkdir(parents=True, exist_ok=True)
     out_json.write_text(json.dumps(result, indent=1))
     print(f"wrote {out_json}")
