@@ -4,6 +4,7 @@ Run from the repository root::
 
     python -m benchmarks.big_model            # a 0.8 GB model, a few minutes: results/big_model.json
     python -m benchmarks.big_model --big      # an ~8 GB model (the issue's size: a third of a 24 GB machine)
+    python -m benchmarks.big_model --big --whole   # and the whole-model path at that size (about 17 GB in all)
 
 The model is saved with ``save_pretrained`` (sharded safetensors and their index) to a temporary directory, then:
 
@@ -16,11 +17,10 @@ The model is saved with ``save_pretrained`` (sharded safetensors and their index
   ``peak_training_mb`` above the imports (torch.export's first-trace imports included), ``stage_weights_mb``, then
   ``trainer.save_checkpoint`` of a sharded checkpoint (each rank its stage's weights and SGD state):
   ``save_s`` and ``peak_saving_mb``, the resident peak during the save above the resident size before it;
-* ``whole_model`` (the default size only; ``--no-whole`` skips it): the path a user takes without the meta device,
-  ``from_pretrained`` in the LightningModule's ``__init__`` and ``PipeDreamStrategy(schedule="1f1b", chunks=2)``
-  without ``pretrained=``: every rank's peak before the first step, where rank 0 profiles the whole model. Its
-  ratio to the model's weights is what that path would need of the big model (the ``--big`` run quotes it from
-  the default run's JSON: 3 copies of 7.8 GB on rank 0 alone do not fit this 24 GB machine beside ranks 1-3).
+* ``whole_model`` (at the default size, and with ``--big --whole``; ``--no-whole`` skips it): the path a user takes
+  without the meta device, ``from_pretrained`` in the LightningModule's ``__init__`` and
+  ``PipeDreamStrategy(schedule="1f1b", chunks=2)`` without ``pretrained=``: every rank's peaks, where rank 0
+  profiles the whole model. ``--big`` alone also quotes what rank 0 would need by the default run's ratio.
 """
 
 from __future__ import annotations
@@ -184,7 +184,8 @@ def main() -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--load", help=argparse.SUPPRESS)
     parser.add_argument("--big", action="store_true", help="an ~8 GB model (the issue's size)")
-    parser.add_argument("--no-whole", action="store_true", help="skip the whole-model path (default size only)")
+    parser.add_argument("--no-whole", action="store_true", help="skip the whole-model path")
+    parser.add_argument("--whole", action="store_true", help="run the whole-model path with --big too (needs memory)")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--timeout", type=float, default=1800.0)
     args = parser.parse_args()
@@ -203,19 +204,25 @@ def main() -> None:
         spec = {"dir": f"{tmp}/hf", "out": f"{tmp}/out", "vocab": SIZES[size][3]}
         _python(["--worker", json.dumps(spec)], args.timeout)
         ranks = [json.loads((Path(tmp) / "out" / f"rank{r}.json").read_text()) for r in range(4)]
-        whole = None
-        if not args.big and not args.no_whole:
+        whole, whole_error = None, None
+        if (args.whole or not args.big) and not args.no_whole:
             (Path(tmp) / "whole").mkdir()
-            _python(["--worker", json.dumps({**spec, "out": f"{tmp}/whole", "whole": True})], args.timeout)
-            whole = [json.loads((Path(tmp) / "whole" / f"rank{r}.json").read_text()) for r in range(4)]
+            try:
+                _python(["--worker", json.dumps({**spec, "out": f"{tmp}/whole", "whole": True})], args.timeout)
+                whole = [json.loads((Path(tmp) / "whole" / f"rank{r}.json").read_text()) for r in range(4)]
+            except RuntimeError as err:  # what stopped it (the out-of-memory killer: a model too big for the machine)
+                whole_error = str(err)[-2000:]
     result = {"model": f"Llama {SIZES[size]} (hidden, intermediate, layers, vocabulary), fp32",
               "weights_mb": weights_mb, "processes": 4, "schedule": "1f1b, chunks=2, SGD, 3 steps",
               "when": time.strftime("%Y-%m-%d %H:%M"), "load_avg": os.getloadavg(),
               "from_pretrained": loaded, "per_stage": ranks}
+    if whole_error is not None:
+        result["whole_model_error"] = whole_error
+        print(f"whole-model path failed:\n{whole_error}")
     if whole is not None:
         result["whole_model"] = whole
         result["whole_model_rank0_peak_over_weights"] = whole[0]["peak_before_first_step_mb"] / weights_mb
-    elif args.big:  # what the whole-model path needs, by its measured ratio at the default size
+    if args.big:  # what the whole-model path needs, by its measured ratio at the default size
         default = ROOT / "benchmarks" / "results" / "big_model.json"
         ratio = json.loads(default.read_text()).get("whole_model_rank0_peak_over_weights") if default.exists() else None
         if ratio is not None:
