@@ -27,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.result_file import write_result
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "scripts" / "meta_trainer.py"
 SIZES = {  # vocabulary, hidden, intermediate, layers, heads, key-value heads; batches, batch size, sequence length
@@ -85,10 +87,7 @@ def main() -> None:
             result["runs"][name] = ranks
         plan = [line for line in (proc.stdout + proc.stderr).splitlines() if "auto plan (" in line]
         result["auto_choice"] = plan
-    result["load_after"] = os.getloadavg()
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=1))
-    print(f"wrote {args.json}")
+    write_result(args.json, result)
 
 
 if __name__ == "__main__":

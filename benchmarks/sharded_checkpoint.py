@@ -25,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.result_file import write_result
+
 ROOT = Path(__file__).resolve().parent.parent
 PROCESSES = 4
 
@@ -142,10 +144,7 @@ def main() -> None:
     c = result["consolidate"]
     print(f"consolidate: +{c['peak_growth_mb']:.0f} MB in {c['seconds']:.2f} s, a {c['file_mb']:.0f} MB file "
           f"(model {weights_mb:.0f} MB)")
-    result["load_after"] = os.getloadavg()
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=1))
-    print(f"wrote {args.json}")
+    write_result(args.json, result)
 
 
 if __name__ == "__main__":

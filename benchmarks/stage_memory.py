@@ -31,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.result_file import write_result
+
 ROOT = Path(__file__).resolve().parent.parent
 MODES = ("whole", "per_stage")
 
@@ -133,10 +135,7 @@ def main() -> None:
             print(f"{mode:10s} rank {r['rank']}: peak after setup {r['peak_setup_mb']:8.0f} MB, peak training "
                   f"{r['peak_train_mb']:8.0f} MB, baseline {r['baseline_mb']:5.0f} MB, stage weights "
                   f"{r['stage_weights_mb']:7.0f} MB")
-    result["load_after"] = os.getloadavg()
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=1))
-    print(f"wrote {args.json}")
+    write_result(args.json, result)
 
 
 if __name__ == "__main__":

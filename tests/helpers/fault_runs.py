@@ -19,6 +19,20 @@ HANG_TRAINER = Path(__file__).resolve().parents[1] / "scripts" / "hang_trainer.p
 HANG_LIMIT = 200.0  # seconds a hang_trainer.py run may take in all: several times a slow hour's run (11-22 s quiet)
 
 
+def start_group(argv: list[str], cwd: Path, env: dict[str, str], err: Any) -> Any:
+    """``argv`` with its standard error in the file ``err``, in a group of its own: a fork of this worker's zygote
+    (tests/helpers/zygote.py) when there is one, else a new session. Either answers poll(), wait(), returncode,
+    live() (its processes not yet ended: the launcher and the ranks it started) and kill_group()."""
+    with open(os.devnull, "r+") as null:
+        proc = zygote.start(argv, cwd, env, (null.fileno(), null.fileno(), err.fileno()))
+        if proc is None:
+            proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=err,
+                                    start_new_session=True)
+            proc.live = lambda: session_processes(proc.pid)  # type: ignore[attr-defined]
+            proc.kill_group = lambda: os.killpg(proc.pid, signal.SIGKILL)  # type: ignore[attr-defined]
+    return proc
+
+
 def run_hang_trainer(tmp_path: Path, options: dict) -> tuple[str, int]:
     """hang_trainer.py with ``options``; returns its stderr and the launcher's (rank 0's) exit code. Every process the
     launcher started must end by itself within HANG_LIMIT s (an outer limit only a hang reaches: whether a rank was
@@ -27,13 +41,8 @@ def run_hang_trainer(tmp_path: Path, options: dict) -> tuple[str, int]:
     env = script_env(LIGHTNING_PIPEDREAM_FLIGHT_RECORDER=str(tmp_path / "flight"))
     log = tmp_path / "stderr.txt"
     argv = [sys.executable, str(HANG_TRAINER), str(tmp_path), json.dumps(options)]
-    with log.open("w") as err, open(os.devnull, "r+") as null:  # a file, not a pipe: a stopped rank would hold a pipe
-        proc = zygote.start(argv, tmp_path, env, (null.fileno(), null.fileno(), err.fileno()))  # its ranks: forks too
-        if proc is None:
-            proc = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=err,
-                                    start_new_session=True)
-            proc.live = lambda: session_processes(proc.pid)
-            proc.kill_group = lambda: os.killpg(proc.pid, signal.SIGKILL)
+    with log.open("w") as err:  # a file, not a pipe: a stopped rank would hold a pipe
+        proc = start_group(argv, tmp_path, env, err)  # its ranks: forks too
         try:
             deadline = time.monotonic() + HANG_LIMIT
             while proc.live() and time.monotonic() < deadline:
@@ -61,13 +70,8 @@ def kill_at_marker(script: Path, out: Path, runs: Path, marker: Path, limit: flo
     env = script_env()
     log = out / "stderr.txt"
     argv = [sys.executable, str(script), "--runs", str(runs)]
-    with log.open("w") as err, open(os.devnull, "r+") as null:
-        proc = zygote.start(argv, out, env, (null.fileno(), null.fileno(), err.fileno()))
-        if proc is None:
-            proc = subprocess.Popen(argv, cwd=out, env=env, stdout=subprocess.DEVNULL, stderr=err,
-                                    start_new_session=True)
-            proc.live = lambda: session_processes(proc.pid)
-            proc.kill_group = lambda: os.killpg(proc.pid, signal.SIGKILL)
+    with log.open("w") as err:
+        proc = start_group(argv, out, env, err)
         try:
             deadline = time.monotonic() + limit
             while not marker.exists() and proc.live() and time.monotonic() < deadline:
@@ -176,10 +180,5 @@ def _start_rank(out: Path, options: dict, rank: int, world: int, port: int) -> A
     env = script_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0",
                      WORLD_SIZE=str(world), GLOO_SOCKET_IFNAME="lo", LIGHTNING_PIPEDREAM_FLIGHT_RECORDER=str(out / "flight"))
     argv = [sys.executable, str(SETUP_FAULT_TRAINER), str(out), json.dumps(options)]
-    with (out / f"stderr_rank{rank}.txt").open("w") as err, open(os.devnull, "r+") as null:
-        child = zygote.start(argv, out, env, (null.fileno(), null.fileno(), err.fileno()))
-        if child is not None:
-            return child
-        proc = subprocess.Popen(argv, cwd=out, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
-        proc.kill_group = lambda: os.killpg(proc.pid, signal.SIGKILL)  # type: ignore[attr-defined]
-        return proc
+    with (out / f"stderr_rank{rank}.txt").open("w") as err:
+        return start_group(argv, out, env, err)

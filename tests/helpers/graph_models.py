@@ -190,6 +190,22 @@ def hf_model(family: str) -> nn.Module:
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False))
 
 
+def tiny_decoder(kind: str, pad: int = 0) -> nn.Module:
+    """A tiny seeded ``LlamaForCausalLM`` (``kind="llama"``) or ``GPT2LMHeadModel`` (its head tied to the embedding)
+    in evaluation mode, with pad, BOS and EOS ids (``pad``, 1, 2), for the decoding tests."""
+    import transformers
+
+    torch.manual_seed(0)
+    if kind == "llama":
+        config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                          pad_token_id=pad, bos_token_id=1, eos_token_id=2)
+        return transformers.LlamaForCausalLM(config).eval()
+    config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=4, n_head=4, n_positions=64, pad_token_id=pad,
+                                     bos_token_id=1, eos_token_id=2)
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
 def batches(family: str, steps: int, size: int) -> list[tuple[tuple, torch.Tensor]]:
     """``steps`` batches of ``size`` samples: (call arguments, targets)."""
     g = torch.Generator().manual_seed(7)

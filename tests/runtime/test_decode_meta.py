@@ -10,6 +10,7 @@ import itertools
 
 import pytest
 import torch
+from graph_models import tiny_decoder
 from torch import nn
 
 from lightning_pipedream.graph import capture, split_graph
@@ -17,7 +18,7 @@ from lightning_pipedream.runtime.communication.p2p_model import PointToPointMode
 from lightning_pipedream.runtime.communication.transport import Transport
 from lightning_pipedream.runtime.execution.decode import generate_ids, split_of_owners
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 
 PAD, PROMPT, NEW = 0, 6, 5
 
@@ -33,16 +34,6 @@ class Wrapper(nn.Module):
         return self.model(**kwargs)
 
 
-def tiny(kind: str) -> nn.Module:
-    torch.manual_seed(0)
-    if kind == "llama":
-        config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                          pad_token_id=PAD, bos_token_id=1, eos_token_id=2)
-        return transformers.LlamaForCausalLM(config).eval()
-    config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=4, n_head=4, n_positions=64, pad_token_id=PAD,
-                                     bos_token_id=1, eos_token_id=2)  # lm_head tied to wte
-    return transformers.GPT2LMHeadModel(config).eval()
 
 
 BLOCKS = {"llama": "model.model.layers", "gpt2": "model.transformer.h"}
@@ -60,7 +51,7 @@ def owners_of(kind: str, split_points: list[str]) -> dict[str, list[int]]:
     """Which stages hold each tensor (every name) when the meta-built model is split at ``split_points``: what
     PipeDreamStrategy's graph path computes (CapturedStage.owners)."""
     with torch.device("meta"):
-        meta = Wrapper(type(tiny(kind))(tiny(kind).config))
+        meta = Wrapper(type(tiny_decoder(kind))(tiny_decoder(kind).config))
     ids, _ = prompts()
     captured = capture(meta.eval(), (), {"input_ids": ids, "use_cache": False}, on_meta=True)
     split = split_graph(captured, split_points)
@@ -91,7 +82,7 @@ def real_parameter_bytes(model: nn.Module) -> dict[str, int]:
     ("llama", ["model.model.layers.2"]), ("gpt2", ["model.transformer.h.1", "model.transformer.h.3"]),
 ])
 def test_a_model_built_per_stage_decodes_with_the_blocks_each_rank_holds(kind, points):
-    whole = Wrapper(tiny(kind))
+    whole = Wrapper(tiny_decoder(kind))
     ids, mask = prompts()
     plain = whole.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
                                  pad_token_id=PAD, eos_token_id=None)
@@ -151,7 +142,7 @@ def test_a_sequential_built_per_stage_decodes_with_its_balance():
 
 
 def test_a_split_inside_a_block_is_refused_with_block_boundaries_to_split_at():
-    whole = Wrapper(tiny("llama"))
+    whole = Wrapper(tiny_decoder("llama"))
     owners = owners_of("llama", ["model.model.layers.1.mlp"])  # stage 1 begins at block 1's MLP
     with pytest.raises(ValueError, match=r"generate\(\) runs each stage's own blocks of Wrapper's model.model.layers "
                                          r"\(4 blocks\), the stages the model was split into for training, but that "
@@ -163,7 +154,7 @@ def test_a_split_inside_a_block_is_refused_with_block_boundaries_to_split_at():
 
 
 def test_a_stage_without_a_whole_block_or_with_the_head_in_the_middle_is_refused():
-    whole = Wrapper(tiny("llama"))
+    whole = Wrapper(tiny_decoder("llama"))
     layers = [n for n, _ in whole.named_parameters()]
 
     def owners(stage_of) -> dict[str, list[int]]:

@@ -9,6 +9,7 @@ import copy
 
 import pytest
 import torch
+from graph_models import tiny_decoder
 from torch import nn
 
 from lightning_pipedream.runtime.communication.p2p_model import PointToPointModel
@@ -17,21 +18,11 @@ from lightning_pipedream.runtime.execution.decode import even_split, generate_id
 from lightning_pipedream.schedule.check import validate
 from lightning_pipedream.schedule.generation import decode_ring
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 
 PAD, PROMPT, NEW = 0, 7, 6
 
 
-def tiny(kind: str) -> nn.Module:
-    torch.manual_seed(0)
-    if kind == "llama":
-        config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                          pad_token_id=PAD, bos_token_id=1, eos_token_id=2)
-        return transformers.LlamaForCausalLM(config).eval()
-    config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=4, n_head=4, n_positions=64, pad_token_id=PAD,
-                                     bos_token_id=1, eos_token_id=2)
-    return transformers.GPT2LMHeadModel(config).eval()
 
 
 def prompts() -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,7 +63,7 @@ def ring_generate(model: nn.Module, stages: int, lanes: int, ids, mask, eos: int
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 @pytest.mark.parametrize("stages", [2, 3])
 def test_the_ring_gives_hugging_faces_greedy_tokens(kind, stages):
-    model = tiny(kind)
+    model = tiny_decoder(kind)
     ids, mask = prompts()
     plain = hf_generate(model, ids, mask, eos=63)  # 63: no sequence ends; then end some early on their 2nd token
     eos = int(plain[1, PROMPT + 1])
@@ -94,7 +85,7 @@ def test_the_ring_gives_hugging_faces_greedy_tokens(kind, stages):
 
 
 def test_one_device_decodes_the_same_without_a_transport():
-    model = tiny("llama")
+    model = tiny_decoder("llama")
     ids, mask = prompts()
     want = hf_generate(model, ids, mask, eos=63)
 
