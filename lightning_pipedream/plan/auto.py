@@ -19,6 +19,7 @@ from lightning_pipedream.plan.memory import (
     StageMemory,
     backward_working,
     cublas_workspace_bytes,
+    gradients_from_first_backward,
     optimizer_state_ratio,
     predict_memory,
     stage_bytes,
@@ -67,6 +68,7 @@ class _Search:
     simulated: int = 0
     device: str = "cpu"  # "cuda": what CUDA adds (plan.memory: the allocator's blocks, foreach temporaries, cuBLAS)
     cuda_capability: tuple[int, int] = (9, 0)
+    gradients_carried: bool = False  # accumulate_grad_batches > 1: a step starts with the gradients of the last
 
     @property
     def limit(self) -> float:
@@ -121,18 +123,20 @@ class _Search:
 
     # -- memory and time of a stage over layers i..j, as tables
     def memory_tables(self, held: Held, versions: int, chunks: int, replicas: int = 1,
-                      shard: str | None = None, splits_backward: bool = False) -> tuple[np.ndarray, np.ndarray]:
+                      shard: str | None = None, splits_backward: bool = False,
+                      from_first: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Peak bytes of a worker holding layers i..j in stage position with ``held`` micro-batches in flight:
         without and with recompute (the same terms, rounded alike, as :func:`predict_memory`), its ``replicas``
-        whole or sharded (``shard``; a split backward keeps a sharded stage gathered through the step)."""
-        key = ("memory", held.count, held.count_at_update, held.most_pending, versions, chunks, replicas, shard,
-               held.forward_after_backward, splits_backward)
+        whole or sharded (``shard``; a split backward keeps a sharded stage gathered through the step);
+        ``from_first``: gradients counted from the step's first backward on (:func:`gradients_from_first_backward`)."""
+        key = ("memory", held, versions, chunks, replicas, shard, splits_backward, from_first)
         if key not in self.tables:
-            self.tables[key] = self._memory_tables(held, versions, chunks, replicas, shard, splits_backward)
+            self.tables[key] = self._memory_tables(held, versions, chunks, replicas, shard, splits_backward,
+                                                   from_first)
         return self.tables[key]
 
     def _memory_tables(self, held: Held, versions: int, chunks: int, replicas: int,
-                       shard: str | None, splits_backward: bool) -> tuple[np.ndarray, np.ndarray]:
+                       shard: str | None, splits_backward: bool, from_first: bool) -> tuple[np.ndarray, np.ndarray]:
         r = self.ranges
         ratio = optimizer_state_ratio(self.optimizer)
         params = np.where(np.isfinite(r.params), r.params, 0.0)
@@ -158,16 +162,41 @@ class _Search:
             unsharded = credit + (stage if kept else np.round(r.two_largest_layers))
             unsharded_rc = credit + stage
         per_mb, per_mb_rc = (r.input + r.acts) / chunks, (r.input + r.output) / chunks
-        pending = held.most_pending * r.pending / chunks if held.most_pending else 0.0  # (0 x an empty range's inf)
+        first_stage = np.arange(r.n)[:, None] == 0  # its split backward's input half computes nothing
+        per_pending = np.where(first_stage, r.output, r.pending) / chunks
+        pending = held.most_pending * per_pending if held.most_pending else 0.0  # (0 x an empty range's inf)
         at_update = held.count_at_update
-        plain = np.maximum(np.round(held.count * per_mb + pending) + working + unsharded,
-                           np.round(at_update * per_mb if at_update else 0.0) + update)
+        in_update = np.round(at_update * per_mb if at_update else 0.0) + update
+        plain = np.maximum(np.round(held.count * per_mb + pending) + working + unsharded, in_update)
+        if from_first:  # gradients from the step's first backward on (plan.memory._gradients_from_first)
+            plain = self._from_first(held, per_mb, per_pending, working, chunks, in_update, params, splits_backward,
+                                     first_stage)
         replay = np.round(np.maximum(0.0, (r.acts - r.output) / chunks))
         pending_rc = held.most_pending * r.output / chunks if held.most_pending else 0.0
         again = np.maximum(np.round(held.count * per_mb_rc + pending_rc) + replay + working + unsharded_rc,
                            np.round(at_update * per_mb_rc if at_update else 0.0) + update)
         bad = ~np.isfinite(r.params) | r.idle
         return np.where(bad, _INF, weights + plain), np.where(bad, _INF, weights + again)
+
+    def _from_first(self, held: Held, per_mb: np.ndarray, per_pending: np.ndarray, working: np.ndarray, chunks: int,
+                    in_update: np.ndarray, params: np.ndarray, splits_backward: bool, first_stage: np.ndarray
+                    ) -> np.ndarray:
+        """What ``_memory_tables`` adds to the weights (gradients included) when the gradients are counted from the
+        step's first backward on: the same terms as ``plan.memory._gradients_from_first``, over every range."""
+        def held_bytes(count: int, waiting: int) -> np.ndarray | float:
+            return (count * per_mb if count else 0.0) + (waiting * per_pending if waiting else 0.0)
+
+        with_gradients = held_bytes(*held.with_gradients)
+        before = np.round(held_bytes(*held.before_gradients)) + working
+        first_count, first_waiting = held.first
+        if first_count:
+            sweep = np.round(held_bytes(first_count - 1, first_waiting) + self.ranges.first_backward(chunks))
+            sweeps = first_stage | (not splits_backward)
+            before = np.where(sweeps, np.maximum(before, sweep), before)
+            with_gradients = np.where(sweeps, with_gradients,
+                                      np.maximum(with_gradients, held_bytes(first_count, first_waiting)))
+        gradients = np.round(params)
+        return np.maximum(np.maximum(np.round(with_gradients) + working, in_update), before - gradients)
 
     def time_tables(self, replicas: int, allreduce_bw: float, chunks: int, shard: str | None = None,
                     splits_backward: bool = False) -> tuple[np.ndarray, np.ndarray]:
@@ -188,6 +217,10 @@ class _Search:
         return np.where(r.idle, _INF, plain), np.where(r.idle, _INF, again)
 
     # -- one candidate
+    def from_first(self, schedule: str, replicas: tuple[int, ...], shard: str | None) -> bool:
+        """Whether gradients count from the step's first backward on (one stage per worker)."""
+        return gradients_from_first_backward(schedule, 1, shard, len(set(replicas)) > 1, self.gradients_carried)
+
     def versions(self, schedule: str, held: Held) -> int:
         spec = spec_of(schedule)
         return max(1, held.count) if spec.weight_versions is None else spec.weight_versions
@@ -203,7 +236,7 @@ class _Search:
         costs, flags = [], []
         for s in range(p):
             mem_plain, mem_rc = self.memory_tables(held[s], self.versions(schedule, held[s]), chunks, replicas[s],
-                                                   shard, split)
+                                                   shard, split, self.from_first(schedule, replicas, shard))
             t_plain, t_rc = self.time_tables(replicas[s], self.group_bandwidth(ranks[s]), chunks, shard, split)
             needs = mem_plain > self.limit
             cost = np.where(needs, np.where(mem_rc <= self.limit, t_rc, _INF), t_plain)
@@ -230,8 +263,9 @@ class _Search:
         p = len(replicas)
         held = self.held(self.flight(schedule, p, chunks, replicas, 1), p)
         split = spec_of(schedule).splits_backward
-        tables = [self.memory_tables(held[s], self.versions(schedule, held[s]), chunks, replicas[s], shard, split)
-                  for s in range(p)]
+        from_first = self.from_first(schedule, replicas, shard)
+        tables = [self.memory_tables(held[s], self.versions(schedule, held[s]), chunks, replicas[s], shard, split,
+                                     from_first) for s in range(p)]
         costs = [np.minimum(plain, rc) for plain, rc in tables]
         if fixed is not None:
             balance = fixed
@@ -300,7 +334,8 @@ class _Search:
         flight = self.flight(schedule, len(replicas), chunks, replicas, v)
         return predict_memory(sizes, schedule, chunks, replicas=list(replicas), virtual_stages=v,
                               recompute=recompute, optimizer=self.optimizer, flight=flight, device=self.device,
-                              cuda_capability=self.cuda_capability, shard=shard)
+                              cuda_capability=self.cuda_capability, shard=shard,
+                              gradients_carried=self.gradients_carried)
 
     def time(self, schedule: str, balance: list[int], replicas: tuple[int, ...], chunks: int, v: int,
              recompute: list[bool], shard: str | None = None) -> float:
@@ -447,6 +482,7 @@ def auto_plan(
     cuda_capability: tuple[int, int] = (9, 0),
     shard: str | None = None,
     straight: bool = False,
+    gradients_carried: bool = False,
 ) -> AutoPlan:
     """Choose the stage split, replicas, schedule, micro-batches and per-stage recompute for ``topology``.
 
@@ -463,6 +499,7 @@ def auto_plan(
     and tries only those; ``"auto"`` weighs both: sharding where
     whole replicas do not fit, replicas where both fit (they avoid the all-gathers), the reason in
     :attr:`AutoPlan.shard_note`. ``straight``: one stage per worker, no replicas (what a traced graph's split runs).
+    ``gradients_carried``: steps start with gradients (``accumulate_grad_batches`` > 1; see ``predict_memory``).
 
     Raises :class:`NoPlanFitsError`, naming the smallest limit that fits, when nothing fits.
     """
@@ -487,7 +524,8 @@ def auto_plan(
         input_bytes = float(profile.extra.get("input_bytes", 0) or 0)
     search = _Search(profile, topology, memory_limit, optimizer, float(microbatch_overhead_s), float(input_bytes),
                      LayerRanges(profile, float(input_bytes), device), device=device,
-                     cuda_capability=tuple(cuda_capability))  # type: ignore[arg-type]
+                     cuda_capability=tuple(cuda_capability),  # type: ignore[arg-type]
+                     gradients_carried=gradients_carried)
     stages_possible = 1 + int(search.ranges.cuttable.sum())
     groups = _groups(profile, topology, names, stages_possible, modes, straight)
     if not groups and None not in modes:

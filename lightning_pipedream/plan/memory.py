@@ -163,14 +163,22 @@ class StageMemory:
     whole_gradients: int = 0  # sharded: the gradients held whole within a step, until the reduce-scatter
     gathered: int = 0  # sharded: the gathered working copy of the weights in a forward or backward
     sync_working: int = 0  # replicated: the all-reduce's flat copy of the gradients, before the update
+    # Counted from the step's first backward on (see :func:`gradients_from_first_backward`): the most activations held
+    # while the gradients exist, and the most bytes (beyond parameters, optimizer state and stashed weights) at the
+    # moments before they do, the first backward included, which makes them layer by layer as it frees activations.
+    # None: gradients counted at every moment.
+    activations_with_gradients: int | None = None
+    before_gradients: int | None = None
 
     @property
     def predicted_peak_bytes(self) -> int:
         weights = self.parameters + self.gradients + self.optimizer_state + self.stashed_weights
         unsharded = max(0, self.whole_gradients - self.gradients) + self.gathered  # within a step only
-        in_backward = self.activations + self.replay + self.backward_working + unsharded
+        held = self.activations if self.activations_with_gradients is None else self.activations_with_gradients
+        in_backward = held + self.replay + self.backward_working + unsharded
         in_update = self.activations_at_update + max(self.update_working, self.sync_working)
-        return weights + self.workspace + max(in_backward, in_update)
+        before = -self.gradients if self.before_gradients is None else self.before_gradients - self.gradients
+        return weights + self.workspace + max(in_backward, in_update, before)
 
     def to_json(self) -> dict:
         data = asdict(self)
@@ -179,6 +187,9 @@ class StageMemory:
             del data["workspace"]
         for key in ("shard", "whole_gradients", "gathered", "sync_working"):  # unsharded, unreplicated: as before
             if not data[key]:
+                del data[key]
+        for key in ("activations_with_gradients", "before_gradients"):
+            if data[key] is None:
                 del data[key]
         data["predicted_peak_bytes"] = self.predicted_peak_bytes
         return data
@@ -197,6 +208,12 @@ class Held:
     count_at_update: int = 0
     most_pending: int = 0
     forward_after_backward: bool = False
+    # The same counts (micro-batches held, and waiting for their weight half) split by whether the step's parameter
+    # gradients exist yet: a step starts without them (the update before set them to None) and makes them in its first
+    # backward (a split backward: its first weight half). ``first``: at that backward, its own micro-batch included.
+    with_gradients: tuple[int, int] = (0, 0)
+    before_gradients: tuple[int, int] = (0, 0)
+    first: tuple[int, int] = (0, 0)
 
 
 def walk_held(
@@ -210,7 +227,7 @@ def walk_held(
     ``stages - s``, zb-h1 until each W, interleaved its chunks' warm-up).
     """
     split = schedule.splits_backward
-    release = Op.BACKWARD_WEIGHT if split else Op.BACKWARD
+    release = Op.BACKWARD_WEIGHT if split else Op.BACKWARD  # also the action that makes parameter gradients
     extra = list(pending) if pending is not None and split else [0.0] * len(per_microbatch)
     out = []
     for actions in schedule.actions:
@@ -218,8 +235,13 @@ def walk_held(
         waiting: set[tuple[int, int | None]] = set()
         total = peak = at_update = 0.0
         count = count_at_update = most_pending = 0
-        backward_ran = forward_after_backward = False
+        backward_ran = forward_after_backward = have_gradients = False
+        moments = {"with": (0, 0), "before": (0, 0), "first": (0, 0)}
         for a in actions:
+            if a.op is release:  # at the moment it starts: what it holds, its own micro-batch included
+                kind = "with" if have_gradients else "first"
+                moments[kind] = _most(moments[kind], (len(live), len(waiting)))
+                have_gradients = True
             if a.op is Op.FORWARD and backward_ran:
                 forward_after_backward = True
             elif a.op in (Op.BACKWARD, Op.BACKWARD_WEIGHT):
@@ -239,9 +261,18 @@ def walk_held(
                 waiting.discard(key)
             elif a.op is Op.OPTIMIZER_STEP:
                 at_update, count_at_update = max(at_update, total), max(count_at_update, len(live))
+                have_gradients = False  # the update sets them to None
+            if a.op is not release:
+                kind = "with" if have_gradients else "before"
+                moments[kind] = _most(moments[kind], (len(live), len(waiting)))
             peak, count, most_pending = max(peak, total), max(count, len(live)), max(most_pending, len(waiting))
-        out.append(Held(peak, count, at_update, count_at_update, most_pending, forward_after_backward))
+        out.append(Held(peak, count, at_update, count_at_update, most_pending, forward_after_backward,
+                        moments["with"], moments["before"], moments["first"]))
     return out
+
+
+def _most(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
+    return max(a[0], b[0]), max(a[1], b[1])
 
 
 def held_bytes(schedule: Schedule, per_microbatch: Sequence[float]) -> list[tuple[float, int]]:
@@ -270,6 +301,10 @@ class StageBytes:
     largest_parameter: float = 0.0  # its largest parameter tensor (the optimizer's temporaries are that big)
     # each layer's parameter bytes (sharded, each is a unit FSDP2 gathers); a detail of ``parameters``, not compared
     layer_parameters: tuple[float, ...] = field(default=(), compare=False)
+    # each layer's saved bytes and backward working set (per whole batch): details of ``layers`` and ``grad_working``
+    # for the first backward of a step, which frees a layer's activations as it makes its gradients
+    layer_saved: tuple[float, ...] = field(default=(), compare=False)
+    layer_grad_working: tuple[float, ...] = field(default=(), compare=False)
 
 
 def layer_work(profile: Profile, device: str = "cpu") -> tuple[list[float], list[float], list[float], list[float]]:
@@ -354,6 +389,8 @@ def stage_bytes(
                 pending=float(np.sum(pending[span])) + cuts[last + 1],
                 largest_parameter=max(largest[span]),
                 layer_parameters=tuple(params[span]),
+                layer_saved=tuple(saved[span]),
+                layer_grad_working=tuple(working[span]),
             )
         )
         first = last + 1
@@ -386,6 +423,39 @@ def flight_schedule(
     return build_schedule(schedule, stages, chunks, replicas=reps)
 
 
+def gradients_from_first_backward(schedule: str, virtual_stages: int = 1, shard: str | None = None,
+                                   unequal_replicas: bool = False, gradients_carried: bool = False) -> bool:
+    """Whether the model counts a worker's gradients only from its step's first backward on: a flushed schedule with
+    one weight version and one stage per worker, unsharded, straight or with equal replicas, whose steps start without
+    gradients (the update before set them to None; ``gradients_carried``: ``accumulate_grad_batches`` > 1 keeps them
+    across steps). Elsewhere they are counted at every moment, an upper bound."""
+    spec = spec_of(schedule)
+    return (not spec.asynchronous and spec.weight_versions == 1 and not spec.virtual_stages and virtual_stages == 1
+            and shard is None and not unequal_replicas and not gradients_carried)
+
+
+def first_backward_bytes(size: StageBytes, chunks: int) -> float:
+    """The most one micro-batch's backward holds while it makes the stage's gradients for the first time in a step:
+    going back from the stage's last layer, at layer k the activations of layers up to k (and the stage's input and
+    the output it started from), the gradients of layers k on (each becomes ``.grad`` as it is made, no temporary),
+    layer k's activation gradients; and to the end, the stage's output and its gradient (the backward starts from
+    both and holds them until it returns; at the last layer the gradient is in its working set). Without per-layer
+    figures: the whole micro-batch, all gradients and the stage's working set."""
+    if not size.layer_saved:
+        return (size.input + size.layers + size.output) / chunks + size.parameters + size.grad_working / chunks
+    *earlier, last = size.layer_saved
+    kept = size.input + size.layers - sum(earlier)  # the input, and the output (the last layer's, or ``ending``)
+    after = float(sum(size.layer_parameters))
+    most = 0.0
+    for k, (params, working) in enumerate(zip(size.layer_parameters, size.layer_grad_working)):
+        if k < len(earlier):
+            kept += earlier[k]
+        arriving = size.output if k < len(earlier) else 0.0
+        most = max(most, (kept + arriving) / chunks + after + working / chunks)
+        after -= params
+    return most
+
+
 def predict_memory(
     sizes: Sequence[StageBytes],
     schedule: str,
@@ -399,6 +469,7 @@ def predict_memory(
     device: str = "cpu",
     cuda_capability: tuple[int, int] = (9, 0),
     shard: str | None = None,
+    gradients_carried: bool = False,
 ) -> list[StageMemory]:
     """Each worker's predicted peak memory under ``schedule`` (one entry per stage; interleaved: per rank).
 
@@ -418,6 +489,13 @@ def predict_memory(
     the parameters, gradients and optimizer state, and within a step the gradients whole and the gathered working
     copy of the weights (``plan.shards``: :func:`gathered_bytes`, :func:`whole_gradient_bytes`; a rank with several
     model chunks, each its own FSDP2 root: both at once at their worst over its actions, :func:`chunks_unsharded`).
+
+    Gradients: a step starts without them and its first backward makes them layer by layer while it frees that
+    micro-batch's activations (:func:`first_backward_bytes`); where :func:`gradients_from_first_backward` holds
+    (``gradients_carried``: ``accumulate_grad_batches`` > 1) they are counted from there on
+    (``activations_with_gradients``, ``before_gradients``), elsewhere at every moment. The first stage's split
+    backward computes nothing in its input half (no input needs a gradient): it keeps its output's gradient, and its
+    weight half is a whole backward.
     """
     spec = spec_of(schedule)
     cuda = _check_device(device) == "cuda"
@@ -440,8 +518,11 @@ def predict_memory(
     ]
     per_mb = [k / chunks for k in kept]
     # with recompute the weight half replays the stage from its input (nothing is kept at branch points)
-    pending = [(s.output if rc else s.pending) / chunks for s, rc in zip(sizes, flags)]
+    # (the first stage's input half computes nothing: only the gradient of its output waits)
+    pending = [(s.output if rc or index == 0 else s.pending) / chunks
+               for index, (s, rc) in enumerate(zip(sizes, flags))]
     held = walk_held(flight, per_mb, pending)
+    from_first = gradients_from_first_backward(schedule, v, shard, flight.replicas is not None, gradients_carried)
     if flight.replicas is not None:  # unequal replicas: the busiest replica of each stage
         layout = flight.layout
         assert layout is not None
@@ -479,6 +560,11 @@ def predict_memory(
             whole = whole_gradient_bytes(units, params, chunks, spec.splits_backward)
             gathered = gathered_bytes(shard, units, params, h.forward_after_backward, recompute=flags[rank],
                                       splits_backward=spec.splits_backward)
+        with_gradients = before = None
+        if from_first and not flags[rank]:
+            with_gradients, before = _gradients_from_first(h, per_mb[rank], pending[rank], working,
+                                                           first_backward_bytes(sizes[rank], chunks),
+                                                           sweeps=rank == 0 or not spec.splits_backward)
         out.append(
             StageMemory(
                 stage=rank,
@@ -502,9 +588,28 @@ def predict_memory(
                 whole_gradients=round(whole),
                 gathered=round(gathered),
                 sync_working=round(params) if shard is None and d > 1 else 0,
+                activations_with_gradients=with_gradients,
+                before_gradients=before,
             )
         )
     return out
+
+
+def _gradients_from_first(held: Held, per_mb: float, pending: float, working: float, sweep: float,
+                          sweeps: bool) -> tuple[int, int]:
+    """``activations_with_gradients`` and ``before_gradients`` of one stage (see :func:`predict_memory`). ``sweeps``:
+    its first backward frees activations as it makes gradients (a whole backward, or the first stage's weight half;
+    another stage's weight half keeps the micro-batch's graph to its end: it counts with the gradients)."""
+    with_count, with_pending = held.with_gradients
+    before_count, before_pending = held.before_gradients
+    first_count, first_pending = held.first
+    with_gradients = with_count * per_mb + with_pending * pending
+    before = round(before_count * per_mb + before_pending * pending) + round(working)
+    if first_count and sweeps:
+        before = max(before, round((first_count - 1) * per_mb + first_pending * pending + sweep))
+    elif first_count:
+        with_gradients = max(with_gradients, first_count * per_mb + first_pending * pending)
+    return round(with_gradients), before
 
 
 def _check_shard(shard: str | None, schedule: str, replicas: Sequence[int]) -> None:

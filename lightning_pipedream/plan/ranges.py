@@ -42,9 +42,34 @@ class LayerRanges:
         layer_params = layer_parameters(profile, device)
         self.largest_layer = self._range_max(layer_params)
         self.two_largest_layers = top_two_sum(layer_params)
+        # a step's first backward, layer by layer (plan.memory.first_backward_bytes): prefix sums to sweep any range
+        self._saved_prefix = np.concatenate([[0.0], np.cumsum(np.array(saved, dtype=float))])
+        self._params_prefix = np.concatenate([[0.0], np.cumsum(np.array(layer_parameters(profile, device),
+                                                                             dtype=float))])
+        self._ending = np.array(ending, dtype=float)
+        self._cuts = np.array(cuts, dtype=float)
+        self._working = np.array(working, dtype=float)
+        self._first_backward: dict[int, np.ndarray] = {}
         self.cuttable = np.array(profile.cut_allowed() + [False])  # may a stage end after layer k
         # A stage needs parameters to have an optimizer (unless the model has none): layers i..j alone may not be one.
         self.idle = (self.params == 0) if np.any(self.params[0] > 0) else np.zeros((self.n, self.n), dtype=bool)
+
+    def first_backward(self, chunks: int) -> np.ndarray:
+        """``[i, j]``: what one micro-batch's first backward of a step holds at its worst over layers i..j (see
+        ``plan.memory.first_backward_bytes``): at layer k < j, ``(input_i + saved[i..k] + saved_j + ending_j +
+        output_j) / chunks + params[k..j] + working_k / chunks`` (the stage's output and its gradient held to the end);
+        at k = j, ``(input_i + saved[i..j] + ending_j) / chunks + params_j + working_j / chunks``. The maximum over
+        k < j is a range maximum of the terms in k."""
+        if chunks not in self._first_backward:
+            s, p = self._saved_prefix, self._params_prefix
+            in_k = s[1:] / chunks - p[:-1] + self._working / chunks
+            fixed = (self._cuts[:, None] + self._ending[None, :] - s[:-1, None]) / chunks + p[None, 1:]
+            before_last = np.full((self.n, self.n), -_INF)  # k in i..j-1 (none when j = i)
+            before_last[:, 1:] = self._range_max(list(in_k))[:, :-1]
+            before_last[np.tril_indices(self.n)] = -_INF
+            held_to_end = (s[1:] - s[:-1] + self.output[0]) / chunks  # the last layer's saved output, its gradient
+            self._first_backward[chunks] = fixed + np.maximum(before_last + held_to_end[None, :], in_k[None, :])
+        return self._first_backward[chunks]
 
     def _range_max(self, values: list[float]) -> np.ndarray:
         table = np.zeros((self.n, self.n))  # j < i: no stage (params' inf marks it)

@@ -211,8 +211,15 @@ def predicted_memory(options: PipelineOptions, placement: Placement, module: Lig
     replicas = [placement.num_pipelines] * placement.num_stages if placement.num_pipelines > 1 else None
     memory = predict_memory(stage_bytes(profile, balance, device=device.type), options.schedule, chunks,
                             replicas=replicas, virtual_stages=options.virtual_stages, recompute=options.recompute,
-                            optimizer=kind, device=device.type)
+                            optimizer=kind, device=device.type, gradients_carried=carries_gradients(module))
     return [m.to_json() | {"optimizer": kind} for m in memory]
+
+
+def carries_gradients(module: LightningModule) -> bool:
+    """Whether each step starts with the last one's gradients (``accumulate_grad_batches`` > 1): the memory model
+    then counts them at every moment."""
+    trainer = module._trainer
+    return trainer is not None and trainer.accumulate_grad_batches > 1
 
 
 def memory_text(memory: list[dict] | None, plan: Any) -> str:
@@ -275,6 +282,7 @@ def auto_plan_graph(options: PipelineOptions, trainer: Trainer, module: Lightnin
             chosen = auto_plan(profile, Topology.of_cluster(processes_per_node, num_nodes, options.bandwidth),
                                options.memory_limit, exact=options.exact, optimizer=optimizer,
                                shard=None if options.shard == "auto" else options.shard, straight=True,
+                               gradients_carried=trainer.accumulate_grad_batches > 1,
                                **({"device": "cuda", "cuda_capability": tuple(torch.cuda.get_device_capability(device))}
                                   if device.type == "cuda" else {}))
         except ValueError as refused:  # every rank raises the refusal itself, as if it had planned

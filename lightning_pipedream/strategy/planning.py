@@ -142,7 +142,8 @@ class LayerPlanner:
                 gpu = {"device": "cuda", "cuda_capability": tuple(torch.cuda.get_device_capability(device))} \
                     if on_gpu else {}
                 chosen = auto_plan(profile, topology, options.memory_limit, exact=options.exact, optimizer=optimizer,
-                                   shard=shard_choice(options.shard, layers), **gpu)
+                                   shard=shard_choice(options.shard, layers), **gpu,
+                                   gradients_carried=self.trainer.accumulate_grad_batches > 1)
             except ValueError as refused:  # every rank raises the refusal itself, as if it had planned
                 return None, None, str(refused)
             log.info("PipeDreamStrategy(schedule='auto') chose (from %s):\n%s", profile.source, chosen.describe())
