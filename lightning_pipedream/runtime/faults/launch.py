@@ -98,6 +98,7 @@ def run_local(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
         ctx.Process(target=_child, args=(fn, r, world_size, store_path, timeout, queue, args), daemon=True)
         for r in range(world_size)
     ]
+    killed_here: dict[int, bool] = {}  # ranks this launcher killed at the deadline (not a silent death)
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout
@@ -119,7 +120,6 @@ def run_local(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
             else:
                 failures[rank] = payload
     finally:
-        killed_here: dict[int, bool] = {}
         for r, p in enumerate(procs):
             p.join(timeout=max(0.1, min(5.0, deadline - time.monotonic())))
             if p.is_alive():
