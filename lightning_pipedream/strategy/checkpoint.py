@@ -26,7 +26,11 @@ from lightning_pipedream.tree import map_tensors
 
 
 def _to_cpu(t: Tensor) -> Tensor:
-    return t.detach().cpu()
+    """A copy on the CPU; a DTensor (this replica's shard of a sharded tensor) as it is: a sharded checkpoint's
+    writer copies its pieces."""
+    from torch.distributed.tensor import DTensor
+
+    return t.detach() if isinstance(t, DTensor) else t.detach().cpu()
 
 
 @dataclass

@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             files = export_hf(args.directory, args.out, args.prefix, args.config, int(args.max_shard_size * 2**30))
             print(f"{args.out}: {', '.join(files)}")
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, MemoryError) as err:
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
     return 0

@@ -32,7 +32,7 @@ from lightning_pipedream.runtime.stages.named_tensors import (
     tensor_bytes,
     write_named,
 )
-from lightning_pipedream.runtime.stages.sharding import WholeOptimizerState, sharded_model_state
+from lightning_pipedream.runtime.stages.sharding import sharded_model_state
 from lightning_pipedream.strategy.checkpoint import load_own_share, remove_stale_temporaries
 
 if TYPE_CHECKING:
@@ -134,17 +134,17 @@ class PipelineCheckpoints:
 
     # -- saving ----------------------------------------------------------------------------------------------------
     def model_state(self, pipeline: StagePipeline, is_global_zero: bool) -> dict[str, Any]:
-        """Sharded: this rank's share under the module's names. Full: the whole state dict on rank 0."""
-        share = pipeline.state_share(is_global_zero)
+        """Sharded: this rank's share under the module's names (under ``shard=``, its own shards of the stage, as
+        DTensors: nothing gathered). Full: the whole state dict on rank 0."""
+        share = pipeline.state_share(is_global_zero, gather=not self.sharded)
         return share if self.sharded else pipeline.checkpoint.state_dict(share)
 
     def optimizer_state(self, pipeline: StagePipeline, optimizer: torch.optim.Optimizer, index: int) -> dict[str, Any]:
-        """Sharded: this rank's optimizer state by parameter name. Full: single-device form on rank 0."""
+        """Sharded: this rank's optimizer state by parameter name (under ``shard=``, the state of its own shards, as
+        DTensors). Full: single-device form on rank 0."""
         if not self.sharded:
             return pipeline.optimizer_state(optimizer, index)
         raw: Any = getattr(optimizer, "_optimizer", optimizer)
-        if pipeline.shard is not None:  # the stage's shards gathered whole on its replicas (one stage, not the model)
-            raw = WholeOptimizerState(raw)
         return pipeline.optimizer_layouts[index].named_state(raw, pipeline.local_names)
 
     def save(self, checkpoint: dict[str, Any], path: str, pipeline: StagePipeline, is_global_zero: bool,
@@ -242,13 +242,8 @@ class PipelineCheckpoints:
             return
         targets = own_tensors(pipeline)
         names = shards.check_model(pipeline.checkpoint.full_keys, targets, strict)
-        fresh = {k for k in names if _is_dtensor(targets[k])}  # sharded stage: read whole, then cut to this shard
-        request = {MODEL + k: torch.empty(targets[k].shape, dtype=targets[k].dtype) if k in fresh else targets[k]
-                   for k in names}
-        read_named(request, shards.path)
-        if fresh:
-            pipeline.module.load_state_dict(
-                sharded_model_state(pipeline.module, {k: request[MODEL + k] for k in fresh}), strict=False)
+        # In place; a sharded stage's DTensor takes this replica's shard only, read from the saved pieces it overlaps.
+        read_named({MODEL + k: targets[k] for k in names}, shards.path)
 
     def load_optimizers(self, checkpoint: Mapping[str, Any], pipeline: StagePipeline,
                         optimizers: list[torch.optim.Optimizer]) -> None:
@@ -260,10 +255,10 @@ class PipelineCheckpoints:
         states = []
         for i, optimizer in enumerate(optimizers):
             raw = getattr(optimizer, "_optimizer", optimizer)
-            own = {pipeline.local_names[id(p)] for g in raw.param_groups for p in g["params"]}
+            own = {pipeline.local_names[id(p)]: p for g in raw.param_groups for p in g["params"]}
             prefix = optimizer_prefix(i)
             names = [n for n in shards.entries if n.startswith(prefix) and split_state_name(n[len(prefix):])[0] in own]
-            read = read_named(empty_targets(shards.entries, names), shards.path)
+            read = read_named(state_targets(shards.entries, names, prefix, own), shards.path)
             index = {name: j for j, name in enumerate(n for group in shards.info["optimizers"][i] for n in group)}
             state: dict[int, dict[str, Any]] = {}
             for key, value in read.items():
@@ -271,6 +266,21 @@ class PipelineCheckpoints:
                 state.setdefault(index[name], {})[part] = value
             states.append({"state": state, "param_groups": checkpoint["optimizer_states"][i]["param_groups"]})
         pipeline.load_optimizer_states(optimizers, states)
+
+
+def state_targets(entries: Mapping[str, Any], names: list[str], prefix: str, params: Mapping[str, Tensor]
+                  ) -> dict[str, Any]:
+    """Tensors to read optimizer state ``names`` into: the state of a sharded parameter that is shaped like it, as an
+    empty DTensor like the parameter (this replica's shard, which the read fills from the saved pieces it overlaps);
+    any other, whole, of its saved shape (a step count, or the state of a parameter that is not sharded)."""
+    targets: dict[str, Any] = {}
+    for name in names:
+        entry, param = entries[name], params[split_state_name(name[len(prefix):])[0]]
+        if entry is not None and _is_dtensor(param) and tuple(entry[0]) == tuple(param.shape):
+            targets[name] = torch.empty_like(param.detach(), dtype=entry[1])
+        else:
+            targets.update(empty_targets(entries, [name]))
+    return targets
 
 
 def own_tensors(pipeline: StagePipeline) -> dict[str, Any]:
@@ -334,6 +344,7 @@ def consolidate(directory: str) -> dict[str, Any]:
     """The single-device checkpoint of a sharded one (in this process: the whole model), as Lightning writes it:
     ``MyModule.load_from_checkpoint`` and a one-device ``Trainer`` read it."""
     meta, info = read_meta(directory)
+    check_fits_in_memory(directory, saved_entries(directory))
     tensors = read_all(directory)
     meta["state_dict"] = {k: tensors[MODEL + k] for k in info["keys"] if MODEL + k in tensors}
     for i, optimizer in enumerate(meta.get("optimizer_states", [])):
@@ -346,3 +357,28 @@ def consolidate(directory: str) -> dict[str, Any]:
                 state.setdefault(index[name], {})[part] = value
         optimizer["state"] = dict(sorted(state.items()))
     return meta
+
+
+def available_memory() -> int | None:
+    """Bytes this machine can still give a process without swapping (Linux's MemAvailable); None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def check_fits_in_memory(directory: str, entries: Mapping[str, Any]) -> None:
+    """Refuse to consolidate a checkpoint whose tensors (the whole model and its optimizer state, which one process
+    holds at once) exceed this machine's available memory, rather than be killed halfway."""
+    total = sum(torch.Size(e[0]).numel() * torch.empty((), dtype=e[1]).element_size()
+                for e in entries.values() if e is not None)
+    available = available_memory()
+    if available is not None and total > available:
+        raise MemoryError(
+            f"Consolidating {directory} holds all of its tensors in this process at once, {total / 2**30:.2f} GiB "
+            f"(the whole model and its optimizer state), and this machine has {available / 2**30:.2f} GiB available. "
+            "Run it on a machine with more memory; or resume from the directory itself (any number of stages, "
+            "replicas or shards reads it, each rank its own part), or export the weights alone with "
+            "`python -m lightning_pipedream checkpoint export-hf`, which reads one output file at a time."
+        )

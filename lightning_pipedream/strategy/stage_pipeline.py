@@ -84,12 +84,14 @@ class StagePipeline:
     step_context: str = "setup"  # what the pipeline runs now, for error messages
 
     # -- checkpoints (single-device form) and traces ---------------------------------------------------------
-    def state_share(self, is_global_zero: bool) -> dict[str, Tensor]:
-        """This rank's part of the model's state dict, under the module's own names."""
+    def state_share(self, is_global_zero: bool, gather: bool = True) -> dict[str, Tensor]:
+        """This rank's part of the model's state dict, under the module's own names. Under ``shard=``, each sharded
+        tensor gathered whole (``gather``: a collective over the stage's replicas), or this replica's shard as a
+        DTensor (its global shape and offsets with it: what a sharded checkpoint writes)."""
         graph = self.graph
         if graph is None or graph.graph is None:
             state = self.module.state_dict()
-            return whole_state(state) if self.shard is not None else state  # every replica gathers at once
+            return whole_state(state) if self.shard is not None and gather else state  # every replica at once
         share = graph.graph.state_dict()
         if is_global_zero:  # state the graph never reads (metrics, unused layers) is the same on every rank
             share.update({k: v for k, v in self.module.state_dict().items() if k not in graph.graph.graph_state_names})

@@ -53,7 +53,7 @@ def mlp(width: int = 16, hidden: int = 1) -> nn.Sequential:
 
 class TinyClassifier(SequentialClassifier):
     def __init__(self, width: int = 16, lr: float = 0.1, single_layer: bool = False, scheduler: bool = True,
-                 build_in_configure_model: bool = False, hidden: int = 1):
+                 build_in_configure_model: bool = False, hidden: int = 1, optimizer: str = "momentum"):
         super().__init__()
         self.save_hyperparameters()
         self.layers = None if build_in_configure_model else self._build()
@@ -89,7 +89,10 @@ class TinyClassifier(SequentialClassifier):
         return self(batch[0]).argmax(-1)
 
     def configure_optimizers(self):
-        opt = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+        if self.hparams.optimizer == "adam":
+            opt: torch.optim.Optimizer = torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
+        else:
+            opt = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
         if not self.hparams.scheduler:
             return opt
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
@@ -261,6 +264,54 @@ def measure_saves(trainer: L.Trainer, out: str) -> None:
                {**growth, "model_bytes": checkpoints.model_bytes})
 
 
+def measure_live(trainer: L.Trainer, out: str) -> None:
+    """Per rank, the tensor bytes a sharded save added at its peak, then reading that checkpoint back (model and
+    optimizer state, as a resume does), then a full save (which gathers): LiveTensorBytes counts every tensor an
+    operator makes until it dies, above what this rank held before (its parameters, gradients and optimizer state,
+    counted first: a view of them is not new memory). With this rank's own bytes and what its stage holds whole:
+    rank{r}_live.json."""
+    import torch.distributed.checkpoint  # noqa: F401  (its import is not the save's memory)
+    from torch.distributed.tensor import DTensor
+
+    from lightning_pipedream.plan.live_bytes import LiveTensorBytes
+    from lightning_pipedream.runtime.stages.sharding import local_bytes
+
+    strategy = trainer.strategy
+    checkpoints, module, optimizer = strategy.checkpoints, strategy.lightning_module, trainer.optimizers[0]
+
+    def held() -> list[torch.Tensor]:
+        state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+        return [*module.parameters(), *(p.grad for p in module.parameters() if p.grad is not None), *state,
+                *module.buffers()]
+
+    def added(action) -> int:
+        with LiveTensorBytes() as meter:
+            meter.add_all(held())
+            base = meter.live
+            meter.reset_peak()
+            action()
+        return meter.peak - base
+
+    def read_back() -> None:  # what a resume does once the stage exists
+        loaded = strategy.load_checkpoint(os.path.join(out, "live-sharded.ckpt"))
+        strategy.load_model_state_dict(loaded)
+        checkpoints.after_setup(strategy._pipeline)
+        strategy.load_optimizer_state_dict(loaded)
+
+    checkpoints.mode = "sharded"
+    trainer.save_checkpoint(os.path.join(out, "live-warm.ckpt"))  # first-call costs (planner caches, gloo buffers)
+    result = {"sharded_save": added(lambda: trainer.save_checkpoint(os.path.join(out, "live-sharded.ckpt"))),
+              "sharded_load": added(read_back)}
+    checkpoints.mode = "full"
+    result["full_save"] = added(lambda: trainer.save_checkpoint(os.path.join(out, "live-full.ckpt")))
+    state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+    params = list(module.parameters())
+    whole = sum(t.numel() * t.element_size() for t in [*params, *state])  # DTensor: its global shape
+    result.update(own_bytes=local_bytes(params) + local_bytes(state), stage_bytes=whole,
+                  sharded=any(isinstance(p, DTensor) for p in params))
+    write_json(os.path.join(out, f"rank{trainer.global_rank}_live.json"), result)
+
+
 def train(out: str, options: dict) -> None:
     """One training run in ``out`` (its working directory too): final.ckpt, rank{r}.json, metrics.json on rank 0."""
     os.makedirs(out, exist_ok=True)
@@ -322,6 +373,8 @@ def train(out: str, options: dict) -> None:
         metrics.update({k: float(v) for k, v in trainer.callback_metrics.items()})
     if options.pop("measure_saves", False):
         measure_saves(trainer, out)
+    if options.pop("measure_live", False):
+        measure_live(trainer, out)
     predictions = trainer.predict(model, DataLoader(data(24), batch_size=12)) if options.pop("predict", False) else None
     if trainer.is_global_zero:
         metrics["epoch"] = trainer.current_epoch

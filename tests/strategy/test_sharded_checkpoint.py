@@ -1,6 +1,9 @@
 """Sharded checkpoints (PipeDreamStrategy(checkpoint="sharded")): each rank writes its own stage by name; the
 directory resumes on other layouts (4 stages -> 2 stages, 2 x 2 replicas, 2 x 2 shards) with the losses of an
-uninterrupted run, consolidates into one file that one device resumes, and exports to Hugging Face's layout.
+uninterrupted run, consolidates into one file that one device resumes, and exports to Hugging Face's layout. Under
+shard= (each stage's replicas sharded), each replica writes and reads its own shards, never the stage whole: a 2 x 2
+sharded Adam run saved mid-training resumes sharded, whole (shard=None) and on 4 stages with its uninterrupted losses
+and weights, and a meter of live tensor bytes shows what a save and a read add on each rank.
 
 The multi-process trainings run in two launches of tiny.py (4 processes, then 2); the one-device resume runs here.
 """
@@ -39,6 +42,10 @@ RESUME = {"batch_size": 60, "max_steps": 4, "checkpoint_every_epoch": True, "mod
 SHARDED = {"schedule": "1f1b", "chunks": 2, "checkpoint": "sharded"}
 DATA_PARALLEL = {"batch_size": 30, "trainer": {"use_distributed_sampler": True}}  # 2 pipelines x 30 = the batch
 FROM_4 = "{runs}/sharded-4/epoch=1-step=2.ckpt"
+FROM_SHARDS = "{runs}/shard-2x2/epoch=1-step=2.ckpt"
+ADAM = {"hidden": 2, "optimizer": "adam", "lr": 0.01}
+SHARD_2X2 = {**RESUME, **DATA_PARALLEL, "devices": 4, "model": ADAM,
+             "strategy": {**SHARDED, "stages": 2, "balance": [4, 3], "shard": "full"}}
 RUNS: dict[str, dict] = {
     # 4 stages, uninterrupted: its checkpoint after step 2 is what the others resume.
     "sharded-4": {**RESUME, "devices": 4, "strategy": {**SHARDED, "balance": [2, 2, 2, 1]}},
@@ -49,6 +56,17 @@ RUNS: dict[str, dict] = {
     # 25 MB of weights on 4 stages (the largest a third of them): what a save adds to each rank's resident peak.
     "memory": {"devices": 4, "max_steps": 1, "batch_size": 12, "measure_saves": True, "model": {"width": 1024,
                "hidden": 6}, "strategy": {**SHARDED, "balance": [4, 4, 4, 3], "keep_freed_memory": False}},
+    # 2 stages x 2 replicas sharded (FSDP2), Adam: each replica saves its own shards; what resumes it (same layout,
+    # whole replicas, 4 stages) must equal it, and a save or read must add nothing of the stage's size to a rank.
+    "shard-2x2": SHARD_2X2,
+    "shard-resumed-2x2": {**SHARD_2X2, "resume": FROM_SHARDS},
+    "whole-resumed-2x2": {**SHARD_2X2, "resume": FROM_SHARDS, "strategy": {**SHARDED, "stages": 2, "balance": [4, 3]}},
+    "shard-resumed-4": {**RESUME, "devices": 4, "model": ADAM, "resume": FROM_SHARDS,
+                        "strategy": {**SHARDED, "balance": [2, 2, 2, 1]}},
+    # 6 MB of weights and Adam state per stage (4 Linear(512, 512)), grad_op shards: the live tensor bytes of saves.
+    "live-2x2": {"devices": 4, "max_steps": 1, "batch_size": 12, "measure_live": True,
+                 "model": {"width": 512, "hidden": 4, "optimizer": "adam"},
+                 "strategy": {**SHARDED, "stages": 2, "balance": [6, 5], "shard": "grad_op"}},
     "resumed-2": {**RESUME, "devices": 2, "resume": FROM_4, "strategy": {**SHARDED, "balance": [4, 3]}},
     # Asynchronous schedules (weight stashing, 2BW's two versions) drain before saving: sharded holds what full does.
     "pipedream-2": {"devices": 2, "max_steps": 3, "also_full": True, "strategy": {"schedule": "pipedream",
@@ -64,6 +82,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     for devices in (4, 2):  # the 2-process run resumes the 4-process one's checkpoint
         group = [[str(base / name), json.loads(json.dumps(options).replace("{runs}", str(base)))]
                  for name, options in RUNS.items() if options["devices"] == devices]
+
         (base / f"runs{devices}.json").write_text(json.dumps(group))
         run_script(SCRIPTS / "tiny.py", base, {"--runs": str(base / f"runs{devices}.json")}, 400)
     return {name: base / name for name in RUNS}
@@ -120,27 +139,101 @@ def test_an_asynchronous_schedule_saves_sharded_what_it_saves_in_one_file(runs, 
 
 
 @pytest.mark.multiprocess
-def test_consolidated_checkpoint_loads_and_resumes_on_one_device(runs, tmp_path):
+@pytest.mark.parametrize(("run", "model"), [("sharded-4", {"hidden": 2}), ("shard-2x2", ADAM)])
+def test_consolidated_checkpoint_loads_and_resumes_on_one_device(runs, tmp_path, run, model):
     import lightning as L
     from tiny import LossRecorder, TinyClassifier, data
     from torch.utils.data import DataLoader
 
-    source = runs["sharded-4"] / "epoch=1-step=2.ckpt"
+    source = runs[run] / "epoch=1-step=2.ckpt"
     one = tmp_path / "one.ckpt"
     done = subprocess.run([sys.executable, "-m", "lightning_pipedream", "checkpoint", "consolidate", str(source),
                            str(one)], capture_output=True, text=True, env=script_env(), timeout=120)
     assert done.returncode == 0, done.stderr
-    model = TinyClassifier.load_from_checkpoint(one)  # no strategy
-    assert model.hparams.hidden == 2
+    loaded = TinyClassifier.load_from_checkpoint(one)  # no strategy
+    assert loaded.hparams.hidden == 2
     L.seed_everything(0, verbose=False)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=4, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False, callbacks=[LossRecorder(str(tmp_path))])
-    trainer.fit(TinyClassifier(hidden=2), DataLoader(data(), batch_size=60), ckpt_path=one)
-    assert losses(tmp_path) == pytest.approx(losses(runs["sharded-4"])[2:], rel=1e-5)
-    want = final_weights(runs["sharded-4"])
+    trainer.fit(TinyClassifier(**model), DataLoader(data(), batch_size=60), ckpt_path=one)
+    assert losses(tmp_path) == pytest.approx(losses(runs[run])[2:], rel=1e-5)
+    want = final_weights(runs[run])
     for name, tensor in trainer.lightning_module.state_dict().items():
         if name in want:
             torch.testing.assert_close(tensor, want[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("resumed", ["shard-resumed-2x2", "whole-resumed-2x2", "shard-resumed-4"])
+def test_a_checkpoint_of_sharded_stages_resumes_on_any_layout_as_if_never_stopped(runs, resumed):
+    """2 stages x 2 replicas with shard='full' and Adam, saved after step 2 (each replica its own shards), resumed
+    sharded, with whole replicas (shard=None) and on 4 stages: the next losses, the final weights and Adam's state
+    are those of the run that was not stopped."""
+    uninterrupted = runs["shard-2x2"]
+    assert losses(runs[resumed]) == pytest.approx(losses(uninterrupted)[2:], rel=1e-5)
+    want, got = consolidate(str(uninterrupted / "final.ckpt")), consolidate(str(runs[resumed] / "final.ckpt"))
+    assert list(got["state_dict"]) == list(want["state_dict"]) and got["global_step"] == want["global_step"] == 4
+    for name, tensor in want["state_dict"].items():
+        torch.testing.assert_close(got["state_dict"][name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+    (mine,), (theirs,) = got["optimizer_states"], want["optimizer_states"]
+    assert sorted(mine["state"]) == sorted(theirs["state"]) and len(theirs["state"]) == 8
+    for index, state in theirs["state"].items():
+        assert sorted(state) == ["exp_avg", "exp_avg_sq", "step"] and float(state["step"]) == 4
+        for key, value in state.items():
+            torch.testing.assert_close(mine["state"][index][key], value, rtol=1e-5, atol=1e-8, msg=(index, key))
+
+
+@pytest.mark.multiprocess
+def test_each_replica_of_a_sharded_stage_writes_its_own_shard_under_the_unsharded_names(runs):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from lightning_pipedream.runtime.stages.named_tensors import saved_entries
+
+    directory = runs["shard-2x2"] / "epoch=1-step=2.ckpt"
+    # The names and global shapes an unsharded save writes (the 4-stage run's, of the same model)
+    whole = saved_entries(str(runs["sharded-4"] / "epoch=1-step=2.ckpt"))
+    entries = saved_entries(str(directory))
+    assert {k: v for k, v in entries.items() if k.startswith("model/")} == \
+        {k: v for k, v in whole.items() if k.startswith("model/")}
+    assert entries["optimizer0/layers.0.weight/exp_avg"] == whole["model/layers.0.weight"]
+    # layers.0.weight (16 x 8) is on stage 0, whose replicas hold rows 0-7 and 8-15: each wrote its own rows
+    replicas = json.loads((runs["shard-2x2"] / "rank0.json").read_text())["groups"]["replica"]
+    storage = FileSystemReader(str(directory)).read_metadata().storage_data
+    for name in ("model/layers.0.weight", "optimizer0/layers.0.weight/exp_avg"):
+        pieces = sorted((tuple(index.offset), info.relative_path.split("_")[2])
+                        for index, info in storage.items() if index.fqn == name)
+        assert pieces == [((0, 0), str(replicas[0])), ((8, 0), str(replicas[1]))], name
+
+
+@pytest.mark.multiprocess
+def test_a_save_and_a_read_under_shards_add_nothing_of_the_stages_size_to_any_rank(runs):
+    """What the meter of live tensor bytes counts on each rank of 2 x 2 grad_op shards (a stage: 2.1 MB of weights
+    and 4.2 MB of Adam state, each replica holding half), above what the rank held before: a sharded save adds
+    almost nothing (it writes the shards where they are); reading the checkpoint back adds this rank's own optimizer
+    shard (the state the optimizer keeps); a full save gathers, and the meter sees it."""
+    for rank in range(4):
+        live = json.loads((runs["live-2x2"] / f"rank{rank}_live.json").read_text())
+        own, stage = live["own_bytes"], live["stage_bytes"]
+        assert live["sharded"] and 0.49 * stage <= own <= 0.51 * stage, live
+        assert live["sharded_save"] < own / 10, (rank, live)  # gathering the stage's shards added 2 x own
+        assert live["sharded_load"] <= own, (rank, live)  # reading whole and cutting added 2 x own
+        assert live["full_save"] >= stage / 3, (rank, live)  # at least the stage's weights whole
+    files = {p.name: p.stat().st_size for p in (runs["live-2x2"] / "live-sharded.ckpt").glob("*.distcp")}
+    for rank in range(4):  # each rank's file holds its own shards (and the 4 bytes of one replicated step count)
+        own = json.loads((runs["live-2x2"] / f"rank{rank}_live.json").read_text())["own_bytes"]
+        assert own <= files[f"__{rank}_0.distcp"] <= 1.05 * own, files
+
+
+@pytest.mark.multiprocess
+def test_a_checkpoint_of_sharded_stages_exports_whole_tensors(runs, tmp_path):
+    safetensors = pytest.importorskip("safetensors.torch")
+    source = runs["shard-2x2"] / "epoch=1-step=2.ckpt"
+    assert checkpoint_main(["export-hf", str(source), str(tmp_path / "hf"), "--prefix", "layers."]) == 0
+    exported = safetensors.load_file(tmp_path / "hf" / "model.safetensors")
+    want = consolidate(str(source))["state_dict"]
+    assert sorted(exported) == sorted(k[len("layers."):] for k in want) and exported["0.weight"].shape == (16, 8)
+    for name, tensor in exported.items():
+        assert torch.equal(tensor, want["layers." + name]), name
 
 
 @pytest.mark.multiprocess
@@ -285,6 +378,28 @@ def test_a_checkpoint_of_another_model_is_refused_with_its_names(tmp_path):
     torch.save({"epoch": 1}, tmp_path / "meta.pt")  # Lightning's ModelParallelStrategy writes meta.pt too
     with pytest.raises(ValueError, match="was not written by PipeDreamStrategy"):
         PipelineCheckpoints("sharded").load(str(tmp_path), None, torch.load)
+
+
+def test_a_checkpoint_missing_a_ranks_file_is_refused_with_the_reason(tmp_path, capsys):
+    save_alone(Net(), tmp_path / "a")
+    (tmp_path / "a" / "__0_0.distcp").unlink()  # as if rank 0 had written it to another machine's local disk
+    with pytest.raises(FileNotFoundError, match=r"is incomplete: 1 of its 1 data files are missing \(__0_0.distcp; "
+                                                r"__<rank>_<n>.distcp is the file rank <rank> wrote\). Each rank "):
+        consolidate(str(tmp_path / "a"))
+    assert checkpoint_main(["consolidate", str(tmp_path / "a"), str(tmp_path / "one.ckpt")]) == 2
+    assert "all ranks must save to one filesystem they share" in " ".join(capsys.readouterr().err.split())
+
+
+def test_consolidate_refuses_a_checkpoint_bigger_than_the_memory_left(tmp_path, monkeypatch, capsys):
+    save_alone(Net(), tmp_path / "a")  # 26 floats: 104 bytes
+    monkeypatch.setattr(sharded_checkpoint, "available_memory", lambda: 100)
+    with pytest.raises(MemoryError, match=r"holds all of its tensors in this process at once, 0.00 GiB \(the whole "
+                                          r"model and its optimizer state\), and this machine has 0.00 GiB available"):
+        consolidate(str(tmp_path / "a"))
+    assert checkpoint_main(["consolidate", str(tmp_path / "a"), str(tmp_path / "one.ckpt")]) == 2
+    assert "or resume from the directory itself" in " ".join(capsys.readouterr().err.split())
+    monkeypatch.setattr(sharded_checkpoint, "available_memory", lambda: 104)
+    assert consolidate(str(tmp_path / "a"))["state_dict"]["layers.0.weight"].shape == (4, 3)
 
 
 def test_a_sharded_save_refuses_storage_options(tmp_path):

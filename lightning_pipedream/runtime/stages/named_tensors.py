@@ -48,10 +48,28 @@ def read_named(targets: dict[str, Any], directory: str, collective: bool = True)
     group); False reads in this process alone."""
     import torch.distributed.checkpoint as dcp
 
+    check_complete(directory)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent")
         dcp.load(targets, checkpoint_id=directory, no_dist=not (collective and _distributed()))
     return targets
+
+
+def check_complete(directory: str) -> None:
+    """Refuse, with the way out, a checkpoint directory that lacks data files its metadata names: each rank wrote its
+    own file, and some of them are elsewhere (a disk of another machine) or were removed."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    files = sorted({info.relative_path for info in FileSystemReader(directory).read_metadata().storage_data.values()})
+    missing = [f for f in files if not os.path.isfile(os.path.join(directory, f))]
+    if missing:
+        raise FileNotFoundError(
+            f"The checkpoint {directory} is incomplete: {len(missing)} of its {len(files)} data files are missing "
+            f"({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}; __<rank>_<n>.distcp is the file rank "
+            "<rank> wrote). Each rank writes its own file into the checkpoint's directory, so all ranks must save to "
+            "one filesystem they share (on several machines, a shared filesystem rather than each machine's local "
+            "disk). Copy every machine's files of this checkpoint into this directory, or resume from a complete one."
+        )
 
 
 def empty_targets(entries: dict[str, tuple[tuple[int, ...], torch.dtype] | None], names: Iterable[str],
