@@ -45,7 +45,7 @@ from lightning_pipedream.schedule.specs import SCHEDULES, spec_of
 
 _INF = math.inf
 INTERLEAVED_VIRTUAL_STAGES = 2  # model chunks per rank the planner tries under the interleaved schedule
-__all__ = ["AutoPlan", "Candidate", "NoPlanFitsError", "auto_plan"]
+__all__ = ["AutoPlan", "Candidate", "NoPlanFitsError", "auto_plan", "memory_tables"]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -711,3 +711,21 @@ def _to_plan(search: _Search, c: Candidate, runner_up: Candidate | None) -> Plan
         method="auto", topology=search.topology.to_json(), one_worker_time=one_worker, source=search.profile.source,
         extra=extra, shard=c.shard,
     )
+
+
+def memory_tables(profile: Profile, schedule: str, stages: int, chunks: int, *, optimizer: str = "adam",
+                  input_bytes: float | None = None, gradients_carried: bool = False
+                  ) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The planner's memory tables for one straight pipeline of ``stages`` under ``schedule``: per stage position,
+    the predicted peak bytes of a worker holding layers i..j (``[i, j]``), without and with recompute; inf where no
+    stage can be (j < i, or no parameters). The search reads these instead of calling
+    :func:`~lightning_pipedream.plan.memory.predict_memory` for every split; for any split they give its figures."""
+    if input_bytes is None:
+        input_bytes = float(profile.extra.get("input_bytes", 0) or 0)
+    search = _Search(profile, Topology.flat(stages, _INF), None, optimizer, 0.0, float(input_bytes),
+                     LayerRanges(profile, float(input_bytes)), gradients_carried=gradients_carried)
+    replicas = (1,) * stages
+    held = search.held(search.flight(schedule, stages, chunks, replicas, 1), stages)
+    from_first = search.from_first(schedule, replicas, None)
+    return [search.memory_tables(h, search.versions(schedule, h), chunks, 1, None, spec_of(schedule).splits_backward,
+                                 from_first) for h in held]

@@ -375,9 +375,7 @@ def test_the_planner_s_tables_are_the_model_s_for_every_stage(seed):
     import math
     import random
 
-    from lightning_pipedream.plan.auto import _Search
-    from lightning_pipedream.plan.ranges import LayerRanges
-    from lightning_pipedream.plan.topology import Topology
+    from lightning_pipedream.plan.auto import memory_tables
 
     rng = random.Random(seed)
     n = rng.randint(4, 9)
@@ -387,25 +385,22 @@ def test_the_planner_s_tables_are_the_model_s_for_every_stage(seed):
                            saved_bytes=rng.randint(0, 5000)) for i in range(n)]
     profile = Profile(layers, extra={"input_bytes": rng.randint(0, 3000)})
     optimizer = rng.choice(["sgd", "momentum", "adam"])
-    search = _Search(profile, Topology.flat(3, math.inf), None, optimizer, 0.0, profile.extra["input_bytes"],
-                     LayerRanges(profile, profile.extra["input_bytes"]))
     cuts = sorted(rng.sample(range(1, n), 2))
     balance = [cuts[0], cuts[1] - cuts[0], n - cuts[1]]
     bounds = [0, cuts[0], cuts[1], n]
-    for schedule in ("gpipe", "1f1b", "zb-h1", "pipedream"):
-        for chunks in ((1,) if schedule == "pipedream" else (1, 2, 4, 8)):
-            held = search.held(search.flight(schedule, 3, chunks, (1, 1, 1), 1), 3)
-            expected = {rc: predict_memory(stage_bytes(profile, balance), schedule, chunks, optimizer=optimizer,
-                                           recompute=rc) for rc in (False, True)}
-            for s in range(3):
-                tables = search.memory_tables(held[s], search.versions(schedule, held[s]), chunks, 1, None,
-                                              schedule == "zb-h1", search.from_first(schedule, (1, 1, 1), None))
-                i, j = bounds[s], bounds[s + 1] - 1
-                for rc in (False, True):
-                    if expected[rc][s].parameters == 0:  # no optimizer: the planner never makes such a stage
-                        assert tables[rc][i, j] == math.inf
-                        continue
-                    assert tables[rc][i, j] == expected[rc][s].predicted_peak_bytes, (schedule, chunks, s, rc)
+    cases = [(schedule, chunks, carried) for schedule in ("gpipe", "1f1b", "zb-h1", "pipedream")
+             for chunks in ((1,) if schedule == "pipedream" else (1, 2, 4, 8)) for carried in (False, True)]
+    for schedule, chunks, carried in cases:
+        tables = memory_tables(profile, schedule, 3, chunks, optimizer=optimizer, gradients_carried=carried)
+        expected = {rc: predict_memory(stage_bytes(profile, balance), schedule, chunks, optimizer=optimizer,
+                                       recompute=rc, gradients_carried=carried) for rc in (False, True)}
+        for s in range(3):
+            i, j = bounds[s], bounds[s + 1] - 1
+            for rc in (False, True):
+                if expected[rc][s].parameters == 0:  # no optimizer: the planner never makes such a stage
+                    assert tables[s][rc][i, j] == math.inf
+                    continue
+                assert tables[s][rc][i, j] == expected[rc][s].predicted_peak_bytes, (schedule, chunks, s, rc)
 
 
 # ------------------------------------------------------------------------------------------ what CUDA adds
