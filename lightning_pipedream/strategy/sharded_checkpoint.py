@@ -5,9 +5,11 @@ flat name, ``model/<parameter name>`` and ``optimizer<i>/<parameter name>/<state
 :mod:`~lightning_pipedream.runtime.stages.named_tensors`) and ``meta.pt``, which rank 0 writes with the rest of
 Lightning's checkpoint (loops, callbacks, schedulers, hyperparameters), each optimizer's groups in single-device form
 and the model's key order. No rank gathers another's share: a 4-stage checkpoint resumes on 2 stages, on replicas or
-shards, each rank reading only the names it holds. ``python -m lightning_pipedream checkpoint consolidate`` turns it
-into one ordinary file (:func:`consolidate`). A save writes ``<path>.tmp-<pid>`` and renames it into place: a kill
-while saving leaves the previous checkpoint whole.
+shards, each rank reading only the names it holds. Under ``shard=`` a name's tensor is a DTensor, saved as each
+replica's own piece with its offsets in the whole (the name and global shape as an unsharded save writes them), and
+read back into each replica's own piece from the saved pieces it overlaps: no replica holds its stage whole.
+``python -m lightning_pipedream checkpoint consolidate`` turns it into one ordinary file (:func:`consolidate`). A save
+writes ``<path>.tmp-<pid>`` and renames it into place: a kill while saving leaves the previous checkpoint whole.
 """
 
 from __future__ import annotations
