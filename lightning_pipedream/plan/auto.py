@@ -438,23 +438,24 @@ def _sync_seconds(params: np.ndarray, replicas: int, bandwidth: float, chunks: i
 _Layout = tuple[tuple[int, ...], "list[int] | None"]  # replicas per stage, and a fixed split (None: the planner's)
 
 
-def _layouts(profile: Profile, topology: Topology, stages_possible: int, straight: bool = False) -> list[_Layout]:
-    """Equal replicas (d data-parallel pipelines of W/d stages, split by the planner), and PipeDream's optimizer's
-    unequal replicas with its split; ``straight``: one pipeline of W stages only."""
+def _layouts(profile: Profile, topology: Topology, stages_possible: int, replicas: str = "any") -> list[_Layout]:
+    """Equal replicas (d data-parallel pipelines of W/d stages for every d dividing W, split by the planner), and
+    PipeDream's optimizer's unequal replicas with its split; ``replicas="equal"``: the equal ones only; ``"none"``: one
+    pipeline of W stages only."""
     workers = topology.num_workers
     out: list[_Layout] = []
-    for d in (1,) if straight else range(1, workers + 1):
+    for d in (1,) if replicas == "none" else range(1, workers + 1):
         if workers % d == 0 and workers // d <= stages_possible:
             out.append(((d,) * (workers // d), None))
-    if straight:
+    if replicas != "any":
         return out
     try:
         plan = partition(profile, topology, "pipedream")
     except ValueError:
         return out
-    replicas = tuple(stage.replicas for stage in plan.stages)
-    if len(set(replicas)) > 1 and sum(replicas) == workers:
-        out.append((replicas, plan.balance))
+    unequal = tuple(stage.replicas for stage in plan.stages)
+    if len(set(unequal)) > 1 and sum(unequal) == workers:
+        out.append((unequal, plan.balance))
     return out
 
 
@@ -482,6 +483,7 @@ def auto_plan(
     cuda_capability: tuple[int, int] = (9, 0),
     shard: str | None = None,
     straight: bool = False,
+    replicas: str | None = None,
     gradients_carried: bool = False,
 ) -> AutoPlan:
     """Choose the stage split, replicas, schedule, micro-batches and per-stage recompute for ``topology``.
@@ -498,12 +500,16 @@ def auto_plan(
     be (equal replicas of a flushed schedule: gpipe, 1f1b, interleaved, zb-h1; recompute where a stage needs it)
     and tries only those; ``"auto"`` weighs both: sharding where
     whole replicas do not fit, replicas where both fit (they avoid the all-gathers), the reason in
-    :attr:`AutoPlan.shard_note`. ``straight``: one stage per worker, no replicas (what a traced graph's split runs).
+    :attr:`AutoPlan.shard_note`. ``replicas``: which stage replicas to weigh: ``"any"`` (the default) equal ones (d
+    data-parallel pipelines of W/d stages, each d dividing the W workers) and PipeDream's unequal ones (1F1B-RR);
+    ``"equal"`` the equal ones only (a straight pipeline among them, d = 1); ``"none"`` one stage per worker, no
+    replicas. ``straight=True`` is ``replicas="none"``.
     ``gradients_carried``: steps start with gradients (``accumulate_grad_batches`` > 1; see ``predict_memory``).
 
     Raises :class:`NoPlanFitsError`, naming the smallest limit that fits, when nothing fits.
     """
     modes = shard_modes(shard)
+    which = _replica_choice(replicas, straight)
     if memory_limit is not None and not (isinstance(memory_limit, (int, float)) and memory_limit > 0):
         raise ValueError(f"memory_limit is {memory_limit!r}; give bytes per worker > 0, or None for no limit.")
     optimizer_state_ratio(optimizer)
@@ -527,7 +533,7 @@ def auto_plan(
                      cuda_capability=tuple(cuda_capability),  # type: ignore[arg-type]
                      gradients_carried=gradients_carried)
     stages_possible = 1 + int(search.ranges.cuttable.sum())
-    groups = _groups(profile, topology, names, stages_possible, modes, straight)
+    groups = _groups(profile, topology, names, stages_possible, modes, which)
     if not groups and None not in modes:
         raise ValueError(
             f"shard={shard!r} shards equal replicas (at least 2 per stage) of a flushed schedule (gpipe, 1f1b, "
@@ -537,11 +543,11 @@ def auto_plan(
         )
     chunk_counts = _chunk_counts(max_chunks, profile.batch_size)
     found: list[Candidate] = []
-    for schedule, replicas, v, fixed, mode in groups:
+    for schedule, layout, v, fixed, mode in groups:
         counts = chunk_counts if spec_of(schedule).microbatches else [1]
         best = _INF
         for chunks in counts:
-            c = search.candidate(schedule, replicas, chunks, v, fixed, shard=mode)
+            c = search.candidate(schedule, layout, chunks, v, fixed, shard=mode)
             if c is None:
                 continue
             found.append(c)
@@ -557,6 +563,22 @@ def auto_plan(
     note = _shard_note(search, chosen, found) if len(modes) > 1 else None
     return AutoPlan(plan, chosen, runner_up, memory_limit, exact, optimizer, search.considered, search.simulated,
                     profile.batch_size, note)
+
+
+REPLICA_CHOICES = ("any", "equal", "none")
+
+
+def _replica_choice(replicas: str | None, straight: bool) -> str:
+    """``auto_plan``'s ``replicas=`` (default ``"any"``), with ``straight=True`` meaning ``"none"``."""
+    if replicas is None:
+        return "none" if straight else "any"
+    if replicas not in REPLICA_CHOICES:
+        raise ValueError(f"replicas={replicas!r} is not a choice: use 'any' (equal and unequal replicas), 'equal' "
+                         "(data-parallel pipelines of equal length) or 'none' (one stage per worker).")
+    if straight and replicas != "none":
+        raise ValueError(f"straight=True plans one stage per worker, which replicas={replicas!r} contradicts. Give "
+                         "one of them (straight=True is replicas='none').")
+    return replicas
 
 
 def _shard_note(search: _Search, chosen: Candidate, found: list[Candidate]) -> str:
@@ -584,19 +606,19 @@ _Group = tuple[str, tuple[int, ...], int, "list[int] | None", "str | None"]  # +
 
 
 def _groups(profile: Profile, topology: Topology, names: list[str], stages_possible: int,
-            modes: tuple[str | None, ...] = (None,), straight: bool = False) -> list[_Group]:
+            modes: tuple[str | None, ...] = (None,), replicas: str = "any") -> list[_Group]:
     """(schedule, replicas, virtual stages, fixed split or None, shard) for every configuration shape to try: each
     shape once per sharding mode in ``modes`` it can run (plan.shards.can_shard)."""
     out: list[_Group] = []
-    for name, replicas, v, fixed in _shapes(profile, topology, names, stages_possible, straight):
-        out += [(name, replicas, v, fixed, mode) for mode in modes if mode is None or can_shard(name, replicas)]
+    for name, counts, v, fixed in _shapes(profile, topology, names, stages_possible, replicas):
+        out += [(name, counts, v, fixed, mode) for mode in modes if mode is None or can_shard(name, counts)]
     return out
 
 
 def _shapes(profile: Profile, topology: Topology, names: list[str], stages_possible: int,
-            straight: bool = False) -> list[tuple[str, tuple[int, ...], int, list[int] | None]]:
+            which: str = "any") -> list[tuple[str, tuple[int, ...], int, list[int] | None]]:
     out: list[tuple[str, tuple[int, ...], int, list[int] | None]] = []
-    for replicas, fixed in _layouts(profile, topology, stages_possible, straight):
+    for replicas, fixed in _layouts(profile, topology, stages_possible, which):
         p, unequal = len(replicas), len(set(replicas)) > 1
         for name in names:
             spec = spec_of(name)

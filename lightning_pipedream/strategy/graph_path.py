@@ -247,14 +247,17 @@ def auto_plan_graph(options: PipelineOptions, trainer: Trainer, module: Lightnin
     """``schedule='auto'`` for a module split from its traced graph: rank 0 traces the forward call on the first
     training batch (on the meta device for a model built there), estimates each layer (a FLOP estimate of the shapes
     on meta, else profiled), finds what each layer's forward and backward hold on fake tensors, and the auto planner
-    chooses the split (between the model's blocks), schedule, micro-batches and recompute for one stage per process
-    within ``memory_limit``. Every rank gets the strategy arguments (``split_points`` for the split) and the Plan."""
-    from lightning_pipedream.graph import capture
-    from lightning_pipedream.graph.split_points import module_names, profile_graph, unit_starts
-    from lightning_pipedream.plan.auto import auto_plan
+    chooses the split (between the model's blocks), the pipelines (d data-parallel pipelines of processes/d stages, d
+    dividing the processes; one straight pipeline among them), schedule, micro-batches and recompute within
+    ``memory_limit``. Every rank gets the strategy arguments (``split_points`` for the split, ``stages`` when there
+    are several pipelines) and the Plan."""
     from lightning_pipedream.plan.partition import Plan
-    from lightning_pipedream.plan.topology import Topology
 
+    if options.shard in ("full", "grad_op"):
+        raise ValueError(f"PipeDreamStrategy(schedule='auto', shard={options.shard!r}): the traced graph's stages "
+                         f"are not sharded yet, so {type(module).__name__} (not one nn.Sequential) cannot run sharded "
+                         "replicas. Drop shard= (or shard='auto': whole replicas), or put the layers in one "
+                         "nn.Sequential.")
     workers = processes_per_node * num_nodes
 
     def choose() -> tuple[dict[str, Any] | None, dict | None, str | None]:
@@ -262,36 +265,12 @@ def auto_plan_graph(options: PipelineOptions, trainer: Trainer, module: Lightnin
         if batch is None:
             return None, None, ("PipeDreamStrategy(schedule='auto') plans on the first training batch, but the "
                                 "dataloader gave none. Give a dataloader with at least one batch, or name a schedule.")
-        batch = batch_to_device(batch)
-        args, kwargs = ForwardCall().input_of(module, "training_step", batch, 0)
-        on_meta = has_meta_tensors(module)
-        captured = capture(module, args, kwargs, on_meta=on_meta)
-        profile = estimate_graph(captured) if on_meta else profile_graph(captured, module, args, kwargs)
-        frozen = {name for name, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
-        loss = loss_bytes(module, ForwardCall(), "training_step", batch, captured, device)
-        profile = memory_profile(profile, captured, device, frozen, loss)
-        # Cuts between the model's blocks: the shallowest modules that give every chunk of an interleaved split one
-        depths = range(1, 1 + max((len(layer.module.split(".")) for layer in captured.layers), default=1))
-        starts = [unit_starts(module, captured, depth) for depth in depths]
-        allowed = next((s for s in starts if len(s) >= 2 * workers - 1),
-                       next((s for s in starts if len(s) >= workers - 1), None))
-        if allowed is not None:
-            profile = dataclasses.replace(profile, no_cut_after=sorted(
-                set(profile.no_cut_after) | {i for i in range(len(profile.layers) - 1) if i + 1 not in allowed}))
+        captured, profile, on_meta = graph_auto_profile(module, batch_to_device(batch), device, workers)
         try:
-            chosen = auto_plan(profile, Topology.of_cluster(processes_per_node, num_nodes, options.bandwidth),
-                               options.memory_limit, exact=options.exact, optimizer=optimizer,
-                               shard=None if options.shard == "auto" else options.shard, straight=True,
-                               gradients_carried=trainer.accumulate_grad_batches > 1,
-                               **({"device": "cuda", "cuda_capability": tuple(torch.cuda.get_device_capability(device))}
-                                  if device.type == "cuda" else {}))
+            arguments, chosen, described = plan_graph(options, module, captured, profile, processes_per_node,
+                                                      num_nodes, optimizer, device, trainer.accumulate_grad_batches > 1)
         except ValueError as refused:  # every rank raises the refusal itself, as if it had planned
             return None, None, str(refused)
-        arguments = chosen.strategy_arguments()
-        starts_at = list(itertools.accumulate(arguments.pop("balance")))[:-1]
-        points = module_names(module, captured, [profile.layers[i].name for i in starts_at])
-        arguments["split_points"] = points
-        described = chosen.describe().rsplit("\n", 1)[0]  # its last line names balance=, which a graph does not take
         log.info("PipeDreamStrategy(schedule='auto') chose (from %s; memory from what autograd saves, found on fake "
                  "tensors):\n%s\nrun it with PipeDreamStrategy(%s)", "a FLOP estimate of the meta model's shapes"
                  if on_meta else "profiling each layer", described,
@@ -304,3 +283,71 @@ def auto_plan_graph(options: PipelineOptions, trainer: Trainer, module: Lightnin
         raise ValueError(refused)
     assert arguments is not None
     return arguments, Plan.from_json(plan_json)
+
+
+def graph_auto_profile(module: LightningModule, batch: Any, device: torch.device,
+                       workers: int) -> tuple[Any, Any, bool]:
+    """What ``schedule='auto'`` plans a traced module from: its forward call captured on ``batch`` (on the meta device
+    for a model built there), each layer's times (a FLOP estimate on meta, else profiled) and what its forward and
+    backward hold (fake tensors), cuts allowed only between the model's blocks. Returns (captured, profile, on_meta)."""
+    from lightning_pipedream.graph import capture
+    from lightning_pipedream.graph.split_points import profile_graph, unit_starts
+
+    args, kwargs = ForwardCall().input_of(module, "training_step", batch, 0)
+    on_meta = has_meta_tensors(module)
+    captured = capture(module, args, kwargs, on_meta=on_meta)
+    profile = estimate_graph(captured) if on_meta else profile_graph(captured, module, args, kwargs)
+    frozen = {name for name, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    loss = loss_bytes(module, ForwardCall(), "training_step", batch, captured, device)
+    profile = memory_profile(profile, captured, device, frozen, loss)
+    # Cuts between the model's blocks: the shallowest modules that give every chunk of an interleaved split one
+    depths = range(1, 1 + max((len(layer.module.split(".")) for layer in captured.layers), default=1))
+    starts = [unit_starts(module, captured, depth) for depth in depths]
+    allowed = next((s for s in starts if len(s) >= 2 * workers - 1),
+                   next((s for s in starts if len(s) >= workers - 1), None))
+    if allowed is not None:
+        profile = dataclasses.replace(profile, no_cut_after=sorted(
+            set(profile.no_cut_after) | {i for i in range(len(profile.layers) - 1) if i + 1 not in allowed}))
+    return captured, profile, on_meta
+
+
+def plan_graph(options: PipelineOptions, module: LightningModule, captured: Any, profile: Any,
+               processes_per_node: int, num_nodes: int, optimizer: str, device: torch.device,
+               gradients_carried: bool = False) -> tuple[dict[str, Any], Any, str]:
+    """The auto planner's choice for a traced module, among what the graph path runs: equal replicas (d data-parallel
+    pipelines, a straight pipeline the case d = 1), never unequal ones or shards (not run on traced stages yet), and
+    one straight pipeline when a parameter tied across the chosen stages would need the data-parallel pipelines that
+    the graph path refuses with ties. Returns the strategy arguments (``split_points``; ``stages`` for several
+    pipelines), the :class:`~lightning_pipedream.plan.choice.AutoPlan` and its description for the log."""
+    from lightning_pipedream.graph.split import split_graph
+    from lightning_pipedream.graph.split_points import module_names
+    from lightning_pipedream.plan.auto import auto_plan
+    from lightning_pipedream.plan.topology import Topology
+
+    def planned(replicas: str) -> tuple[dict[str, Any], Any]:
+        chosen = auto_plan(profile, Topology.of_cluster(processes_per_node, num_nodes, options.bandwidth),
+                           options.memory_limit, exact=options.exact, optimizer=optimizer, replicas=replicas,
+                           gradients_carried=gradients_carried,
+                           **({"device": "cuda", "cuda_capability": tuple(torch.cuda.get_device_capability(device))}
+                              if device.type == "cuda" else {}))
+        arguments = chosen.strategy_arguments()
+        starts_at = list(itertools.accumulate(arguments.pop("balance")))[:-1]
+        arguments["split_points"] = module_names(module, captured, [profile.layers[i].name for i in starts_at])
+        counts = arguments.pop("replicas", None)  # equal: d data-parallel pipelines of len(counts) stages
+        if counts is not None:
+            arguments["stages"] = len(counts)
+        return arguments, chosen
+
+    arguments, chosen = planned("equal")
+    note = ""
+    tied = sorted(split_graph(captured, arguments["split_points"]).ties) if "stages" in arguments else []
+    if tied:
+        arguments, chosen = planned("none")  # tied parameters across stages: one pipeline only (see split)
+        note = (f"\none straight pipeline: {chosen.plan.num_workers} stages, since parameters {tied} are used on "
+                "several stages (tied weights), which data-parallel pipelines of a traced graph do not take yet")
+    c = chosen.chosen
+    pipelines = c.replicas[0]
+    described = chosen.describe().rsplit("\n", 1)[0]  # its last line names balance=, which a graph does not take
+    described += (f"\n{pipelines} data-parallel pipelines of {len(c.replicas)} stages" if pipelines > 1
+                  else f"\none straight pipeline of {len(c.replicas)} stages") + note
+    return arguments, chosen, described

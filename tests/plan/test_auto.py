@@ -270,3 +270,73 @@ def test_vgg16_under_shrinking_limits_as_the_docs_show(pipedream_profiles):
     with pytest.raises(NoPlanFitsError) as err:
         plan_with(1e9)
     assert err.value.smallest_limit == 1647034368
+
+
+def test_equal_replicas_weigh_every_data_parallel_pipeline_count_and_never_unequal_replicas():
+    """``replicas="equal"`` (what a traced graph's split runs): d pipelines of W/d stages for every d dividing the W
+    workers (as many stages as the cuts allow), a straight pipeline the case d = 1; "none" the straight one alone;
+    "any" adds PipeDream's unequal replicas."""
+    from lightning_pipedream.plan.auto import _layouts
+
+    eight = Profile([LayerProfile(f"l{i}", 1.0, 2.0, 1000, 1000) for i in range(8)])
+    assert _layouts(eight, Topology.flat(4), 8, "equal") == [((1, 1, 1, 1), None), ((2, 2), None), ((4,), None)]
+    assert _layouts(eight, Topology.flat(6), 8, "equal") == [((1,) * 6, None), ((2, 2, 2), None), ((3, 3), None),
+                                                            ((6,), None)]
+    assert _layouts(eight, Topology.flat(6), 2, "equal") == [((3, 3), None), ((6,), None)]  # only 2 stages possible
+    assert _layouts(eight, Topology.flat(4), 8, "none") == [((1, 1, 1, 1), None)]
+    # The profile whose free plan is PipeDream's 2-1 (test_unequal_replicas_run_as_1f1b_rr): equal replicas only.
+    profile = Profile([LayerProfile("a", 2.0, 4.0, 0, 1), LayerProfile("b", 1.0, 2.0, 0, 1000)])
+    assert ((2, 1), [1, 1]) in _layouts(profile, Topology.flat(3, 1000.0), 2, "any")
+    result = auto_plan(profile, Topology.flat(3, 1000.0), schedules=["pipedream"], optimizer="sgd", replicas="equal")
+    assert result.chosen.replicas == (3,) and result.runner_up is None  # 3 stages of 2 layers cannot be
+    assert result.chosen.time_per_minibatch == pytest.approx((9 + 4 / 3 * 1.001) / 3)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_equal_replicas_choose_the_fastest_equal_layout_that_fits(seed):
+    """On random profiles, workers and limits: the choice under ``replicas="equal"`` is as fast as the fastest of the
+    straight pipeline and every data-parallel pipeline count planned alone, equal replicas, never sharded, and the
+    full search (unequal replicas too) is never slower."""
+    import random
+
+    rng = random.Random(seed)
+    n = rng.randint(4, 9)
+    profile = Profile([LayerProfile(f"l{i}", rng.uniform(0.1, 2), rng.uniform(0.1, 4), rng.randint(0, 5000),
+                                    rng.randint(1, 5000)) for i in range(n)], extra={"input_bytes": 100})
+    topology = Topology.flat(rng.choice([2, 4, 6]), rng.choice([1e4, 1e5, math.inf]))
+    kwargs = {"optimizer": "sgd", "max_chunks": 4, "exact": bool(seed % 2)}
+    limit = rng.choice([None, 30000.0])
+    try:
+        equal = auto_plan(profile, topology, limit, replicas="equal", **kwargs)
+    except NoPlanFitsError:
+        return
+    for c in (equal.chosen, equal.runner_up):
+        if c is not None:
+            assert len(set(c.replicas)) == 1 and c.shard is None and sum(c.replicas) == topology.num_workers
+    straight = auto_plan(profile, topology, limit, straight=True, **kwargs) if n >= topology.num_workers else None
+    assert straight is None or equal.chosen.time_per_minibatch <= straight.chosen.time_per_minibatch * (1 + 1e-9)
+    assert auto_plan(profile, topology, limit, **kwargs).chosen.time_per_minibatch <= (
+        equal.chosen.time_per_minibatch * (1 + 1e-9))
+
+
+def test_vgg16_s_free_plan_with_equal_replicas_only(pipedream_profiles):
+    """VGG-16 on 4 workers: the full search's free choice is PipeDream's 3-1 (unequal, 0.186 s per minibatch: see
+    above); with equal replicas only, 4 data-parallel copies, twice as slow (its classifier's weights all-reduced)."""
+    from lightning_pipedream.plan.profile import load_pipedream_graph
+
+    profile = load_pipedream_graph(pipedream_profiles / "vgg16" / "graph.txt")
+    chosen = auto_plan(profile, Topology.flat(4, 1e9), exact=True, optimizer="momentum", replicas="equal").chosen
+    assert (chosen.schedule, chosen.replicas, chosen.chunks) == ("1f1b", (4,), 16)
+    assert chosen.time_per_minibatch == pytest.approx(0.375670, rel=1e-5)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"replicas": "some"}, "replicas='some' is not a choice: use 'any' (equal and unequal replicas), 'equal' "
+                           "(data-parallel pipelines of equal length) or 'none' (one stage per worker)."),
+    ({"replicas": "equal", "straight": True}, "straight=True plans one stage per worker, which replicas='equal' "
+                                              "contradicts. Give one of them (straight=True is replicas='none')."),
+])
+def test_the_replica_choice_s_errors_say_what_to_give(kwargs, message):
+    with pytest.raises(ValueError) as err:
+        auto_plan(four_layers(), FREE, **kwargs)
+    assert str(err.value) == message
