@@ -438,7 +438,7 @@ def _sync_seconds(params: np.ndarray, replicas: int, bandwidth: float, chunks: i
 _Layout = tuple[tuple[int, ...], "list[int] | None"]  # replicas per stage, and a fixed split (None: the planner's)
 
 
-def _layouts(profile: Profile, topology: Topology, stages_possible: int, replicas: str = "any") -> list[_Layout]:
+def replica_layouts(profile: Profile, topology: Topology, stages_possible: int, replicas: str = "any") -> list[_Layout]:
     """Equal replicas (d data-parallel pipelines of W/d stages for every d dividing W, split by the planner), and
     PipeDream's optimizer's unequal replicas with its split; ``replicas="equal"``: the equal ones only; ``"none"``: one
     pipeline of W stages only."""
@@ -618,7 +618,7 @@ def _groups(profile: Profile, topology: Topology, names: list[str], stages_possi
 def _shapes(profile: Profile, topology: Topology, names: list[str], stages_possible: int,
             which: str = "any") -> list[tuple[str, tuple[int, ...], int, list[int] | None]]:
     out: list[tuple[str, tuple[int, ...], int, list[int] | None]] = []
-    for replicas, fixed in _layouts(profile, topology, stages_possible, which):
+    for replicas, fixed in replica_layouts(profile, topology, stages_possible, which):
         p, unequal = len(replicas), len(set(replicas)) > 1
         for name in names:
             spec = spec_of(name)

@@ -339,15 +339,19 @@ def plan_graph(options: PipelineOptions, module: LightningModule, captured: Any,
         return arguments, chosen
 
     arguments, chosen = planned("equal")
-    note = ""
+    first = chosen.chosen
     tied = sorted(split_graph(captured, arguments["split_points"]).ties) if "stages" in arguments else []
-    if tied:
-        arguments, chosen = planned("none")  # tied parameters across stages: one pipeline only (see split)
-        note = (f"\none straight pipeline: {chosen.plan.num_workers} stages, since parameters {tied} are used on "
-                "several stages (tied weights), which data-parallel pipelines of a traced graph do not take yet")
+    if tied:  # the graph path refuses ties with data-parallel pipelines (GraphPath.split): one pipeline instead
+        arguments, chosen = planned("none")
     c = chosen.chosen
-    pipelines = c.replicas[0]
+    stages = f"{len(c.replicas)} stage{'s' if len(c.replicas) > 1 else ''}"
     described = chosen.describe().rsplit("\n", 1)[0]  # its last line names balance=, which a graph does not take
-    described += (f"\n{pipelines} data-parallel pipelines of {len(c.replicas)} stages" if pipelines > 1
-                  else f"\none straight pipeline of {len(c.replicas)} stages") + note
+    if tied:
+        described += (f"\none straight pipeline of {stages}: the fastest plan, {first.label()}, has parameters "
+                      f"{tied} on several stages (tied weights), which data-parallel pipelines of a traced graph do "
+                      "not take yet")
+    elif c.replicas[0] > 1:
+        described += f"\n{c.replicas[0]} data-parallel pipelines of {stages}"
+    else:
+        described += f"\none straight pipeline of {stages}"
     return arguments, chosen, described

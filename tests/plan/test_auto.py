@@ -276,17 +276,17 @@ def test_equal_replicas_weigh_every_data_parallel_pipeline_count_and_never_unequ
     """``replicas="equal"`` (what a traced graph's split runs): d pipelines of W/d stages for every d dividing the W
     workers (as many stages as the cuts allow), a straight pipeline the case d = 1; "none" the straight one alone;
     "any" adds PipeDream's unequal replicas."""
-    from lightning_pipedream.plan.auto import _layouts
+    from lightning_pipedream.plan.auto import replica_layouts
 
     eight = Profile([LayerProfile(f"l{i}", 1.0, 2.0, 1000, 1000) for i in range(8)])
-    assert _layouts(eight, Topology.flat(4), 8, "equal") == [((1, 1, 1, 1), None), ((2, 2), None), ((4,), None)]
-    assert _layouts(eight, Topology.flat(6), 8, "equal") == [((1,) * 6, None), ((2, 2, 2), None), ((3, 3), None),
+    assert replica_layouts(eight, Topology.flat(4), 8, "equal") == [((1, 1, 1, 1), None), ((2, 2), None), ((4,), None)]
+    assert replica_layouts(eight, Topology.flat(6), 8, "equal") == [((1,) * 6, None), ((2, 2, 2), None), ((3, 3), None),
                                                             ((6,), None)]
-    assert _layouts(eight, Topology.flat(6), 2, "equal") == [((3, 3), None), ((6,), None)]  # only 2 stages possible
-    assert _layouts(eight, Topology.flat(4), 8, "none") == [((1, 1, 1, 1), None)]
+    assert replica_layouts(eight, Topology.flat(6), 2, "equal") == [((3, 3), None), ((6,), None)]  # only 2 stages possible
+    assert replica_layouts(eight, Topology.flat(4), 8, "none") == [((1, 1, 1, 1), None)]
     # The profile whose free plan is PipeDream's 2-1 (test_unequal_replicas_run_as_1f1b_rr): equal replicas only.
     profile = Profile([LayerProfile("a", 2.0, 4.0, 0, 1), LayerProfile("b", 1.0, 2.0, 0, 1000)])
-    assert ((2, 1), [1, 1]) in _layouts(profile, Topology.flat(3, 1000.0), 2, "any")
+    assert ((2, 1), [1, 1]) in replica_layouts(profile, Topology.flat(3, 1000.0), 2, "any")
     result = auto_plan(profile, Topology.flat(3, 1000.0), schedules=["pipedream"], optimizer="sgd", replicas="equal")
     assert result.chosen.replicas == (3,) and result.runner_up is None  # 3 stages of 2 layers cannot be
     assert result.chosen.time_per_minibatch == pytest.approx((9 + 4 / 3 * 1.001) / 3)

@@ -3,7 +3,8 @@ by a Trainer: `python meta_trainer.py --runs RUNS.json`.
 
 Each run writes, per rank, its stage's final tensors (``stage{rank}.pt``) and its resident-memory figures
 (``memory{rank}.json``: the peak above the process's imports from setup to the first training step, and the
-bytes of the whole model's weights) for the test to compare with one process that used ``from_pretrained``.
+bytes of the whole model's weights; and what ran: the schedule, stages and pipelines ``schedule="auto"`` chose)
+for the test to compare with one process that used ``from_pretrained``.
 """
 
 from __future__ import annotations
@@ -175,7 +176,11 @@ def train(out: str, options: dict[str, Any]) -> None:
     rank = trainer.global_rank
     stage = trainer.strategy._pipeline.stage  # this rank's stage module: its tensors under the model's names
     torch.save({k: v.detach().clone() for k, v in stage.state_dict().items()}, f"{out}/stage{rank}.pt")
+    chose = trainer.strategy.options  # what ran (schedule="auto": the planner's choice, as this rank received it)
     write_json(f"{out}/memory{rank}.json", {
+        "ran": {"schedule": chose.schedule, "chunks": chose.chunks, "stages": trainer.strategy.num_stages,
+                "pipelines": trainer.strategy.num_pipelines, "stage": trainer.strategy.stage_index,
+                "split_points": list(chose.split_points or [])},
         "peak_before_first_step_bytes": (peak.peak_kb or 0) * 1024,
         # the strategy's prediction of every rank's peak (plan.memory.StageMemory terms) and this rank's measured step
         "predicted": trainer.strategy._pipeline.graph.predicted_memory, "step": step.result if step else None,

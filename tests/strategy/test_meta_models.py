@@ -1,10 +1,12 @@
 """Hugging Face models built on the meta device in configure_model, loaded per stage with `pretrained=`, trained on 4
 processes through the Trainer: the final weights equal one process that used `from_pretrained`, and no rank holds
-more than half the model before its first step. One launch runs both models (tests/scripts/meta_trainer.py)."""
+more than half the model before its first step; schedule="auto" chooses 2 data-parallel pipelines of 2 stages where
+they are fastest. One launch runs every model (tests/scripts/meta_trainer.py)."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -33,6 +35,18 @@ MODELS = {
 MEMORY_CONFIG = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=256, num_hidden_layers=4,
                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
 MEMORY_RUNS = {"memory_1f1b": {"schedule": "1f1b", "chunks": 2}, "memory_auto": {"schedule": "auto", "exact": True}}
+# [vocabulary, batches, batch size, sequence length]; schedule="auto" chooses 2 pipelines of 2 stages (zb-h1) here,
+# whose ranks hold half the model each: sequences of 96 keep their activations above the weights' terms
+MEMORY_DATA = {"memory_1f1b": [256, 3, 8, 64], "memory_auto": [256, 3, 8, 96]}
+# schedule="auto" on 4 processes where 2 data-parallel pipelines of 2 stages win in the simulator: the memory limit
+# rules out 4 copies (each the whole model, its gradients and the all-reduce's copy: 532 KiB) and the fast links make
+# the all-reduce between 2 copies of half the model cheaper than a 4-stage pipeline's bubble (the planner: zb-v on 2
+# stages x 2 pipelines, 8.7 us per minibatch; one pipeline of 4 stages, 10.7 us).
+AUTO_REPLICAS_CONFIG = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+                                                num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
+                                                max_position_embeddings=32)
+AUTO_REPLICAS = {"schedule": "auto", "exact": True, "memory_limit": 400_000, "bandwidth": 1e11}
+AUTO_REPLICAS_DATA = [128, 2, 4, 8]
 
 
 def reference(model_dir: Path, data: list[int]) -> dict[str, torch.Tensor]:
@@ -62,9 +76,14 @@ def trained(tmp_path_factory) -> Path:
     # (its state is a term), activations that outweigh the weights: a fixed schedule, and schedule="auto".
     MEMORY_CONFIG.save_pretrained(base / "memory_config")
     for name, strategy in MEMORY_RUNS.items():
-        runs.append([str(base / name), {"config_dir": str(base / "memory_config"), "devices": 4, "data": [256, 3, 8, 64],
-                                        "lr": 0.01, "epochs": 1, "optimizer": "adam", "measure_step": 1,
+        runs.append([str(base / name), {"config_dir": str(base / "memory_config"), "devices": 4,
+                                        "data": MEMORY_DATA[name], "lr": 0.01, "epochs": 1, "optimizer": "adam", "measure_step": 1,
                                         "strategy": strategy}])
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(AUTO_REPLICAS_CONFIG).save_pretrained(base / "auto_replicas" / "hf")
+    runs.append([str(base / "auto_replicas" / "pipe"), {
+        "config_dir": str(base / "auto_replicas" / "hf"), "devices": 4, "data": AUTO_REPLICAS_DATA, "lr": LR,
+        "epochs": EPOCHS, "strategy": {**AUTO_REPLICAS, "pretrained": str(base / "auto_replicas" / "hf")}}])
     (base / "runs.json").write_text(json.dumps(runs))
     proc = run_script(SCRIPT, base, {"--runs": str(base / "runs.json")}, timeout=500)
     (base / "launch.log").write_text(proc.stdout + proc.stderr)
@@ -107,9 +126,11 @@ def test_the_predicted_memory_of_each_stage_of_a_meta_built_model_is_within_10_p
     saves found on fake tensors): within 10 %, as for models built whole (docs/partitioning.md)."""
     results = [json.loads((trained / name / f"memory{rank}.json").read_text()) for rank in range(4)]
     predicted = results[0]["predicted"]
-    assert all(r["predicted"] == predicted for r in results) and len(predicted) == 4  # rank 0's, on every rank
+    # rank 0's, on every rank; one per stage (schedule="auto" may choose data-parallel pipelines, whose replicas of a
+    # stage hold alike)
+    assert all(r["predicted"] == predicted for r in results) and len(predicted) == results[0]["ran"]["stages"]
     for rank, result in enumerate(results):
-        expected, measured = predicted[rank], result["step"]
+        expected, measured = predicted[result["ran"]["stage"]], result["step"]
         for term in ("parameters", "gradients", "optimizer_state"):  # the weights' terms: exactly
             assert measured[term] == expected[term], (rank, term)
         # activations outweigh the weights' terms: the check is of the activation model, not of the weights alone
@@ -123,3 +144,32 @@ def test_the_predicted_memory_of_each_stage_of_a_meta_built_model_is_within_10_p
     else:
         assert "schedule=1f1b, from a FLOP estimate of the meta model's shapes" in log
         assert "predicted memory per rank (optimizer adam" in log
+
+
+def test_schedule_auto_chooses_two_data_parallel_pipelines_of_two_stages_and_trains_as_one_process(trained):
+    """The graph path's planner weighs equal replicas too: here 2 pipelines of 2 stages, which every rank runs (the
+    split points for 2 stages, stages=2), and the trained weights are one process's (both replicas of each stage)."""
+    ran = [json.loads((trained / "auto_replicas" / "pipe" / f"memory{rank}.json").read_text())["ran"]
+           for rank in range(4)]
+    assert [r["stage"] for r in ran] == [0, 0, 1, 1]  # stage s of pipeline k on rank 2s + k
+    assert all({**r, "stage": 0} == {**ran[0], "stage": 0} for r in ran)  # every rank runs rank 0's choice
+    assert (ran[0]["schedule"], ran[0]["stages"], ran[0]["pipelines"]) == ("zb-v", 2, 2)
+    assert len(ran[0]["split_points"]) == 3  # zb-v: 2 model chunks per rank, 4 in all
+    log = (trained / "launch.log").read_text()
+    assert re.search(r"auto plan \(exact schedules only, memory limit 390\.62 KiB per worker, optimizer sgd\): zb-v, "
+                     r"2 stages \(2-2\) x 2 chunks, \d+ micro-batch", log)
+    assert "2 data-parallel pipelines of 2 stages" in log and "run it with PipeDreamStrategy(schedule='zb-v'" in log
+    expected = reference(trained / "auto_replicas" / "hf", AUTO_REPLICAS_DATA)
+    merged: dict[str, torch.Tensor] = {}
+    for rank in range(4):
+        for key, value in torch.load(trained / "auto_replicas" / "pipe" / f"stage{rank}.pt").items():
+            key = re.sub(r"^(\d+\.)?model\.", "", key)  # a model chunk's index, then the module's own name
+            if key in merged:  # the other pipeline's replica of the stage: the same update
+                torch.testing.assert_close(value, merged[key], rtol=1e-5, atol=1e-7)
+            merged[key] = value
+    assert set(merged) == set(expected)
+    initial = transformers.AutoModelForCausalLM.from_pretrained(trained / "auto_replicas" / "hf").state_dict()
+    for key, value in expected.items():
+        assert (merged[key] - value).norm() <= 1e-5 * value.norm(), key
+    moved = max(float((expected[k] - initial[k]).norm() / initial[k].norm()) for k in expected if "weight" in k)
+    assert moved > 1e-3
