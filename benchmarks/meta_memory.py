@@ -77,8 +77,9 @@ def main() -> None:
             ranks = []
             for rank in range(4):
                 data = json.loads(Path(f"{tmp}/run{i}/memory{rank}.json").read_text())
-                predicted, measured = data["predicted"][rank], data["step"]
-                ranks.append({"rank": rank, "predicted": predicted, "measured": measured,
+                # one prediction per stage: schedule="auto" may choose data-parallel pipelines (a stage on 2 ranks)
+                predicted, measured = data["predicted"][data["ran"]["stage"]], data["step"]
+                ranks.append({"rank": rank, "ran": data["ran"], "predicted": predicted, "measured": measured,
                               "ratio": measured["peak_tensor_bytes"] / predicted["predicted_peak_bytes"]})
                 print(f"{name:13s} rank {rank}: predicted {predicted['predicted_peak_bytes'] / 2**20:7.2f} MiB "
                       f"(activations {predicted['activations'] / 2**20:6.2f}, {predicted['held']} in flight), "

@@ -45,7 +45,7 @@ class GraphPath:
         self.plan: Any = None  # the partitioner's plan, when split points were chosen by profiling
         self.weights: StageWeights | None = None  # a meta-built module's per-stage materialization
         # a meta-built module split by the FLOP estimate: each rank's predicted peak memory and its terms
-        # (plan.memory.StageMemory.to_json, one per rank), None when not predicted
+        # (plan.memory.StageMemory.to_json, one per stage: its replicas hold alike), None when not predicted
         self.predicted_memory: list[dict[str, Any]] | None = None
         self._inputs_seen: set[tuple] = set()
 

@@ -233,7 +233,7 @@ def choose_automatically(options: PipelineOptions, ranks: Ranks, trainer: Traine
     optimizers, _ = optimizers_unvalidated(module)
     from lightning_pipedream.plan.memory import optimizer_kind
 
-    if found is None:  # the graph path: traced, one stage per process
+    if found is None:  # the graph path: traced; equal replicas (data-parallel pipelines) only
         from lightning_pipedream.strategy.graph_path import auto_plan_graph
 
         arguments, plan = auto_plan_graph(options, trainer, module, batch_to_device, ranks.devices_per_node,
