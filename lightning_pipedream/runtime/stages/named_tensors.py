@@ -60,7 +60,8 @@ def check_complete(directory: str) -> None:
     own file, and some of them are elsewhere (a disk of another machine) or were removed."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    files = sorted({info.relative_path for info in FileSystemReader(directory).read_metadata().storage_data.values()})
+    storage = FileSystemReader(directory).read_metadata().storage_data or {}  # another writer may record none
+    files = sorted({path for info in storage.values() if isinstance(path := getattr(info, "relative_path", None), str)})
     missing = [f for f in files if not os.path.isfile(os.path.join(directory, f))]
     if missing:
         raise FileNotFoundError(
