@@ -292,6 +292,15 @@ def measure_live(trainer: L.Trainer, out: str) -> None:
             action()
         return meter.peak - base
 
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    def shards() -> dict[str, torch.Tensor]:  # this rank's pieces of its weights and Adam's state, by name
+        names = {id(p): n for n, p in module.named_parameters()}
+        out = {n: local(p).detach() for n, p in module.named_parameters()}
+        out.update({f"{names[id(p)]}/{k}": local(v) for p, s in optimizer.state.items() for k, v in s.items()})
+        return out
+
     def read_back() -> None:  # what a resume does once the stage exists
         loaded = strategy.load_checkpoint(os.path.join(out, "live-sharded.ckpt"))
         strategy.load_model_state_dict(loaded)
@@ -300,8 +309,16 @@ def measure_live(trainer: L.Trainer, out: str) -> None:
 
     checkpoints.mode = "sharded"
     trainer.save_checkpoint(os.path.join(out, "live-warm.ckpt"))  # first-call costs (planner caches, gloo buffers)
-    result = {"sharded_save": added(lambda: trainer.save_checkpoint(os.path.join(out, "live-sharded.ckpt"))),
-              "sharded_load": added(read_back)}
+    result: dict[str, Any] = {
+        "sharded_save": added(lambda: trainer.save_checkpoint(os.path.join(out, "live-sharded.ckpt")))}
+    saved = {k: v.clone() for k, v in shards().items()}
+    with torch.no_grad():
+        for t in shards().values():  # what the read must bring back (zero: Adam's step count too)
+            t.zero_()
+    result["sharded_load"] = added(read_back)
+    back = shards()
+    result["read_back_exact"] = sorted(back) == sorted(saved) and all(torch.equal(back[k], v) for k, v in saved.items())
+    result["read_back_nonzero"] = all(bool(v.any()) for v in saved.values() if v.numel())
     checkpoints.mode = "full"
     result["full_save"] = added(lambda: trainer.save_checkpoint(os.path.join(out, "live-full.ckpt")))
     state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]

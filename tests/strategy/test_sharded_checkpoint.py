@@ -213,13 +213,15 @@ def test_a_save_and_a_read_under_shards_add_nothing_of_the_stages_size_to_any_ra
     """What the meter of live tensor bytes counts on each rank of 2 x 2 grad_op shards (a stage: 2.1 MB of weights
     and 4.2 MB of Adam state, each replica holding half), above what the rank held before: a sharded save adds
     almost nothing (it writes the shards where they are); reading the checkpoint back adds this rank's own optimizer
-    shard (the state the optimizer keeps); a full save gathers, and the meter sees it."""
+    shard (the state the optimizer keeps), and brings back every piece of it exactly (zeroed before the read); a full
+    save gathers, and the meter sees it."""
     for rank in range(4):
         live = json.loads((runs["live-2x2"] / f"rank{rank}_live.json").read_text())
         own, stage = live["own_bytes"], live["stage_bytes"]
         assert live["sharded"] and 0.49 * stage <= own <= 0.51 * stage, live
         assert live["sharded_save"] < own / 10, (rank, live)  # gathering the stage's shards added 2 x own
         assert live["sharded_load"] <= own, (rank, live)  # reading whole and cutting added 2 x own
+        assert live["read_back_exact"] and live["read_back_nonzero"], (rank, live)
         assert live["full_save"] >= stage / 3, (rank, live)  # at least the stage's weights whole
     files = {p.name: p.stat().st_size for p in (runs["live-2x2"] / "live-sharded.ckpt").glob("*.distcp")}
     for rank in range(4):  # each rank's file holds its own shards (and the 4 bytes of one replicated step count)
