@@ -131,12 +131,7 @@ class GraphPath:
         else:
             self.graph = self._stage_of_split_points(module, hook, part, args, kwargs)
         self._inputs_seen = {(module.training, batch_shapes(part))}
-        if self.graph.ties and placement.num_pipelines > 1:
-            raise ValueError(
-                f"Parameters {sorted(self.graph.ties)} are used on several stages (tied weights), which "
-                "PipeDreamStrategy does not combine with data-parallel pipelines yet. Run one pipeline (stages = "
-                "processes), or split points that keep each tied parameter's users in one stage."
-            )
+        refuse_ties_with_replicas(self.graph.ties, placement)
 
     def _stage_of_split_points(self, module: LightningModule, hook: str, part: Any, args: tuple,
                                kwargs: dict) -> CapturedStage:
@@ -187,13 +182,24 @@ class GraphPath:
                 self._inputs_seen.add(key)
 
 
+def refuse_ties_with_replicas(ties: Any, placement: Placement) -> None:
+    """Tied weights across a traced graph's stages are synchronised within one pipeline only: refused beside
+    data-parallel pipelines and beside unequal replicas (1F1B-RR) alike."""
+    if ties and (placement.num_pipelines > 1 or placement.layout is not None):
+        raise ValueError(
+            f"Parameters {sorted(ties)} are used on several stages (tied weights), which PipeDreamStrategy does not "
+            "combine with data-parallel pipelines or replicated stages yet. Run one pipeline (stages = processes, "
+            "no replicas=), or split points that keep each tied parameter's users in one stage."
+        )
+
+
 def predicted_memory(options: PipelineOptions, placement: Placement, module: LightningModule, captured: Any,
                      estimate: Any, balance: list[int], chunks: int, device: torch.device,
                      loss: tuple[int, int] | None = None) -> list[dict] | None:
     """Each rank's predicted peak memory (``StageMemory.to_json``) for the split ``balance`` (layers per stage) of
     ``captured``, with ``estimate`` (of one micro-batch of ``chunks``) given the memory model's working sets on fake
     tensors and ``loss``'s bytes (:func:`~lightning_pipedream.strategy.graph_memory.loss_bytes`); None (and a log line
-    saying why) where the model does not say: an optimizer of unknown state, shards."""
+    saying why) where the model does not say: an optimizer of unknown state, shards, unequal replicas."""
     from lightning_pipedream.graph.estimate import scaled_to_batch
     from lightning_pipedream.plan.memory import optimizer_kind, predict_memory, stage_bytes
     from lightning_pipedream.strategy.checks import optimizers_unvalidated
@@ -205,6 +211,10 @@ def predicted_memory(options: PipelineOptions, placement: Placement, module: Lig
         log.info("PipeDreamStrategy: no memory prediction for the stages (%s)", unknown)
         return None
     if options.shard is not None or len(optimizers) > 1:
+        return None
+    if placement.layout is not None:  # 1F1B-RR: each replica's share of a traced stage's batch is not modelled here
+        log.info("PipeDreamStrategy: no memory prediction for the stages (unequal replicas %s)",
+                 list(placement.layout.replicas))
         return None
     frozen = {name for name, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
     profile = scaled_to_batch(memory_profile(estimate, captured, device, frozen, loss), chunks)

@@ -8,8 +8,27 @@ import pytest
 import torch
 from meta_trainer import MetaLM, TokenBatches
 
-from lightning_pipedream.strategy.graph_path import auto_plan_graph, graph_auto_profile, plan_graph
+from lightning_pipedream.strategy.graph_path import (
+    auto_plan_graph,
+    graph_auto_profile,
+    plan_graph,
+    refuse_ties_with_replicas,
+)
 from lightning_pipedream.strategy.options import PipelineOptions
+from lightning_pipedream.strategy.placement import Placement
+
+
+@pytest.mark.parametrize(("world", "layout"), [(4, {"stages": 2}), (3, {"replicas": [2, 1]})])
+def test_weights_tied_across_stages_are_refused_beside_any_replicas(world, layout):
+    """Data-parallel pipelines and unequal replicas (1F1B-RR) alike; one straight pipeline runs them."""
+    refuse_ties_with_replicas({"model.embed.weight": [0, 1]}, Placement.decide("1f1b", world))  # straight: runs
+    refuse_ties_with_replicas({}, Placement.decide("1f1b", world, **layout))  # no ties: runs
+    with pytest.raises(ValueError) as err:
+        refuse_ties_with_replicas({"model.embed.weight": [0, 1]}, Placement.decide("1f1b", world, **layout))
+    assert str(err.value) == (
+        "Parameters ['model.embed.weight'] are used on several stages (tied weights), which PipeDreamStrategy does not "
+        "combine with data-parallel pipelines or replicated stages yet. Run one pipeline (stages = processes, no "
+        "replicas=), or split points that keep each tied parameter's users in one stage.")
 
 
 @pytest.mark.parametrize("shard", ["full", "grad_op"])
