@@ -368,7 +368,7 @@ class PipeDreamStrategy(DDPStrategy):
                 check_last_batch_fits(loop_loader(trainer.fit_loop), self.options.chunks, self.placement.num_pipelines,
                                       self.options.schedule)
         if self._pipeline is None or self._pipeline.module is not module:
-            self.checkpoints.measure(module, self.options.shard)  # still whole (or on meta): "auto" goes by size
+            self.checkpoints.measure(module)  # still whole (or on meta): checkpoint="auto" goes by its size
             builder = StagePipelineBuilder(self.options, self._ranks(), self.plan, self.batch_to_device)
             self._pipeline = builder.build(trainer, module, fitting, self._prepare_module)
             self.plan, self.balance = builder.plan, builder.balance

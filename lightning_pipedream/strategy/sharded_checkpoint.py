@@ -122,24 +122,17 @@ class PipelineCheckpoints:
     def __init__(self, mode: str) -> None:
         self.mode = check_checkpoint_mode(mode)
         self.model_bytes: int | None = None  # the whole model's state dict, measured before setup splits it
-        self.shards_stages = False  # shard=: a stage's replicas hold shards, which a full checkpoint would gather
         # what to load once the stage exists: a sharded checkpoint, or a file's state dict for a model built on meta
         self.pending: tuple[SavedShards | dict[str, Any], bool] | None = None
 
-    def measure(self, module: torch.nn.Module, shard: str | None = None) -> None:
-        """The whole model's size (meta tensors count by shape), for ``checkpoint="auto"``; once, before the split.
-        ``shard``: the replicas' sharding (the strategy's resolved ``shard=``)."""
+    def measure(self, module: torch.nn.Module) -> None:
+        """The whole model's size (meta tensors count by shape), for ``checkpoint="auto"``; once, before the split."""
         if self.model_bytes is None:
             self.model_bytes = tensor_bytes(module.state_dict().values())
-        self.shards_stages = shard is not None
 
     @property
     def sharded(self) -> bool:
-        """``checkpoint="auto"``: sharded from :data:`SHARDED_FROM` bytes of weights, and whenever the stages are
-        sharded over their replicas (a single file would gather each stage whole on its replicas, and the model on
-        rank 0)."""
-        big = (self.model_bytes or 0) >= SHARDED_FROM or self.shards_stages
-        return self.mode == "sharded" or (self.mode == "auto" and big)
+        return self.mode == "sharded" or (self.mode == "auto" and (self.model_bytes or 0) >= SHARDED_FROM)
 
     # -- saving ----------------------------------------------------------------------------------------------------
     def model_state(self, pipeline: StagePipeline, is_global_zero: bool) -> dict[str, Any]:
