@@ -21,6 +21,8 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import Precision
 
+from lightning_pipedream.runtime.faults.failures import pipeline_failures
+
 
 def scaler_of(precision: Precision) -> torch.amp.GradScaler | None:
     """The plugin's gradient scaler (``16-mixed``), if any and enabled."""
@@ -43,7 +45,8 @@ def agreed_step(precision: Precision, optimizer: torch.optim.Optimizer, module: 
     for flag in found.values():
         overflow = torch.maximum(overflow, flag.to(device).reshape(1))
     if dist.is_initialized():
-        dist.all_reduce(overflow, op=dist.ReduceOp.MAX, group=group)
+        with pipeline_failures(None, waiting="the fp16 overflow flags' all-reduce"):
+            dist.all_reduce(overflow, op=dist.ReduceOp.MAX, group=group)
     if not found:  # no gradients here: the scaler still needs this stage's view of the step to update alike
         found[device] = overflow.clone()
     for flag in found.values():

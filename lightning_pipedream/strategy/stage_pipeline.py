@@ -22,6 +22,7 @@ from lightning_pipedream.graph.split import get_path
 from lightning_pipedream.plan.balance import stage_slice
 from lightning_pipedream.runtime.communication.transport import Transport
 from lightning_pipedream.runtime.execution.engine import PipelineEngine
+from lightning_pipedream.runtime.faults.failures import pipeline_failures
 from lightning_pipedream.runtime.stages.materialize import has_meta_tensors
 from lightning_pipedream.runtime.stages.replicas import GradientReducer
 from lightning_pipedream.runtime.stages.sharding import (
@@ -435,12 +436,13 @@ def clip_grad_by_norm(pipeline: StagePipeline, optimizer: torch.optim.Optimizer,
     grads = [p.grad for group in optimizer.param_groups for p in group["params"]
              if p.grad is not None and id(p) not in skip]
     square = local_square_norm(grads, device)
-    if pipeline.shard is not None and pipeline.groups.replicas is not None:
-        dist.all_reduce(square, group=pipeline.groups.replicas)  # each replica holds a shard of every gradient
-    if placement.num_stages > 1 and not asynchronous:
-        if placement.round_robin and placement.replica_index != 0:
-            square.zero_()  # a stage's replicas hold the same (summed) gradients: count the stage once
-        dist.all_reduce(square, group=pipeline.groups.pipeline)  # replicas hold the same gradients: one pipeline
+    with pipeline_failures(placement.stage_index, waiting="the gradient norm's all-reduce"):
+        if pipeline.shard is not None and pipeline.groups.replicas is not None:
+            dist.all_reduce(square, group=pipeline.groups.replicas)  # each replica holds a shard of every gradient
+        if placement.num_stages > 1 and not asynchronous:
+            if placement.round_robin and placement.replica_index != 0:
+                square.zero_()  # a stage's replicas hold the same (summed) gradients: count the stage once
+            dist.all_reduce(square, group=pipeline.groups.pipeline)  # replicas hold the same gradients
     factor = torch.clamp(clip_val / (square.sqrt() + 1e-6), max=1.0)
     for group in optimizer.param_groups:
         for p in group["params"]:

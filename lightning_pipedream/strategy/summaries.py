@@ -295,12 +295,14 @@ class LaggedSummaries:
         record = record.to(self.channel.device)
         if self.is_source:
             receives = []
-            for peer in self.record_peers:
-                buffer = torch.empty(RECORD_SLOTS, dtype=torch.float64, device=self.channel.device)
-                receives.append((dist.irecv(buffer, group=self._group(peer, False), group_src=peer), buffer))
+            with self._posting("the data check's fingerprints", self.record_peers):
+                for peer in self.record_peers:
+                    buffer = torch.empty(RECORD_SLOTS, dtype=torch.float64, device=self.channel.device)
+                    receives.append((dist.irecv(buffer, group=self._group(peer, False), group_src=peer), buffer))
             self._records.append((self._steps, record, receives))
             return
-        send = dist.isend(record, group=self._group(self.source, True), group_dst=self.source)
+        with self._posting("the data check's fingerprint", [self.source]):
+            send = dist.isend(record, group=self._group(self.source, True), group_dst=self.source)
         self._record_sends.append((self._steps, send, record))
         while self._record_sends and self._record_sends[0][0] < self._steps - self.lag:  # received by now
             self._wait([self._record_sends.popleft()[1:]])
@@ -327,7 +329,16 @@ class LaggedSummaries:
         """Post the receive of the oldest summary still on its way, unless one is posted already."""
         if self._posted is None and None in self._pending:
             header = torch.zeros(SummaryChannel.SLOTS, dtype=torch.float64, device=self.channel.device)
-            self._posted = (dist.irecv(header, group=self._group(self.source, False), group_src=self.source), header)
+            with self._posting("a step summary", [self.source]):
+                self._posted = (dist.irecv(header, group=self._group(self.source, False), group_src=self.source),
+                                header)
+
+    def _posting(self, what: str, peers: list[int]) -> Any:
+        """Around posting a send or receive: gloo raises at once when the peer's connection has closed (the peer
+        failed), which must reach the user as that peer's error, as a failed wait does."""
+        ranks = tuple(dist.get_global_rank(self.group, r) for r in peers)
+        return pipeline_failures(self.channel.stage_index, waiting=f"posting {what} (to or from rank {list(ranks)})",
+                                 peers=ranks)
 
     def _send(self, summary: StepSummary) -> None:
         values = summary.numbers()
@@ -342,10 +353,11 @@ class LaggedSummaries:
             header[2] = payload.numel()
             self._layout = summary.layout()
         works = []
-        for tensor in [header] + ([payload] if payload is not None else []):
-            on_device = tensor.to(self.channel.device)
-            for peer in self.receivers:
-                works.append((dist.isend(on_device, group=self._group(peer, True), group_dst=peer), on_device))
+        with self._posting("a step summary", self.receivers):
+            for tensor in [header] + ([payload] if payload is not None else []):
+                on_device = tensor.to(self.channel.device)
+                for peer in self.receivers:
+                    works.append((dist.isend(on_device, group=self._group(peer, True), group_dst=peer), on_device))
         self._sends.append((self._steps, works))
         # Sends older than lag + 1 steps were received (their receivers finished the step that takes them).
         while self._sends and self._sends[0][0] < self._steps - self.lag:

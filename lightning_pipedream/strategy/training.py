@@ -15,6 +15,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 
+from lightning_pipedream.runtime.faults.failures import pipeline_failures
 from lightning_pipedream.strategy.checks import refuse_guard_with_unequal_replicas
 from lightning_pipedream.strategy.divergence import Divergence, DivergenceGuard, DrainedWeights, Staleness
 from lightning_pipedream.strategy.logs import LogRecorder
@@ -121,7 +122,8 @@ class Training:
         mean, largest = self._staleness.take()
         mine = torch.tensor([pipeline.placement.stage_index, mean, largest], dtype=torch.float64, device=self.device)
         every = [torch.empty_like(mine) for _ in range(dist.get_world_size(pipeline.groups.pipeline))]
-        dist.all_gather(every, mine, group=pipeline.groups.pipeline)
+        with pipeline_failures(pipeline.placement.stage_index, waiting="the staleness figures' all-gather"):
+            dist.all_gather(every, mine, group=pipeline.groups.pipeline)
         for stage, stage_mean, stage_largest in sorted(tuple(t.tolist()) for t in every):
             self.module.log(f"pipeline/staleness_stage{int(stage)}", stage_mean, on_step=True, on_epoch=False)
             self.module.log(f"pipeline/staleness_max_stage{int(stage)}", stage_largest, on_step=True, on_epoch=False)

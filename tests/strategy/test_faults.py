@@ -208,6 +208,48 @@ def test_show_trace_of_a_file_that_is_not_a_trace_says_so(tmp_path, capsys):
     assert capsys.readouterr().err.startswith(f"error: {bad} is not a trace JSON written by lightning_pipedream (")
 
 
+class _SummaryEnds:
+    """What LaggedSummaries reads of its SummaryChannel."""
+
+    device = torch.device("cpu")
+    stage_index = 0
+
+    def _averaged(self, summary):
+        return summary
+
+
+def post_a_summary_receive_after_the_peer_failed(rank: int, world: int, out: str) -> None:
+    from lightning_pipedream.strategy.summaries import LaggedSummaries
+
+    link = torch.zeros(1)  # the pair's connection, made before rank 1 fails
+    if rank == 0:
+        dist.send(link, 1)
+        dist.recv(link, 1)
+    else:
+        dist.recv(link, 0)
+        dist.send(link, 0)
+        with pipeline_failures(1):
+            raise ValueError("planted failure on rank 1")
+    time.sleep(1.5)  # rank 1 has exited: gloo refuses to post on the closed pair
+    try:
+        LaggedSummaries(_SummaryEnds(), dist.group.WORLD, source=1, receivers=[0], lag=1, is_source=False).step(None)
+    except Exception as err:  # noqa: BLE001 - what the user would read
+        Path(out).write_text(f"{type(err).__name__}: {err}")
+        return
+    Path(out).write_text("posted")
+
+
+def test_posting_a_step_summary_to_a_failed_peer_gives_that_peer_s_error(tmp_path, monkeypatch):
+    """pipedream's step summaries post their next receive ahead; gloo raises at the post when the peer's connection
+    has closed, which must read as the peer's error, as a failed wait does (it was gloo's 'Connection closed')."""
+    monkeypatch.setenv("LIGHTNING_PIPEDREAM_FLIGHT_RECORDER", str(tmp_path))
+    out = tmp_path / "rank0.txt"
+    with pytest.raises(RuntimeError, match="1 of 2 ranks failed"):
+        run_local(post_a_summary_receive_after_the_peer_failed, 2, str(out), timeout=60)
+    assert out.read_text() == ("PeerFailedError: Pipeline stage 1 failed with ValueError: planted failure on rank 1 "
+                               "(on rank 1) (this rank, 0, stage 0, stopped because of it)")
+
+
 def test_a_timed_out_collective_is_named(tmp_path, monkeypatch):
     monkeypatch.setenv("LIGHTNING_PIPEDREAM_FLIGHT_RECORDER", str(tmp_path))
     with pytest.raises(PipelineTimeoutError) as info:
