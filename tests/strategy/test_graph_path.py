@@ -133,6 +133,9 @@ def trained(tmp_path_factory) -> Path:
         runs[2].append([str(base / family / resumed), {
             **three, "devices": 2, "strategy": strategy,
             "resume": str(base / family / f"hf_zb_v_on_{processes}" / "final.ckpt")}])
+    # Unequal replicas (1F1B-RR) of a traced model: Llama's first stage on 2 processes, its second on 1.
+    runs[3].append([str(base / "llama" / "rr_on_3"), {**REAL_HF, "family": "llama", "devices": 3, "strategy": {
+        "schedule": "1f1b", "chunks": 2, "replicas": [2, 1]}}])
     for processes, group in runs.items():
         if group:
             (base / f"runs{processes}.json").write_text(json.dumps(group))
@@ -193,6 +196,21 @@ def test_real_hugging_face_models_in_model_chunks_equal_one_device(trained, fami
     assert len(metrics[0]["split_points"]) == 2 * processes - 1  # 2 chunks per process
     if family == "gpt2":
         assert torch.equal(got["model.lm_head.weight"], got["model.transformer.wte.weight"])
+
+
+def test_unequal_replicas_of_a_traced_model_equal_one_device(trained):
+    """replicas=[2, 1] on 3 processes (1F1B-RR: stage 0's replicas take micro-batches whole and all-reduce) on a
+    traced LlamaForCausalLM, with validation, clipping and a scheduler: one device's weights and logged losses."""
+    out, single = trained / "llama" / "rr_on_3", trained / "llama" / "single"
+    got, want = weights(out / "final.ckpt"), weights(single / "final.ckpt")
+    assert list(got) == list(want)
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-5, msg=lambda m: f"{key}: {m}")
+    metrics = [json.loads((d / "metrics.json").read_text()) for d in (out, single)]
+    assert metrics[0]["global_step"] == metrics[1]["global_step"] == 6
+    for logged in ("train_loss", "val_loss"):
+        assert metrics[0][logged] == pytest.approx(metrics[1][logged], rel=1e-5), logged
+    assert len(metrics[0]["split_points"]) == 1  # 2 stages
 
 
 @pytest.mark.parametrize(("family", "resumed"), [("llama", "zb_v_resumed_under_1f1b"),
