@@ -77,6 +77,10 @@ class WeightBranches:
                 tied = True
             self.branches.append((node, sorted(weight_nodes, key=id)))
             covered |= weight_nodes
+        # The weight half goes back through the forward's order, as a backward does (latest node first): the branches of
+        # one layer come together, so it frees each layer's kept gradients as it makes that layer's weight gradients
+        # (what plan.memory.weight_half_bytes counts on).
+        self.branches.sort(key=lambda branch: -branch[0]._sequence_nr())
         reachable = frozenset().union(*(reaches[n] for n in starts)) if starts else frozenset()
         self.complete = not tied and covered == set(reachable)
         self._owners = owners

@@ -193,8 +193,10 @@ class _Search:
             sweep = np.round(held_bytes(first_count - 1, first_waiting) + self.ranges.first_backward(chunks))
             sweeps = first_stage | (not splits_backward)
             before = np.where(sweeps, np.maximum(before, sweep), before)
+            # another stage's first weight half: all its gradients, less what it releases as it makes them
+            weight_half = self.ranges.weight_half(chunks) - params
             with_gradients = np.where(sweeps, with_gradients,
-                                      np.maximum(with_gradients, held_bytes(first_count, first_waiting)))
+                                      np.maximum(with_gradients, held_bytes(first_count, first_waiting) + weight_half))
         gradients = np.round(params)
         return np.maximum(np.maximum(np.round(with_gradients) + working, in_update), before - gradients)
 

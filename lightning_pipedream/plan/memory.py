@@ -305,6 +305,8 @@ class StageBytes:
     # for the first backward of a step, which frees a layer's activations as it makes its gradients
     layer_saved: tuple[float, ...] = field(default=(), compare=False)
     layer_grad_working: tuple[float, ...] = field(default=(), compare=False)
+    # each layer's ``pending`` (per whole batch, without the stage output's gradient): for a step's first weight half
+    layer_pending: tuple[float, ...] = field(default=(), compare=False)
 
 
 def layer_work(profile: Profile, device: str = "cpu") -> tuple[list[float], list[float], list[float], list[float]]:
@@ -391,6 +393,7 @@ def stage_bytes(
                 layer_parameters=tuple(params[span]),
                 layer_saved=tuple(saved[span]),
                 layer_grad_working=tuple(working[span]),
+                layer_pending=tuple(pending[span]),
             )
         )
         first = last + 1
@@ -454,6 +457,23 @@ def first_backward_bytes(size: StageBytes, chunks: int) -> float:
         most = max(most, (kept + arriving) / chunks + after + working / chunks)
         after -= params
     return most
+
+
+def weight_half_bytes(size: StageBytes, chunks: int) -> float:
+    """The most one micro-batch's split weight half adds to what it starts with when it makes the stage's gradients
+    for the first time in a step (a stage other than the first): the gradients made so far, less the kept gradients it
+    has released. It goes back layer by layer (``WeightBranches``: the latest branch point first, a layer's together)
+    and drops the gradients kept at a layer's branch points once it has made that layer's weight gradients, so at
+    layer k it holds at most the gradients of the layers done, less their kept gradients where those weigh less, and
+    all of layer k's: ``sum((params_l - pending_l)+ for l done) + params_k``, at most
+    ``sum((params_l - pending_l)+) + max(min(params_l, pending_l))`` over the stage's layers, whatever their order
+    (``pending_l`` per micro-batch). The micro-batch's activations and the stage output's gradient stay to its end.
+    Without per-layer figures: all the stage's parameters (nothing released)."""
+    if not size.layer_pending:
+        return size.parameters
+    # in whole-batch bytes (integers) and divided once: the planner's range tables find the same figure
+    scaled = [(chunks * p, q) for p, q in zip(size.layer_parameters, size.layer_pending)]
+    return (sum(max(0.0, p - q) for p, q in scaled) + max(min(p, q) for p, q in scaled)) / chunks
 
 
 def predict_memory(
@@ -564,7 +584,9 @@ def predict_memory(
         if from_first and not flags[rank]:
             with_gradients, before = _gradients_from_first(h, per_mb[rank], pending[rank], working,
                                                            first_backward_bytes(sizes[rank], chunks),
-                                                           sweeps=rank == 0 or not spec.splits_backward)
+                                                           sweeps=rank == 0 or not spec.splits_backward,
+                                                           weight_half=weight_half_bytes(sizes[rank], chunks)
+                                                           - sizes[rank].parameters)
         out.append(
             StageMemory(
                 stage=rank,
@@ -596,10 +618,12 @@ def predict_memory(
 
 
 def _gradients_from_first(held: Held, per_mb: float, pending: float, working: float, sweep: float,
-                          sweeps: bool) -> tuple[int, int]:
+                          sweeps: bool, weight_half: float = 0.0) -> tuple[int, int]:
     """``activations_with_gradients`` and ``before_gradients`` of one stage (see :func:`predict_memory`). ``sweeps``:
     its first backward frees activations as it makes gradients (a whole backward, or the first stage's weight half;
-    another stage's weight half keeps the micro-batch's graph to its end: it counts with the gradients)."""
+    another stage's weight half keeps the micro-batch's graph to its end: it counts with the gradients, less
+    ``weight_half``, what :func:`weight_half_bytes` finds below all the gradients, which it makes as it releases the
+    gradients it kept)."""
     with_count, with_pending = held.with_gradients
     before_count, before_pending = held.before_gradients
     first_count, first_pending = held.first
@@ -608,7 +632,7 @@ def _gradients_from_first(held: Held, per_mb: float, pending: float, working: fl
     if first_count and sweeps:
         before = max(before, round((first_count - 1) * per_mb + first_pending * pending + sweep))
     elif first_count:
-        with_gradients = max(with_gradients, first_count * per_mb + first_pending * pending)
+        with_gradients = max(with_gradients, first_count * per_mb + first_pending * pending + weight_half)
     return round(with_gradients), before
 
 

@@ -50,6 +50,9 @@ class LayerRanges:
         self._cuts = np.array(cuts, dtype=float)
         self._working = np.array(working, dtype=float)
         self._first_backward: dict[int, np.ndarray] = {}
+        self._layer_pending = np.array(pending, dtype=float)  # a step's first weight half (plan.memory.weight_half_bytes)
+        self._layer_params = np.array(layer_params, dtype=float)
+        self._weight_half: dict[int, np.ndarray] = {}
         self.cuttable = np.array(profile.cut_allowed() + [False])  # may a stage end after layer k
         # A stage needs parameters to have an optimizer (unless the model has none): layers i..j alone may not be one.
         self.idle = (self.params == 0) if np.any(self.params[0] > 0) else np.zeros((self.n, self.n), dtype=bool)
@@ -70,6 +73,16 @@ class LayerRanges:
             held_to_end = (s[1:] - s[:-1] + self.output[0]) / chunks  # the last layer's saved output, its gradient
             self._first_backward[chunks] = fixed + np.maximum(before_last + held_to_end[None, :], in_k[None, :])
         return self._first_backward[chunks]
+
+    def weight_half(self, chunks: int) -> np.ndarray:
+        """``[i, j]``: what a step's first split weight half of one micro-batch adds at its worst over layers i..j (see
+        ``plan.memory.weight_half_bytes``): ``(sum((chunks params_l - pending_l)+) + max(min(chunks params_l,
+        pending_l))) / chunks``, in whole-batch bytes and divided once, as there."""
+        if chunks not in self._weight_half:
+            p, q = chunks * self._layer_params, self._layer_pending
+            gained = self._table(list(np.maximum(0.0, p - q)))
+            self._weight_half[chunks] = (gained + self._range_max(list(np.minimum(p, q)))) / chunks
+        return self._weight_half[chunks]
 
     def _range_max(self, values: list[float]) -> np.ndarray:
         table = np.zeros((self.n, self.n))  # j < i: no stage (params' inf marks it)
