@@ -50,7 +50,8 @@ class LayerRanges:
         self._cuts = np.array(cuts, dtype=float)
         self._working = np.array(working, dtype=float)
         self._first_backward: dict[int, np.ndarray] = {}
-        self._layer_pending = np.array(pending, dtype=float)  # a step's first weight half (plan.memory.weight_half_bytes)
+        # a step's first split weight half (plan.memory.weight_half_bytes)
+        self._layer_pending = np.array(pending, dtype=float)
         self._layer_params = np.array(layer_params, dtype=float)
         self._weight_half: dict[int, np.ndarray] = {}
         self.cuttable = np.array(profile.cut_allowed() + [False])  # may a stage end after layer k
