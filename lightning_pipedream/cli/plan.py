@@ -54,6 +54,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-chunks", type=int, default=16, help="with --schedule: most micro-batches per step")
     parser.add_argument(
+        "--accumulate-grad-batches", type=int, default=1, metavar="N",
+        help="with --schedule: the Trainer's accumulate_grad_batches; above 1 a step starts with the last one's "
+             "gradients, which the memory model then counts at every moment (default 1: from the first backward on)",
+    )
+    parser.add_argument(
         "--shard", choices=SHARD_CHOICES, default="none",
         help="with --schedule: whether equal replicas of a flushed schedule (gpipe, 1f1b, zb-h1, interleaved) shard "
              "weights, gradients and optimizer state "
@@ -86,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
             return _run_auto(args, profile, topology)
         given = [flag for flag, used in (("--exact", args.exact), ("--optimizer", args.optimizer != "adam"),
                                          ("--max-chunks", args.max_chunks != 16), ("--overhead", args.overhead != 0.0),
-                                         ("--device", args.device != "cpu"), ("--shard", args.shard != "none"))
+                                         ("--device", args.device != "cpu"), ("--shard", args.shard != "none"),
+                                         ("--accumulate-grad-batches", args.accumulate_grad_batches != 1))
                  if used]
         if given:
             verb = "applies" if len(given) == 1 else "apply"
@@ -119,6 +125,7 @@ def _run_auto(args: argparse.Namespace, profile: Profile, topology: Topology) ->
         profile, topology, args.memory, exact=args.exact, optimizer=args.optimizer, schedules=schedules,
         max_chunks=args.max_chunks, microbatch_overhead_s=args.overhead, device=args.device,
         cuda_capability=_capability(args.cuda_capability), shard=args.shard,
+        gradients_carried=_accumulates(args.accumulate_grad_batches),
     )
     if args.save is not None:
         result.plan.save(args.save)
@@ -128,6 +135,13 @@ def _run_auto(args: argparse.Namespace, profile: Profile, topology: Topology) ->
         print(f"{profile.source}: {len(profile.layers)} layers; {topology.describe()}")
         print(result.describe())
     return 0
+
+
+def _accumulates(batches: int) -> bool:
+    if batches < 1:
+        raise ValueError(f"--accumulate-grad-batches must be a whole number >= 1 (the Trainer's "
+                         f"accumulate_grad_batches), got {batches}.")
+    return batches > 1
 
 
 def parse_topology(workers: str, bandwidth: str) -> Topology:

@@ -135,9 +135,28 @@ def test_a_named_schedule_keeps_it(tmp_path, capsys):
     assert rc == 0 and json.loads(out)["chosen"]["schedule"] == "gpipe"
 
 
+def test_accumulated_gradients_are_counted_at_every_moment(tmp_path, capsys):
+    """--accumulate-grad-batches N > 1 (the Trainer's): a step starts with the last one's gradients, so the model
+    counts them at every moment, never less than from the first backward on (the default)."""
+    plans = {}
+    for n in (1, 2):
+        rc, out, _ = _run(_four_layers(tmp_path) + ["--schedule", "gpipe", "--json", "--accumulate-grad-batches",
+                                                    str(n)], capsys)
+        assert rc == 0
+        plans[n] = json.loads(out)
+    assert all("before_gradients" in m for m in plans[1]["chosen"]["memory"])
+    assert not any("before_gradients" in m for m in plans[2]["chosen"]["memory"])
+    assert all(a <= b for a, b in zip(plans[1]["predicted_peak_bytes"], plans[2]["predicted_peak_bytes"]))
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
+        (["--schedule", "gpipe", "--accumulate-grad-batches", "0"],
+         "error: --accumulate-grad-batches must be a whole number >= 1 (the Trainer's accumulate_grad_batches), got 0."),
+        (["--accumulate-grad-batches", "4"],  # (_four_layers gives --optimizer and --max-chunks)
+         "error: --optimizer, --max-chunks, --accumulate-grad-batches apply to --schedule (auto or a name) only: add "
+         "--schedule auto."),
         (["--schedule", "auto", "--exact", "--memory", "4000"],
          "error: No configuration of the 4 layers on 2 workers (any split, replicas, exact schedule, micro-batches "
          "and recompute) keeps every worker within memory_limit=4000 bytes (3.91 KiB): the least any needs is 4750 "
