@@ -235,10 +235,11 @@ class _Search:
         held = self.held(flight, p)
         ranks = self.ranks_of(replicas)
         split = spec_of(schedule).splits_backward
+        from_first = self.from_first(schedule, replicas, shard)
         costs, flags = [], []
         for s in range(p):
             mem_plain, mem_rc = self.memory_tables(held[s], self.versions(schedule, held[s]), chunks, replicas[s],
-                                                   shard, split, self.from_first(schedule, replicas, shard))
+                                                   shard, split, from_first)
             t_plain, t_rc = self.time_tables(replicas[s], self.group_bandwidth(ranks[s]), chunks, shard, split)
             needs = mem_plain > self.limit
             cost = np.where(needs, np.where(mem_rc <= self.limit, t_rc, _INF), t_plain)

@@ -107,13 +107,14 @@ def with_loss(profile: Any, loss: tuple[int, int] | None) -> Any:
     return dataclasses.replace(profile, layers=[*profile.layers[:-1], last])
 
 
-def memory_profile(profile: Any, captured: Any, device: torch.device, frozen: set[str], loss: tuple[int, int] | None
-                   ) -> Any:
-    """``profile`` with the memory model's figures found on fake tensors (``graph.estimate.with_working_sets``) and the
-    loss's; a graph whose layers do not run on fake tensors (one that reads a value, ``.item()``) keeps the model's
-    own estimates of them, said in the log."""
+def memory_profile(profile: Any, captured: Any, device: torch.device, module: torch.nn.Module,
+                   loss: tuple[int, int] | None) -> Any:
+    """``profile`` with the memory model's figures found on fake tensors (``graph.estimate.with_working_sets``; the
+    ``module``'s frozen parameters get no gradients) and the loss's; a graph whose layers do not run on fake tensors
+    (one that reads a value, ``.item()``) keeps the model's own estimates of them, said in the log."""
     from lightning_pipedream.graph.estimate import with_working_sets
 
+    frozen = {name for name, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
     try:
         profile = with_working_sets(profile, captured, device, frozen, outputs_kept=loss is None)
     except Exception as unknown:  # noqa: BLE001 - any op may lack a fake-tensor rule; the model's estimates stand

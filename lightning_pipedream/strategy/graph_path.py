@@ -118,8 +118,7 @@ class GraphPath:
                     memory = predicted_memory(options, placement, module, captured, estimate, plan.balance, chunks,
                                               self.device, loss)
                 log.info("PipeDreamStrategy split points (%d stages, schedule=%s, from %s): %s%s", total,
-                         options.schedule, "a FLOP estimate of the meta model's shapes" if on_meta
-                         else "profiling each layer", chosen, memory_text(memory, plan))
+                         options.schedule, estimate_source(on_meta), chosen, memory_text(memory, plan))
                 return chosen, memory
 
             points, memory = from_rank_zero(f"split {type(module).__name__} into stages", choose)
@@ -182,6 +181,11 @@ class GraphPath:
                 self._inputs_seen.add(key)
 
 
+def estimate_source(on_meta: bool) -> str:
+    """Where a traced module's layer times come from, for the plan's log line."""
+    return "a FLOP estimate of the meta model's shapes" if on_meta else "profiling each layer"
+
+
 def refuse_ties_with_replicas(ties: Any, placement: Placement) -> None:
     """Tied weights across a traced graph's stages are synchronised within one pipeline only: refused beside
     data-parallel pipelines and beside unequal replicas (1F1B-RR) alike."""
@@ -216,8 +220,7 @@ def predicted_memory(options: PipelineOptions, placement: Placement, module: Lig
         log.info("PipeDreamStrategy: no memory prediction for the stages (unequal replicas %s)",
                  list(placement.layout.replicas))
         return None
-    frozen = {name for name, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
-    profile = scaled_to_batch(memory_profile(estimate, captured, device, frozen, loss), chunks)
+    profile = scaled_to_batch(memory_profile(estimate, captured, device, module, loss), chunks)
     replicas = [placement.num_pipelines] * placement.num_stages if placement.num_pipelines > 1 else None
     memory = predict_memory(stage_bytes(profile, balance, device=device.type), options.schedule, chunks,
                             replicas=replicas, virtual_stages=options.virtual_stages, recompute=options.recompute,
@@ -282,8 +285,7 @@ def auto_plan_graph(options: PipelineOptions, trainer: Trainer, module: Lightnin
         except ValueError as refused:  # every rank raises the refusal itself, as if it had planned
             return None, None, str(refused)
         log.info("PipeDreamStrategy(schedule='auto') chose (from %s; memory from what autograd saves, found on fake "
-                 "tensors):\n%s\nrun it with PipeDreamStrategy(%s)", "a FLOP estimate of the meta model's shapes"
-                 if on_meta else "profiling each layer", described,
+                 "tensors):\n%s\nrun it with PipeDreamStrategy(%s)", estimate_source(on_meta), described,
                  ", ".join(f"{key}={value!r}" for key, value in arguments.items()))
         return {**arguments, "shard": None}, chosen.plan.to_json(), None
 
@@ -307,9 +309,8 @@ def graph_auto_profile(module: LightningModule, batch: Any, device: torch.device
     on_meta = has_meta_tensors(module)
     captured = capture(module, args, kwargs, on_meta=on_meta)
     profile = estimate_graph(captured) if on_meta else profile_graph(captured, module, args, kwargs)
-    frozen = {name for name, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
     loss = loss_bytes(module, ForwardCall(), "training_step", batch, captured, device)
-    profile = memory_profile(profile, captured, device, frozen, loss)
+    profile = memory_profile(profile, captured, device, module, loss)
     # Cuts between the model's blocks: the shallowest modules that give every chunk of an interleaved split one
     depths = range(1, 1 + max((len(layer.module.split(".")) for layer in captured.layers), default=1))
     starts = [unit_starts(module, captured, depth) for depth in depths]

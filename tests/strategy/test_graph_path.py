@@ -36,6 +36,21 @@ def weights(path: Path) -> dict[str, torch.Tensor]:
     return torch.load(path, weights_only=False, map_location="cpu")["state_dict"]
 
 
+def assert_trained_alike(out: Path, single: Path, tolerance: float, steps: int, logged: tuple[str, ...]
+                         ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[dict]]:
+    """The pipelined run in ``out`` ended as the one-device run in ``single``: the module's keys in its order, every
+    tensor and each ``logged`` value to ``tolerance``, after ``steps`` steps. Returns both weights and metrics."""
+    got, want = weights(out / "final.ckpt"), weights(single / "final.ckpt")
+    assert list(got) == list(want)
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=tolerance, atol=tolerance, msg=lambda m: f"{key}: {m}")
+    metrics = [json.loads((d / "metrics.json").read_text()) for d in (out, single)]
+    assert metrics[0]["global_step"] == metrics[1]["global_step"] == steps
+    for name in logged:
+        assert metrics[0][name] == pytest.approx(metrics[1][name], rel=tolerance), name
+    return got, want, metrics
+
+
 CASES = {
     # family: (processes, strategy, model options)
     "gpt": (3, {"schedule": "gpipe", "chunks": 2, "split_points": ["model.blocks.1", "model.blocks.3"]}, {}),
@@ -183,16 +198,9 @@ def test_real_hugging_face_models_in_model_chunks_equal_one_device(trained, fami
     weights (1e-6; measured about 1e-8), its logged train_loss and val_loss (1e-6; logged on rank 0, which holds the
     last stage in a V and not in interleaved), and GPT-2's head still its embedding."""
     out, single = trained / family / f"{name}_on_{processes}", trained / family / "single"
-    got, want = weights(out / "final.ckpt"), weights(single / "final.ckpt")
-    assert list(got) == list(want)
-    for key in want:
-        torch.testing.assert_close(got[key], want[key], rtol=1e-6, atol=1e-6, msg=lambda m: f"{key}: {m}")
+    got, want, metrics = assert_trained_alike(out, single, 1e-6, 6, ("train_loss", "val_loss"))
     initial = {f"model.{k}": v for k, v in make(family)[0].state_dict().items()}
     assert max((want[k] - initial[k]).abs().max().item() for k in want) > 1e-2  # training moved the weights
-    metrics = [json.loads((d / "metrics.json").read_text()) for d in (out, single)]
-    assert metrics[0]["global_step"] == metrics[1]["global_step"] == 6
-    for logged in ("train_loss", "val_loss"):
-        assert metrics[0][logged] == pytest.approx(metrics[1][logged], rel=1e-6), logged
     assert len(metrics[0]["split_points"]) == 2 * processes - 1  # 2 chunks per process
     if family == "gpt2":
         assert torch.equal(got["model.lm_head.weight"], got["model.transformer.wte.weight"])
@@ -201,15 +209,8 @@ def test_real_hugging_face_models_in_model_chunks_equal_one_device(trained, fami
 def test_unequal_replicas_of_a_traced_model_equal_one_device(trained):
     """replicas=[2, 1] on 3 processes (1F1B-RR: stage 0's replicas take micro-batches whole and all-reduce) on a
     traced LlamaForCausalLM, with validation, clipping and a scheduler: one device's weights and logged losses."""
-    out, single = trained / "llama" / "rr_on_3", trained / "llama" / "single"
-    got, want = weights(out / "final.ckpt"), weights(single / "final.ckpt")
-    assert list(got) == list(want)
-    for key in want:
-        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-5, msg=lambda m: f"{key}: {m}")
-    metrics = [json.loads((d / "metrics.json").read_text()) for d in (out, single)]
-    assert metrics[0]["global_step"] == metrics[1]["global_step"] == 6
-    for logged in ("train_loss", "val_loss"):
-        assert metrics[0][logged] == pytest.approx(metrics[1][logged], rel=1e-5), logged
+    _, _, metrics = assert_trained_alike(trained / "llama" / "rr_on_3", trained / "llama" / "single", 1e-5, 6,
+                                         ("train_loss", "val_loss"))
     assert len(metrics[0]["split_points"]) == 1  # 2 stages
 
 
@@ -219,14 +220,8 @@ def test_a_zb_v_checkpoint_of_a_hugging_face_model_resumes_on_another_schedule(t
     """The V run's checkpoint (the last chunk on rank 0) holds the module's state whole: Llama's (4 chunks on 2
     processes) under 1f1b on 2 stages, GPT-2's (8 chunks on 4 processes) under interleaved on 2 processes, a third
     epoch ends with one device's weights after 3 epochs (optimizer momentum and scheduler restored)."""
-    out, single = trained / family / resumed, trained / family / "single_3"
-    got, want = weights(out / "final.ckpt"), weights(single / "final.ckpt")
-    assert list(got) == list(want)
-    for key in want:
-        torch.testing.assert_close(got[key], want[key], rtol=1e-6, atol=1e-6, msg=lambda m: f"{key}: {m}")
-    metrics = [json.loads((d / "metrics.json").read_text()) for d in (out, single)]
-    assert metrics[0]["global_step"] == metrics[1]["global_step"] == 9
-    assert metrics[0]["train_loss"] == pytest.approx(metrics[1]["train_loss"], rel=1e-6)
+    got, _, _ = assert_trained_alike(trained / family / resumed, trained / family / "single_3", 1e-6, 9,
+                                     ("train_loss",))
     if family == "gpt2":
         assert torch.equal(got["model.lm_head.weight"], got["model.transformer.wte.weight"])
 
