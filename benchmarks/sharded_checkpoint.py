@@ -154,7 +154,7 @@ def _worker(spec: dict) -> None:
 
 
 def _consolidate(directory: str, out: str) -> dict:
-    from lightning_pipedream.strategy.checkpoint_commands import consolidate_to_file
+    from lightning_pipedream.strategy.checkpoints.checkpoint_commands import consolidate_to_file
 
     _reset_peak()
     before, start = _status_mb("VmRSS"), time.perf_counter()

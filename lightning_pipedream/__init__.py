@@ -22,8 +22,8 @@ _LAZY = {
     "Pipeline": "lightning_pipedream.runtime.pipeline",
     "SCHEDULES": "lightning_pipedream.schedule.builders",
     "build_schedule": "lightning_pipedream.schedule.builders",
-    "generate": "lightning_pipedream.strategy.generation",
-    "generates": "lightning_pipedream.strategy.generation",
+    "generate": "lightning_pipedream.strategy.inference.generation",
+    "generates": "lightning_pipedream.strategy.inference.generation",
 }
 
 __all__ = ["PipeDreamStrategy", "Pipeline", "SCHEDULES", "build_schedule", "generate", "generates",

@@ -1,5 +1,6 @@
 """The layers import one way (strategy -> runtime -> graph -> plan -> schedule; cli -> plan, schedule), and so do
-runtime/'s rooms (execution -> stages -> communication -> faults); no circle anywhere; Lightning only under strategy/;
+runtime/'s rooms (execution -> stages -> communication -> faults) and strategy/'s (training, inference -> setup ->
+checkpoints, reporting); no circle anywhere; Lightning only under strategy/;
 no private names across modules; no schedule names compared outside schedule/ and cli/. Every rule is checked over
 every file of the package, and each checker is shown to catch a planted violation."""
 
@@ -135,7 +136,7 @@ def test_schedule_names_are_compared_only_in_schedule_and_cli() -> None:
     ("schedule", "import torch\n", "schedule/ is pure Python"),
     ("plan", "from ..graph import capture\n", "plan/ may import only ['schedule']"),
     ("runtime", "import lightning.pytorch\n", "Lightning is known only under strategy/"),
-    ("runtime", "from lightning_pipedream.strategy import placement\n", "runtime/ may import only"),
+    ("runtime", "from lightning_pipedream.strategy.setup import placement\n", "runtime/ may import only"),
     ("graph", "from lightning_pipedream.runtime.execution.engine import PipelineEngine\n", "graph/ may import only"),
     ("cli", "from lightning_pipedream.runtime import engine\n", "cli/ may import only ['plan', 'schedule']"),
 ])
@@ -167,11 +168,21 @@ ROOMS = {
     "stages": {"communication", "faults"},  # one rank's layers, weight versions, ties, replicas and shards
     "execution": {"stages", "communication", "faults"},  # the engine and its executor
 }
+# strategy/'s rooms, likewise (the top files, pipedream.py and __init__.py, import any); a room may stand apart from
+# another at the same height (training and inference; reporting and checkpoints), importing neither.
+STRATEGY_ROOMS = {
+    "reporting": set(),  # what ranks tell each other about a step: summaries, logged values, the data check
+    "checkpoints": set(),  # single-file and sharded checkpoints, and the commands (setup's pipeline by a protocol)
+    "setup": {"reporting", "checkpoints"},  # options, placement, planning, the graph path, the stage pipeline
+    "training": {"setup", "reporting", "checkpoints"},  # a fit: the step, updates, loss scale, divergence guard
+    "inference": {"setup", "reporting", "checkpoints"},  # evaluation and generation
+}
+ROOMS_OF = {"runtime": ROOMS, "strategy": STRATEGY_ROOMS}  # a layer in rooms -> its rooms and what each may import
 
 
 def room_of(path: Path) -> str | None:
     parts = path.relative_to(PACKAGE).parts
-    return parts[1] if len(parts) > 2 and parts[0] == "runtime" else None
+    return parts[1] if len(parts) > 2 and parts[0] in ROOMS_OF else None
 
 
 def module_name(path: Path) -> str:
@@ -215,18 +226,20 @@ def _module_path(module: str) -> Path | None:
 
 
 def room_violations(path: Path) -> list[str]:
-    """What a file under runtime/ imports from a room above its own."""
+    """What a file under runtime/ or strategy/ imports from a room above its own (or from the layer's top files)."""
     room = room_of(path)
     if room is None:
         return []
+    layer = path.relative_to(PACKAGE).parts[0]
+    rooms = ROOMS_OF[layer]
     bad = []
     for module in sorted(package_imports(path)):
         parts = module.split(".")
-        if parts[1:2] == ["runtime"] and len(parts) > 2:
+        if parts[1:2] == [layer] and len(parts) > 2:
             other = parts[2]
-            if other == "pipeline" or (other in ROOMS and other != room and other not in ROOMS[room]):
-                allowed = sorted(ROOMS[room]) or "no other room"
-                bad.append(f"{path.relative_to(ROOT)} imports {module}: runtime/{room}/ may import only {allowed}")
+            if other not in rooms or (other != room and other not in rooms[room]):
+                allowed = sorted(rooms[room]) or "no other room"
+                bad.append(f"{path.relative_to(ROOT)} imports {module}: {layer}/{room}/ may import only {allowed}")
     return bad
 
 
@@ -268,8 +281,18 @@ def circles(files: list[Path]) -> list[list[str]]:
 def test_runtime_rooms_import_only_downwards() -> None:
     rooms = sorted(p.name for p in (PACKAGE / "runtime").iterdir() if (p / "__init__.py").exists())
     assert rooms == sorted(ROOMS), "a new room under runtime/ needs its place in ROOMS"
-    bad = [line for path in package_files() for line in room_violations(path)]
+    bad = [line for path in package_files() if path.relative_to(PACKAGE).parts[0] == "runtime"
+           for line in room_violations(path)]
     assert not bad, "imports against runtime/'s rooms:\n" + "\n".join(bad)
+
+
+def test_strategy_rooms_import_only_downwards() -> None:
+    rooms = sorted(p.name for p in (PACKAGE / "strategy").iterdir() if (p / "__init__.py").exists())
+    assert rooms == sorted(STRATEGY_ROOMS), "a new room under strategy/ needs its place in STRATEGY_ROOMS"
+    files = sorted((PACKAGE / "strategy").glob("*/*.py"))
+    assert files and all(room_of(path) in STRATEGY_ROOMS for path in files)
+    bad = [line for path in files for line in room_violations(path)]
+    assert not bad, "imports against strategy/'s rooms:\n" + "\n".join(bad)
 
 
 def test_every_package_opens_with_a_one_line_docstring() -> None:
@@ -284,7 +307,7 @@ def test_the_package_has_no_circle_of_imports() -> None:
 
 
 MAX_LINES = 800  # a file longer than this holds more than one idea: split it by concern
-STRATEGY_MAX_LINES = 600  # Lightning's hooks, each delegating (the per-batch work is strategy/training_step.py)
+STRATEGY_MAX_LINES = 600  # Lightning's hooks, each delegating (the per-batch work is strategy/training/training_step.py)
 
 
 def test_no_file_is_too_long_to_read_whole() -> None:
@@ -292,6 +315,12 @@ def test_no_file_is_too_long_to_read_whole() -> None:
     long = [f"{path.relative_to(ROOT)}: {n} lines" for path, n in lengths.items() if n > MAX_LINES]
     assert not long, f"files over {MAX_LINES} lines:\n" + "\n".join(long)
     assert lengths[PACKAGE / "strategy" / "pipedream.py"] < STRATEGY_MAX_LINES
+
+
+def test_no_file_in_strategy_is_over_its_limit() -> None:
+    lengths = {path: len(path.read_text().splitlines()) for path in sorted((PACKAGE / "strategy").rglob("*.py"))}
+    long = [f"{path.relative_to(ROOT)}: {n} lines" for path, n in lengths.items() if n > STRATEGY_MAX_LINES]
+    assert not long, f"files in strategy/ over {STRATEGY_MAX_LINES} lines:\n" + "\n".join(long)
 
 
 def test_the_room_and_circle_checkers_catch_planted_violations() -> None:
@@ -309,6 +338,32 @@ def test_the_room_and_circle_checkers_catch_planted_violations() -> None:
     finally:
         one.unlink()
         two.unlink()
+
+
+@pytest.mark.parametrize(("room", "code", "expected"), [
+    ("setup", "from lightning_pipedream.strategy.training.training import Training\n",
+     "imports lightning_pipedream.strategy.training.training: strategy/setup/ may import only "
+     "['checkpoints', 'reporting']"),
+    ("reporting", "def f():\n    from lightning_pipedream.strategy.setup import options\n",
+     "imports lightning_pipedream.strategy.setup.options: strategy/reporting/ may import only no other room"),
+    ("checkpoints", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+     "    from lightning_pipedream.strategy.setup.stage_pipeline import StagePipeline\n",
+     "imports lightning_pipedream.strategy.setup.stage_pipeline: strategy/checkpoints/ may import only no other room"),
+    ("training", "from lightning_pipedream.strategy.inference.evaluation import evaluate\n",
+     "imports lightning_pipedream.strategy.inference.evaluation: strategy/training/ may import only "
+     "['checkpoints', 'reporting', 'setup']"),
+    ("inference", "from lightning_pipedream.strategy import pipedream\n",
+     "imports lightning_pipedream.strategy.pipedream: strategy/inference/ may import only "
+     "['checkpoints', 'reporting', 'setup']"),
+])
+def test_the_room_checker_catches_an_upward_import_in_strategy(room: str, code: str, expected: str) -> None:
+    probe = PACKAGE / "strategy" / room / "_probe_for_test.py"
+    probe.write_text(code)
+    try:
+        found = room_violations(probe)
+        assert [line.split(" ", 1)[1] for line in found] == [expected], found
+    finally:
+        probe.unlink()
 
 
 # Clock readings of the time module; a difference of two, or a name holding one, is a measured duration.

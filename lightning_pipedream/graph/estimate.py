@@ -114,8 +114,8 @@ def with_working_sets(profile: Profile, captured: CapturedGraph, device: torch.d
     backward holds at once, the parameter-gradient temporaries on top and what a split backward keeps for its weight
     half (``plan.profile``'s measures, run on fake tensors), its largest parameter, and ``extra["input_bytes"]`` (the
     call's tensors). Parameters named in ``frozen`` need no gradient. ``outputs_kept=False``: the call's outputs are
-    left to the loss's own count (``strategy.graph_memory.loss_bytes``: a loss that saves them keeps them). Nothing is
-    allocated: every tensor is a fake one on ``device``."""
+    left to the loss's own count (``strategy.setup.graph_memory.loss_bytes``: a loss that saves them keeps them).
+    Nothing is allocated: every tensor is a fake one on ``device``."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from lightning_pipedream.graph.split import stage_program

@@ -37,9 +37,11 @@ from lightning_pipedream.runtime.faults.launch import rendezvous_store
 from lightning_pipedream.runtime.faults.watchdog import watchdog
 from lightning_pipedream.runtime.stages.materialize import has_meta_tensors
 from lightning_pipedream.schedule.specs import SCHEDULES
-from lightning_pipedream.strategy.batches import batch_args, loop_loader
-from lightning_pipedream.strategy.checkpoint import AtomicCheckpointIO
-from lightning_pipedream.strategy.checks import (
+from lightning_pipedream.strategy.checkpoints.checkpoint import AtomicCheckpointIO
+from lightning_pipedream.strategy.checkpoints.sharded_checkpoint import PipelineCheckpoints, refuse_after_failure
+from lightning_pipedream.strategy.inference.evaluation import evaluate
+from lightning_pipedream.strategy.setup.batches import batch_args, loop_loader
+from lightning_pipedream.strategy.setup.checks import (
     check_last_batch_fits,
     check_optimizers,
     check_training_supported,
@@ -47,12 +49,9 @@ from lightning_pipedream.strategy.checks import (
     refuse_minibatches_with_accumulation,
     refuse_minibatches_with_replicas,
 )
-from lightning_pipedream.strategy.divergence import DEFAULT_FACTOR, Divergence
-from lightning_pipedream.strategy.evaluation import evaluate
-from lightning_pipedream.strategy.options import PipelineOptions, tuple_or_none
-from lightning_pipedream.strategy.placement import Placement, ProcessGroups
-from lightning_pipedream.strategy.sharded_checkpoint import PipelineCheckpoints, refuse_after_failure
-from lightning_pipedream.strategy.stage_pipeline import (
+from lightning_pipedream.strategy.setup.options import DEFAULT_FACTOR, PipelineOptions, tuple_or_none
+from lightning_pipedream.strategy.setup.placement import Placement, ProcessGroups
+from lightning_pipedream.strategy.setup.stage_pipeline import (
     Ranks,
     StagePipeline,
     StagePipelineBuilder,
@@ -61,7 +60,8 @@ from lightning_pipedream.strategy.stage_pipeline import (
     decide_placement,
     keep_parameters,
 )
-from lightning_pipedream.strategy.training import Training, drain_before_callbacks
+from lightning_pipedream.strategy.training.divergence import Divergence
+from lightning_pipedream.strategy.training.training import Training, drain_before_callbacks
 
 log = logging.getLogger(__name__)
 

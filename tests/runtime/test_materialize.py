@@ -114,7 +114,7 @@ def test_init_module_with_empty_init_builds_on_the_meta_device_and_each_stage_ma
 
 def test_a_sequential_on_the_meta_device_is_profiled_one_block_at_a_time():
     from lightning_pipedream.plan.profile import profile_module
-    from lightning_pipedream.strategy.planning import profile_block_by_block
+    from lightning_pipedream.strategy.setup.planning import profile_block_by_block
 
     def build() -> nn.Sequential:
         return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 8), NoReset3())

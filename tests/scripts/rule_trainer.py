@@ -22,7 +22,7 @@ from torch import nn
 
 from lightning_pipedream import PipeDreamStrategy
 from lightning_pipedream.runtime.communication.transport import TRANSPORT_ENV
-from lightning_pipedream.strategy.checkpoint import AtomicCheckpointIO
+from lightning_pipedream.strategy.checkpoints.checkpoint import AtomicCheckpointIO
 
 INPUTS, WIDTH, OUTPUTS = 4, 8, 2
 

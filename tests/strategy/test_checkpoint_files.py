@@ -9,7 +9,7 @@ import pytest
 import torch
 from fault_runs import unused_pid
 
-from lightning_pipedream.strategy.checkpoint import STALE_AFTER, AtomicCheckpointIO, CheckpointReadError
+from lightning_pipedream.strategy.checkpoints.checkpoint import STALE_AFTER, AtomicCheckpointIO, CheckpointReadError
 
 
 @pytest.fixture

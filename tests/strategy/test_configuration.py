@@ -141,7 +141,7 @@ def test_shard_auto_keeps_whole_replicas_over_layers_that_share_a_parameter() ->
     """The strategy does not shard tied parameters yet: the planner is not offered sharding over them."""
     from torch import nn
 
-    from lightning_pipedream.strategy.planning import shard_choice
+    from lightning_pipedream.strategy.setup.planning import shard_choice
 
     shared = nn.Linear(4, 4)
     assert shard_choice("auto", nn.Sequential(shared, nn.ReLU(), shared)) is None
@@ -155,7 +155,7 @@ def test_schedule_auto_without_fitting_runs_whole_stages_one_per_process(shard: 
     # which has no replicas to shard (shard= is dropped rather than refused by the layout check).
     import torch
 
-    from lightning_pipedream.strategy.stage_pipeline import Ranks, choose_automatically
+    from lightning_pipedream.strategy.setup.stage_pipeline import Ranks, choose_automatically
 
     class Layers(L.LightningModule):
         def __init__(self) -> None:

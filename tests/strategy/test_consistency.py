@@ -12,7 +12,7 @@ import torch.distributed as dist
 from fault_runs import run_hang_trainer
 
 from lightning_pipedream.runtime.faults.launch import RankFailedError, run_local
-from lightning_pipedream.strategy.consistency import (
+from lightning_pipedream.strategy.reporting.consistency import (
     CHECK_EVERY,
     CHECK_EVERY_ASYNC,
     DataMismatchError,
@@ -20,7 +20,7 @@ from lightning_pipedream.strategy.consistency import (
     check_records,
     is_due,
 )
-from lightning_pipedream.strategy.summaries import LaggedSummaries, StepSummary, SummaryChannel
+from lightning_pipedream.strategy.reporting.summaries import LaggedSummaries, StepSummary, SummaryChannel
 
 pytestmark = pytest.mark.multiprocess  # starts several processes: not in the fast suite
 
@@ -132,7 +132,7 @@ def test_a_trainer_whose_last_stage_drifts_at_step_5_stops_by_step_5_plus_k(tmp_
     checked = next(i for i in range(5, 13) if is_due(i, 16, CHECK_EVERY_ASYNC))
     words = (f"The pipeline stages received different training batches at batch {checked} of epoch 0: rank 1 (stage 1) "
              "and rank 0 (stage 0) disagree. The epoch began with the same batches, so they drifted apart")
-    assert f"[rank1]: lightning_pipedream.strategy.consistency.DataMismatchError: {words}" in err, err[-4000:]
+    assert f"[rank1]: lightning_pipedream.strategy.reporting.consistency.DataMismatchError: {words}" in err, err[-4000:]
     assert f"[rank0]: lightning_pipedream.runtime.faults.errors.PeerFailedError: Pipeline stage 1 failed with " \
            f"DataMismatchError: {words}" in err, err[-4000:]
     # The last stage finished step checked + stages - 2 at most: within k steps of the drift, and the lag.
@@ -145,6 +145,6 @@ def test_a_trainer_with_unequal_batch_counts_says_so_on_every_rank(tmp_path):
     err, code = run_hang_trainer(tmp_path, {"rank": 1, "how": "fewer"})
     assert code == 1, err[-4000:]
     for rank in (0, 1):
-        assert (f"[rank{rank}]: lightning_pipedream.strategy.consistency.DataMismatchError: The pipeline's ranks have "
+        assert (f"[rank{rank}]: lightning_pipedream.strategy.reporting.consistency.DataMismatchError: The pipeline's ranks have "
                 "unequal numbers of training batches per epoch: rank 0 (stage 0) has 16, rank 1 (stage 1) has 15 "
                 "(epoch 0).") in err, err[-4000:]

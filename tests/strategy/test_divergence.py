@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from lightning_pipedream import PipeDreamStrategy
-from lightning_pipedream.strategy.divergence import WARMUP, DivergenceGuard, DrainedWeights, Staleness
+from lightning_pipedream.strategy.training.divergence import WARMUP, DivergenceGuard, DrainedWeights, Staleness
 
 
 def feed(guard: DivergenceGuard, losses: list[float]):

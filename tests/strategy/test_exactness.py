@@ -757,7 +757,7 @@ def test_zero_bubble_with_bf16_shards_adds_the_weight_halves_gradients_in_float3
 
 
 def test_shards_gather_in_bf16_under_bf16_mixed():
-    from lightning_pipedream.strategy.checks import sharded_param_dtype
+    from lightning_pipedream.strategy.setup.checks import sharded_param_dtype
 
     assert sharded_param_dtype("bf16-mixed", "full") == torch.bfloat16
     assert sharded_param_dtype("32-true", "full") is None and sharded_param_dtype("bf16-true", "grad_op") is None

@@ -219,7 +219,7 @@ class _SummaryEnds:
 
 
 def post_a_summary_receive_after_the_peer_failed(rank: int, world: int, out: str) -> None:
-    from lightning_pipedream.strategy.summaries import LaggedSummaries
+    from lightning_pipedream.strategy.reporting.summaries import LaggedSummaries
 
     link = torch.zeros(1)  # the pair's connection, made before rank 1 fails
     if rank == 0:

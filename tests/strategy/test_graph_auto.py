@@ -8,14 +8,14 @@ import pytest
 import torch
 from meta_trainer import MetaLM, TokenBatches
 
-from lightning_pipedream.strategy.graph_path import (
+from lightning_pipedream.strategy.setup.graph_path import (
     auto_plan_graph,
     graph_auto_profile,
     plan_graph,
     refuse_ties_with_replicas,
 )
-from lightning_pipedream.strategy.options import PipelineOptions
-from lightning_pipedream.strategy.placement import Placement
+from lightning_pipedream.strategy.setup.options import PipelineOptions
+from lightning_pipedream.strategy.setup.placement import Placement
 
 
 @pytest.mark.parametrize(("world", "layout"), [(4, {"stages": 2}), (3, {"replicas": [2, 1]})])

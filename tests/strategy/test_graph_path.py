@@ -227,7 +227,7 @@ def test_a_zb_v_checkpoint_of_a_hugging_face_model_resumes_on_another_schedule(t
 
 
 def test_a_traced_graphs_sharded_checkpoint_holds_and_restores_the_full_ones_state(trained):
-    from lightning_pipedream.strategy.sharded_checkpoint import consolidate
+    from lightning_pipedream.strategy.checkpoints.sharded_checkpoint import consolidate
 
     full = torch.load(trained / "hf" / "pipe" / "final.ckpt", weights_only=False, map_location="cpu")
     sharded = consolidate(str(trained / "hf_sharded" / "final.ckpt"))

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pipedream.strategy.checkpoint import OptimizerLayout
-from lightning_pipedream.strategy.logs import LogRecorder
+from lightning_pipedream.strategy.checkpoints.checkpoint import OptimizerLayout
+from lightning_pipedream.strategy.reporting.logs import LogRecorder
 
 
 class Net(L.LightningModule):

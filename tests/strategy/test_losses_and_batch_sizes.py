@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_pipedream.runtime.execution.engine import PipelineEngine
 from lightning_pipedream.runtime.execution.shares import BatchShares
 from lightning_pipedream.schedule.builders import build_schedule, pipedream_drain
-from lightning_pipedream.strategy.checks import check_last_batch_fits
+from lightning_pipedream.strategy.setup.checks import check_last_batch_fits
 
 
 def lm_batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,9 +96,9 @@ def test_weights_tied_across_stages_are_refused_where_they_cannot_run():
     import lightning as L
     from torch import nn
 
-    from lightning_pipedream.strategy.calls import shared_parameters
-    from lightning_pipedream.strategy.placement import Placement
-    from lightning_pipedream.strategy.stage_pipeline import layer_ties
+    from lightning_pipedream.strategy.setup.calls import shared_parameters
+    from lightning_pipedream.strategy.setup.placement import Placement
+    from lightning_pipedream.strategy.setup.stage_pipeline import layer_ties
 
     class Tied(L.LightningModule):
         def __init__(self) -> None:

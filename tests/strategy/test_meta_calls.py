@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pipedream.strategy.calls import ForwardCall, MetaModuleCalledError, explaining_meta_calls
+from lightning_pipedream.strategy.setup.calls import ForwardCall, MetaModuleCalledError, explaining_meta_calls
 
 WORDS = (r"Net.training_step ran a module whose weights are on the meta device, outside the pipelined call "
          r"\((NotImplementedError|RuntimeError): .*meta.*\)\. Under PipeDreamStrategy a model built in "
@@ -59,7 +59,7 @@ def test_only_meta_failures_of_a_meta_built_module_are_reworded():
 
 @pytest.mark.multiprocess  # a forked child: see below
 def test_the_loss_s_memory_is_found_on_fake_tensors_and_the_module_left_as_it_was():
-    """strategy.graph_memory.loss_bytes runs the step after the model's call on fake tensors (what the memory model
+    """strategy.setup.graph_memory.loss_bytes runs the step after the model's call on fake tensors (what the memory model
     adds for the loss): what the step assigns there (a metric's state, a counter) is put back, logs go nowhere."""
     from lightning_pipedream.runtime.faults.launch import run_local
 
@@ -76,7 +76,7 @@ def check_the_loss_probe() -> None:
     import torchmetrics
 
     from lightning_pipedream.graph import capture
-    from lightning_pipedream.strategy.graph_memory import loss_bytes
+    from lightning_pipedream.strategy.setup.graph_memory import loss_bytes
 
     class Classifier(Net):
         def __init__(self) -> None:

@@ -7,8 +7,8 @@ import itertools
 import pytest
 
 from lightning_pipedream.schedule.specs import SCHEDULES, SPECS
-from lightning_pipedream.strategy import placement as placement_module
-from lightning_pipedream.strategy.placement import Placement, ProcessGroups
+from lightning_pipedream.strategy.setup import placement as placement_module
+from lightning_pipedream.strategy.setup.placement import Placement, ProcessGroups
 
 
 def all_ranks(schedule: str, world: int, **kwargs) -> list[Placement]:

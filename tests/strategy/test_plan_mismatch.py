@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lightning_pipedream.strategy.planning import plan_mismatch_words
+from lightning_pipedream.strategy.setup.planning import plan_mismatch_words
 
 
 def test_a_plan_for_another_model_names_the_counts_and_the_first_differing_layer():

@@ -22,11 +22,11 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pipedream.strategy import sharded_checkpoint
-from lightning_pipedream.strategy.checkpoint import CheckpointGather
-from lightning_pipedream.strategy.checkpoint_commands import export_hf
-from lightning_pipedream.strategy.checkpoint_commands import main as checkpoint_main
-from lightning_pipedream.strategy.sharded_checkpoint import (
+from lightning_pipedream.strategy.checkpoints import sharded_checkpoint
+from lightning_pipedream.strategy.checkpoints.checkpoint import CheckpointGather
+from lightning_pipedream.strategy.checkpoints.checkpoint_commands import export_hf
+from lightning_pipedream.strategy.checkpoints.checkpoint_commands import main as checkpoint_main
+from lightning_pipedream.strategy.checkpoints.sharded_checkpoint import (
     SHARDED_FROM,
     PipelineCheckpoints,
     consolidate,

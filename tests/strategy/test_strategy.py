@@ -26,7 +26,7 @@ from torch import nn
 from lightning_pipedream import PipeDreamStrategy
 from lightning_pipedream.schedule.actions import Op
 from lightning_pipedream.schedule.timeline import from_chrome_trace
-from lightning_pipedream.strategy.calls import find_layers
+from lightning_pipedream.strategy.setup.calls import find_layers
 
 pytestmark = pytest.mark.multiprocess  # starts several processes: not in the fast suite
 
@@ -439,7 +439,7 @@ def test_a_non_finite_output_stops_training_with_stage_layer_and_step_named(tmp_
 
 
 def test_non_finite_values_are_named():
-    from lightning_pipedream.strategy.checks import non_finite
+    from lightning_pipedream.strategy.setup.checks import non_finite
 
     assert non_finite((torch.ones(2), {"a": torch.tensor([1.0, float("inf")])})) == "inf"
     assert non_finite([torch.tensor([float("nan"), float("-inf")]), torch.arange(3)]) == "inf and nan"
@@ -459,7 +459,7 @@ def test_a_failing_replicated_stage_stops_every_rank_with_its_error(tmp_path):
 
 
 def test_a_stage_without_parameters_is_refused():
-    from lightning_pipedream.strategy.checks import check_stage_trains
+    from lightning_pipedream.strategy.setup.checks import check_stage_trains
 
     with pytest.raises(ValueError, match=r"Stage 1 of balance=\[2, 1, 2\] holds layers \['2'\], which have no trainable "
                                          r"parameters.*Choose a balance \(or fewer stages\)"):

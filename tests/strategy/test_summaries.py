@@ -8,8 +8,8 @@ from collections import deque
 import pytest
 import torch
 
-from lightning_pipedream.strategy import summaries as summaries_module
-from lightning_pipedream.strategy.summaries import LaggedSummaries, LoggedValue, StepSummary, SummaryChannel
+from lightning_pipedream.strategy.reporting import summaries as summaries_module
+from lightning_pipedream.strategy.reporting.summaries import LaggedSummaries, LoggedValue, StepSummary, SummaryChannel
 
 
 class Wire:

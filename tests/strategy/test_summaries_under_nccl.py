@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from lightning_pipedream.runtime.communication.p2p_model import DeadlockError, PointToPointModel
-from lightning_pipedream.strategy.consistency import RECORD_SLOTS
-from lightning_pipedream.strategy.summaries import LaggedSummaries, LoggedValue, StepSummary, SummaryChannel
+from lightning_pipedream.strategy.reporting.consistency import RECORD_SLOTS
+from lightning_pipedream.strategy.reporting.summaries import LaggedSummaries, LoggedValue, StepSummary, SummaryChannel
 
 RANKS, LAG, STEPS = 3, 2, 7
 

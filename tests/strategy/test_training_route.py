@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pipedream import PipeDreamStrategy
-from lightning_pipedream.strategy.training import Training
+from lightning_pipedream.strategy.training.training import Training
 
 
 class Logged(L.LightningModule):

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pipedream.strategy.updates import PipelineUpdates
+from lightning_pipedream.strategy.training.updates import PipelineUpdates
 
 
 def make(lr: float = 0.1):

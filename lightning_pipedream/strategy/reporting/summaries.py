@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_pipedream.runtime.faults.failures import pipeline_failures
-from lightning_pipedream.strategy.consistency import RECORD_SLOTS, check_records
+from lightning_pipedream.strategy.reporting.consistency import RECORD_SLOTS, check_records
 
 
 @dataclass(frozen=True)

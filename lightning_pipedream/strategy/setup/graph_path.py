@@ -19,12 +19,12 @@ from lightning_pipedream.runtime.faults.failures import from_rank_zero
 from lightning_pipedream.runtime.stages.graph_stage import CapturedStage
 from lightning_pipedream.runtime.stages.materialize import has_meta_tensors
 from lightning_pipedream.schedule.builders import rank_stages, stage_rank
-from lightning_pipedream.strategy.batches import EVALUATION_LOOP, STEP_OF, batch_shapes, first_batch
-from lightning_pipedream.strategy.calls import ForwardCall, SubmoduleCall, innermost_called_module
-from lightning_pipedream.strategy.graph_memory import loss_bytes, memory_profile
-from lightning_pipedream.strategy.options import PipelineOptions
-from lightning_pipedream.strategy.placement import Placement
-from lightning_pipedream.strategy.pretrained import StageWeights, refuse_pretrained_with_real_weights
+from lightning_pipedream.strategy.setup.batches import EVALUATION_LOOP, STEP_OF, batch_shapes, first_batch
+from lightning_pipedream.strategy.setup.calls import ForwardCall, SubmoduleCall, innermost_called_module
+from lightning_pipedream.strategy.setup.graph_memory import loss_bytes, memory_profile
+from lightning_pipedream.strategy.setup.options import PipelineOptions
+from lightning_pipedream.strategy.setup.placement import Placement
+from lightning_pipedream.strategy.setup.pretrained import StageWeights, refuse_pretrained_with_real_weights
 
 log = logging.getLogger("lightning_pipedream.strategy")
 
@@ -202,11 +202,11 @@ def predicted_memory(options: PipelineOptions, placement: Placement, module: Lig
                      loss: tuple[int, int] | None = None) -> list[dict] | None:
     """Each rank's predicted peak memory (``StageMemory.to_json``) for the split ``balance`` (layers per stage) of
     ``captured``, with ``estimate`` (of one micro-batch of ``chunks``) given the memory model's working sets on fake
-    tensors and ``loss``'s bytes (:func:`~lightning_pipedream.strategy.graph_memory.loss_bytes`); None (and a log line
-    saying why) where the model does not say: an optimizer of unknown state, shards, unequal replicas."""
+    tensors and ``loss``'s bytes (:func:`~lightning_pipedream.strategy.setup.graph_memory.loss_bytes`); None (and a
+    log line saying why) where the model does not say: an optimizer of unknown state, shards, unequal replicas."""
     from lightning_pipedream.graph.estimate import scaled_to_batch
     from lightning_pipedream.plan.memory import optimizer_kind, predict_memory, stage_bytes
-    from lightning_pipedream.strategy.checks import optimizers_unvalidated
+    from lightning_pipedream.strategy.setup.checks import optimizers_unvalidated
 
     try:
         optimizers, _ = optimizers_unvalidated(module)  # on the meta device: only its kind and groups are read

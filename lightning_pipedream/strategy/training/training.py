@@ -16,14 +16,14 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 
 from lightning_pipedream.runtime.faults.failures import pipeline_failures
-from lightning_pipedream.strategy.checks import refuse_guard_with_unequal_replicas
-from lightning_pipedream.strategy.divergence import Divergence, DivergenceGuard, DrainedWeights, Staleness
-from lightning_pipedream.strategy.logs import LogRecorder
-from lightning_pipedream.strategy.loss_scale import agreed_step, scaler_of
-from lightning_pipedream.strategy.options import PipelineOptions
-from lightning_pipedream.strategy.stage_pipeline import StagePipeline, clip_grad_by_norm, make_engine
-from lightning_pipedream.strategy.training_step import TrainingStep
-from lightning_pipedream.strategy.updates import PipelineDrain, PipelineUpdates
+from lightning_pipedream.strategy.reporting.logs import LogRecorder
+from lightning_pipedream.strategy.setup.checks import refuse_guard_with_unequal_replicas
+from lightning_pipedream.strategy.setup.options import PipelineOptions
+from lightning_pipedream.strategy.setup.stage_pipeline import StagePipeline, clip_grad_by_norm, make_engine
+from lightning_pipedream.strategy.training.divergence import Divergence, DivergenceGuard, DrainedWeights, Staleness
+from lightning_pipedream.strategy.training.loss_scale import agreed_step, scaler_of
+from lightning_pipedream.strategy.training.training_step import TrainingStep
+from lightning_pipedream.strategy.training.updates import PipelineDrain, PipelineUpdates
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,9 @@ from lightning_pipedream.runtime.communication.transport import transport_kind
 from lightning_pipedream.runtime.stages.sharding import SHARD_MODES, check_shard
 from lightning_pipedream.schedule.builders import check_schedule_options, v_virtual_stages
 from lightning_pipedream.schedule.specs import AUTO, ScheduleSpec, spec_of
-from lightning_pipedream.strategy.divergence import DEFAULT_FACTOR, ON_DIVERGENCE
+
+ON_DIVERGENCE = (None, "flush")  # the divergence guard (strategy/training/divergence.py): off, or back to 1f1b
+DEFAULT_FACTOR = 2.0  # the smoothed loss may rise to this many times its lowest before the guard steps in
 
 
 @dataclass(frozen=True)

@@ -8,19 +8,16 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
-from torch import Tensor
 
 from lightning_pipedream.runtime.execution.shares import BatchShares
 from lightning_pipedream.schedule.actions import Action
 from lightning_pipedream.schedule.builders import inference
-from lightning_pipedream.strategy.batches import batch_args, merge_outputs
-from lightning_pipedream.strategy.generation import generating_step
-from lightning_pipedream.strategy.logs import LogRecorder
-from lightning_pipedream.strategy.options import PipelineOptions
-from lightning_pipedream.strategy.stage_pipeline import StagePipeline
+from lightning_pipedream.strategy.inference.generation import generating_step
+from lightning_pipedream.strategy.reporting.logs import LogRecorder
+from lightning_pipedream.strategy.setup.batches import batch_args, merge_outputs, to_cpu
+from lightning_pipedream.strategy.setup.options import PipelineOptions
+from lightning_pipedream.strategy.setup.stage_pipeline import StagePipeline
 from lightning_pipedream.tree import map_tensors
-
-_CPU = torch.device("cpu")  # where outputs go before they travel pickled
 
 
 def evaluate(pipeline: StagePipeline, module: LightningModule, hook: str, args: tuple, kwargs: dict, *,
@@ -74,8 +71,3 @@ def _to_peer_rank(action: Action, rank_of_stage: list[int]) -> Action:
 
 def _no_update(action: Any) -> None:
     raise RuntimeError("An evaluation schedule contained an optimizer step.")
-
-
-def to_cpu(t: Tensor) -> Tensor:
-    """A detached copy on the CPU: what travels pickled between ranks."""
-    return t.detach().to(_CPU)

@@ -5,8 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor
 
 from lightning_pipedream.runtime.communication.microbatch import TensorTreeError, flatten, merge
 
@@ -63,3 +65,11 @@ def merge_outputs(values: list[Any]) -> Any:
         return merge(values)
     except (TensorTreeError, RuntimeError):  # not tensors, or shapes that differ beyond dim 0
         return values
+
+
+_CPU = torch.device("cpu")  # where outputs go before they travel pickled
+
+
+def to_cpu(t: Tensor) -> Tensor:
+    """A detached copy on the CPU: what travels pickled between ranks."""
+    return t.detach().to(_CPU)

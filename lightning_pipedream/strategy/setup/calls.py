@@ -10,7 +10,7 @@ import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
-from lightning_pipedream.strategy.logs import LogRecorder
+from lightning_pipedream.strategy.reporting.logs import LogRecorder
 
 
 class InputCaptured(BaseException):

@@ -14,21 +14,21 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 
 from lightning_pipedream.runtime.execution.shares import BatchShares
-from lightning_pipedream.strategy.calls import explaining_meta_calls, loss_of
-from lightning_pipedream.strategy.consistency import (
+from lightning_pipedream.strategy.reporting.consistency import (
     CHECK_EVERY,
     CHECK_EVERY_ASYNC,
     batch_record,
     check_epoch_start,
     is_due,
 )
-from lightning_pipedream.strategy.evaluation import to_cpu
-from lightning_pipedream.strategy.logs import LogRecorder
-from lightning_pipedream.strategy.loss_scale import scaled
-from lightning_pipedream.strategy.options import PipelineOptions
-from lightning_pipedream.strategy.stage_pipeline import StagePipeline
-from lightning_pipedream.strategy.summaries import StepSummary
-from lightning_pipedream.strategy.updates import PipelineUpdates
+from lightning_pipedream.strategy.reporting.logs import LogRecorder
+from lightning_pipedream.strategy.reporting.summaries import StepSummary
+from lightning_pipedream.strategy.setup.batches import to_cpu
+from lightning_pipedream.strategy.setup.calls import explaining_meta_calls, loss_of
+from lightning_pipedream.strategy.setup.options import PipelineOptions
+from lightning_pipedream.strategy.setup.stage_pipeline import StagePipeline
+from lightning_pipedream.strategy.training.loss_scale import scaled
+from lightning_pipedream.strategy.training.updates import PipelineUpdates
 from lightning_pipedream.tree import map_tensors
 
 TOKEN_MEAN_ADVICE = (
@@ -176,8 +176,9 @@ class TrainingStep:
         return [m for m in range(first, first + layout.input_replicas) if m % r == placement.replica_index]
 
     def _data_record(self) -> Tensor | None:
-        """The batch's fingerprint for the data check (strategy/consistency.py), sent with the step's summary; None
-        on the steps that skip it. At an epoch's first batch every rank of the pipeline compares them at once."""
+        """The batch's fingerprint for the data check (strategy/reporting/consistency.py), sent with the step's
+        summary; None on the steps that skip it. At an epoch's first batch every rank of the pipeline compares them at
+        once."""
         pipeline = self.pipeline
         placement = pipeline.placement
         if placement.num_stages == 1:

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-ON_DIVERGENCE = (None, "flush")
-DEFAULT_FACTOR = 2.0  # the smoothed loss may rise to this many times its lowest before the guard steps in
+from lightning_pipedream.strategy.setup.options import DEFAULT_FACTOR
+
 SMOOTHING = 0.9  # the smoothed loss: an exponential moving average, this much of the old value per step
 WARMUP = 4  # losses after which the guard may step in for a rise (a non-finite loss trips it at once)
 

@@ -20,7 +20,7 @@ import shutil
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -35,10 +35,33 @@ from lightning_pipedream.runtime.stages.named_tensors import (
     write_named,
 )
 from lightning_pipedream.runtime.stages.sharding import sharded_model_state
-from lightning_pipedream.strategy.checkpoint import load_own_share, remove_stale_temporaries
+from lightning_pipedream.strategy.checkpoints.checkpoint import (
+    CheckpointGather,
+    OptimizerLayout,
+    load_own_share,
+    remove_stale_temporaries,
+)
 
-if TYPE_CHECKING:
-    from lightning_pipedream.strategy.stage_pipeline import StagePipeline
+
+class StagePipeline(Protocol):
+    """What a checkpoint reads of setup's :class:`~lightning_pipedream.strategy.setup.stage_pipeline.StagePipeline`
+    (checkpoints sit below setup, which builds the pipeline with its :class:`CheckpointGather`)."""
+
+    @property
+    def module(self) -> torch.nn.Module: ...
+    @property
+    def checkpoint(self) -> CheckpointGather: ...
+    @property
+    def optimizer_layouts(self) -> list[OptimizerLayout]: ...
+    @property
+    def local_names(self) -> dict[int, str]: ...
+    @property
+    def graph(self) -> Any: ...  # a GraphPath, or None: the module is one nn.Sequential
+    @property
+    def shard(self) -> str | None: ...
+    def state_share(self, is_global_zero: bool, gather: bool = True) -> dict[str, Tensor]: ...
+    def optimizer_state(self, optimizer: torch.optim.Optimizer, index: int) -> dict[str, Tensor]: ...
+    def load_optimizer_states(self, optimizers: list[torch.optim.Optimizer], states: list[dict]) -> None: ...
 
 CHECKPOINT_MODES = ("auto", "sharded", "full")
 SHARDED_FROM = 2**30  # checkpoint="auto": a model whose state dict has this many bytes or more saves sharded

@@ -19,7 +19,7 @@ import sys
 import torch
 
 from lightning_pipedream.runtime.stages.named_tensors import empty_targets, read_named, saved_entries
-from lightning_pipedream.strategy.sharded_checkpoint import MODEL, consolidate, read_meta
+from lightning_pipedream.strategy.checkpoints.sharded_checkpoint import MODEL, consolidate, read_meta
 
 HF_FILES = ("config.json", "generation_config.json")
 

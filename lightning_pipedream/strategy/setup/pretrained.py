@@ -20,7 +20,7 @@ from lightning_pipedream.runtime.stages.loading import (
     module_names,
 )
 from lightning_pipedream.runtime.stages.materialize import keep_meta_tensors, materialize
-from lightning_pipedream.strategy.options import PipelineOptions
+from lightning_pipedream.strategy.setup.options import PipelineOptions
 
 log = logging.getLogger("lightning_pipedream.strategy")
 

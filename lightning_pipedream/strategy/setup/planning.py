@@ -16,9 +16,9 @@ from torch import nn
 from lightning_pipedream.plan.balance import check_balance, check_chunk_count, check_stage_count, even_balance
 from lightning_pipedream.runtime.faults.failures import from_rank_zero
 from lightning_pipedream.runtime.stages.materialize import balance_by_parameters, has_meta_tensors
-from lightning_pipedream.strategy.batches import first_batch
-from lightning_pipedream.strategy.calls import SequentialCall
-from lightning_pipedream.strategy.options import PipelineOptions
+from lightning_pipedream.strategy.setup.batches import first_batch
+from lightning_pipedream.strategy.setup.calls import SequentialCall
+from lightning_pipedream.strategy.setup.options import PipelineOptions
 
 log = logging.getLogger("lightning_pipedream.strategy")
 

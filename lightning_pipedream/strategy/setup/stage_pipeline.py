@@ -36,27 +36,27 @@ from lightning_pipedream.runtime.stages.sharding import (
 )
 from lightning_pipedream.runtime.stages.ties import TiedParameters
 from lightning_pipedream.schedule.builders import rank_stages
-from lightning_pipedream.strategy.calls import (
+from lightning_pipedream.strategy.checkpoints.checkpoint import CheckpointGather, OptimizerLayout
+from lightning_pipedream.strategy.reporting.summaries import LaggedFromSources, LaggedSummaries, SummaryChannel
+from lightning_pipedream.strategy.setup.calls import (
     Elsewhere,
     ForwardCall,
     SequentialCall,
     find_layers,
     shared_parameters,
 )
-from lightning_pipedream.strategy.checkpoint import CheckpointGather, OptimizerLayout
-from lightning_pipedream.strategy.checks import (
+from lightning_pipedream.strategy.setup.checks import (
     FiniteChecks,
     check_stage_trains,
     optimizers_unvalidated,
     refuse_minibatches_with_replicas,
     sharded_param_dtype,
 )
-from lightning_pipedream.strategy.graph_path import GraphPath
-from lightning_pipedream.strategy.options import PipelineOptions
-from lightning_pipedream.strategy.placement import Placement, ProcessGroups
-from lightning_pipedream.strategy.planning import LayerPlanner
-from lightning_pipedream.strategy.pretrained import StageWeights, refuse_pretrained_with_real_weights
-from lightning_pipedream.strategy.summaries import LaggedFromSources, LaggedSummaries, SummaryChannel
+from lightning_pipedream.strategy.setup.graph_path import GraphPath
+from lightning_pipedream.strategy.setup.options import PipelineOptions
+from lightning_pipedream.strategy.setup.placement import Placement, ProcessGroups
+from lightning_pipedream.strategy.setup.planning import LayerPlanner
+from lightning_pipedream.strategy.setup.pretrained import StageWeights, refuse_pretrained_with_real_weights
 
 log = logging.getLogger(__name__)
 
@@ -235,7 +235,7 @@ def choose_automatically(options: PipelineOptions, ranks: Ranks, trainer: Traine
     from lightning_pipedream.plan.memory import optimizer_kind
 
     if found is None:  # the graph path: traced; equal replicas (data-parallel pipelines) only
-        from lightning_pipedream.strategy.graph_path import auto_plan_graph
+        from lightning_pipedream.strategy.setup.graph_path import auto_plan_graph
 
         arguments, plan = auto_plan_graph(options, trainer, module, batch_to_device, ranks.devices_per_node,
                                           ranks.num_nodes, optimizer_kind(optimizers[0]) if optimizers else "adam",

@@ -12,7 +12,7 @@ import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor
 
-from lightning_pipedream.strategy.summaries import LoggedValue
+from lightning_pipedream.strategy.reporting.summaries import LoggedValue
 
 _LOG_SIGNATURE = inspect.signature(LightningModule.log)
 

@@ -11,7 +11,7 @@ from lightning.pytorch.core.optimizer import _configure_optimizers
 from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 
-from lightning_pipedream.strategy.placement import Placement
+from lightning_pipedream.strategy.setup.placement import Placement
 from lightning_pipedream.tree import tensors
 
 
@@ -68,7 +68,7 @@ def sharded_param_dtype(precision: str, shard: str) -> torch.dtype | None:
     """The dtype sharded stages gather their parameters in under Lightning's ``precision``: bfloat16 under
     ``bf16-mixed`` (FSDP2's mixed precision, with float32 shards, gradient sums and optimizer state; Lightning's
     autocast stays on), the parameters' own dtype otherwise (``16-mixed`` too: float32 shards under Lightning's
-    autocast; every replica agrees on an overflow, see strategy/loss_scale.py)."""
+    autocast; every replica agrees on an overflow, see strategy/training/loss_scale.py)."""
     return torch.bfloat16 if precision == "bf16-mixed" else None
 
 

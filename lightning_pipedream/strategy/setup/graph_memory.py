@@ -22,7 +22,7 @@ from torch import Tensor
 from torch.fx import Node
 from torch.utils import _pytree as pytree
 
-from lightning_pipedream.strategy.calls import ForwardCall, loss_of
+from lightning_pipedream.strategy.setup.calls import ForwardCall, loss_of
 
 log = logging.getLogger("lightning_pipedream.strategy")
 

@@ -1,0 +1,2 @@
+"""Validation, test, predict and generation through the pipeline; may import ``setup``, ``checkpoints`` and
+``reporting``."""
