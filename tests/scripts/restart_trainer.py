@@ -1,0 +1,167 @@
+"""A run that a kill interrupts and torchrun restarts: `torchrun ... restart_trainer.py OUT JSON_OPTIONS`.
+
+Options: schedule ("1f1b" or "pipedream"), checkpoint ("full" or "sharded"), max_steps, every (ModelCheckpoint's
+every_n_train_steps), and kill: {"rank": r, "step": s, "during": "step" | "transfer" | "save"} (first attempt only,
+TORCHELASTIC_RESTART_COUNT 0): SIGKILL, so no handler of this process runs:
+
+- "step": rank r, right after training step s ended (``on_train_batch_end`` with global_step s);
+- "transfer": rank r, in the middle of step s + 1, just after it posted a point-to-point send or receive;
+- "save": rank r, in the middle of the checkpoint save at global step s (sharded: after its own share is written and
+  before the directory is complete; full: rank 0 only writes, after serializing and before the file is in place).
+
+Every attempt fits with ``ckpt_path="last"`` and a torchdata StatefulDataLoader (shuffled), so the resumed run reads
+the rest of the interrupted epoch. At the end, each rank writes ``final_rank{r}.pt``: its stage's weights, its
+optimizer's state and the global step, for the test to compare with an uninterrupted run's. Each attempt appends
+one line to ``attempts_rank{r}.txt``: the restart count and the global step it resumed at.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))  # the libraries the tests share
+from script_runs import exit_without_final_collections, refuse_unused, trainer_args  # noqa: E402
+from tiny import SequentialClassifier, data, mlp  # noqa: E402
+from torch.utils.data import RandomSampler
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from lightning_pipedream import PipeDreamStrategy
+
+ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def die() -> None:
+    """SIGKILL this process: no handler, no flush, no goodbye to the peers (as the out-of-memory killer does)."""
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Model(SequentialClassifier):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = mlp(16, 2)
+
+    def configure_optimizers(self) -> Any:  # momentum: optimizer state that a resume must restore
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+class Kill(L.Callback):
+    """Kills rank ``rank`` of the first attempt at step ``step`` (see the module's docstring for ``during``)."""
+
+    def __init__(self, rank: int, step: int, during: str) -> None:
+        self.rank, self.step, self.during = rank, step, during
+
+    def _armed(self, trainer: L.Trainer) -> bool:
+        return ATTEMPT == 0 and trainer.global_rank == self.rank
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if not self._armed(trainer) or trainer.global_step != self.step:
+            return
+        if self.during == "step":
+            die()
+        if self.during == "transfer":
+            arm_transfer_kill()
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.during == "save" and self._armed(trainer):
+            arm_save_kill(trainer, self.step)
+
+
+def arm_transfer_kill() -> None:
+    """The next point-to-point operation this rank posts is its last: it dies once the operation is under way."""
+    import torch.distributed as dist
+
+    def posted_then_killed(original: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            work = original(*args, **kwargs)
+            die()
+            return work
+        return call
+
+    for name in ("isend", "irecv", "batch_isend_irecv"):
+        setattr(dist, name, posted_then_killed(getattr(dist, name)))
+        if hasattr(dist.distributed_c10d, name):
+            setattr(dist.distributed_c10d, name, posted_then_killed(getattr(dist.distributed_c10d, name)))
+
+
+def arm_save_kill(trainer: L.Trainer, step: int) -> None:
+    """This rank dies inside the save at ``step``: sharded, once its own share is on disk; full, once the file is
+    serialized but before it is in place."""
+    from lightning.fabric.plugins.io import torch_io
+
+    from lightning_pipedream.strategy import sharded_checkpoint
+
+    write_named = sharded_checkpoint.write_named
+
+    def write_then_die(named: Any, path: str) -> None:
+        write_named(named, path)
+        if trainer.global_step == step:
+            die()
+
+    sharded_checkpoint.write_named = write_then_die  # type: ignore[assignment]
+    atomic_save = torch_io._atomic_save
+
+    def serialize_then_die(checkpoint: Any, filepath: Any) -> None:
+        if trainer.global_step == step:
+            torch.save(checkpoint, os.devnull)
+            die()
+        atomic_save(checkpoint, filepath)
+
+    torch_io._atomic_save = serialize_then_die  # type: ignore[assignment]
+
+
+class Record(L.Callback):
+    """Each attempt's start (``attempts_rank{r}.txt``) and each rank's end state (``final_rank{r}.pt``)."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        with open(os.path.join(self.out, f"attempts_rank{trainer.global_rank}.txt"), "a") as f:
+            f.write(f"{ATTEMPT} {trainer.global_step}\n")
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        optimizer = trainer.optimizers[0]
+        raw = getattr(optimizer, "_optimizer", optimizer)
+        state = {"weights": {k: v.detach().clone() for k, v in pl_module.state_dict().items()},
+                 "optimizer": {i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+                               for i, s in enumerate(raw.state[p] for g in raw.param_groups for p in g["params"])},
+                 "global_step": trainer.global_step}
+        torch.save(state, os.path.join(self.out, f"final_rank{trainer.global_rank}.pt"))
+
+
+def main() -> None:
+    out, options = sys.argv[1], json.loads(sys.argv[2])
+    os.environ.setdefault("LIGHTNING_PIPEDREAM_FLIGHT_RECORDER", os.path.join(out, "flight"))
+    L.seed_everything(0, verbose=False)
+    schedule = options.pop("schedule", "1f1b")
+    kill = options.pop("kill", None)
+    callbacks: list[L.Callback] = [
+        L.pytorch.callbacks.ModelCheckpoint(dirpath=os.path.join(out, "checkpoints"), save_last=True,
+                                            every_n_train_steps=options.pop("every", 8)),
+        Record(out)]
+    if kill is not None:
+        callbacks.append(Kill(kill["rank"], kill["step"], kill["during"]))
+    # Shuffled by Lightning's sampler (seeded, a new order each epoch); the loader resumes mid-epoch.
+    dataset = data(64)
+    loader = StatefulDataLoader(dataset, batch_size=4, sampler=RandomSampler(dataset))
+    trainer = L.Trainer(**trainer_args(
+        devices=options.pop("devices", 2), max_steps=options.pop("max_steps", 40), callbacks=callbacks,
+        enable_checkpointing=True,
+        strategy=PipeDreamStrategy(schedule=schedule, chunks=1 if schedule == "pipedream" else 2,
+                                   checkpoint=options.pop("checkpoint", "full")),
+    ))
+    refuse_unused(options)
+    trainer.fit(Model(), loader, ckpt_path="last")
+
+
+if __name__ == "__main__":
+    exit_without_final_collections()
+    main()
