@@ -61,6 +61,7 @@ from lightning_pipedream.strategy.setup.stage_pipeline import (
     keep_parameters,
 )
 from lightning_pipedream.strategy.training.divergence import Divergence
+from lightning_pipedream.strategy.training.resume import prepare_training_loader
 from lightning_pipedream.strategy.training.training import Training, drain_before_callbacks
 
 log = logging.getLogger(__name__)
@@ -418,6 +419,9 @@ class PipeDreamStrategy(DDPStrategy):
         sampler = getattr(dataloader, "sampler", None)
         if isinstance(sampler, DistributedSamplerWrapper) and sampler.shuffle:
             sampler.shuffle = False
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and trainer.training:  # a resumed run reads the rest of its epoch in that epoch's order
+            prepare_training_loader(dataloader, trainer)
         return dataloader
 
     @override

@@ -127,6 +127,11 @@ class Record(L.Callback):
         with open(os.path.join(self.out, f"attempts_rank{trainer.global_rank}.txt"), "a") as f:
             f.write(f"{ATTEMPT} {trainer.global_step}\n")
 
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        with open(os.path.join(self.out, f"batches_rank{trainer.global_rank}.txt"), "a") as f:
+            f.write(f"{ATTEMPT} {trainer.global_step} {batch_idx} {batch[1].tolist()}\n")
+
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         optimizer = trainer.optimizers[0]
         raw = getattr(optimizer, "_optimizer", optimizer)

@@ -31,10 +31,64 @@ def rendezvous_store(address: str, port: int, rank: int, world_size: int, timeou
     system, a queue). The store's own operations then wait at most ``timeout``, as the process group's do: a short
     pipeline timeout bounds the pipeline's waits, never the start."""
     timeout = timeout if timeout is not None else RENDEZVOUS_TIMEOUT
+    waited = max(timeout, rendezvous_timeout)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = address, str(port)
-    store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=max(timeout, rendezvous_timeout)))
+    store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=waited))
+    attempt = join_attempt(store, rank, world_size, waited)
     store.set_timeout(timeout)
-    return dist.PrefixStore("default_pg", store)  # the prefix torch's own rendezvous gives (a shared store's keys)
+    # torch's own prefix (a shared store's keys), then this attempt's: a restarted run never reads the keys of the
+    # attempt before it (the gloo addresses of ranks that are gone, the failure reports in the mailboxes).
+    return dist.PrefixStore(f"default_pg/attempt-{attempt}", store)
+
+
+ATTEMPT_KEYS = "lightning_pipedream/attempt/"
+_POLL = 0.05  # seconds between two looks at the store while the attempt is agreed (a few round trips per rank)
+
+
+def join_attempt(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> str:
+    """A name every rank of this start of the run agrees on and no earlier start had: its keys' prefix.
+
+    torchrun keeps one store for all the attempts of a job (the static rendezvous's and the c10d one's alike), and
+    the keys of an attempt that a kill ended stay in it. ``TORCHELASTIC_RESTART_COUNT`` cannot tell attempts apart
+    by itself: under the c10d rendezvous on several nodes, an agent whose workers were still healthy restarts them
+    without counting a restart, so two nodes' counts can differ within one attempt. So rank 0 draws a fresh random
+    name and hands it to every rank, and each rank proves it read this attempt's: rank 0 answers each rank with the
+    fresh number that rank wrote (an old answer cannot hold it), and waits until each rank echoes its name (an old
+    echo cannot hold it). Every wait outlasts a late rank as the rendezvous does (``timeout``)."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if rank == 0:
+        name = f"{restart}-{os.urandom(8).hex()}"
+        pending = set(range(1, world_size))
+        while pending:
+            for peer in sorted(pending):
+                if not store.check([f"{ATTEMPT_KEYS}member/{peer}"]):
+                    continue
+                store.set(f"{ATTEMPT_KEYS}answer/{peer}", f"{name} {store.get(f'{ATTEMPT_KEYS}member/{peer}').decode()}")
+                if store.check([f"{ATTEMPT_KEYS}echo/{peer}"]) and \
+                        store.get(f"{ATTEMPT_KEYS}echo/{peer}").decode() == name:
+                    pending.discard(peer)
+            _wait_or_give_up(deadline, pending, "rank 0 waited for ranks {} to join")
+        return name
+    mine = os.urandom(8).hex()
+    store.set(f"{ATTEMPT_KEYS}member/{rank}", mine)
+    while True:
+        if store.check([f"{ATTEMPT_KEYS}answer/{rank}"]):
+            name, echoed = store.get(f"{ATTEMPT_KEYS}answer/{rank}").decode().split(" ")
+            if echoed == mine:
+                store.set(f"{ATTEMPT_KEYS}echo/{rank}", name)
+                return name
+        _wait_or_give_up(deadline, {0}, f"rank {rank} waited for rank {{}} to answer")
+
+
+def _wait_or_give_up(deadline: float, waited_for: set[int], words: str) -> None:
+    if not waited_for:
+        return
+    if time.monotonic() > deadline:
+        raise TimeoutError(f"The rendezvous did not complete: {words.format(sorted(waited_for))} until the rendezvous "
+                           "timeout. Start every rank of the run (the same WORLD_SIZE, MASTER_ADDR and MASTER_PORT), "
+                           "or raise the rendezvous timeout if a rank starts this late.")
+    time.sleep(_POLL)
 
 
 class RankFailedError(RuntimeError):
