@@ -182,3 +182,53 @@ def _start_rank(out: Path, options: dict, rank: int, world: int, port: int) -> A
     argv = [sys.executable, str(SETUP_FAULT_TRAINER), str(out), json.dumps(options)]
     with (out / f"stderr_rank{rank}.txt").open("w") as err:
         return start_group(argv, out, env, err)
+
+
+RESTART_TRAINER = Path(__file__).resolve().parents[1] / "scripts" / "restart_trainer.py"
+TORCHRUN_LIMIT = 400.0  # seconds a torchrun job with one restart may take in all: an outer limit only a hang reaches
+
+
+def torchrun_job(out: Path, options: dict | None = None, nproc: int = 2, nodes: int = 1, rendezvous: str = "static",
+                 max_restarts: int = 1, runs: list[tuple[Path, dict]] | None = None,
+                 limit: float = TORCHRUN_LIMIT) -> tuple[list[int], str]:
+    """restart_trainer.py under torchrun as a user starts it: ``nodes`` agents on loopback ("nodes", ``nproc``
+    processes each), ``--max-restarts max_restarts``, the static rendezvous (``--master-port``) or the c10d one
+    (``--rdzv-endpoint``). ``options`` (a kill among them: see the script) for one run, or ``runs`` for several in the
+    same processes. Returns each agent's exit code and their stderr, one after the other. Every process of the job
+    must end within ``limit`` s: a hung one is killed with its group, and fails the test."""
+    out.mkdir(parents=True, exist_ok=True)
+    if runs is not None:
+        (out / "runs.json").write_text(json.dumps([[str(o), opts] for o, opts in runs]))
+        args = ["--runs", str(out / "runs.json")]
+    else:
+        args = [str(out), json.dumps(options or {})]
+    port = free_port()
+    env = script_env(MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    for name in ("MASTER_ADDR", "RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK"):
+        env.pop(name, None)  # torchrun's to set, not this worker's
+    launch = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--nproc-per-node={nproc}",
+              f"--max-restarts={max_restarts}", "--monitor-interval=0.1"]
+    if rendezvous == "c10d":
+        launch += ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=job-{port}"]
+    agents, logs = [], []
+    try:
+        for node in range(nodes):
+            node_args = [] if rendezvous == "c10d" else [f"--node-rank={node}", "--master-addr=127.0.0.1",
+                                                          f"--master-port={port}"]
+            logs.append(out / f"torchrun_node{node}.txt")
+            with logs[-1].open("w") as err:
+                agents.append(start_group([*launch, *node_args, str(RESTART_TRAINER), *args], out, env, err))
+        deadline = time.monotonic() + limit
+        while any(a.live() for a in agents) and time.monotonic() < deadline:
+            for a in agents:
+                a.poll()
+            time.sleep(0.2)
+        left = [pid for a in agents for pid in a.live()]
+    finally:
+        for a in agents:
+            if a.live():
+                a.kill_group()
+            a.wait()
+    text = "\n".join(log.read_text() for log in logs)
+    assert not left, f"processes of the torchrun job left after {limit} s: {left}\n{text[-6000:]}"
+    return [a.returncode for a in agents], text

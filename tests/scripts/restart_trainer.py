@@ -1,8 +1,8 @@
 """A run that a kill interrupts and torchrun restarts: `torchrun ... restart_trainer.py OUT JSON_OPTIONS`.
 
 Options: schedule ("1f1b" or "pipedream"), checkpoint ("full" or "sharded"), max_steps, every (ModelCheckpoint's
-every_n_train_steps), and kill: {"rank": r, "step": s, "during": "step" | "transfer" | "save"} (first attempt only,
-TORCHELASTIC_RESTART_COUNT 0): SIGKILL, so no handler of this process runs:
+every_n_train_steps), and kill: {"rank": r, "step": s, "during": "step" | "transfer" | "save"} (once a job: the kill
+leaves the file ``killed``): SIGKILL, so no handler of this process runs:
 
 - "step": rank r, right after training step s ended (``on_train_batch_end`` with global_step s);
 - "transfer": rank r, in the middle of step s + 1, just after it posted a point-to-point send or receive;
@@ -12,7 +12,8 @@ TORCHELASTIC_RESTART_COUNT 0): SIGKILL, so no handler of this process runs:
 Every attempt fits with ``ckpt_path="last"`` and a torchdata StatefulDataLoader (shuffled), so the resumed run reads
 the rest of the interrupted epoch. At the end, each rank writes ``final_rank{r}.pt``: its stage's weights, its
 optimizer's state and the global step, for the test to compare with an uninterrupted run's. Each attempt appends
-one line to ``attempts_rank{r}.txt``: the restart count and the global step it resumed at.
+one line to ``attempts_rank{r}.txt``: the restart count and the global step it resumed at; each step a line to
+``batches_rank{r}.txt`` (attempt, global step, batch index, targets).
 """
 
 from __future__ import annotations
@@ -36,10 +37,15 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from lightning_pipedream import PipeDreamStrategy
 
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+OUT = "."  # the run's folder (main sets it)
+
+
+KILLED = "killed"  # the file a kill leaves in the run's folder: one kill per job, whichever attempt counts what
 
 
 def die() -> None:
     """SIGKILL this process: no handler, no flush, no goodbye to the peers (as the out-of-memory killer does)."""
+    open(os.path.join(OUT, KILLED), "w").close()
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -59,7 +65,7 @@ class Kill(L.Callback):
         self.rank, self.step, self.during = rank, step, during
 
     def _armed(self, trainer: L.Trainer) -> bool:
-        return ATTEMPT == 0 and trainer.global_rank == self.rank
+        return not os.path.exists(os.path.join(OUT, KILLED)) and trainer.global_rank == self.rank
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         if not self._armed(trainer) or trainer.global_step != self.step:
@@ -143,7 +149,10 @@ class Record(L.Callback):
 
 
 def main() -> None:
+    global OUT
     out, options = sys.argv[1], json.loads(sys.argv[2])
+    OUT = out
+    os.makedirs(out, exist_ok=True)
     os.environ.setdefault("LIGHTNING_PIPEDREAM_FLIGHT_RECORDER", os.path.join(out, "flight"))
     L.seed_everything(0, verbose=False)
     schedule = options.pop("schedule", "1f1b")
@@ -155,12 +164,12 @@ def main() -> None:
     if kill is not None:
         callbacks.append(Kill(kill["rank"], kill["step"], kill["during"]))
     # Shuffled by Lightning's sampler (seeded, a new order each epoch); the loader resumes mid-epoch.
-    dataset = data(64)
+    dataset = data(60)  # 15 batches an epoch: no checkpoint at an epoch's last batch (see docs/strategy.md)
     loader = StatefulDataLoader(dataset, batch_size=4, sampler=RandomSampler(dataset))
     trainer = L.Trainer(**trainer_args(
         devices=options.pop("devices", 2), max_steps=options.pop("max_steps", 40), callbacks=callbacks,
         enable_checkpointing=True,
-        strategy=PipeDreamStrategy(schedule=schedule, chunks=1 if schedule == "pipedream" else 2,
+        strategy=PipeDreamStrategy(schedule=schedule, chunks=1 if schedule == "pipedream" else 2, balance=[4, 3],
                                    checkpoint=options.pop("checkpoint", "full")),
     ))
     refuse_unused(options)
@@ -169,4 +178,9 @@ def main() -> None:
 
 if __name__ == "__main__":
     exit_without_final_collections()
-    main()
+    if sys.argv[1] == "--runs":  # several runs one after the other in the same processes (the references)
+        for out, options in json.load(open(sys.argv[2])):
+            sys.argv[1:] = [out, json.dumps(options)]
+            main()
+    else:
+        main()

@@ -1,0 +1,70 @@
+"""Kill anywhere, lose nothing: a rank SIGKILLed under torchrun with restarts comes back by itself, resumes from the
+newest complete checkpoint, and ends with the weights, optimizer state and global step of a run nobody killed.
+
+Each case is one torchrun job of 2 processes (tests/scripts/restart_trainer.py, 15 batches an epoch, a checkpoint
+every 8 steps, ``fit(ckpt_path="last")``, a StatefulDataLoader); the uninterrupted runs are one job of their own.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from fault_runs import torchrun_job
+
+MAX_STEPS = 30
+
+# name: (schedule, checkpoint, kill, rendezvous, nodes, the step the restarted run resumes at)
+CASES = {
+    # the issue's scenario: one rank killed after step 21 resumes from step 16 (mid-epoch 1)
+    "1f1b_full_kill_after_step": ("1f1b", "full", {"rank": 1, "step": 21, "during": "step"}, "static", 1, 16),
+    "pipedream_sharded_kill_in_transfer": ("pipedream", "sharded", {"rank": 0, "step": 21, "during": "transfer"},
+                                           "c10d", 1, 16),
+    # a kill inside the save at step 24: the restart resumes from the previous complete checkpoint (16)
+    "pipedream_sharded_kill_in_save": ("pipedream", "sharded", {"rank": 1, "step": 24, "during": "save"},
+                                       "static", 1, 16),
+    "1f1b_full_kill_in_save": ("1f1b", "full", {"rank": 0, "step": 24, "during": "save"}, "static", 1, 16),
+    # two "nodes" of one process each on loopback, the c10d rendezvous
+    "1f1b_two_nodes_c10d": ("1f1b", "full", {"rank": 1, "step": 21, "during": "step"}, "c10d", 2, 16),
+}
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory) -> dict[str, Path]:
+    """The runs nobody killed, one per schedule, in the same processes of one torchrun job."""
+    root = tmp_path_factory.mktemp("uninterrupted")
+    runs = {schedule: root / schedule for schedule in ("1f1b", "pipedream")}
+    codes, text = torchrun_job(root, runs=[(out, {"schedule": s, "max_steps": MAX_STEPS}) for s, out in runs.items()],
+                               max_restarts=0)
+    assert codes == [0], text[-6000:]
+    return runs
+
+
+def assert_equal_ends(run: Path, reference: Path) -> None:
+    for rank in (0, 1):
+        got = torch.load(run / f"final_rank{rank}.pt")
+        want = torch.load(reference / f"final_rank{rank}.pt")
+        assert got["global_step"] == want["global_step"] == MAX_STEPS
+        assert got["weights"].keys() == want["weights"].keys()
+        for name, tensor in want["weights"].items():
+            assert torch.equal(got["weights"][name], tensor), f"rank {rank}: {name} differs"
+        assert got["optimizer"].keys() == want["optimizer"].keys()
+        for index, state in want["optimizer"].items():
+            for key, value in state.items():
+                assert torch.equal(torch.as_tensor(got["optimizer"][index][key]), torch.as_tensor(value)), \
+                    f"rank {rank}: optimizer state {key} of parameter {index} differs"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_killed_rank_comes_back_and_the_run_ends_as_if_never_killed(tmp_path, references, case):
+    schedule, checkpoint, kill, rendezvous, nodes, resumed_at = CASES[case]
+    codes, text = torchrun_job(tmp_path, {"schedule": schedule, "checkpoint": checkpoint, "kill": kill,
+                                          "max_steps": MAX_STEPS}, nproc=2 // nodes, nodes=nodes,
+                               rendezvous=rendezvous)
+    assert codes == [0] * nodes, text[-6000:]
+    # Two attempts on every rank: the first from scratch, the restart from the newest complete checkpoint.
+    for rank in (0, 1):
+        attempts = (tmp_path / f"attempts_rank{rank}.txt").read_text().split("\n")[:-1]
+        assert [line.split()[1] for line in attempts] == ["0", str(resumed_at)], (attempts, text[-6000:])
+    assert_equal_ends(tmp_path, references[schedule])
