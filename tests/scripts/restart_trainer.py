@@ -7,7 +7,7 @@ leaves the file ``killed``): SIGKILL, so no handler of this process runs:
 - "step": rank r, right after training step s ended (``on_train_batch_end`` with global_step s);
 - "transfer": rank r, in the middle of step s + 1, just after it posted a point-to-point send or receive;
 - "save": rank r, in the middle of the checkpoint save at global step s (sharded: after its own share is written and
-  before the directory is complete; full: rank 0 only writes, after serializing and before the file is in place).
+  before the directory is complete; full: rank 0 only writes, halfway through the file).
 
 Every attempt fits with ``ckpt_path="last"`` and a torchdata StatefulDataLoader (shuffled), so the resumed run reads
 the rest of the interrupted epoch. At the end, each rank writes ``final_rank{r}.pt``: its stage's weights, its
@@ -98,11 +98,10 @@ def arm_transfer_kill() -> None:
 
 
 def arm_save_kill(trainer: L.Trainer, step: int) -> None:
-    """This rank dies inside the save at ``step``: sharded, once its own share is on disk; full, once the file is
-    serialized but before it is in place."""
-    from lightning.fabric.plugins.io import torch_io
-
+    """This rank dies inside the save at ``step``: sharded, once its own share is on disk (the directory not yet
+    complete); full (rank 0 writes), halfway through writing the file."""
     from lightning_pipedream.strategy import sharded_checkpoint
+    from lightning_pipedream.strategy.checkpoint import AtomicCheckpointIO
 
     write_named = sharded_checkpoint.write_named
 
@@ -112,15 +111,15 @@ def arm_save_kill(trainer: L.Trainer, step: int) -> None:
             die()
 
     sharded_checkpoint.write_named = write_then_die  # type: ignore[assignment]
-    atomic_save = torch_io._atomic_save
+    write_file = AtomicCheckpointIO._write
 
-    def serialize_then_die(checkpoint: Any, filepath: Any) -> None:
+    def half_then_die(self: AtomicCheckpointIO, path: str, data: bytes) -> None:
         if trainer.global_step == step:
-            torch.save(checkpoint, os.devnull)
+            write_file(self, path, data[: len(data) // 2])
             die()
-        atomic_save(checkpoint, filepath)
+        write_file(self, path, data)
 
-    torch_io._atomic_save = serialize_then_die  # type: ignore[assignment]
+    AtomicCheckpointIO._write = half_then_die  # type: ignore[method-assign]
 
 
 class Record(L.Callback):

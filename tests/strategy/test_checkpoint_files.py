@@ -60,3 +60,30 @@ def test_a_killed_writers_temporary_file_goes_at_the_next_save(saved, tmp_path):
     AtomicCheckpointIO().save_checkpoint({"epoch": 4}, saved)
     assert not stale.exists() and fresh.exists() and alive.exists() and unrelated.exists()
     assert AtomicCheckpointIO().load_checkpoint(saved)["epoch"] == 4
+
+
+def test_a_checkpoint_moved_into_place_is_never_missing_and_an_unfinished_newer_save_is_named(tmp_path, caplog):
+    import logging
+    import time
+
+    from lightning_pipedream.strategy.checkpoint import say_skipped_saves, unfinished_saves
+    from lightning_pipedream.strategy.sharded_checkpoint import move_into_place
+
+    last = tmp_path / "last.ckpt"
+    last.mkdir()
+    (last / "meta.pt").write_text("old")
+    new = tmp_path / "last.ckpt.tmp-1"
+    new.mkdir()
+    (new / "meta.pt").write_text("new")
+    move_into_place(str(new), str(last))  # a directory over a directory: swapped, the old one removed
+    assert (last / "meta.pt").read_text() == "new" and not new.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+    assert unfinished_saves(str(last)) == []
+    time.sleep(0.05)
+    unfinished = tmp_path / "epoch=1-step=24.ckpt.tmp-7"  # a save a kill interrupted, after last.ckpt was written
+    unfinished.mkdir()
+    assert unfinished_saves(str(last)) == [str(unfinished)]
+    with caplog.at_level(logging.INFO, logger="lightning_pipedream"):
+        say_skipped_saves(str(last))
+    assert (f"Resuming from {last}, the newest complete checkpoint; 1 newer save(s) did not finish and are skipped: "
+            "epoch=1-step=24.ckpt.tmp-7") in caplog.text

@@ -62,11 +62,11 @@ def join_attempt(store: dist.Store, rank: int, world_size: int, timeout: timedel
         pending = set(range(1, world_size))
         while pending:
             for peer in sorted(pending):
-                if not store.check([f"{ATTEMPT_KEYS}member/{peer}"]):
+                member, echo = f"{ATTEMPT_KEYS}member/{peer}", f"{ATTEMPT_KEYS}echo/{peer}"
+                if not store.check([member]):
                     continue
-                store.set(f"{ATTEMPT_KEYS}answer/{peer}", f"{name} {store.get(f'{ATTEMPT_KEYS}member/{peer}').decode()}")
-                if store.check([f"{ATTEMPT_KEYS}echo/{peer}"]) and \
-                        store.get(f"{ATTEMPT_KEYS}echo/{peer}").decode() == name:
+                store.set(f"{ATTEMPT_KEYS}answer/{peer}", f"{name} {store.get(member).decode()}")
+                if store.check([echo]) and store.get(echo).decode() == name:
                     pending.discard(peer)
             _wait_or_give_up(deadline, pending, "rank 0 waited for ranks {} to join")
         return name

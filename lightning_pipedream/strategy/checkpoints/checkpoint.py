@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import io
+import logging
 import os
 import re
 import shutil
@@ -19,10 +20,13 @@ from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 
 from lightning_pipedream.runtime.faults.failures import pipeline_failures
 from lightning_pipedream.tree import map_tensors
+
+_log = logging.getLogger("lightning_pipedream")
 
 
 def _to_cpu(t: Tensor) -> Tensor:
@@ -214,6 +218,27 @@ def remove_stale_temporaries(directory: str) -> list[str]:
         except OSError:  # another process removed it, or it is not ours to remove
             continue
     return removed
+
+
+def unfinished_saves(path: str) -> list[str]:
+    """The saves beside checkpoint ``path`` that began after it was written and never finished (``*.tmp-<pid>``: a
+    file or a sharded directory that a kill left before it was renamed into place), newest last."""
+    directory = os.path.dirname(path) or "."
+    try:
+        written = os.path.getmtime(path)
+    except OSError:
+        return []
+    found = [c for c in glob.glob(os.path.join(glob.escape(directory), "*.tmp-*"))
+             if _TEMPORARY.match(os.path.basename(c)) and os.path.getmtime(c) > written]
+    return sorted(found, key=os.path.getmtime)
+
+
+def say_skipped_saves(path: str) -> None:
+    """Say in the log which newer saves a resume from ``path`` skips because they did not finish."""
+    skipped = unfinished_saves(path)
+    if skipped and rank_zero_only.rank == 0:  # every rank loads; one says it
+        _log.info("Resuming from %s, the newest complete checkpoint; %d newer save(s) did not finish and are skipped: "
+                  "%s", path, len(skipped), ", ".join(os.path.basename(s) for s in skipped))
 
 
 def _alive(pid: int) -> bool:

@@ -9,14 +9,17 @@ shards, each rank reading only the names it holds. Under ``shard=`` a name's ten
 replica's own piece with its offsets in the whole (the name and global shape as an unsharded save writes them), and
 read back into each replica's own piece from the saved pieces it overlaps: no replica holds its stage whole.
 ``python -m lightning_pipedream checkpoint consolidate`` turns it into one ordinary file (:func:`consolidate`). A save
-writes ``<path>.tmp-<pid>`` and renames it into place: a kill while saving leaves the previous checkpoint whole.
+writes ``<path>.tmp-<pid>`` and, once every rank's data and then the metadata are in it, swaps it into place: a kill
+while saving leaves the previous checkpoint whole, and a resume names the unfinished save it skipped.
 """
 
 from __future__ import annotations
 
+import ctypes
 import glob
 import os
 import shutil
+import sys
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -40,6 +43,7 @@ from lightning_pipedream.strategy.checkpoints.checkpoint import (
     OptimizerLayout,
     load_own_share,
     remove_stale_temporaries,
+    say_skipped_saves,
 )
 
 
@@ -216,7 +220,7 @@ class PipelineCheckpoints:
                             "optimizers": [layout.groups for layout in layouts],
                             "world_size": pipeline.checkpoint.world_size}
         _write_file(checkpoint, os.path.join(temporary, META_FILE))
-        replace_path(path, lambda target: os.replace(temporary, target))
+        move_into_place(temporary, path)
 
     # -- loading ---------------------------------------------------------------------------------------------------
     def load(self, path: str, weights_only: bool | None, read_file: Callable[[str], dict[str, Any]]
@@ -225,6 +229,7 @@ class PipelineCheckpoints:
         promise to read this rank's share once setup has built its stage."""
         if not os.path.exists(path):
             path = interrupted_replacement(path) or path
+        say_skipped_saves(path)
         if not os.path.isdir(path):
             return read_file(path)
         if not is_sharded_checkpoint(path):
@@ -342,6 +347,31 @@ def replace_path(path: str, write: Callable[[str], None]) -> None:
     os.replace(path, old)
     write(path)
     shutil.rmtree(old) if os.path.isdir(old) else os.remove(old)
+
+
+def move_into_place(source: str, path: str) -> None:
+    """Rename the finished ``source`` to ``path``, which may hold the previous checkpoint (a file or a directory):
+    Linux swaps the two in one step (``renameat2(RENAME_EXCHANGE)``), so ``path`` is never missing, even for an
+    instant; elsewhere, :func:`replace_path`'s two renames (a kill between them leaves ``<path>.old-<pid>``, which
+    loading finds)."""
+    if os.path.lexists(path) and _exchange(source, path):
+        shutil.rmtree(source) if os.path.isdir(source) else os.remove(source)
+        return
+    replace_path(path, lambda target: os.replace(source, target))
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap two paths atomically; False where the system cannot (not Linux, an old kernel or C library, a filesystem
+    without it)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
 
 
 def interrupted_replacement(path: str) -> str | None:
