@@ -1,6 +1,7 @@
 """A run that a kill interrupts and torchrun restarts: `torchrun ... restart_trainer.py OUT JSON_OPTIONS`.
 
-Options: schedule ("1f1b" or "pipedream"), checkpoint ("full" or "sharded"), max_steps, every (ModelCheckpoint's
+Options: schedule ("1f1b" or "pipedream"), checkpoint ("full" or "sharded"), max_steps, ckpt_path ("last"),
+plain_loader (a torch DataLoader instead of the StatefulDataLoader), every (ModelCheckpoint's
 every_n_train_steps), and kill: {"rank": r, "step": s, "during": "step" | "transfer" | "save"} (once a job: the kill
 leaves the file ``killed``): SIGKILL, so no handler of this process runs:
 
@@ -22,6 +23,7 @@ import json
 import os
 import signal
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))  # the libraries the tests share
 from script_runs import exit_without_final_collections, refuse_unused, trainer_args  # noqa: E402
 from tiny import SequentialClassifier, data, mlp  # noqa: E402
-from torch.utils.data import RandomSampler
+from torch.utils.data import DataLoader, RandomSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lightning_pipedream import PipeDreamStrategy
@@ -152,6 +154,7 @@ def main() -> None:
     out, options = sys.argv[1], json.loads(sys.argv[2])
     OUT = out
     os.makedirs(out, exist_ok=True)
+    warnings.filterwarnings("default", message="Resuming in the middle")  # the strategy's, for the test to read
     os.environ.setdefault("LIGHTNING_PIPEDREAM_FLIGHT_RECORDER", os.path.join(out, "flight"))
     L.seed_everything(0, verbose=False)
     schedule = options.pop("schedule", "1f1b")
@@ -164,15 +167,17 @@ def main() -> None:
         callbacks.append(Kill(kill["rank"], kill["step"], kill["during"]))
     # Shuffled by Lightning's sampler (seeded, a new order each epoch); the loader resumes mid-epoch.
     dataset = data(60)  # 15 batches an epoch: no checkpoint at an epoch's last batch (see docs/strategy.md)
-    loader = StatefulDataLoader(dataset, batch_size=4, sampler=RandomSampler(dataset))
+    plain = options.pop("plain_loader", False)  # a torch DataLoader: it cannot resume mid-epoch
+    loader = (DataLoader if plain else StatefulDataLoader)(dataset, batch_size=4, sampler=RandomSampler(dataset))
     trainer = L.Trainer(**trainer_args(
         devices=options.pop("devices", 2), max_steps=options.pop("max_steps", 40), callbacks=callbacks,
         enable_checkpointing=True,
         strategy=PipeDreamStrategy(schedule=schedule, chunks=1 if schedule == "pipedream" else 2, balance=[4, 3],
                                    checkpoint=options.pop("checkpoint", "full")),
     ))
+    ckpt_path = options.pop("ckpt_path", "last")
     refuse_unused(options)
-    trainer.fit(Model(), loader, ckpt_path="last")
+    trainer.fit(Model(), loader, ckpt_path=ckpt_path)
 
 
 if __name__ == "__main__":

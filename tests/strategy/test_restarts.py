@@ -32,13 +32,16 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory) -> dict[str, Path]:
-    """The runs nobody killed, one per schedule, in the same processes of one torchrun job."""
+    """The runs nobody killed, one per schedule, in the same processes of one torchrun job; then, in them too, a
+    resume of the 1f1b run's step-24 checkpoint (mid-epoch 1) with a plain DataLoader (its stderr: ``"plain"``)."""
     root = tmp_path_factory.mktemp("uninterrupted")
     runs = {schedule: root / schedule for schedule in ("1f1b", "pipedream")}
-    codes, text = torchrun_job(root, runs=[(out, {"schedule": s, "max_steps": MAX_STEPS}) for s, out in runs.items()],
-                               max_restarts=0)
+    plain = {"schedule": "1f1b", "max_steps": 26, "plain_loader": True,
+             "ckpt_path": str(runs["1f1b"] / "checkpoints" / "epoch=1-step=24.ckpt")}
+    codes, text = torchrun_job(root, runs=[*[(out, {"schedule": s, "max_steps": MAX_STEPS}) for s, out in runs.items()],
+                                           (root / "plain", plain)], max_restarts=0)
     assert codes == [0], text[-6000:]
-    return runs
+    return {**runs, "plain": text}  # type: ignore[dict-item]
 
 
 def assert_equal_ends(run: Path, reference: Path) -> None:
@@ -68,3 +71,12 @@ def test_a_killed_rank_comes_back_and_the_run_ends_as_if_never_killed(tmp_path, 
         attempts = (tmp_path / f"attempts_rank{rank}.txt").read_text().split("\n")[:-1]
         assert [line.split()[1] for line in attempts] == ["0", str(resumed_at)], (attempts, text[-6000:])
     assert_equal_ends(tmp_path, references[schedule])
+
+
+def test_a_mid_epoch_resume_that_cannot_be_exact_is_warned_once(references):
+    text = references["plain"]
+    warning = ("Resuming in the middle of epoch 1 (after 9 batches), but the training DataLoader (DataLoader) cannot "
+               "resume mid-epoch: the rest of epoch 1 starts again from its first batch instead of batch 9: the "
+               "resumed run will not equal an uninterrupted one. For an exact resume, use torchdata's "
+               "StatefulDataLoader with Lightning's sampler")
+    assert text.count(warning) == 2, text[-6000:]  # once on each of the 2 ranks
