@@ -188,14 +188,34 @@ RESTART_TRAINER = Path(__file__).resolve().parents[1] / "scripts" / "restart_tra
 TORCHRUN_LIMIT = 400.0  # seconds a torchrun job with one restart may take in all: an outer limit only a hang reaches
 
 
-def torchrun_job(out: Path, options: dict | None = None, nproc: int = 2, nodes: int = 1, rendezvous: str = "static",
-                 max_restarts: int = 1, runs: list[tuple[Path, dict]] | None = None,
-                 limit: float = TORCHRUN_LIMIT) -> tuple[list[int], str]:
+@dataclass
+class TorchrunJob:
+    """A torchrun job started by :func:`start_torchrun`: its agents (one per "node") and their stderr files."""
+
+    agents: list[Any]
+    logs: list[Path]
+
+    def live(self) -> list[int]:
+        for a in self.agents:
+            a.poll()
+        return [pid for a in self.agents for pid in a.live()]
+
+    def end(self) -> tuple[list[int], str]:
+        """Kill what is left (a hang), then each agent's exit code and their stderr, one after the other."""
+        for a in self.agents:
+            if a.live():
+                a.kill_group()
+            a.wait()
+        return [a.returncode for a in self.agents], "\n".join(log.read_text() for log in self.logs)
+
+
+def start_torchrun(out: Path, options: dict | None = None, nproc: int = 2, nodes: int = 1,
+                   rendezvous: str = "static", max_restarts: int = 1, runs: list[tuple[Path, dict]] | None = None
+                   ) -> TorchrunJob:
     """restart_trainer.py under torchrun as a user starts it: ``nodes`` agents on loopback ("nodes", ``nproc``
     processes each), ``--max-restarts max_restarts``, the static rendezvous (``--master-port``) or the c10d one
-    (``--rdzv-endpoint``). ``options`` (a kill among them: see the script) for one run, or ``runs`` for several in the
-    same processes. Returns each agent's exit code and their stderr, one after the other. Every process of the job
-    must end within ``limit`` s: a hung one is killed with its group, and fails the test."""
+    (``--rdzv-endpoint``); ``options`` (a kill among them: see the script) for one run, or ``runs`` for several in
+    the same processes. Each agent's stderr goes to ``torchrun_node{n}.txt`` in ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     if runs is not None:
         (out / "runs.json").write_text(json.dumps([[str(o), opts] for o, opts in runs]))
@@ -210,25 +230,32 @@ def torchrun_job(out: Path, options: dict | None = None, nproc: int = 2, nodes: 
               f"--max-restarts={max_restarts}", "--monitor-interval=0.1"]
     if rendezvous == "c10d":
         launch += ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=job-{port}"]
-    agents, logs = [], []
+    job = TorchrunJob([], [])
+    for node in range(nodes):
+        node_args = [] if rendezvous == "c10d" else [f"--node-rank={node}", "--master-addr=127.0.0.1",
+                                                      f"--master-port={port}"]
+        job.logs.append(out / f"torchrun_node{node}.txt")
+        with job.logs[-1].open("w") as err:
+            job.agents.append(start_group([*launch, *node_args, str(RESTART_TRAINER), *args], out, env, err))
+    return job
+
+
+def finish_torchrun(jobs: list[TorchrunJob], limit: float = TORCHRUN_LIMIT) -> list[tuple[list[int], str]]:
+    """Wait for ``jobs`` (running side by side) to end; returns each one's exit codes and stderr. Every process of
+    every job must end within ``limit`` s: a hung one is killed with its group, and fails the test."""
+    deadline = time.monotonic() + limit
     try:
-        for node in range(nodes):
-            node_args = [] if rendezvous == "c10d" else [f"--node-rank={node}", "--master-addr=127.0.0.1",
-                                                          f"--master-port={port}"]
-            logs.append(out / f"torchrun_node{node}.txt")
-            with logs[-1].open("w") as err:
-                agents.append(start_group([*launch, *node_args, str(RESTART_TRAINER), *args], out, env, err))
-        deadline = time.monotonic() + limit
-        while any(a.live() for a in agents) and time.monotonic() < deadline:
-            for a in agents:
-                a.poll()
+        while any(job.live() for job in jobs) and time.monotonic() < deadline:
             time.sleep(0.2)
-        left = [pid for a in agents for pid in a.live()]
+        left = {i: job.live() for i, job in enumerate(jobs) if job.live()}
     finally:
-        for a in agents:
-            if a.live():
-                a.kill_group()
-            a.wait()
-    text = "\n".join(log.read_text() for log in logs)
-    assert not left, f"processes of the torchrun job left after {limit} s: {left}\n{text[-6000:]}"
-    return [a.returncode for a in agents], text
+        ended = [job.end() for job in jobs]
+    assert not left, f"processes of torchrun jobs left after {limit} s: {left}\n" + \
+        "\n".join(ended[i][1][-4000:] for i in left)
+    return ended
+
+
+def torchrun_job(out: Path, options: dict | None = None, limit: float = TORCHRUN_LIMIT, **how: Any
+                 ) -> tuple[list[int], str]:
+    """One torchrun job (:func:`start_torchrun`'s arguments), waited for as :func:`finish_torchrun` does."""
+    return finish_torchrun([start_torchrun(out, options, **how)], limit)[0]

@@ -11,37 +11,44 @@ from pathlib import Path
 
 import pytest
 import torch
-from fault_runs import torchrun_job
+from fault_runs import TORCHRUN_LIMIT, finish_torchrun, start_torchrun
 
 MAX_STEPS = 30
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(900)]  # the module's jobs count against its first test
 
 # name: (schedule, checkpoint, kill, rendezvous, nodes, the step the restarted run resumes at)
 CASES = {
     # the issue's scenario: one rank killed after step 21 resumes from step 16 (mid-epoch 1)
     "1f1b_full_kill_after_step": ("1f1b", "full", {"rank": 1, "step": 21, "during": "step"}, "static", 1, 16),
-    "pipedream_sharded_kill_in_transfer": ("pipedream", "sharded", {"rank": 0, "step": 21, "during": "transfer"},
-                                           "c10d", 1, 16),
     # a kill inside the save at step 24: the restart resumes from the previous complete checkpoint (16)
     "pipedream_sharded_kill_in_save": ("pipedream", "sharded", {"rank": 1, "step": 24, "during": "save"},
                                        "static", 1, 16),
     "1f1b_full_kill_in_save": ("1f1b", "full", {"rank": 0, "step": 24, "during": "save"}, "static", 1, 16),
-    # two "nodes" of one process each on loopback, the c10d rendezvous
-    "1f1b_two_nodes_c10d": ("1f1b", "full", {"rank": 1, "step": 21, "during": "step"}, "c10d", 2, 16),
+    # two "nodes" of one process each on loopback, the c10d rendezvous, a kill in the middle of a transfer
+    "pipedream_sharded_two_nodes_kill_in_transfer": ("pipedream", "sharded", {"rank": 0, "step": 21,
+                                                                              "during": "transfer"}, "c10d", 2, 16),
 }
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory) -> dict[str, Path]:
-    """The runs nobody killed, one per schedule, in the same processes of one torchrun job; then, in them too, a
-    resume of the 1f1b run's step-24 checkpoint (mid-epoch 1) with a plain DataLoader (its stderr: ``"plain"``)."""
+def jobs(tmp_path_factory) -> dict[str, tuple[Path, list[int], str]]:
+    """Every job of this module side by side (their waits overlap): each case's, and the runs nobody killed, one
+    per schedule, in the same processes of one job, followed in them by a resume of the 1f1b run's step-24
+    checkpoint (mid-epoch 1) with a plain DataLoader."""
+    started = {}
     root = tmp_path_factory.mktemp("uninterrupted")
-    runs = {schedule: root / schedule for schedule in ("1f1b", "pipedream")}
     plain = {"schedule": "1f1b", "max_steps": 26, "plain_loader": True,
-             "ckpt_path": str(runs["1f1b"] / "checkpoints" / "epoch=1-step=24.ckpt")}
-    codes, text = torchrun_job(root, runs=[*[(out, {"schedule": s, "max_steps": MAX_STEPS}) for s, out in runs.items()],
-                                           (root / "plain", plain)], max_restarts=0)
-    assert codes == [0], text[-6000:]
-    return {**runs, "plain": text}  # type: ignore[dict-item]
+             "ckpt_path": str(root / "1f1b" / "checkpoints" / "epoch=1-step=24.ckpt")}
+    started["references"] = (root, start_torchrun(
+        root, runs=[*[(root / s, {"schedule": s, "max_steps": MAX_STEPS}) for s in ("1f1b", "pipedream")],
+                    (root / "plain", plain)], max_restarts=0))
+    for case, (schedule, checkpoint, kill, rendezvous, nodes, _) in CASES.items():
+        out = tmp_path_factory.mktemp(case)
+        started[case] = (out, start_torchrun(out, {"schedule": schedule, "checkpoint": checkpoint, "kill": kill,
+                                                   "max_steps": MAX_STEPS}, nproc=2 // nodes, nodes=nodes,
+                                             rendezvous=rendezvous))
+    ended = finish_torchrun([job for _, job in started.values()], limit=TORCHRUN_LIMIT * 2)
+    return {name: (out, codes, text) for (name, (out, _)), (codes, text) in zip(started.items(), ended)}
 
 
 def assert_equal_ends(run: Path, reference: Path) -> None:
@@ -60,21 +67,24 @@ def assert_equal_ends(run: Path, reference: Path) -> None:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_a_killed_rank_comes_back_and_the_run_ends_as_if_never_killed(tmp_path, references, case):
-    schedule, checkpoint, kill, rendezvous, nodes, resumed_at = CASES[case]
-    codes, text = torchrun_job(tmp_path, {"schedule": schedule, "checkpoint": checkpoint, "kill": kill,
-                                          "max_steps": MAX_STEPS}, nproc=2 // nodes, nodes=nodes,
-                               rendezvous=rendezvous)
+def test_a_killed_rank_comes_back_and_the_run_ends_as_if_never_killed(jobs, case):
+    schedule, _, _, _, nodes, resumed_at = CASES[case]
+    out, codes, text = jobs[case]
     assert codes == [0] * nodes, text[-6000:]
     # Two attempts on every rank: the first from scratch, the restart from the newest complete checkpoint.
     for rank in (0, 1):
-        attempts = (tmp_path / f"attempts_rank{rank}.txt").read_text().split("\n")[:-1]
+        attempts = (out / f"attempts_rank{rank}.txt").read_text().split("\n")[:-1]
         assert [line.split()[1] for line in attempts] == ["0", str(resumed_at)], (attempts, text[-6000:])
-    assert_equal_ends(tmp_path, references[schedule])
+    if "in_save" in case:  # the newest save was cut short: skipped, and said
+        assert "did not finish and are skipped: epoch=1-step=24.ckpt.tmp-" in text, text[-6000:]
+    references, ref_codes, ref_text = jobs["references"]
+    assert ref_codes == [0], ref_text[-6000:]
+    assert_equal_ends(out, references / schedule)
 
 
-def test_a_mid_epoch_resume_that_cannot_be_exact_is_warned_once(references):
-    text = references["plain"]
+def test_a_mid_epoch_resume_that_cannot_be_exact_is_warned_once(jobs):
+    _, codes, text = jobs["references"]
+    assert codes == [0], text[-6000:]
     warning = ("Resuming in the middle of epoch 1 (after 9 batches), but the training DataLoader (DataLoader) cannot "
                "resume mid-epoch: the rest of epoch 1 starts again from its first batch instead of batch 9: the "
                "resumed run will not equal an uninterrupted one. For an exact resume, use torchdata's "
