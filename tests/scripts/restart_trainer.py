@@ -102,8 +102,8 @@ def arm_transfer_kill() -> None:
 def arm_save_kill(trainer: L.Trainer, step: int) -> None:
     """This rank dies inside the save at ``step``: sharded, once its own share is on disk (the directory not yet
     complete); full (rank 0 writes), halfway through writing the file."""
-    from lightning_pipedream.strategy import sharded_checkpoint
-    from lightning_pipedream.strategy.checkpoint import AtomicCheckpointIO
+    from lightning_pipedream.strategy.checkpoints import sharded_checkpoint
+    from lightning_pipedream.strategy.checkpoints.checkpoint import AtomicCheckpointIO
 
     write_named = sharded_checkpoint.write_named
 

@@ -66,8 +66,8 @@ def test_a_checkpoint_moved_into_place_is_never_missing_and_an_unfinished_newer_
     import logging
     import time
 
-    from lightning_pipedream.strategy.checkpoint import say_skipped_saves, unfinished_saves
-    from lightning_pipedream.strategy.sharded_checkpoint import move_into_place
+    from lightning_pipedream.strategy.checkpoints.checkpoint import say_skipped_saves, unfinished_saves
+    from lightning_pipedream.strategy.checkpoints.sharded_checkpoint import move_into_place
 
     last = tmp_path / "last.ckpt"
     last.mkdir()
