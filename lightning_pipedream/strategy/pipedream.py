@@ -419,9 +419,7 @@ class PipeDreamStrategy(DDPStrategy):
         sampler = getattr(dataloader, "sampler", None)
         if isinstance(sampler, DistributedSamplerWrapper) and sampler.shuffle:
             sampler.shuffle = False
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is not None and trainer.training:  # a resumed run reads the rest of its epoch in that epoch's order
-            prepare_training_loader(dataloader, trainer)
+        prepare_training_loader(dataloader, self.lightning_module)  # a resume reads its epoch in that epoch's order
         return dataloader
 
     @override

@@ -12,7 +12,7 @@ import warnings
 from typing import Any
 
 from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
-from lightning.pytorch import Trainer
+from lightning.pytorch import LightningModule, Trainer
 
 _warned = False  # once per process: a run resumes once
 
@@ -24,12 +24,15 @@ def samplers(dataloader: object) -> list[Any]:
     return list(found.values())
 
 
-def prepare_training_loader(dataloader: object, trainer: Trainer) -> None:
-    """Before Lightning makes the training loader's iterator (its fit loop's ``setup_data``).
+def prepare_training_loader(dataloader: object, module: LightningModule | None) -> None:
+    """Before Lightning makes the training loader's iterator (its fit loop's ``setup_data``); other loaders pass.
 
     Lightning sets the sampler's epoch after it made the iterator, which a resumed run keeps for the rest of the
     interrupted epoch: without this, that rest is read in epoch 0's order. Setting the restored epoch first is what the
     uninterrupted run had at that point, and the same value Lightning sets a moment later."""
+    trainer = module.trainer if module is not None and module._trainer is not None else None
+    if trainer is None or not trainer.training:
+        return
     epoch = trainer.fit_loop.epoch_progress.current.processed
     for sampler in samplers(dataloader):
         if callable(getattr(sampler, "set_epoch", None)):
