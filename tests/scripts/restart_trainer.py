@@ -1,7 +1,9 @@
 """A run that a kill interrupts and torchrun restarts: `torchrun ... restart_trainer.py OUT JSON_OPTIONS`.
 
 Options: schedule ("1f1b" or "pipedream"), checkpoint ("full" or "sharded"), max_steps, ckpt_path ("last"),
-plain_loader (a torch DataLoader instead of the StatefulDataLoader), every (ModelCheckpoint's
+plain_loader (a torch DataLoader instead of the StatefulDataLoader), time_interval (ModelCheckpoint's
+train_time_interval, in seconds, instead of steps) with clock_skew ({"rank", "rate", "offset"}: that rank's clock
+as ModelCheckpoint reads it runs ``rate`` times as fast, ``offset`` s ahead), every (ModelCheckpoint's
 every_n_train_steps), and kill: {"rank": r, "step": s, "during": "step" | "transfer" | "save"} (once a job: the kill
 leaves the file ``killed``): SIGKILL, so no handler of this process runs:
 
@@ -23,12 +25,15 @@ import json
 import os
 import signal
 import sys
+import time
 import warnings
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import model_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))  # the libraries the tests share
 from script_runs import exit_without_final_collections, refuse_unused, trainer_args  # noqa: E402
@@ -124,6 +129,31 @@ def arm_save_kill(trainer: L.Trainer, step: int) -> None:
     AtomicCheckpointIO._write = half_then_die  # type: ignore[method-assign]
 
 
+class SkewedClock:
+    """``time`` as ModelCheckpoint reads it on this rank: a monotonic clock ``rate`` times as fast, ``offset`` s
+    ahead (another machine's clock); everything else is the time module's."""
+
+    def __init__(self, rate: float, offset: float) -> None:
+        self.rate, self.offset, self.start = rate, offset, time.monotonic()
+
+    def monotonic(self) -> float:
+        return self.start + self.offset + (time.monotonic() - self.start) * self.rate
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
+class RecordSaves(L.Callback):
+    """The global step of every checkpoint this rank took part in (``saves_rank{r}.txt``)."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+
+    def on_save_checkpoint(self, trainer: L.Trainer, *args: Any) -> None:
+        with open(os.path.join(self.out, f"saves_rank{trainer.global_rank}.txt"), "a") as f:
+            f.write(f"{trainer.global_step}\n")
+
+
 class Record(L.Callback):
     """Each attempt's start (``attempts_rank{r}.txt``) and each rank's end state (``final_rank{r}.pt``)."""
 
@@ -159,10 +189,17 @@ def main() -> None:
     L.seed_everything(0, verbose=False)
     schedule = options.pop("schedule", "1f1b")
     kill = options.pop("kill", None)
-    callbacks: list[L.Callback] = [
-        L.pytorch.callbacks.ModelCheckpoint(dirpath=os.path.join(out, "checkpoints"), save_last=True,
-                                            every_n_train_steps=options.pop("every", 8)),
-        Record(out)]
+    interval = options.pop("time_interval", None)  # ModelCheckpoint(train_time_interval=...) instead of steps
+    if interval is None:
+        saving = L.pytorch.callbacks.ModelCheckpoint(dirpath=os.path.join(out, "checkpoints"), save_last=True,
+                                                     every_n_train_steps=options.pop("every", 8))
+    else:
+        saving = L.pytorch.callbacks.ModelCheckpoint(dirpath=os.path.join(out, "checkpoints"), save_top_k=-1,
+                                                     train_time_interval=timedelta(seconds=interval))
+    skew = options.pop("clock_skew", None)  # {"rank": r, "rate": x, "offset": s}: rank r's clock differs
+    if skew is not None and int(os.environ.get("RANK", 0)) == skew["rank"]:
+        model_checkpoint.time = SkewedClock(skew["rate"], skew["offset"])  # type: ignore[attr-defined]
+    callbacks: list[L.Callback] = [saving, Record(out), RecordSaves(out)]
     if kill is not None:
         callbacks.append(Kill(kill["rank"], kill["step"], kill["during"]))
     # Shuffled by Lightning's sampler (seeded, a new order each epoch); the loader resumes mid-epoch.

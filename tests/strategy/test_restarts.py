@@ -30,18 +30,23 @@ CASES = {
 }
 
 
+# Time-based saves, rank 1's clock (as ModelCheckpoint reads it) 7 times as fast and 1000 s ahead of rank 0's.
+CLOCK = {"schedule": "pipedream", "max_steps": 24, "time_interval": 0.3,
+         "clock_skew": {"rank": 1, "rate": 7.0, "offset": 1000.0}}
+
+
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory) -> dict[str, tuple[Path, list[int], str]]:
     """Every job of this module side by side (their waits overlap): each case's, and the runs nobody killed, one
     per schedule, in the same processes of one job, followed in them by a resume of the 1f1b run's step-24
-    checkpoint (mid-epoch 1) with a plain DataLoader."""
+    checkpoint (mid-epoch 1) with a plain DataLoader, and a run saving by time with skewed clocks (CLOCK)."""
     started = {}
     root = tmp_path_factory.mktemp("uninterrupted")
     plain = {"schedule": "1f1b", "max_steps": 26, "plain_loader": True,
              "ckpt_path": str(root / "1f1b" / "checkpoints" / "epoch=1-step=24.ckpt")}
     started["references"] = (root, start_torchrun(
         root, runs=[*[(root / s, {"schedule": s, "max_steps": MAX_STEPS}) for s in ("1f1b", "pipedream")],
-                    (root / "plain", plain)], max_restarts=0))
+                    (root / "plain", plain), (root / "clock", CLOCK)], max_restarts=0))
     for case, (schedule, checkpoint, kill, rendezvous, nodes, _) in CASES.items():
         out = tmp_path_factory.mktemp(case)
         started[case] = (out, start_torchrun(out, {"schedule": schedule, "checkpoint": checkpoint, "kill": kill,
@@ -90,3 +95,12 @@ def test_a_mid_epoch_resume_that_cannot_be_exact_is_warned_once(jobs):
                "resumed run will not equal an uninterrupted one. For an exact resume, use torchdata's "
                "StatefulDataLoader with Lightning's sampler")
     assert text.count(warning) == 2, text[-6000:]  # once on each of the 2 ranks
+
+
+def test_time_based_saves_happen_at_the_same_step_on_every_stage_whatever_their_clocks(jobs):
+    root, codes, text = jobs["references"]
+    assert codes == [0], text[-6000:]
+    saves = [(root / "clock" / f"saves_rank{rank}.txt").read_text().split() for rank in (0, 1)]
+    assert saves[0] == saves[1] and len(saves[0]) >= 2, saves  # rank 1 alone would have saved 7 times as often
+    written = sorted(int(p.name.split("step=")[1].split(".")[0]) for p in (root / "clock" / "checkpoints").iterdir())
+    assert written == sorted(int(step) for step in saves[0])
