@@ -38,15 +38,17 @@ CLOCK = {"schedule": "pipedream", "max_steps": 24, "time_interval": 0.3,
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory) -> dict[str, tuple[Path, list[int], str]]:
     """Every job of this module side by side (their waits overlap): each case's, and the runs nobody killed, one
-    per schedule, in the same processes of one job, followed in them by a resume of the 1f1b run's step-24
-    checkpoint (mid-epoch 1) with a plain DataLoader, and a run saving by time with skewed clocks (CLOCK)."""
+    per schedule, in the same processes of one job, followed in them by a run with a plain DataLoader and a resume of
+    its step-24 checkpoint (mid-epoch 1), and a run saving by time with skewed clocks (CLOCK)."""
     started = {}
     root = tmp_path_factory.mktemp("uninterrupted")
-    plain = {"schedule": "1f1b", "max_steps": 26, "plain_loader": True,
-             "ckpt_path": str(root / "1f1b" / "checkpoints" / "epoch=1-step=24.ckpt")}
+    plain = {"schedule": "1f1b", "max_steps": 24, "plain_loader": True}
+    resumed = {"schedule": "1f1b", "max_steps": 26, "plain_loader": True,
+               "ckpt_path": str(root / "plain" / "checkpoints" / "epoch=1-step=24.ckpt")}
     started["references"] = (root, start_torchrun(
         root, runs=[*[(root / s, {"schedule": s, "max_steps": MAX_STEPS}) for s in ("1f1b", "pipedream")],
-                    (root / "plain", plain), (root / "clock", CLOCK)], max_restarts=0))
+                    (root / "plain", plain), (root / "plain_resumed", resumed),
+                    (root / "clock", CLOCK)], max_restarts=0))
     for case, (schedule, checkpoint, kill, rendezvous, nodes, _) in CASES.items():
         out = tmp_path_factory.mktemp(case)
         started[case] = (out, start_torchrun(out, {"schedule": schedule, "checkpoint": checkpoint, "kill": kill,
