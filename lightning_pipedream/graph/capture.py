@@ -72,6 +72,9 @@ class CapturedGraph:
     capture_s: float = 0.0  # wall time of the trace (0.0 when it came from the cache)
     cached: bool = False  # whether this capture came from the in-process cache
     key: tuple | None = None  # the module structure and call it was captured for (see structure_key)
+    # What the output held that is not a tensor and was dropped: (where in the output, type name), e.g.
+    # ("output.past_key_values", "DynamicCache")
+    dropped: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def graph(self) -> torch.fx.Graph:
@@ -163,8 +166,10 @@ def capture(module: nn.Module, args: tuple = (), kwargs: dict[str, Any] | None =
             _check_draft_report(module, program)
         # Out-of-place ops only: a value that crosses stages must not be changed in place on either side.
         program = program.run_decompositions({})
+    dropped = list(plain.dropped)
     plain.warn_dropped()
     captured = _describe(module, program, args, kwargs, method)
+    captured.dropped = dropped
     # The stages read the module's own weights; the program's references to them would keep this module's weights
     # alive as long as the capture is cached.
     program._state_dict = {k: torch.empty_like(v, device="meta") for k, v in program.state_dict.items()}
@@ -185,17 +190,56 @@ def _capture_on_meta(module: nn.Module, args: tuple, kwargs: dict[str, Any], thr
     to_meta = functools.partial(pytree.tree_map_only, torch.Tensor, lambda t: t.to("meta"))
     with _state_on_meta(module):
         captured = capture(module, to_meta(args), to_meta(kwargs), through, cache=False)
-    made = [name for node, (kind, name) in captured.state.items() if kind == "constant"
-            and captured.constants[name].is_meta]
-    if made:
-        raise GraphCaptureError(
-            f"{type(module).__name__}.forward makes tensor constants {made[:4]} whose values a trace on the meta "
-            "device cannot know. Register them as buffers (their module's reset_parameters() sets them), or build "
-            "the model on a real device."
-        )
+    unknown = _constants_on_device(captured, device)
+    if unknown:
+        raise GraphCaptureError(_unknown_constants_message(module, unknown, captured.dropped))
     _point_devices(captured.graph, device)
     captured.signature = call_signature(args, kwargs)
     return captured
+
+
+def _constants_on_device(captured: CapturedGraph, device: torch.device) -> list[str]:
+    """A meta trace's tensor constants that have no values to know, made on ``device``: the empty ones (Hugging
+    Face's ``DynamicCache`` starts each layer's keys and values as ``torch.tensor([])`` on the inputs' device, then
+    concatenates onto them). Returns the names of those whose values the trace cannot know (a non-empty constant
+    on the meta device)."""
+    unknown = []
+    for kind, name in captured.state.values():
+        value = captured.constants.get(name) if kind == "constant" else None
+        if value is None or not value.is_meta:
+            continue
+        if value.numel() == 0:
+            captured.constants[name] = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype,
+                                                           device=device)
+        else:
+            unknown.append(name)
+    return unknown
+
+
+def _unknown_constants_message(module: nn.Module, names: list[str], dropped: list[tuple[str, str]]) -> str:
+    """Why a meta trace's constants have no values, and what to do: a cache the output holds (use_cache=False), a
+    tensor the forward makes from Python data on its inputs' device, or a tensor attribute that is not a buffer."""
+    cls = type(module).__name__
+    shown = names[:4] + ([f"... {len(names) - 4} more"] if len(names) > 4 else [])
+    made = [n for n in names if n.rsplit(".", 1)[-1].startswith("lifted_tensor")]
+    caches = [(where, kind) for where, kind in dropped if "cache" in kind.lower() or "cache" in where.lower()]
+    if made and caches:
+        where, kind = caches[0]
+        return (f"{cls}.forward fills a {kind} (at `{where}` in its output) with tensors {shown} whose values a "
+                "trace on the meta device cannot know: a cache of past keys and values, which the forward keeps "
+                "because use_cache is on. Training has no use for it: pass use_cache=False to the model's call "
+                "(self.model(..., use_cache=False)) or set it in the model's config (config.use_cache = False) "
+                "before building the model.")
+    if made:
+        return (f"{cls}.forward makes tensors {shown} from Python data on the device of its inputs (such as "
+                "torch.tensor([...], device=x.device)); on the meta device, where a model built in configure_model "
+                "is traced, their values are lost. Make them on the CPU and move them, torch.tensor([...]).to("
+                "x.device), or register them as buffers (register_buffer, set in the module's __init__ or "
+                "reset_parameters()); or build the model on a real device.")
+    return (f"{cls} holds tensor attributes {shown} on the meta device that are neither parameters nor buffers, so "
+            "no checkpoint or initialization gives them values and a trace on the meta device cannot know them. "
+            "Register them as buffers (register_buffer, set in the module's reset_parameters()), or build the model "
+            "on a real device.")
 
 
 @contextmanager
@@ -295,7 +339,9 @@ def _forward_for_export(module: nn.Module, through: str | None, plain: _PlainOut
     """While tracing, ``module``'s forward (or only its submodule ``through``'s call) returns a plain tree
     (an instance attribute shadows the method; it keeps the method's signature for export's argument binding)."""
     inner: Callable[..., Any] = module.forward if through is None else module.get_submodule(through)
-    signature_of = module.forward
+    # The traced call's own signature binds the example's arguments: the submodule's when tracing through it (a
+    # step may call self.model(input_ids=..., labels=...) whatever the LightningModule's forward takes).
+    signature_of = module.forward if through is None else module.get_submodule(through).forward
 
     @functools.wraps(signature_of)
     def forward(*args: Any, **kwargs: Any) -> Any:

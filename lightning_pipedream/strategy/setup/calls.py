@@ -198,9 +198,10 @@ class ForwardCall:
 
 
 class SubmoduleCall(ForwardCall):
-    """The pipelined call is the submodule ``name``'s forward, with any arguments: split points given for a model
-    whose own forward cannot be traced. The step's code around that call runs as it is on the first stage
-    (up to the call) and on the last (after it)."""
+    """The pipelined call is the submodule ``name``'s forward, with any arguments: the model a step calls directly
+    (``self.model(input_ids=ids, labels=ids)``), or split points given for a model whose own forward cannot be
+    traced. The step's code around that call runs as it is on the first stage (up to the call) and on the last
+    (after it)."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -209,8 +210,57 @@ class SubmoduleCall(ForwardCall):
         return module.get_submodule(self.name)
 
     def _not_called(self, module: LightningModule, hook: str) -> str:
-        return (f"{type(module).__name__}.{hook} returned without calling self.{self.name}. Under PipeDreamStrategy "
-                f"with split points inside {self.name!r}, every step must call it exactly once.")
+        return (f"{type(module).__name__}.{hook} returned without calling self.{self.name}. PipeDreamStrategy "
+                f"pipelines the call of self.{self.name}: every step must call it exactly once.")
+
+
+class _CalledFirst(InputCaptured):
+    """Which call a step made first: ``name`` "" for self(...), else the child module's name."""
+
+    def __init__(self, name: str, value: Any) -> None:
+        super().__init__(value)
+        self.name = name
+
+
+def whole_model_children(module: nn.Module) -> list[str]:
+    """The direct children of ``module`` that hold every trainable parameter of it (a LightningModule's
+    ``self.model``): a step may call one of them directly instead of ``self(...)``."""
+    trainable = {id(p) for p in module.parameters() if p.requires_grad}
+    if not trainable:
+        return []
+    return [name for name, child in module.named_children()
+            if trainable <= {id(p) for p in child.parameters()}]
+
+
+def pipelined_call(module: LightningModule, hook: str, *args: Any, **kwargs: Any) -> tuple[ForwardCall, Any]:
+    """Which call of ``module.<hook>`` the pipeline runs, and that call's ``(args, kwargs)``: the LightningModule's
+    own forward, ``self(...)``; or, when the step calls a child that holds every trainable parameter directly (Hugging
+    Face's idiom ``self.model(input_ids=ids, labels=ids).loss``), that child's call (:class:`SubmoduleCall`).
+    Whichever the step makes first; runs the step up to it."""
+    children = whole_model_children(module)
+
+    def stop(name: str) -> Any:
+        def stopped(*call_args: Any, **call_kwargs: Any) -> Any:
+            raise _CalledFirst(name, (call_args, call_kwargs))
+        return stopped
+
+    replaced = [module] + [module.get_submodule(name) for name in children]
+    for target, name in zip(replaced, ["", *children]):
+        target.forward = stop(name)  # an instance attribute shadows the class's forward, which __call__ runs
+    try:
+        with LogRecorder().capture(module, 1), explaining_meta_calls(module, hook):
+            getattr(module, hook)(*args, **kwargs)
+    except _CalledFirst as called:
+        return (SubmoduleCall(called.name) if called.name else ForwardCall()), called.value
+    finally:
+        for target in replaced:
+            del target.forward
+    direct = " or ".join(f"self.{name}(...)" for name in children)
+    raise RuntimeError(
+        f"{type(module).__name__}.{hook} returned without calling self(...){' or ' + direct if direct else ''}. "
+        "Under PipeDreamStrategy every step must call the model's forward exactly once, through self(...) (or a "
+        "child module that holds all its parameters, such as self.model(...)), with the inputs to pipeline."
+    )
 
 
 def innermost_called_module(module: LightningModule, split_points: list[str], hook: str, *args: Any,

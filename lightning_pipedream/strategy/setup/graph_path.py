@@ -20,7 +20,12 @@ from lightning_pipedream.runtime.stages.graph_stage import CapturedStage
 from lightning_pipedream.runtime.stages.materialize import has_meta_tensors
 from lightning_pipedream.schedule.builders import rank_stages, stage_rank
 from lightning_pipedream.strategy.setup.batches import EVALUATION_LOOP, STEP_OF, batch_shapes, first_batch
-from lightning_pipedream.strategy.setup.calls import ForwardCall, SubmoduleCall, innermost_called_module
+from lightning_pipedream.strategy.setup.calls import (
+    ForwardCall,
+    SubmoduleCall,
+    innermost_called_module,
+    pipelined_call,
+)
 from lightning_pipedream.strategy.setup.graph_memory import loss_bytes, memory_profile
 from lightning_pipedream.strategy.setup.options import PipelineOptions
 from lightning_pipedream.strategy.setup.placement import Placement
@@ -91,7 +96,9 @@ class GraphPath:
         chunks = min(options.chunks, batch_size(batch))  # a batch smaller than chunks runs a micro-batch per sample
         part = split(batch, chunks)[0] if chunks > 1 else batch  # the shape of a step's micro-batch
         hook = STEP_OF[trainer.state.fn]
-        args, kwargs = self.call.input_of(module, hook, part, 0)
+        # self(...), or a child holding the whole model that the step calls directly (self.model(..., labels=...))
+        self.call, (args, kwargs) = pipelined_call(module, hook, part, 0)
+        through = getattr(self.call, "name", None)
         points = list(options.split_points) if options.split_points is not None else None
         captured = None
         total = placement.num_stages * options.virtual_stages  # model chunks in all
@@ -107,7 +114,7 @@ class GraphPath:
                 from lightning_pipedream.graph import capture
                 from lightning_pipedream.graph.split_points import choose_split_points
 
-                on_rank_zero["captured"] = captured = capture(module, args, kwargs, on_meta=on_meta)
+                on_rank_zero["captured"] = captured = capture(module, args, kwargs, through, on_meta=on_meta)
                 estimate = estimate_graph(captured) if on_meta else None  # no weights to time: FLOPs of the shapes
                 chosen, plan = choose_split_points(captured, module, args, kwargs, total, profile=estimate,
                                                    bandwidth=options.link_bandwidth)
@@ -126,14 +133,14 @@ class GraphPath:
             captured, self.plan = on_rank_zero.get("captured"), on_rank_zero.get("plan")
         if options.split_points is None:
             self.graph = CapturedStage(module, placement.stage_index, total, points, args, kwargs, captured,
-                                       on_meta=on_meta, prepare=self._prepare, **self._chunk_layout())
+                                       through, on_meta=on_meta, prepare=self._prepare, **self._chunk_layout())
         else:
-            self.graph = self._stage_of_split_points(module, hook, part, args, kwargs)
+            self.graph = self._stage_of_split_points(module, hook, part, args, kwargs, through)
         self._inputs_seen = {(module.training, batch_shapes(part))}
         refuse_ties_with_replicas(self.graph.ties, placement)
 
     def _stage_of_split_points(self, module: LightningModule, hook: str, part: Any, args: tuple,
-                               kwargs: dict) -> CapturedStage:
+                               kwargs: dict, through: str | None) -> CapturedStage:
         """split_points given: trace the module's forward; if that cannot be traced, the innermost module holding
         the split points that the step calls (every rank decides alike: the same model, batch and failure)."""
         assert self.options.split_points is not None
@@ -141,12 +148,13 @@ class GraphPath:
         stage_index, num_stages = self.placement.stage_index, self.placement.num_stages * self.options.virtual_stages
         on_meta = self.weights is not None
         try:
-            return CapturedStage(module, stage_index, num_stages, points, args, kwargs, on_meta=on_meta,
-                                 prepare=self._prepare, **self._chunk_layout())
+            return CapturedStage(module, stage_index, num_stages, points, args, kwargs, through=through,
+                                 on_meta=on_meta, prepare=self._prepare, **self._chunk_layout())
         except GraphCaptureError as untraceable:
-            through = innermost_called_module(module, points, hook, part, 0)
-            if through is None:
+            inner = innermost_called_module(module, points, hook, part, 0)
+            if inner is None or inner == through:
                 raise
+            through = inner
             outside = [n for n, p in module.named_parameters() if p.requires_grad and not n.startswith(through + ".")]
             if outside:
                 raise ValueError(
@@ -305,11 +313,11 @@ def graph_auto_profile(module: LightningModule, batch: Any, device: torch.device
     from lightning_pipedream.graph import capture
     from lightning_pipedream.graph.split_points import profile_graph, unit_starts
 
-    args, kwargs = ForwardCall().input_of(module, "training_step", batch, 0)
+    call, (args, kwargs) = pipelined_call(module, "training_step", batch, 0)
     on_meta = has_meta_tensors(module)
-    captured = capture(module, args, kwargs, on_meta=on_meta)
+    captured = capture(module, args, kwargs, getattr(call, "name", None), on_meta=on_meta)
     profile = estimate_graph(captured) if on_meta else profile_graph(captured, module, args, kwargs)
-    loss = loss_bytes(module, ForwardCall(), "training_step", batch, captured, device)
+    loss = loss_bytes(module, call, "training_step", batch, captured, device)
     profile = memory_profile(profile, captured, device, module, loss)
     # Cuts between the model's blocks: the shallowest modules that give every chunk of an interleaved split one
     depths = range(1, 1 + max((len(layer.module.split(".")) for layer in captured.layers), default=1))
