@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,32 @@ class TokenBatches:
         return iter(self.items)
 
 
+class LabelledBatches(TokenBatches):
+    """``count`` batches of ``(input_ids, labels)`` as Hugging Face's fine-tuning idioms make them: ``"ids"``, the
+    labels are the tokens (a causal LM shifts them itself); ``"prompt"``, a prompt of 0 to length - 2 tokens per
+    sequence left out of the loss (labels -100; where it is empty, the first label counts unshifted only); ``"masked"``, BERT's masked LM: tokens replaced by ``mask_id`` at
+    random, the labels the original tokens there and -100 everywhere else (at least one masked token per sequence)."""
+
+    def __init__(self, vocab: int, count: int, size: int, length: int, kind: str, mask_id: int = 1) -> None:
+        generator = torch.Generator().manual_seed(11)
+        self.items = []
+        for _ in range(count):
+            ids = torch.randint(2, vocab, (size, length), generator=generator)
+            if kind == "ids":
+                labels = ids.clone()
+            elif kind == "prompt":
+                prompt = torch.randint(0, length - 1, (size, 1), generator=generator)
+                labels = ids.masked_fill(torch.arange(length) < prompt, -100)
+            elif kind == "masked":
+                masked = torch.rand(size, length, generator=generator) < 0.3
+                masked[torch.arange(size), torch.randint(0, length, (size,), generator=generator)] = True
+                labels = ids.masked_fill(~masked, -100)
+                ids = ids.masked_fill(masked, mask_id)
+            else:
+                raise ValueError(kind)
+            self.items.append((ids, labels))
+
+
 def lm_loss(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy, a mean over the tokens predicted."""
     return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
@@ -66,9 +93,11 @@ class MetaLM(L.LightningModule):
 
     def configure_model(self) -> None:
         if self.model is None:
-            from transformers import AutoConfig, AutoModelForCausalLM
+            from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM
 
-            self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.config_dir))
+            config = AutoConfig.from_pretrained(self.config_dir)
+            auto = AutoModelForMaskedLM if config.model_type == "bert" else AutoModelForCausalLM
+            self.model = auto.from_config(config)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, use_cache=False).logits
@@ -76,6 +105,17 @@ class MetaLM(L.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         (input_ids,) = batch
         return lm_loss(self(input_ids), input_ids)
+
+
+class HFIdiomLM(MetaLM):
+    """Hugging Face's fine-tuning idiom as its users write it: the model (its config's defaults: use_cache on) computes
+    its own loss from ``labels=``, called directly from the step; no forward of the LightningModule's own."""
+
+    forward = L.LightningModule.forward  # type: ignore[assignment]
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        input_ids, labels = batch
+        return self.model(input_ids=input_ids, labels=labels).loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if self.optimizer == "adam":
@@ -163,16 +203,20 @@ def train(out: str, options: dict[str, Any]) -> None:
     started = time.process_time()
     torch.set_num_threads(1)
     config_dir = options.pop("config_dir")
-    module = MetaLM(config_dir, options.pop("lr", 0.05), options.pop("optimizer", "sgd"))
+    labels = options.pop("labels", None)  # LabelledBatches' kind: the HF idiom's step (HFIdiomLM)
+    module = (HFIdiomLM if labels else MetaLM)(config_dir, options.pop("lr", 0.05), options.pop("optimizer", "sgd"))
     peak = PeakBeforeFirstStep()
     step = StepMemory(options.pop("measure_step")) if "measure_step" in options else None
     sizes = options.pop("data")  # [vocab, batches, batch size, sequence length]
+    data = LabelledBatches(*sizes, labels) if labels else TokenBatches(*sizes)
     trainer = L.Trainer(**trainer_args(devices=options.pop("devices"), max_epochs=options.pop("epochs", 2),
                                        use_distributed_sampler=False,
                                        callbacks=[peak] + ([step] if step is not None else []),
                                        strategy=PipeDreamStrategy(**options.pop("strategy"))))
     refuse_unused(options)
-    trainer.fit(module, TokenBatches(*sizes))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, data)
     rank = trainer.global_rank
     stage = trainer.strategy._pipeline.stage  # this rank's stage module: its tensors under the model's names
     torch.save({k: v.detach().clone() for k, v in stage.state_dict().items()}, f"{out}/stage{rank}.pt")
@@ -184,7 +228,8 @@ def train(out: str, options: dict[str, Any]) -> None:
         "peak_before_first_step_bytes": (peak.peak_kb or 0) * 1024,
         # the strategy's prediction of every rank's peak (plan.memory.StageMemory terms) and this rank's measured step
         "predicted": trainer.strategy._pipeline.graph.predicted_memory, "step": step.result if step else None,
-        "cpu_s": time.process_time() - started})  # this rank's CPU time for the run (what it adds to the suite)
+        "cpu_s": time.process_time() - started,
+        "warnings": sorted({str(w.message) for w in caught if "PipeDreamStrategy" in str(w.message)})})  # this rank's CPU time for the run (what it adds to the suite)
 
 
 if __name__ == "__main__":

@@ -106,6 +106,13 @@ class BatchShares:
         return self.share(microbatch)
 
 
+def labelled_tokens(labels: torch.Tensor, shifted: bool = False) -> int:
+    """What a token-mean loss over ``labels`` averages over: its labels that are not IGNORE_INDEX. ``shifted``: those
+    of ``labels[..., 1:]``, for a causal language model's loss, which predicts each token from the ones before it (a
+    row's first label is never a target), as Hugging Face's Trainer counts ``num_items_in_batch``."""
+    return int(((labels[..., 1:] if shifted else labels) != IGNORE_INDEX).sum())
+
+
 def _count(mean_over: Callable[[Any], Any], part: Any) -> float:
     value = mean_over(part)
     if isinstance(value, torch.Tensor):

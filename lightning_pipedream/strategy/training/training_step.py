@@ -25,6 +25,7 @@ from lightning_pipedream.strategy.reporting.logs import LogRecorder
 from lightning_pipedream.strategy.reporting.summaries import StepSummary
 from lightning_pipedream.strategy.setup.batches import to_cpu
 from lightning_pipedream.strategy.setup.calls import explaining_meta_calls, loss_of
+from lightning_pipedream.strategy.setup.labels import labelled_token_counter
 from lightning_pipedream.strategy.setup.options import PipelineOptions
 from lightning_pipedream.strategy.setup.stage_pipeline import StagePipeline
 from lightning_pipedream.strategy.training.loss_scale import scaled
@@ -33,9 +34,12 @@ from lightning_pipedream.tree import map_tensors
 
 TOKEN_MEAN_ADVICE = (
     "A loss that is a mean over each micro-batch's tokens (cross_entropy with ignore_index=-100, Hugging Face models) "
-    "then weighs tokens unequally and differs from one device. Pass PipeDreamStrategy(mean_over=...) a function "
-    "counting a batch's labelled tokens, e.g. mean_over=lambda batch: (batch['labels'] != -100).sum(), to weigh "
-    "each micro-batch by its tokens (exact). A loss that is a mean over samples needs nothing."
+    "then weighs tokens unequally and differs from one device. PipeDreamStrategy weighs each micro-batch by its "
+    "labelled tokens itself when it sees the labels: passed to the model as labels= (self.model(input_ids=..., "
+    "labels=...)), or a dict batch's 'labels'; here it sees neither. Pass the labels so, or pass "
+    "PipeDreamStrategy(mean_over=...) a function counting a batch's labelled tokens, e.g. mean_over=lambda batch: "
+    "(batch[1] != -100).sum(), to weigh each micro-batch by its tokens (exact). A loss that is a mean over samples "
+    "needs nothing."
 )
 
 
@@ -143,15 +147,17 @@ class TrainingStep:
 
     # -- built with the step ---------------------------------------------------------------------------------
     def _shares(self) -> BatchShares:
-        """The batch's micro-batches and their loss weights (see :class:`BatchShares`)."""
+        """The batch's micro-batches and their loss weights (see :class:`BatchShares`): by what ``mean_over`` counts,
+        else by the labelled tokens where the labels are visible (strategy/setup/labels.py), else by samples."""
         options, placement = self.options, self.pipeline.placement
+        mean_over = options.mean_over or labelled_token_counter(self.module, self.pipeline.call, "training_step",
+                                                                self.batch, self.batch_idx)
         k = options.minibatches_per_batch
         if k > 1:  # each piece a minibatch of its own: its loss counts fully in its own update
-            return BatchShares.of(self.batch, k, minibatch_updates=True, fewer_if_small=True,
-                                  mean_over=options.mean_over)
+            return BatchShares.of(self.batch, k, minibatch_updates=True, fewer_if_small=True, mean_over=mean_over)
         return BatchShares.of(self.batch, options.chunks, placement.input_shards,
                               minibatch_updates=placement.round_robin and options.spec.minibatch_updates,
-                              fewer_if_small=True, mean_over=options.mean_over)
+                              fewer_if_small=True, mean_over=mean_over)
 
     def _warn_if_token_means_differ(self) -> bool:
         """Warn (on rank 0) when the micro-batches hold labelled tokens unevenly; whether it warned."""
