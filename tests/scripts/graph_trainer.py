@@ -49,18 +49,25 @@ class FamilyModule(L.LightningModule):
 
 class HFStyleModule(FamilyModule):
     """The usual Hugging Face training step: the model computes its own (token-mean) loss from the labels.
-    ``skip_batch``: training_step returns None for that batch (Lightning's way to skip it)."""
+    ``skip_batch``: training_step returns None for that batch (Lightning's way to skip it); ``own_loss``: the step
+    computes the token mean itself from the logits."""
 
-    def __init__(self, family: str, lr: float = 0.1, skip_batch: int | None = None, scheduler: bool = False) -> None:
+    def __init__(self, family: str, lr: float = 0.1, skip_batch: int | None = None, scheduler: bool = False,
+                 own_loss: bool = False) -> None:
         super().__init__(family, lr)
-        self.save_hyperparameters()  # skip_batch and scheduler too
+        self.save_hyperparameters()  # skip_batch, scheduler and own_loss too
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
         return self.model(input_ids, labels=labels)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
         (input_ids,), labels = batch
-        loss = self(input_ids, labels=labels).loss
+        if self.hparams.own_loss:  # the token mean computed here, from labels the strategy does not see as such
+            logits = self(input_ids).logits
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1),
+                                                     ignore_index=-100)
+        else:
+            loss = self(input_ids, labels=labels).loss
         if batch_idx == self.hparams.skip_batch:
             return None
         self.log("train_loss", loss)

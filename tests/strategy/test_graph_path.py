@@ -112,14 +112,18 @@ def trained(tmp_path_factory) -> Path:
     runs[2].append([str(base / "tied_sequential_2bw"), {**tied, "clip": 0.05, "strategy": {
         "schedule": "2bw", "chunks": 2, "balance": [2, 2]}}])
     # A padded LM batch (labels -100) with a token-mean loss, and last training and validation batches of one sample,
-    # fewer than chunks=2: one epoch, with mean_over counting the labelled tokens, and (one step) without it.
+    # fewer than chunks=2: one epoch, with mean_over counting the labelled tokens; without it, the labels passed as
+    # labels= (the strategy counts them itself); and (one step) a loss the step computes from labels it does not see.
     lm = {"family": "hf", "module": "hf", "padded": True, "sizes": [4, 4, 1], "val_sizes": [4, 1], "epochs": 1,
           "limit_val_batches": 2}
     runs[1].append([str(base / "hf_lm" / "single"), lm])
     runs[2].append([str(base / "hf_lm" / "pipe"), {**lm, "devices": 2, "strategy": {
         "schedule": "1f1b", "chunks": 2, "mean_over": "labelled_tokens"}}])
+    runs[2].append([str(base / "hf_lm" / "labels"), {**lm, "devices": 2, "strategy": {"schedule": "1f1b",
+                                                                                        "chunks": 2}}])
     runs[2].append([str(base / "hf_lm" / "unweighted"), {**lm, "epochs": None, "steps": 1, "limit_val_batches": 0,
-                                                          "devices": 2, "strategy": {"schedule": "1f1b", "chunks": 2}}])
+                                                          "model": {"own_loss": True}, "devices": 2,
+                                                          "strategy": {"schedule": "1f1b", "chunks": 2}}])
     # Model chunks of a traced model (issue 43), after the "hf" run (its capture comes from the cache): 2 processes x 2
     # chunks, the embedding tied to the output projection. In a V both ends sit on rank 0 (one shared parameter);
     # interleaved puts them on ranks 0 and 1 (their gradients summed).
@@ -339,8 +343,12 @@ def test_a_sequential_with_weights_tied_across_stages_follows_the_same_rule(trai
     assert len(clipped["optimizer_states"][0]["state"]) == len(list(TiedSequentialLM().parameters())) == 10
 
 
-def test_a_token_mean_loss_over_padded_batches_with_mean_over_equals_one_device(trained):
-    single, pipe = trained / "hf_lm" / "single", trained / "hf_lm" / "pipe"
+@pytest.mark.parametrize("run", ["pipe", "labels"])
+def test_a_token_mean_loss_over_padded_batches_with_mean_over_or_labels_equals_one_device(trained, run):
+    """With mean_over= counting the labelled tokens, or without it when the step passes the labels as labels= (the
+    strategy counts their tokens that are not -100 itself, strategy/setup/labels.py): one device's weights, and its
+    logged train_loss and val_loss (each micro-batch's token mean weighed by its tokens)."""
+    single, pipe = trained / "hf_lm" / "single", trained / "hf_lm" / run
     got, want = weights(pipe / "final.ckpt"), weights(single / "final.ckpt")
     for key in want:
         torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-5, msg=lambda m: f"{key}: {m}")
@@ -351,14 +359,17 @@ def test_a_token_mean_loss_over_padded_batches_with_mean_over_equals_one_device(
     assert not [w for w in metrics[0]["warnings"] if "unevenly" in w]
 
 
-def test_a_token_mean_loss_without_mean_over_is_warned_about(trained):
+def test_a_token_mean_loss_whose_labels_the_strategy_cannot_see_is_warned_about(trained):
     metrics = json.loads((trained / "hf_lm" / "unweighted" / "metrics.json").read_text())
     assert ["PipeDreamStrategy: this batch's labels leave out padding (-100) unevenly: its micro-batches hold [4, 6] "
             "labelled tokens for [2, 2] samples. A loss that is a mean over each micro-batch's tokens (cross_entropy "
             "with ignore_index=-100, Hugging Face models) then weighs tokens unequally and differs from one device. "
-            "Pass PipeDreamStrategy(mean_over=...) a function counting a batch's labelled tokens, e.g. mean_over="
-            "lambda batch: (batch['labels'] != -100).sum(), to weigh each micro-batch by its tokens (exact). A loss "
-            "that is a mean over samples needs nothing."] == [w for w in metrics["warnings"] if "unevenly" in w]
+            "PipeDreamStrategy weighs each micro-batch by its labelled tokens itself when it sees the labels: passed "
+            "to the model as labels= (self.model(input_ids=..., labels=...)), or a dict batch's 'labels'; here it "
+            "sees neither. Pass the labels so, or pass PipeDreamStrategy(mean_over=...) a function counting a batch's "
+            "labelled tokens, e.g. mean_over=lambda batch: (batch[1] != -100).sum(), to weigh each micro-batch by its "
+            "tokens (exact). A loss that is a mean over samples needs nothing."] == [
+        w for w in metrics["warnings"] if "unevenly" in w]
 
 
 def test_a_skipped_batch_is_refused_with_the_reason_on_every_rank(tmp_path):

@@ -1,8 +1,12 @@
-"""In one process: micro-batch weights for a loss that is a mean over counted items, batches smaller than chunks,
+"""In one process: micro-batch weights for a loss that is a mean over counted items (given by mean_over=, or the
+labelled tokens of the labels a step passes to its model), batches smaller than chunks,
 and the refusal of a last batch that a 2bw step cannot run (the Trainer runs are in test_graph_path.py)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import lightning as L
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -10,7 +14,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_pipedream.runtime.execution.engine import PipelineEngine
 from lightning_pipedream.runtime.execution.shares import BatchShares
 from lightning_pipedream.schedule.builders import build_schedule, pipedream_drain
+from lightning_pipedream.strategy.setup.calls import ForwardCall, SubmoduleCall, pipelined_call
 from lightning_pipedream.strategy.setup.checks import check_last_batch_fits
+from lightning_pipedream.strategy.setup.labels import labelled_token_counter, loss_shifts_labels
 
 
 def lm_batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,6 +46,78 @@ def test_mean_over_weighs_each_micro_batch_by_its_count_and_the_sum_is_the_batch
     assert [plain.weight(m) for m in range(2)] == [0.5, 0.5]
     assert plain.unequal_labelled_tokens() == (4, 5)
     assert BatchShares.of((tokens, tokens), 2).unequal_labelled_tokens() is None  # no padding: nothing to say
+
+
+class Labelled(L.LightningModule):
+    """A step as Hugging Face users write it: the model (here a stand-in holding every parameter) takes labels=."""
+
+    def __init__(self, model: torch.nn.Module, dict_batch: bool = False) -> None:
+        super().__init__()
+        self.model, self.dict_batch = model, dict_batch
+
+    def training_step(self, batch, batch_idx):
+        if self.dict_batch:
+            return self.model(**batch).loss
+        tokens, labels = batch
+        return self.model(input_ids=tokens, labels=labels).loss
+
+
+class Causal(torch.nn.Module):
+    """Stands in for a Hugging Face causal LM: its ``loss_type`` makes its loss shift the labels."""
+
+    loss_type = "ForCausalLM"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = SimpleNamespace(is_encoder_decoder=False)
+        self.lin = torch.nn.Linear(2, 2)
+
+
+def test_the_labels_a_step_passes_as_labels_weigh_its_micro_batches_as_the_model_s_loss_counts_them():
+    """Without mean_over=: the labels= of the pipelined call (self.model(..., labels=...), a child holding every
+    parameter) or a dict batch's "labels", counted unshifted for a model whose loss does not shift them and over
+    labels[..., 1:] for a Hugging Face causal LM (as its Trainer counts num_items_in_batch)."""
+    pytest.importorskip("transformers")
+    tokens, labels = lm_batch()
+    plain = Labelled(torch.nn.Linear(2, 2))
+    call, (args, kwargs) = pipelined_call(plain, "training_step", (tokens, labels), 0)
+    assert isinstance(call, SubmoduleCall) and call.name == "model" and torch.equal(kwargs["labels"], labels)
+    counter = labelled_token_counter(plain, call, "training_step", (tokens, labels), 0)
+    assert counter is not None and BatchShares.of((tokens, labels), 2, mean_over=counter).counts == (4.0, 5.0)
+    assert not loss_shifts_labels(plain)
+    causal = Labelled(Causal())
+    assert loss_shifts_labels(causal)  # labels[..., 1:]: rows 0 and 1 hold 0 and 2 labelled, rows 2 and 3: 1 and 2
+    counter = labelled_token_counter(causal, call, "training_step", (tokens, labels), 0)
+    assert BatchShares.of((tokens, labels), 2, mean_over=counter).counts == (2.0, 3.0)
+    as_dict = {"input_ids": tokens, "labels": labels}  # **batch: labels= too; the batch's "labels" alike
+    for module in (Labelled(Causal(), dict_batch=True),):
+        for found_by in (call, None):
+            counter = labelled_token_counter(module, found_by, "training_step", as_dict, 0)
+            assert BatchShares.of(as_dict, 2, mean_over=counter).counts == (2.0, 3.0)
+    # Nowhere to be seen (a tuple batch the step uses itself): the samples' shares, and the warning.
+    assert labelled_token_counter(plain, ForwardCall(), "training_step", (tokens, labels), 0) is None
+    import transformers
+
+    real = {"gpt2": transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2,
+                                                                          vocab_size=16)),
+            "bert": transformers.BertForMaskedLM(transformers.BertConfig(num_hidden_layers=1, hidden_size=8,
+                                                                         num_attention_heads=2, intermediate_size=8,
+                                                                         vocab_size=16))}
+    # GPT-2 has no loss_type; Hugging Face's default loss, the causal LM's, is its own. BERT's masked LM: unshifted.
+    assert [loss_shifts_labels(Labelled(model)) for model in real.values()] == [True, False]
+
+
+def test_a_step_that_calls_neither_self_nor_its_model_is_told_so():
+    class Elsewhere(Labelled):
+        def training_step(self, batch, batch_idx):
+            return batch[0].float().sum()
+
+    with pytest.raises(RuntimeError, match=r"^Elsewhere.training_step returned without calling self\(...\) or "
+                                           r"self.model\(...\). Under PipeDreamStrategy every step must call the "
+                                           r"model's forward exactly once, through self\(...\) \(or a child module "
+                                           r"that holds all its parameters, such as self.model\(...\)\), with the "
+                                           r"inputs to pipeline.$"):
+        pipelined_call(Elsewhere(torch.nn.Linear(2, 2)), "training_step", lm_batch(), 0)
 
 
 def test_mean_over_must_count():

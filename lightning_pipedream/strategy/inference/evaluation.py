@@ -15,6 +15,7 @@ from lightning_pipedream.schedule.builders import inference
 from lightning_pipedream.strategy.inference.generation import generating_step
 from lightning_pipedream.strategy.reporting.logs import LogRecorder
 from lightning_pipedream.strategy.setup.batches import batch_args, merge_outputs, to_cpu
+from lightning_pipedream.strategy.setup.labels import labelled_token_counter
 from lightning_pipedream.strategy.setup.options import PipelineOptions
 from lightning_pipedream.strategy.setup.stage_pipeline import StagePipeline
 from lightning_pipedream.tree import map_tensors
@@ -31,7 +32,10 @@ def evaluate(pipeline: StagePipeline, module: LightningModule, hook: str, args: 
     batch, batch_idx = batch_args(args, kwargs)
     extra_args = args[2:]
     step = getattr(module, hook)
-    shares = BatchShares.of(batch, options.chunks, fewer_if_small=True, mean_over=options.mean_over)
+    # Logged values combine by the micro-batches' labelled tokens where the labels are visible, as in training.
+    mean_over = options.mean_over or labelled_token_counter(module, pipeline.call, hook, batch, batch_idx, *extra_args,
+                                                            **kwargs)
+    shares = BatchShares.of(batch, options.chunks, fewer_if_small=True, mean_over=mean_over)
     recorder = LogRecorder()
 
     def inputs(mb: int) -> Any:

@@ -63,12 +63,13 @@ def _integer(value: Any) -> Tensor | None:
         and value.dim() > 0 else None
 
 
-def _call_labels(module: nn.Module, call: Any, hook: str, piece: Any, batch_idx: int) -> Tensor | None:
+def _call_labels(module: nn.Module, call: Any, hook: str, piece: Any, step_args: tuple,
+                 step_kwargs: dict[str, Any]) -> Tensor | None:
     """The ``labels=`` the step passes to the pipelined call for ``piece`` of the batch; None if none."""
     if not isinstance(call, ForwardCall):
         return None
     try:
-        _, kwargs = call.input_of(module, hook, piece, batch_idx)
+        _, kwargs = call.input_of(module, hook, piece, *step_args, **step_kwargs)
     except (RuntimeError, TypeError, ValueError):  # a step that does not make the call: said where it runs
         return None
     return _integer(kwargs.get("labels"))
@@ -84,14 +85,15 @@ def _batch_labels(piece: Any) -> tuple[Tensor | None, bool]:
     return _integer(piece.get("labels")), False
 
 
-def labelled_token_counter(module: nn.Module, call: Any, hook: str, batch: Any,
-                           batch_idx: int) -> Callable[[Any], int] | None:
+def labelled_token_counter(module: nn.Module, call: Any, hook: str, batch: Any, *step_args: Any,
+                           **step_kwargs: Any) -> Callable[[Any], int] | None:
     """A ``mean_over`` for ``batch``: the count of labelled tokens in a piece of it, from the labels found as the
-    module docstring says; None when ``batch`` shows none (then the samples' shares hold)."""
+    module docstring says; None when ``batch`` shows none (then the samples' shares hold). ``step_args`` and
+    ``step_kwargs``: the step's arguments after the batch (its index, ...), with which ``call`` finds its input."""
     shifts = loss_shifts_labels(module)
-    if _call_labels(module, call, hook, batch, batch_idx) is not None:
+    if _call_labels(module, call, hook, batch, step_args, step_kwargs) is not None:
         def in_call(piece: Any) -> int:
-            labels = _call_labels(module, call, hook, piece, batch_idx)
+            labels = _call_labels(module, call, hook, piece, step_args, step_kwargs)
             if labels is None:
                 raise ValueError(f"{type(module).__name__}.{hook} passed labels= to the model for the whole batch "
                                  "but not for a micro-batch of it; pass them alike, or give PipeDreamStrategy("
