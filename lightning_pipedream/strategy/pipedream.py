@@ -117,12 +117,10 @@ class PipeDreamStrategy(DDPStrategy):
             return them to the OS (:func:`~.allocator.keep_freed_memory`): faulting a stage's gradients and
             activations back in every minibatch cost ``pipedream`` ~10 % of its step in ``benchmarks/lightning.py``.
             Resident memory then stays at its peak until ``teardown`` gives it back. No effect on GPU devices.
-        mean_over: for a loss that is a mean over something other than the batch's samples, a function
-            counting it in a batch or micro-batch, e.g. ``lambda batch: (batch[1] != -100).sum()`` for a
-            token-mean language-model loss with padding: each micro-batch's loss then counts by its count over
-            the whole batch's, and the result equals one device exactly (docs/strategy.md, "Losses"). Not needed
-            for labels the step passes to the model as ``labels=`` or a dict batch's ``"labels"``: their tokens
-            that are not -100 are counted by default, as the model's loss counts them (strategy/setup/labels.py).
+        mean_over: for a loss that is a mean over something other than the batch's samples, a function counting
+            it in a piece of a batch (``lambda batch: (batch[1] != -100).sum()``): each micro-batch's loss counts by
+            its count over the batch's, exactly one device (docs/strategy.md, "Losses"). Labels passed as ``labels=``
+            or a dict batch's ``"labels"`` are counted so by default (strategy/setup/labels.py)
         memory_limit: with ``schedule="auto"``: bytes per process. The planner (``plan/auto.py``) profiles the
             layers on the first training batch and chooses the split, replicas, schedule, micro-batches and
             recompute that it predicts fastest within the limit (``python -m lightning_pipedream plan --schedule
