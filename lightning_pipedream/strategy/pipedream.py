@@ -120,7 +120,7 @@ class PipeDreamStrategy(DDPStrategy):
         mean_over: for a loss that is a mean over something other than the batch's samples, a function counting
             it in a piece of a batch (``lambda batch: (batch[1] != -100).sum()``): each micro-batch's loss counts by
             its count over the batch's, exactly one device (docs/strategy.md, "Losses"). Labels passed as ``labels=``
-            or a dict batch's ``"labels"`` are counted so by default (strategy/setup/labels.py)
+            or a dict batch's ``"labels"`` are counted so by default (strategy/setup/labels.py).
         memory_limit: with ``schedule="auto"``: bytes per process. The planner (``plan/auto.py``) profiles the
             layers on the first training batch and chooses the split, replicas, schedule, micro-batches and
             recompute that it predicts fastest within the limit (``python -m lightning_pipedream plan --schedule
