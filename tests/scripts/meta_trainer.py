@@ -106,6 +106,11 @@ class MetaLM(L.LightningModule):
         (input_ids,) = batch
         return lm_loss(self(input_ids), input_ids)
 
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.optimizer == "adam":
+            return torch.optim.Adam(self.parameters(), lr=self.lr)
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
 
 class HFIdiomLM(MetaLM):
     """Hugging Face's fine-tuning idiom as its users write it: the model (its config's defaults: use_cache on) computes
@@ -116,11 +121,6 @@ class HFIdiomLM(MetaLM):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         input_ids, labels = batch
         return self.model(input_ids=input_ids, labels=labels).loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        if self.optimizer == "adam":
-            return torch.optim.Adam(self.parameters(), lr=self.lr)
-        return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
 def load_export() -> None:
@@ -228,8 +228,8 @@ def train(out: str, options: dict[str, Any]) -> None:
         "peak_before_first_step_bytes": (peak.peak_kb or 0) * 1024,
         # the strategy's prediction of every rank's peak (plan.memory.StageMemory terms) and this rank's measured step
         "predicted": trainer.strategy._pipeline.graph.predicted_memory, "step": step.result if step else None,
-        "cpu_s": time.process_time() - started,
-        "warnings": sorted({str(w.message) for w in caught if "PipeDreamStrategy" in str(w.message)})})  # this rank's CPU time for the run (what it adds to the suite)
+        "cpu_s": time.process_time() - started,  # this rank's CPU time for the run (what it adds to the suite)
+        "warnings": sorted({str(w.message) for w in caught if "PipeDreamStrategy" in str(w.message)})})
 
 
 if __name__ == "__main__":
