@@ -6,7 +6,7 @@
 #     python -m benchmarks.gpu_check --device cpu --quick  # the same code paths on the CPU (the CI smoke test)
 #
 # (a) memory: each schedule of benchmarks/memory_model.py on 2 stages, each stage measured on its own: the ranks are
-#     threads of this process under the model of NCCL's point-to-point rules (runtime/communication/p2p_model.py),
+#     threads of this process under the model of NCCL's rules (lightning_pipedream/testing/nccl_model.py),
 #     the measured rank on the device and the others on the CPU. On CUDA its peak is torch.cuda.max_memory_allocated
 #     over its construction and training (cuBLAS's workspaces cleared first, so that they count); on the CPU the live
 #     tensor bytes of its thread (benchmarks.memory_model.metered_run). Predicted: plan.memory with device= the same.
@@ -38,8 +38,8 @@ from torch import nn
 from benchmarks import memory_model
 from lightning_pipedream.plan.memory import predict_memory, stage_bytes
 from lightning_pipedream.plan.profile import profile_module
-from lightning_pipedream.runtime.communication.p2p_model import PointToPointModel
 from lightning_pipedream.runtime.pipeline import Pipeline
+from lightning_pipedream.testing.nccl_model import PointToPointModel
 
 SCHEDULES = ("gpipe", "1f1b", "pipedream", "2bw", "zb-h1", "interleaved")
 ASYNCHRONOUS = ("pipedream", "2bw")

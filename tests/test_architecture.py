@@ -34,6 +34,7 @@ MAY_IMPORT = {
 NO_TORCH = {"schedule"}  # pure Python: the validator, simulator and renderer run without torch
 LIGHTNING = ("lightning", "pytorch_lightning")
 LIGHTNING_ALLOWED = {"strategy"}  # and lightning_pipedream/__init__.py, which only hooks the strategy's registration
+TESTING = "testing"  # lightning_pipedream/testing/: what tests and benchmarks check the package against (no layer)
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -78,6 +79,8 @@ def layering_violations(path: Path) -> list[str]:
             other = parts[1] if len(parts) > 1 else ""
             if other in LAYERS and other != layer and other not in MAY_IMPORT[layer]:
                 bad.append(f"{where}: {layer}/ may import only {sorted(MAY_IMPORT[layer]) or 'no other layer'}")
+            if other == TESTING:
+                bad.append(f"{where}: {TESTING}/ is for the tests and benchmarks; the package never imports it")
             if other == "tree" and layer in NO_TORCH:
                 bad.append(f"{where}: {layer}/ is pure Python")
         if path.name == "tree.py" and path.parent == PACKAGE and top in OURS + LIGHTNING:
@@ -139,6 +142,8 @@ def test_schedule_names_are_compared_only_in_schedule_and_cli() -> None:
     ("runtime", "from lightning_pipedream.strategy.setup import placement\n", "runtime/ may import only"),
     ("graph", "from lightning_pipedream.runtime.execution.engine import PipelineEngine\n", "graph/ may import only"),
     ("cli", "from lightning_pipedream.runtime import engine\n", "cli/ may import only ['plan', 'schedule']"),
+    ("runtime", "from lightning_pipedream.testing.nccl_model import PointToPointModel\n",
+     "testing/ is for the tests and benchmarks"),
 ])
 def test_the_layering_checker_catches_a_planted_violation(layer: str, code: str, expected: str) -> None:
     probe = PACKAGE / layer / "_probe_for_test.py"

@@ -32,7 +32,7 @@ from typing_extensions import override
 
 from lightning_pipedream.runtime.execution import allocator
 from lightning_pipedream.runtime.faults import flight
-from lightning_pipedream.runtime.faults.failures import pipeline_failures, report_failure, setup_failures
+from lightning_pipedream.runtime.faults.failures import report_failure, setup_failures
 from lightning_pipedream.runtime.faults.launch import rendezvous_store
 from lightning_pipedream.runtime.faults.watchdog import watchdog
 from lightning_pipedream.runtime.stages.materialize import has_meta_tensors
@@ -40,6 +40,7 @@ from lightning_pipedream.schedule.specs import SCHEDULES
 from lightning_pipedream.strategy.checkpoints.checkpoint import AtomicCheckpointIO
 from lightning_pipedream.strategy.checkpoints.sharded_checkpoint import PipelineCheckpoints, refuse_after_failure
 from lightning_pipedream.strategy.inference.evaluation import evaluate
+from lightning_pipedream.strategy.reporting import collectives
 from lightning_pipedream.strategy.setup.batches import batch_args, loop_loader
 from lightning_pipedream.strategy.setup.checks import (
     check_last_batch_fits,
@@ -338,16 +339,10 @@ class PipeDreamStrategy(DDPStrategy):
         with setup_failures():  # a rank's failure in setup reaches every rank, with its reason
             self._setup(trainer)
 
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        # Lightning's barriers (after restoring a checkpoint, at the end of a fit): a peer's failure reaches this rank.
-        with pipeline_failures(None, waiting=f"Lightning's barrier{f' {name!r}' if name else ''}"):
-            super().barrier(name)
-
-    @override
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        with pipeline_failures(None, waiting=f"Lightning's broadcast from rank {src}"):
-            return super().broadcast(obj, src)
+    # Lightning's collectives (strategy/reporting/collectives.py): refused inside a pipelined step, issued after a drain
+    # during an asynchronous fit, every wait bounded by the timeout and named (a peer's failure reaches this rank).
+    barrier, broadcast, reduce, all_gather = collectives.barrier, collectives.broadcast, collectives.reduce, \
+        collectives.all_gather
 
     def _setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
@@ -384,7 +379,8 @@ class PipeDreamStrategy(DDPStrategy):
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
             self._training = Training(self.options, self._pipeline, trainer, module, self.precision_plugin,
-                                      self.root_device, self.global_rank, lambda: self.optimizers, self.switched)
+                                      self.root_device, self.global_rank, lambda: self.optimizers, self.switched,
+                                      timeout=self._timeout)
             drain_before_callbacks(trainer, self.drain, self._pipeline_failed)
         self._failure = None
         self.checkpoints.after_setup(self._pipeline)  # a sharded checkpoint's weights, now that the stage exists
@@ -499,8 +495,9 @@ class PipeDreamStrategy(DDPStrategy):
 
     def _evaluate(self, hook: str, args: tuple, kwargs: dict, send_output: bool) -> Any:
         assert self._pipeline is not None
-        return evaluate(self._pipeline, self.lightning_module, hook, args, kwargs, options=self.options,
-                        device=self.root_device, send_output=send_output)
+        with collectives.inside_step(hook):
+            return evaluate(self._pipeline, self.lightning_module, hook, args, kwargs, options=self.options,
+                            device=self.root_device, send_output=send_output)
 
     # ---------------------------------------------------------------------------- checkpoints
     @override
@@ -545,8 +542,8 @@ class PipeDreamStrategy(DDPStrategy):
     def on_train_end(self) -> None:
         self.drain()
         pipeline = self._pipeline
-        if pipeline is not None and pipeline.lagged is not None and self._failure is None:
-            pipeline.lagged.take_all()  # training stopped between drains (should_stop): deliver, too late to log
+        if self._training is not None and self._failure is None:
+            self._training.finish()  # training stopped between drains (should_stop): deliver, too late to log
         if pipeline is not None and self.options.trace_dir is not None:
             pipeline.write_trace(self.options.trace_dir, self.global_rank)
         super().on_train_end()

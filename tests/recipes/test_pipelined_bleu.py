@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pipedream.runtime.communication.p2p_model import PointToPointModel
 from lightning_pipedream.runtime.communication.transport import Transport
 from lightning_pipedream.runtime.execution.decode import generate_ids
+from lightning_pipedream.testing.nccl_model import PointToPointModel
 from recipes.models import build_model
 from recipes.tasks.seq2seq import Seq2SeqTask, greedy_decode
 

@@ -14,9 +14,9 @@ from graph_models import tiny_decoder
 from torch import nn
 
 from lightning_pipedream.graph import capture, split_graph
-from lightning_pipedream.runtime.communication.p2p_model import PointToPointModel
 from lightning_pipedream.runtime.communication.transport import Transport
 from lightning_pipedream.runtime.execution.decode import generate_ids, split_of_owners
+from lightning_pipedream.testing.nccl_model import PointToPointModel
 
 pytest.importorskip("transformers")
 

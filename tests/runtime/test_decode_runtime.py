@@ -12,11 +12,11 @@ import torch
 from graph_models import tiny_decoder
 from torch import nn
 
-from lightning_pipedream.runtime.communication.p2p_model import PointToPointModel
 from lightning_pipedream.runtime.communication.transport import Transport
 from lightning_pipedream.runtime.execution.decode import even_split, generate_ids
 from lightning_pipedream.schedule.check import validate
 from lightning_pipedream.schedule.generation import decode_ring
+from lightning_pipedream.testing.nccl_model import PointToPointModel
 
 pytest.importorskip("transformers")
 

@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from lightning_pipedream import generate
-from lightning_pipedream.runtime.communication.p2p_model import PointToPointModel
 from lightning_pipedream.runtime.communication.transport import Transport
 from lightning_pipedream.runtime.execution.decode import generate_ids
+from lightning_pipedream.testing.nccl_model import PointToPointModel
 
 VOCAB, WIDTH, NEW, PAD = 24, 12, 6, 0
 

@@ -11,10 +11,10 @@ from pipedream_reference import Minibatch, PipeDreamRule, train_one_process
 from torch import nn
 from torch.func import functional_call
 
-from lightning_pipedream.runtime.communication.p2p_model import DeadlockError, PointToPointModel
 from lightning_pipedream.runtime.communication.transport import Transport
 from lightning_pipedream.runtime.pipeline import Pipeline
 from lightning_pipedream.schedule.builders import inference
+from lightning_pipedream.testing.nccl_model import DeadlockError, PointToPointModel
 
 LR, MOMENTUM = 0.1, 0.9
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_pipedream.runtime.communication.p2p_model import DeadlockError, PointToPointModel
 from lightning_pipedream.strategy.reporting.consistency import RECORD_SLOTS
 from lightning_pipedream.strategy.reporting.summaries import LaggedSummaries, LoggedValue, StepSummary, SummaryChannel
+from lightning_pipedream.testing.nccl_model import DeadlockError, PointToPointModel
 
 RANKS, LAG, STEPS = 3, 2, 7
 

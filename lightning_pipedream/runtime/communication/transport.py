@@ -19,21 +19,7 @@ from lightning_pipedream.runtime.communication import shared_memory
 from lightning_pipedream.runtime.communication.microbatch import flatten, unflatten
 from lightning_pipedream.runtime.faults.errors import PeerFailedError, default_store
 from lightning_pipedream.runtime.faults.mailbox import machine_id, process_start_time, process_state
-
-
-def _world_timeout() -> timedelta:
-    """The default process group's timeout, which every wait here honours too.
-
-    A group made by ``dist.new_group()`` without ``timeout=`` gets torch's default (30 minutes), not the
-    world's; waiting at most the world's timeout keeps ``init_process_group(timeout=...)`` (and
-    ``PipeDreamStrategy(timeout=...)``) in force for the pipeline's own group. ``timedelta(0)``: the group's own.
-    """
-    try:
-        group = dist.distributed_c10d._get_default_group()
-        return group._get_backend(torch.device("cpu")).options._timeout
-    except Exception:
-        return timedelta(0)
-
+from lightning_pipedream.runtime.faults.timeouts import world_timeout
 
 _ALIGN = 64  # every leaf starts at a multiple of this many bytes in a message (any dtype can view it)
 _HEADER = 8  # one int64 at the start of every message
@@ -214,7 +200,7 @@ class Transport:
     carries one direction of one link, where the n-th send always meets the n-th receive, and receives may be
     posted ahead as on gloo. This is :attr:`directional`: always under NCCL (which refuses a transport without
     ``reverse_group``), and with ``kind="directional"`` on gloo too, so that CPU processes run the same code.
-    (:mod:`~lightning_pipedream.runtime.communication.p2p_model` checks every schedule against a model of these rules.)
+    (:mod:`lightning_pipedream.testing.nccl_model` checks every schedule against a model of these rules.)
     """
 
     group: Any = None
@@ -229,7 +215,7 @@ class Transport:
     # peer -> (channel, receive posted ahead, its buffer): at most one per peer, so the order of
     # messages between two ranks is the order of the calls (NCCL matches p2p by order alone)
     _posted: dict[int, tuple[Hashable, Any, Tensor]] = field(default_factory=dict)
-    _timeout: timedelta | None = None  # what a wait may last: the world's timeout (see _world_timeout)
+    _timeout: timedelta | None = None  # what a wait may last: the world's timeout (see world_timeout)
     _links: dict[int, _SharedMemoryLink | None] = field(default_factory=dict)  # global peer -> its link (None: gloo)
     _card: dict | None = None  # this rank's host card, published in the store (None: torch.distributed only)
     # Messages to lower ranks (None: on ``group`` too); see the class's text. Its members are ``group``'s.
@@ -424,7 +410,7 @@ class Transport:
     def _wait_timeout(self) -> timedelta:
         if self._timeout is None:
             # gloo only: NCCL's wait(timeout) would block the host until the transfer ends.
-            self._timeout = _world_timeout() if self.device.type == "cpu" else timedelta(0)
+            self._timeout = world_timeout() if self.device.type == "cpu" else timedelta(0)
         return self._timeout
 
     def _wait(self, work: Any) -> None:

@@ -1,5 +1,5 @@
 """Each rank's heartbeat and watchdog: its report every second, the no-progress warning, ending the run when the
-peer waited for is frozen, and obeying a peer's stop request."""
+peer waited for is frozen, obeying a peer's stop request, and ending a run stuck when it is asked to end (SIGTERM)."""
 
 from __future__ import annotations
 
@@ -26,10 +26,12 @@ from lightning_pipedream.runtime.faults.flight import (
     frozen_limit,
     hang_message,
     no_progress_limit,
+    peer_reports,
     recorder,
     stage_words,
 )
-from lightning_pipedream.runtime.faults.mailbox import SILENT, mailbox
+from lightning_pipedream.runtime.faults.mailbox import ANSWERED, SILENT, mailbox
+from lightning_pipedream.runtime.faults.termination import EXIT_CODE, GRACE_ENV, MAILBOX_KEY, grace, termination
 
 log = logging.getLogger("lightning_pipedream")
 
@@ -85,6 +87,7 @@ class Watchdog:
     def stop(self) -> None:
         """Stop the heartbeat and watchdog threads and wait a little for the heartbeat to leave the store."""
         self._stop.set()
+        termination().unwatch_signals()
         if self._heartbeat is not None and self._heartbeat.is_alive():
             self._heartbeat.join(timeout=3)
 
@@ -115,6 +118,7 @@ class Watchdog:
             if request is not None:
                 self.obey(request)
             current = self.flight.current
+            self._watch_termination(current)
             waited = time.perf_counter() - current.start if current is not None else 0.0
             if (limit > 0 and current is not None and current.peers and current is not self._warned
                     and waited > limit):
@@ -125,6 +129,47 @@ class Watchdog:
                 self._check_frozen(current, waited)
             if stop.wait(HEARTBEAT):
                 return
+
+    def _watch_termination(self, current: Current | None) -> None:
+        """A SIGTERM (seen through the wakeup pipe even while the main thread is blocked): rank 0 learns of its
+        peers' through its mailbox; a rank that sits in one wait for longer than the grace ends the run, saying where
+        it was stuck (the strategy stops training at an agreed step otherwise)."""
+        term = termination()
+        term.signalled()
+        box = mailbox()
+        if self.flight.rank == 0:
+            forwarded = box.here(MAILBOX_KEY)
+            if forwarded is not None:
+                term.request(f"rank {forwarded.get('rank')}'s {forwarded.get('by')}")
+        elif term.requested and not term.forwarded and box.is_open:
+            term.forward(self.flight.rank, box)
+        if current is None or not (current.peers or current.action is None):  # computing, not waiting
+            return
+        waited = term.stuck(current)
+        if waited is not None:
+            self._end_stuck(current, waited, term.by or "SIGTERM")
+
+    def _end_stuck(self, current: Current, waited: float, by: str) -> None:
+        rank = self.flight.rank
+        peers = list(current.peers) or [r for r in range(dist.get_world_size()) if r != rank]
+        reports = peer_reports(peers)
+        said = "; ".join(
+            f"rank {r}: " + (str(report["doing"]) if report is not None else "no report")
+            + ("" if status == ANSWERED else f" ({status})") for r, (status, report) in reports.items())
+        message = (f"lightning_pipedream: rank {rank}{stage_words(self.flight.stage)} was asked to end ({by}) while "
+                   f"stuck in {current.what} for {waited:.1f} s, {grace():.0f} s past the request ({GRACE_ENV}="
+                   f"seconds), so it cannot reach the step at which training stops: it ends the run here. What the "
+                   f"peers it waits for last reported: {said}.")
+        try:
+            log.error("%s", message)
+            path = self.flight.dump(message)
+            sys.stderr.write(f"{message}\nIts last actions are in {path}. Its threads:\n")
+            sys.stderr.flush()
+            faulthandler.dump_traceback(sys.stderr, all_threads=True)
+            sys.stderr.flush()
+            end_run(message)
+        finally:
+            os._exit(EXIT_CODE)
 
     def _check_frozen(self, current: Current, waited: float) -> None:
         """The peer this rank waits for is stopped (SIGSTOP, a debugger) or its whole process is frozen: end the run

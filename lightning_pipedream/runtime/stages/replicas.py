@@ -8,6 +8,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_pipedream.runtime.faults.failures import pipeline_failures
+from lightning_pipedream.runtime.faults.timeouts import group_timeout
 from lightning_pipedream.schedule.actions import Layout
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket size
@@ -55,7 +57,7 @@ class ReplicaGroups:
         else:
             for stage in range(layout.num_stages):  # new_group is collective: every rank, every stage, in order
                 ranks = [self._globals[r] for r in layout.ranks_of(stage)]
-                made = dist.new_group(ranks) if len(ranks) > 1 else None
+                made = dist.new_group(ranks, timeout=group_timeout()) if len(ranks) > 1 else None
                 if stage == self.stage:
                     groups[stage] = made
         self.data_group = groups.get(self.stage)
@@ -122,8 +124,9 @@ class GradientReducer:
             flats.append(flat)
             if self.group is not None:
                 works.append(dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True))
-        for work in works:
-            work.wait()
+        with pipeline_failures(None, waiting="the stage replicas' gradient all-reduce"):
+            for work in works:
+                work.wait()
         count = int(round(float(flats[0][-1]))) if flats else int(contributed)
         scale = 1.0 / count if average and count > 1 else 1.0
         for bucket, flat in zip(self.buckets, flats):

@@ -1,22 +1,26 @@
 """Training with one pipeline over a fit: each batch's :class:`TrainingStep`, the updates it makes through
-Lightning's precision plugin, drains, clipping, and the divergence guard that goes over to 1f1b."""
+Lightning's precision plugin, drains, clipping, the divergence guard that goes over to 1f1b, and the stop that a
+SIGTERM asks for (at the same step on every rank, see ``stop_signal.py``)."""
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 
 from lightning_pipedream.runtime.faults.failures import pipeline_failures
+from lightning_pipedream.strategy.reporting.collectives import inside_step
 from lightning_pipedream.strategy.reporting.logs import LogRecorder
+from lightning_pipedream.strategy.reporting.stop_signal import install as install_stop_requests
 from lightning_pipedream.strategy.setup.checks import refuse_guard_with_unequal_replicas
 from lightning_pipedream.strategy.setup.options import PipelineOptions
 from lightning_pipedream.strategy.setup.stage_pipeline import StagePipeline, clip_grad_by_norm, make_engine
@@ -27,9 +31,6 @@ from lightning_pipedream.strategy.training.updates import PipelineDrain, Pipelin
 
 log = logging.getLogger(__name__)
 
-# Under pipedream, Lightning's per-batch SIGTERM broadcast (a collective over all ranks) runs every this many batches.
-SIGTERM_CHECK_EVERY = 32
-
 
 class Training:
     """What a fit keeps from one batch to the next: the pipeline, its updates, the weights of the last drain, the
@@ -37,7 +38,8 @@ class Training:
 
     def __init__(self, options: PipelineOptions, pipeline: StagePipeline, trainer: Trainer, module: LightningModule,
                  precision: Precision, device: torch.device, global_rank: int,
-                 optimizers: Callable[[], list[torch.optim.Optimizer]], switched: Divergence | None = None) -> None:
+                 optimizers: Callable[[], list[torch.optim.Optimizer]], switched: Divergence | None = None,
+                 timeout: timedelta | None = None) -> None:
         self.options, self.pipeline, self.module = options, pipeline, module
         self.precision, self.device, self.global_rank = precision, device, global_rank
         self._optimizers = optimizers  # the strategy's, whenever Lightning sets them
@@ -50,8 +52,8 @@ class Training:
         self._staleness = Staleness()
         self._token_mean_warned = False
         precision.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
-        if pipeline.lagged is not None:
-            _check_sigterm_every_few_batches(trainer)
+        # Lightning's SIGTERM broadcasts replaced by point-to-point flags (none in a single process).
+        self.stop = install_stop_requests(trainer, pipeline, device, pipeline.placement.stage_index, timeout)
         if options.on_divergence is not None:
             refuse_guard_with_unequal_replicas(pipeline.placement)  # a plan's replicas are known only now
             self.guard = DivergenceGuard(options.divergence_factor)
@@ -64,7 +66,8 @@ class Training:
                             options=self.options, precision=self.precision, device=self.device,
                             global_rank=self.global_rank, warn_token_mean=not self._token_mean_warned)
         self._token_mean_warned |= step.warned_token_mean
-        result = step.run(self._observe if self.guard is not None else None)
+        with inside_step("training_step"):  # a collective of Lightning's in the user's step is refused in words
+            result = step.run(self._observe if self.guard is not None else None)
         self._staleness.add(self.pipeline.engine.take_staleness())
         if self._divergence is not None:
             self._go_over_to_1f1b(self._divergence)
@@ -72,7 +75,32 @@ class Training:
             self._log_staleness()
             if self.guard is not None and self.guard.healthy:  # else the last healthy drain's stay
                 self._drained_weights.take(self.pipeline.stage, self._optimizers())
+        if self.stop is not None and self.stop.after_step():
+            self._stop_for_sigterm()
         return result
+
+    def _stop_for_sigterm(self) -> None:
+        """Rank 0 was asked to end: every rank is at the end of this same step. Drain, log what is pending, and raise
+        Lightning's ``SIGTERMException`` here, on every rank alike (Lightning's own handling of it follows)."""
+        self.drain()
+        if self.pipeline.lagged is not None:
+            for each in self.pipeline.lagged.take_all():
+                LogRecorder.replay(self.module, each.logs)
+        trainer = self.module.trainer
+        trainer._signal_connector.received_sigterm = True
+        if self.global_rank == 0:
+            log.warning("PipeDreamStrategy: SIGTERM received; training stops on every rank at training step %d "
+                        "(batch %d of epoch %d), after draining the pipeline.", trainer.global_step,
+                        trainer.fit_loop.epoch_loop.batch_idx, trainer.current_epoch)
+        raise SIGTERMException()
+
+    def finish(self) -> None:
+        """Where every rank ends the fit normally (``on_train_end``, drained): the summaries still pending (training
+        stopped between drains, should_stop: delivered, too late to log) and the SIGTERM flags still in flight."""
+        if self.pipeline.lagged is not None:
+            self.pipeline.lagged.take_all()
+        if self.stop is not None:
+            self.stop.settle()
 
     def drain(self) -> None:
         """Finish every minibatch in flight (``pipedream``): afterwards all stages hold final weights. Every rank
@@ -86,6 +114,8 @@ class Training:
         self.updates.forget()
         if self.pipeline.lagged is not None:
             self.pipeline.lagged.forget()
+        if self.stop is not None:
+            self.stop.forget()
 
     def _observe(self, loss: float) -> None:
         if self.guard is not None and self._divergence is None:
@@ -161,24 +191,6 @@ def drain_before_callbacks(trainer: Trainer, drain: Callable[[], None],
     """The callback that drains the pipeline before any other callback looks at the model (it goes first)."""
     if not any(isinstance(c, PipelineDrain) for c in trainer.callbacks):
         trainer.callbacks.insert(0, PipelineDrain(drain, failed))
-
-
-def _check_sigterm_every_few_batches(trainer: Trainer) -> None:
-    """Lightning broadcasts rank 0's SIGTERM flag before every training batch: a collective over all ranks, which
-    would re-synchronize the asynchronous pipeline at each step. Under ``pipedream`` it runs before every
-    ``SIGTERM_CHECK_EVERY``-th batch instead (the same batches on every rank), so a SIGTERM (e.g. a cluster's
-    preemption notice) stops training within that many steps."""
-    epoch_loop = trainer.fit_loop.epoch_loop
-    check = getattr(type(epoch_loop), "_broadcast_sigterm_tensor", None)
-    if check is None:  # a Lightning version without the per-batch broadcast
-        return
-    batches = itertools.count()
-
-    def every_few_batches() -> None:
-        if next(batches) % SIGTERM_CHECK_EVERY == 0:
-            check(epoch_loop)
-
-    epoch_loop._broadcast_sigterm_tensor = every_few_batches  # type: ignore[method-assign]
 
 
 def _gradients_ready() -> None:

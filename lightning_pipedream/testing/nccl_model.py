@@ -1,4 +1,5 @@
-"""An in-process model of NCCL's point-to-point semantics: ranks as threads, one FIFO stream per pair of ranks.
+"""An in-process model of NCCL's point-to-point semantics and collectives: ranks as threads, one FIFO stream per pair
+of ranks, each group's collectives in call order. For the tests and ``benchmarks.gpu_check``; training never uses it.
 
 No CPU backend shows how NCCL orders point-to-point messages, so the code that GPUs run is checked here against a
 model of it, in one process, with each rank's code running in a thread of its own:
@@ -15,8 +16,12 @@ model of it, in one process, with each rank's code running in a thread of its ow
 - Waiting on a work blocks the calling thread until its entry has ended (a host reading a received tensor
   blocks there; waiting on sends as well is the conservative choice).
 - Sizes must match: a receive of another size than its send is an error, as NCCL's truncation is.
-- Collectives (``all_reduce``) and groups (``new_group``) are modelled simply: a group's n-th collective on every
-  member meets the others' n-th, on communicators of their own, apart from the point-to-point streams.
+- Collectives (``all_reduce``, ``broadcast``, ``all_gather``, ``barrier``, ``broadcast_object_list``) run per
+  process group in call order: a group's n-th collective on every member meets the others' n-th (it must be the same
+  kind: another is an error, as NCCL would hang or corrupt), on communicators of their own, apart from the
+  point-to-point streams. It completes once every member has called it; until then a member that waits on it (at
+  the call, or at its work's ``wait`` with ``async_op=True``) blocks. A rank waiting in a collective for a member
+  that waits elsewhere for it is a circle: the deadlock check names both.
 
 When every rank still running waits on an entry that cannot progress, the model raises :class:`DeadlockError`
 in each of them, naming the entries at the heads of every stream. Use :meth:`PointToPointModel.run`::
@@ -36,6 +41,7 @@ from datetime import timedelta
 from typing import Any
 from unittest import mock
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -90,19 +96,32 @@ class P2POp:
 
 
 @dataclass(eq=False)
+class _Call:
+    """One collective of a group: its kind, what each member brought, and whether every member has."""
+
+    kind: str
+    parts: dict[int, Any] = field(default_factory=dict)
+    done: bool = False
+
+
+@dataclass(eq=False)
 class _InCollective:
     """What a rank waits on inside a collective, for the deadlock check: done once every member has called it."""
 
-    call: list[Any]  # [tensors by member, True once summed]
+    call: _Call
     number: int
     group: Any
+    members: tuple[int, ...] = ()
 
     @property
     def done(self) -> bool:
-        return self.call[1] is not None
+        return self.call.done
 
     def __str__(self) -> str:
-        return f"collective #{self.number} on {self.group or 'the world'}"
+        missing = [r for r in self.members if r not in self.call.parts]
+        return (f"{self.call.kind} #{self.number} on {self.group or 'the world'}"
+                + (f" (waiting for rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))})"
+                   if missing else ""))
 
 
 @dataclass(frozen=True)
@@ -123,6 +142,22 @@ class _Done:
         return True
 
     def wait(self, timeout: timedelta | None = None) -> bool:
+        return True
+
+
+class _CollectiveWork:
+    """The handle of a collective called with ``async_op=True``: its ``wait`` blocks until every member joined."""
+
+    def __init__(self, model: PointToPointModel, rank: int, waiting: _InCollective) -> None:
+        self.model, self.rank, self.waiting = model, rank, waiting
+
+    def is_completed(self) -> bool:
+        with self.model._cond:
+            return self.waiting.done
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        with self.model._cond:
+            self.model._wait_locked(self.rank, self.waiting)
         return True
 
 
@@ -157,7 +192,8 @@ class PointToPointModel:
         self._local = threading.local()
         self.messages = 0  # sends matched so far
         self._groups_made = [0] * world_size  # new_group calls per rank: the n-th of each rank is the same group
-        self._collectives: dict[tuple[Any, int], list[Any]] = {}  # (group, n-th call) -> [tensors by member, result]
+        self._collectives: dict[tuple[Any, int], _Call] = {}  # (group, n-th call) -> what its members brought
+        self.collectives = 0  # collectives completed so far
         self._calls: dict[tuple[Any, int], int] = {}  # (group, rank) -> collectives it has called
 
     # ---------------------------------------------------------------- torch.distributed's calls, replaced
@@ -212,25 +248,92 @@ class PointToPointModel:
     def get_process_group_ranks(self, group: Any) -> list[int]:
         return list(self._members(group))
 
-    def all_reduce(self, tensor: Tensor, op: Any = None, group: Any = None, async_op: bool = False) -> _Done | None:
-        """The sum over ``group``'s members (blocking until every member has called its n-th collective)."""
-        if op is not None and op != dist.ReduceOp.SUM:
-            raise NotImplementedError(f"the model's all_reduce sums; got {op}")
+    def all_reduce(self, tensor: Tensor, op: Any = None, group: Any = None, async_op: bool = False) -> Any:
+        """The sum (or maximum, minimum, product) over ``group``'s members."""
+        ops = {None: torch.stack, dist.ReduceOp.SUM: lambda t: t.sum(0), dist.ReduceOp.MAX: lambda t: t.amax(0),
+               dist.ReduceOp.MIN: lambda t: t.amin(0), dist.ReduceOp.PRODUCT: lambda t: t.prod(0)}
+        if op not in ops:
+            raise NotImplementedError(f"the model's all_reduce takes SUM, MAX, MIN or PRODUCT; got {op}")
+        reduce = ops[op] if op is not None else (lambda t: t.sum(0))
+
+        def finish(parts: dict[int, Any]) -> None:
+            total = reduce(torch.stack([t.detach().clone() for t in parts.values()]))
+            for t in parts.values():
+                t.copy_(total)
+
+        return self._collective("all_reduce", group, tensor, finish, async_op)
+
+    def broadcast(self, tensor: Tensor, src: int | None = None, group: Any = None, async_op: bool = False,
+                  group_src: int | None = None) -> Any:
+        source = self._source(src, group_src, group)
+
+        def finish(parts: dict[int, Any]) -> None:
+            for t in parts.values():
+                if t is not parts[source]:
+                    t.copy_(parts[source])
+
+        return self._collective(f"broadcast from rank {source}", group, tensor, finish, async_op)
+
+    def broadcast_object_list(self, object_list: list[Any], src: int | None = None, group: Any = None,
+                              device: Any = None, group_src: int | None = None) -> None:
+        source = self._source(src, group_src, group)
+
+        def finish(parts: dict[int, Any]) -> None:
+            for objects in parts.values():
+                objects[:] = list(parts[source])
+
+        self._collective(f"broadcast_object_list from rank {source}", group, object_list, finish, False)
+
+    def all_gather(self, tensor_list: list[Tensor], tensor: Tensor, group: Any = None, async_op: bool = False) -> Any:
+        members = self._members(group)
+
+        def finish(parts: dict[int, Any]) -> None:
+            for outputs, _ in parts.values():
+                for i, member in enumerate(members):
+                    outputs[i].copy_(parts[member][1])
+
+        return self._collective("all_gather", group, (tensor_list, tensor), finish, async_op)
+
+    def barrier(self, group: Any = None, async_op: bool = False, device_ids: Any = None) -> Any:
+        return self._collective("barrier", group, None, lambda parts: None, async_op)
+
+    def _source(self, src: int | None, group_src: int | None, group: Any) -> int:
+        """The global rank a broadcast comes from (``group_src``: its rank in ``group``)."""
+        if group_src is not None:
+            return self._members(group)[group_src]
+        if src is None:
+            raise ValueError("a broadcast names no source")
+        return int(src)
+
+    def _collective(self, kind: str, group: Any, part: Any, finish: Callable[[dict[int, Any]], None],
+                    async_op: bool) -> Any:
+        """Join ``group``'s next collective (the n-th call of this rank meets the other members' n-th); ``finish``
+        gets every member's part once all have joined. Blocks until then, or returns a work to wait on."""
         rank, members = self.rank, self._members(group)
+        if rank not in members:
+            raise ValueError(f"rank {rank} called {kind} on {group}, which it is not a member of")
         with self._cond:
             key = (group, rank)
             n = self._calls.get(key, 0)
             self._calls[key] = n + 1
-            call = self._collectives.setdefault((group, n), [{}, None])
-            call[0][rank] = tensor
-            if len(call[0]) == len(members):
-                total = sum(t.detach().clone() for t in call[0].values())
-                for t in call[0].values():
-                    t.copy_(total)
-                call[1] = True
+            call = self._collectives.setdefault((group, n), _Call(kind))
+            if call.kind != kind:
+                others = ", ".join(map(str, sorted(call.parts)))
+                self._error = (f"rank {rank}'s collective #{n} on {group or 'the world'} is {kind}, but rank(s) "
+                               f"{others} called {call.kind} there: a group's collectives meet by order alone")
                 self._cond.notify_all()
-            self._wait_locked(rank, _InCollective(call, n, group))
-        return _Done() if async_op else None
+                raise RuntimeError(self._error)
+            call.parts[rank] = part
+            if len(call.parts) == len(members):
+                finish(call.parts)
+                call.done = True
+                self.collectives += 1
+                self._cond.notify_all()
+            waiting = _InCollective(call, n, group, members)
+            if async_op:
+                return _CollectiveWork(self, rank, waiting)
+            self._wait_locked(rank, waiting)
+        return None
 
     @staticmethod
     def _peer(peer: int | None, group_peer: int | None) -> int:
@@ -252,7 +355,8 @@ class PointToPointModel:
         """torch.distributed's point-to-point calls replaced by this model's (for threads of :meth:`run`)."""
         c10d = dist.distributed_c10d
         names = ("isend", "irecv", "send", "recv", "batch_isend_irecv", "new_group", "get_rank", "get_world_size",
-                 "get_global_rank", "get_process_group_ranks", "all_reduce")
+                 "get_global_rank", "get_process_group_ranks", "all_reduce", "broadcast", "broadcast_object_list",
+                 "all_gather", "barrier")
         calls: dict[str, Any] = {n: getattr(self, n) for n in names}
         calls["P2POp"] = P2POp
         with mock.patch.multiple(dist, **calls), mock.patch.multiple(c10d, **calls):
