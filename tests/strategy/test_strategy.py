@@ -189,7 +189,7 @@ def test_pipedream_steps_make_no_collective_call_and_log_each_minibatch_when_it_
     out = runs["pipedream_async"]
     per_step = [json.loads((out / f"collectives_rank{r}.json").read_text()) for r in (0, 1)]
     # 8 steps: an epoch of 5 batches (the last drains) and 3 of the next. Step 0 counts the setup too;
-    # Lightning's SIGTERM broadcast runs every 32 batches only (the first of them in step 0).
+    # Lightning's per-batch SIGTERM broadcast is not issued: rank 0's flag travels point to point (issue #52).
     assert [len(steps) for steps in per_step] == [8, 8]
     for steps in per_step:
         assert steps[1:4] == [[], [], []] and steps[6] == [], steps
