@@ -78,9 +78,16 @@ def lightning_collective(strategy: Any, what: str) -> Iterator[None]:
     trainer = getattr(strategy.lightning_module, "_trainer", None)
     fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING and (
         trainer.state.status == TrainerStatus.RUNNING)
-    before_collective(what, fitting and strategy.asynchronous, strategy.drain, say=strategy.is_global_zero)
+    before_collective(what, fitting and _asynchronous(strategy), strategy.drain, say=strategy.is_global_zero)
     with pipeline_failures(None, waiting=what):
         yield
+
+
+def _asynchronous(strategy: Any) -> bool:
+    try:
+        return bool(strategy.asynchronous)
+    except RuntimeError:  # schedule="auto" before setup decides it: no pipeline runs yet, nothing to drain
+        return False
 
 
 # The strategy's own methods (PipeDreamStrategy's class body takes them): DDPStrategy's, around lightning_collective.
