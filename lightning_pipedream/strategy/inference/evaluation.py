@@ -12,7 +12,7 @@ from lightning.pytorch import LightningModule
 from lightning_pipedream.runtime.execution.shares import BatchShares
 from lightning_pipedream.schedule.actions import Action
 from lightning_pipedream.schedule.builders import inference
-from lightning_pipedream.strategy.inference.generation import generating_step
+from lightning_pipedream.strategy.inference.generation import generating_step, pipelined_step
 from lightning_pipedream.strategy.reporting.logs import LogRecorder
 from lightning_pipedream.strategy.setup.batches import batch_args, merge_outputs, to_cpu
 from lightning_pipedream.strategy.setup.labels import labelled_token_counter
@@ -47,14 +47,16 @@ def evaluate(pipeline: StagePipeline, module: LightningModule, hook: str, args: 
             return step(shares.part(mb), batch_idx, *extra_args, **kwargs)
 
     if pipeline.graph is not None:
-        pipeline.graph.ensure_captured(module, hook, shares.parts, batch_idx, *extra_args, **kwargs)
+        with pipelined_step(module, hook):
+            pipeline.graph.ensure_captured(module, hook, shares.parts, batch_idx, *extra_args, **kwargs)
     actions = inference(placement.num_stages, len(shares.parts), options.virtual_stages, placement.v_shape).actions
     mine = actions[placement.stage_index]
     if placement.round_robin:  # the first replica of each stage evaluates; the others get the results
         first = placement.first_replica_ranks()
         mine = [] if placement.replica_index != 0 else [_to_peer_rank(a, first) for a in mine]
-    outputs = pipeline.engine.executor.run(mine, inputs=inputs, loss=output_of, optimizer_step=_no_update,
-                                           train=False)
+    with pipelined_step(module, hook):  # generate() in this unmarked step says to mark it
+        outputs = pipeline.engine.executor.run(mine, inputs=inputs, loss=output_of, optimizer_step=_no_update,
+                                               train=False)
     payload = None
     if placement.is_last_stage:
         merged = None

@@ -6,11 +6,18 @@ Under the strategy every rank of the pipeline calls it with the same prompts (fr
 (the strategy's split for a module whose layers are one ``nn.Sequential``; on the graph path, the blocks each rank
 materialized for a module built per stage on the meta device, else an even split of the decoder's blocks, every rank
 holding the whole module) and returns the same ids. No rank gathers or materializes weights it does not own.
+
+A marked step may be the Trainer's first call (``trainer.predict`` straight from a checkpoint): setup builds the
+pipeline from the model's plain forward, which :func:`generate` makes once, without a cache, while setup captures the
+step's call (:func:`pipelined_step`); an unmarked step that calls :func:`generate` is refused with words that say
+to mark it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextvars
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -36,6 +43,49 @@ def generates(step: Callable) -> Callable:
 def generating_step(module: nn.Module, hook: str) -> bool:
     """Whether ``module``'s ``hook`` is marked with :func:`generates`."""
     return bool(getattr(getattr(module, hook, None), _GENERATES, False))
+
+
+# The step the strategy runs through the pipeline now, or whose forward call setup captures: (hook, marked).
+_PIPELINED_STEP: contextvars.ContextVar[tuple[str, bool] | None] = contextvars.ContextVar("pipelined_step",
+                                                                                          default=None)
+
+
+@contextmanager
+def pipelined_step(module: nn.Module, hook: str) -> Iterator[None]:
+    """While the strategy runs ``module``'s ``hook`` to find its pipelined call (setup's capture, or an unmarked
+    step split at its ``self(...)``): :func:`generate` called from a step marked with :func:`generates` makes the
+    model's plain forward call once (what setup builds the pipeline from), and from an unmarked step it refuses,
+    saying to mark the step."""
+    token = _PIPELINED_STEP.set((hook, generating_step(module, hook)))
+    try:
+        yield
+    finally:
+        _PIPELINED_STEP.reset(token)
+
+
+def unmarked_step_words(module: nn.Module, hook: str) -> str:
+    """What an unmarked step that calls :func:`generate` under the strategy is told."""
+    name = type(module).__name__
+    if hook == "training_step":
+        return (f"{name}.training_step called generate() under PipeDreamStrategy, which splits a training step at its "
+                "self(...) call. Generate from a validation_step, test_step or predict_step marked with @generates "
+                "(from lightning_pipedream import generates), or after fit on every rank.")
+    return (f"{name}.{hook} calls generate() but is not marked with @generates, so PipeDreamStrategy splits it at its "
+            "model call between the stages instead of decoding around the pipeline's ring. Mark the step: "
+            f"`from lightning_pipedream import generates`, then `@generates` on the line above `def {hook}`.")
+
+
+def _plain_forward(module: nn.Module, call: Callable[..., Any], input_ids: Tensor,
+                   attention_mask: Tensor | None) -> None:
+    """The model's plain forward on the prompts (no cache: a Hugging Face model gets ``use_cache=False``), which
+    setup's capture stops at: the pipeline is built from it, never from a cached decoding call."""
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+    positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    extra = {"use_cache": False} if is_hf_model(module) is not None else {}
+    call(input_ids, mask, positions, extra, slice(None))
+    raise RuntimeError(f"generate() made {type(module).__name__}'s forward call for PipeDreamStrategy's setup to "
+                       "capture, but the call did not reach the module's forward. A forward= given to generate() must "
+                       "call the module (or its nn.Sequential of layers).")
 
 
 def _call_of(module: nn.Module, forward: Callable[[slice, Tensor], Any] | None) -> Any:
@@ -83,6 +133,12 @@ def generate(module: nn.Module, input_ids: Tensor, *, attention_mask: Tensor | N
     ours = any(c.__name__ == "PipeDreamStrategy" for c in type(strategy).__mro__)
     pipeline = getattr(strategy, "_pipeline", None) if ours else None
     call = _call_of(module, forward)
+    running = _PIPELINED_STEP.get() if ours else None
+    if running is not None:
+        hook, marked = running
+        if not marked:
+            raise ValueError(unmarked_step_words(module, hook))
+        _plain_forward(module, call, input_ids, attention_mask)  # setup captures it (and stops the step there)
     common: dict[str, Any] = {"max_new_tokens": max_new_tokens, "eos_token_id": eos_token_id,
                               "pad_token_id": pad_token_id, "do_sample": do_sample, "temperature": temperature,
                               "top_k": top_k, "generator": generator}

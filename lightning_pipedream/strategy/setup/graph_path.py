@@ -26,6 +26,7 @@ from lightning_pipedream.strategy.setup.calls import (
     innermost_called_module,
     pipelined_call,
 )
+from lightning_pipedream.strategy.inference.generation import generating_step, pipelined_step
 from lightning_pipedream.strategy.setup.graph_memory import loss_bytes, memory_profile
 from lightning_pipedream.strategy.setup.options import PipelineOptions
 from lightning_pipedream.strategy.setup.placement import Placement
@@ -82,7 +83,16 @@ class GraphPath:
                 "rank_of_stage": lambda stage: stage_rank(schedule, p, stage)}
 
     def split(self, trainer: Trainer, module: LightningModule) -> None:
-        """Capture the forward call on a first batch, choose split points, keep this rank's stage."""
+        """Capture the forward call on a first batch, choose split points, keep this rank's stage. A step marked
+        ``@generates`` (``trainer.predict`` straight from a checkpoint) gives the model's plain forward call on its
+        prompts: the pipeline is built from that, never from a cached decoding call."""
+        hook = STEP_OF[trainer.state.fn]
+        with pipelined_step(module, hook):
+            self._split(trainer, module, hook)
+        if generating_step(module, hook):  # the next unmarked step captures its own call, whatever its batch's shapes
+            self._inputs_seen.clear()
+
+    def _split(self, trainer: Trainer, module: LightningModule, hook: str) -> None:
         options, placement = self.options, self.placement
         fitting = trainer.state.fn == TrainerFn.FITTING
         batch = first_batch(trainer.fit_loop) if fitting else first_batch(EVALUATION_LOOP[trainer.state.fn](trainer))
@@ -95,7 +105,6 @@ class GraphPath:
         batch = self.batch_to_device(batch)
         chunks = min(options.chunks, batch_size(batch))  # a batch smaller than chunks runs a micro-batch per sample
         part = split(batch, chunks)[0] if chunks > 1 else batch  # the shape of a step's micro-batch
-        hook = STEP_OF[trainer.state.fn]
         # self(...), or a child holding the whole model that the step calls directly (self.model(..., labels=...))
         self.call, (args, kwargs) = pipelined_call(module, hook, part, 0)
         through = getattr(self.call, "name", None)
