@@ -39,6 +39,7 @@ from lightning_pipedream.runtime.stages.materialize import has_meta_tensors
 from lightning_pipedream.schedule.specs import SCHEDULES
 from lightning_pipedream.strategy.checkpoints.checkpoint import AtomicCheckpointIO
 from lightning_pipedream.strategy.checkpoints.sharded_checkpoint import PipelineCheckpoints, refuse_after_failure
+from lightning_pipedream.strategy.checkpoints.single_file import stream_saves, writes_itself
 from lightning_pipedream.strategy.inference.evaluation import evaluate
 from lightning_pipedream.strategy.reporting import collectives
 from lightning_pipedream.strategy.setup.batches import batch_args, loop_loader
@@ -384,6 +385,7 @@ class PipeDreamStrategy(DDPStrategy):
             drain_before_callbacks(trainer, self.drain, self._pipeline_failed)
         self._failure = None
         self.checkpoints.after_setup(self._pipeline)  # a sharded checkpoint's weights, now that the stage exists
+        stream_saves(trainer)  # trainer.save_checkpoint writes a single file stage by stage
 
     def _ranks(self) -> Ranks:
         return Ranks(self.global_rank, self.world_size, len(self.parallel_devices or [None]), self.num_nodes,
@@ -521,7 +523,8 @@ class PipeDreamStrategy(DDPStrategy):
         assert self._pipeline is not None
         self.checkpoints.save(checkpoint, os.fspath(filepath), self._pipeline, self.is_global_zero, self.broadcast,
                               lambda c, path: DDPStrategy.save_checkpoint(self, c, path, storage_options),
-                              storage_options)
+                              storage_options, streamable=writes_itself(self.checkpoint_io, filepath, storage_options),
+                              device=self.root_device)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

@@ -3,7 +3,11 @@
 A tiny causal LM whose layers are one nn.Sequential (no cache: each stage recomputes its prefix) is validated
 once through the pipeline (which builds it), then every rank calls ``lightning_pipedream.generate`` with the same
 left-padded prompts for each lane count in ``options["lanes"]``, then ``trainer.predict`` runs a ``predict_step``
-that generates, and each rank writes what it got.
+that generates, and each rank writes what it got. ``options["first"]``: ``trainer.predict`` as a new Trainer's first
+call (straight from saved weights), its step marked ``@generates`` and generating with every lane count from 1 to the
+batch's sequences: a Hugging Face Llama whose forward takes keywords, built whole and built on the meta device with
+``pretrained=``, and a plain module split from its traced graph; ``options["unmarked"]``: the same step without the
+mark, refused.
 """
 
 from __future__ import annotations
@@ -93,6 +97,54 @@ class MetaHF(HFLM):
             self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.model_dir))
 
 
+class FirstLM(L.LightningModule):
+    """A Hugging Face Llama as its user writes it: ``forward(self, input_ids, **kw)`` passing the keywords on, a
+    ``predict_step`` marked ``@generates`` that generates with each lane count of ``lanes``; built whole from
+    ``build`` or, with ``model_dir``, in configure_model (on the meta device under the strategy)."""
+
+    def __init__(self, lanes: list[int], eos: int, model_dir: str | None = None, build=None) -> None:
+        super().__init__()
+        self.lanes, self.eos, self.model_dir = lanes, eos, model_dir
+        self.model = None if model_dir is not None else (build or tiny_llama)()
+
+    def configure_model(self) -> None:
+        if self.model is None and self.model_dir is not None:
+            from transformers import AutoConfig, AutoModelForCausalLM
+
+            self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.model_dir))
+
+    def forward(self, input_ids, **kw):
+        return self.model(input_ids=input_ids, **kw)
+
+    @generates
+    def predict_step(self, batch, batch_idx):
+        ids, mask = batch
+        return {str(m): generate(self, ids, attention_mask=mask, max_new_tokens=5, eos_token_id=self.eos,
+                                 pad_token_id=0, micro_batches=m) for m in self.lanes}
+
+
+class Unmarked(FirstLM):
+    def predict_step(self, batch, batch_idx):  # the same step without @generates
+        ids, mask = batch
+        return generate(self, ids, attention_mask=mask, max_new_tokens=5, eos_token_id=self.eos, pad_token_id=0)
+
+
+class PlainBlocks(FirstLM):
+    """A plain module (no Hugging Face model, no nn.Sequential of its layers: split from its traced graph) whose
+    forward takes the ids alone: TinyLM's layers, held as an embedding, a ModuleList of blocks and a head."""
+
+    def __init__(self, lanes: list[int], eos: int) -> None:
+        super().__init__(lanes, eos, build=lambda: None)
+        embed, *blocks, head = TinyLM().layers
+        self.embed, self.blocks, self.head = embed, nn.ModuleList(blocks), head
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
 def real_parameters(module: nn.Module) -> dict[str, int]:
     """Bytes of each parameter this process holds for real (not on the meta device)."""
     return {n: p.numel() * p.element_size() for n, p in module.named_parameters() if not p.is_meta}
@@ -169,6 +221,25 @@ def run(out: str, options: dict) -> None:
             generate(meta, ids, attention_mask=mask, max_new_tokens=5, pad_token_id=0)
         except ValueError as refused:
             got["refused"] = str(refused)
+    # trainer.predict as a new Trainer's first call: the pipeline is built for inference from the plain forward
+    ids, mask = prompts()
+    loader = DataLoader(TensorDataset(ids, mask), batch_size=len(ids))
+    lanes = list(range(1, len(ids) + 1))
+    for key, model_dir, eos, points in options.get("first", []):
+        first = PlainBlocks(lanes, eos) if key == "plain" else FirstLM(lanes, eos, model_dir)
+        first_trainer = L.Trainer(**trainer_args(devices=processes, use_distributed_sampler=False, strategy=(
+            PipeDreamStrategy(schedule="gpipe", pretrained=model_dir, split_points=points))))
+        (predicted,) = first_trainer.predict(first, loader)
+        got[f"first_{key}"] = {"tokens": {m: t.tolist() for m, t in predicted.items()},
+                               "real": sum(real_parameters(first).values()),
+                               "model_bytes": sum(p.numel() * p.element_size() for p in first.parameters())}
+    if options.get("unmarked"):  # the same step without @generates: refused, saying to mark it
+        unmarked_trainer = L.Trainer(**trainer_args(devices=processes, use_distributed_sampler=False,
+                                                    strategy=PipeDreamStrategy(schedule="gpipe")))
+        try:
+            unmarked_trainer.predict(Unmarked(lanes, options["eos"]), loader)
+        except ValueError as refused:
+            got["unmarked"] = str(refused)
     write_json(Path(out) / f"rank{trainer.global_rank}.json", got)
 
 

@@ -73,7 +73,13 @@ def test_generate_under_the_strategy_equals_one_device(tmp_path, processes, bala
             ["meta_llama", str(tmp_path / "llama"), llama_eos, META_POINTS["llama"] if three else None]]
         if not three:  # split inside block 1: refused on every rank, saying where to split
             options["refuse"] = [str(tmp_path / "llama"), ["model.model.layers.1.mlp"]]
-    run_script(SCRIPT, tmp_path, options, 300)
+        # trainer.predict as a new Trainer's first call, every lane count from 1 to the batch's sequences: the Llama
+        # built whole and on the meta device with pretrained=, and a plain module split from its graph
+        options["first"] = [["whole", None, llama_eos, None],
+                            ["meta", str(tmp_path / "llama"), llama_eos, META_POINTS["llama"] if three else None],
+                            ["plain", None, eos, None]]
+        options["unmarked"] = not three
+    run_script(SCRIPT, tmp_path, options, 600)
     hf_want = tiny_gpt2().generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
                                    pad_token_id=0, eos_token_id=eos) if hf else None
     for rank in range(processes):
@@ -94,6 +100,24 @@ def test_generate_under_the_strategy_equals_one_device(tmp_path, processes, bala
             want_batch = greedy(TinyLM(), ids[rows], mask[rows], 5, eos)
             assert torch.equal(torch.tensor(batch), want_batch), f"rank {rank}, predict_step rows {rows}"
 
+
+    for rank in range(processes) if hf else ():  # trainer.predict first: HF's own tokens, every lane count
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        plain_want = greedy(TinyLM(), ids, mask, 5, eos)
+        for key, first_want in (("whole", llama_want), ("meta", llama_want), ("plain", plain_want)):
+            first = got[f"first_{key}"]
+            assert sorted(first["tokens"]) == [str(m) for m in range(1, len(ids) + 1)], key
+            for m, tokens in first["tokens"].items():
+                assert torch.equal(torch.tensor(tokens), first_want), f"rank {rank}, predict first, {key}, {m} lanes"
+            # built on meta, each rank materialized its own stage only; built whole, every rank holds it whole
+            assert (0 < first["real"] < first["model_bytes"]) if key == "meta" else \
+                first["real"] == first["model_bytes"], (rank, key, first)
+        if processes == 2:
+            assert got["unmarked"] == (
+                "Unmarked.predict_step calls generate() but is not marked with @generates, so PipeDreamStrategy "
+                "splits it at its model call between the stages instead of decoding around the pipeline's ring. Mark "
+                "the step: `from lightning_pipedream import generates`, then `@generates` on the line above "
+                "`def predict_step`."), got["unmarked"]
 
     if hf and processes == 2:
         for rank in range(processes):

@@ -24,6 +24,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 
 from lightning_pipedream.runtime.faults.failures import pipeline_failures
+from lightning_pipedream.strategy.checkpoints.single_file import StreamedSave
 from lightning_pipedream.tree import map_tensors
 
 _log = logging.getLogger("lightning_pipedream")
@@ -58,11 +59,13 @@ class OptimizerLayout:
     def _local_order(optimizer: torch.optim.Optimizer, local_names: dict[int, str]) -> list[str]:
         return [local_names[id(p)] for g in optimizer.param_groups for p in g["params"]]
 
-    def named_state(self, optimizer: torch.optim.Optimizer, local_names: dict[int, str]) -> dict[str, Any]:
-        """This rank's optimizer state keyed by parameter name, and its groups' settings."""
+    def named_state(self, optimizer: torch.optim.Optimizer, local_names: dict[int, str], on_cpu: bool = True
+                    ) -> dict[str, Any]:
+        """This rank's optimizer state keyed by parameter name, and its groups' settings (``on_cpu``: its tensors
+        copied to the CPU; else as they are)."""
         state = optimizer.state_dict()
         order = self._local_order(optimizer, local_names)
-        named = {order[int(i)]: map_tensors(_to_cpu, s) for i, s in state["state"].items()}
+        named = {order[int(i)]: map_tensors(_to_cpu, s) if on_cpu else s for i, s in state["state"].items()}
         groups = [{k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]]
         return {"state": named, "groups": groups}
 
@@ -117,9 +120,14 @@ class CheckpointGather:
         self.rank = rank
         self.world_size = world_size
         self.full_keys = full_keys
+        self.stream: StreamedSave | None = None  # inside trainer.save_checkpoint: stand-ins, the data sent later
 
     def gather(self, share: Any) -> list[Any] | None:
-        """Every rank's ``share`` on rank 0 (None elsewhere). Replicas of a stage send the same share."""
+        """Every rank's ``share`` on rank 0 (None elsewhere). Replicas of a stage send the same share. Inside
+        ``trainer.save_checkpoint``, its tensors are stand-ins on rank 0 that the file's writer fills in
+        (:mod:`~lightning_pipedream.strategy.checkpoints.single_file`)."""
+        if self.stream is not None:
+            return self.stream.gather(share)
         if self.world_size == 1:
             return [share]
         on_zero = self.rank == 0
@@ -131,7 +139,7 @@ class CheckpointGather:
     def state_dict(self, share: dict[str, Tensor]) -> dict[str, Any]:
         """The whole model's state dict on rank 0 from every rank's ``share``, keyed and ordered like the module's
         own; ``{}`` elsewhere."""
-        shares = self.gather(map_tensors(_to_cpu, share))
+        shares = self.gather(share if self.stream is not None else map_tensors(_to_cpu, share))
         if shares is None:
             return {}
         full: dict[str, Any] = {}
@@ -143,7 +151,7 @@ class CheckpointGather:
         self, optimizer: torch.optim.Optimizer, layout: OptimizerLayout, local_names: dict[int, str]
     ) -> dict[str, Any]:
         """The optimizer's state in single-device form (indices over the whole model) on rank 0; ``{}`` elsewhere."""
-        shares = self.gather(layout.named_state(optimizer, local_names))
+        shares = self.gather(layout.named_state(optimizer, local_names, on_cpu=self.stream is None))
         return layout.to_full(shares) if shares is not None else {}
 
 

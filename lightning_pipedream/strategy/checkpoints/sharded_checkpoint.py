@@ -178,15 +178,26 @@ class PipelineCheckpoints:
 
     def save(self, checkpoint: dict[str, Any], path: str, pipeline: StagePipeline, is_global_zero: bool,
              broadcast: Callable[[Any], Any], write_full: Callable[[dict[str, Any], str], None],
-             storage_options: Any | None = None) -> None:
+             storage_options: Any | None = None, streamable: bool = False,
+             device: torch.device | None = None) -> None:
         """Every rank calls it: sharded, each writes its share into ``<path>.tmp-<pid>`` and rank 0 renames it into
-        place; full, rank 0 writes the file (``write_full``) that the gather made."""
+        place; full, rank 0 writes the file (``write_full``) that the gather made, or inside ``trainer.save_checkpoint``
+        the file stage by stage (``streamable``: rank 0 writes it itself, each rank's tensors received in turn;
+        else the stand-ins are filled in on rank 0 first and ``write_full`` writes the whole dict)."""
         if self.sharded and storage_options is not None:
             raise TypeError(
                 "PipeDreamStrategy(checkpoint='sharded') writes a directory on a local or shared filesystem itself, "
                 "without the CheckpointIO, so it takes no storage_options. Use checkpoint='full' to save through the "
                 "CheckpointIO with storage_options, or save to a local path."
             )
+        stream = pipeline.checkpoint.stream
+        if not self.sharded and stream is not None:  # every rank: rank 0 writes, the others send their tensors
+            from lightning_pipedream.strategy.checkpoints.single_file import fill_in, message_device, write_streamed
+
+            if streamable:
+                write_streamed(checkpoint, path, stream, message_device(device))
+                return
+            checkpoint = fill_in(checkpoint, stream, message_device(device))
         if not self.sharded:  # rank 0 writes the file, as Lightning does (no collective)
             if is_global_zero and os.path.isdir(path):  # a sharded checkpoint at this path before
                 replace_path(path, lambda target: write_full(checkpoint, target))
