@@ -245,8 +245,8 @@ class KilledInSecondSave(L.Callback):
 
 
 def measure_saves(trainer: L.Trainer, out: str) -> None:
-    """Each rank's resident peak raised by a sharded save, then by a full one (in this order: a full save's gather
-    leaves freed memory behind), with the whole model's bytes: rank{r}_saves.json."""
+    """Each rank's resident peak raised by a sharded save, then by a full one (one file, written stage by stage),
+    with the whole model's bytes and this rank's stage's (its weights and optimizer state): rank{r}_saves.json."""
     import torch.distributed.checkpoint  # noqa: F401  (its import is not the save's memory)
 
     checkpoints = trainer.strategy.checkpoints
@@ -260,8 +260,13 @@ def measure_saves(trainer: L.Trainer, out: str) -> None:
         before = _status_bytes("VmRSS")
         trainer.save_checkpoint(os.path.join(out, f"{mode}.ckpt"))
         growth[mode] = _status_bytes("VmHWM") - before
+    module, optimizer = trainer.strategy.lightning_module, trainer.optimizers[0]
+    own = [p for p in module.parameters() if not p.is_meta and p.device.type != "meta"]
+    own = [p for p in own if any(p is q for g in optimizer.param_groups for q in g["params"])]
+    state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
     write_json(os.path.join(out, f"rank{trainer.global_rank}_saves.json"),
-               {**growth, "model_bytes": checkpoints.model_bytes})
+               {**growth, "model_bytes": checkpoints.model_bytes,
+                "stage_bytes": sum(t.numel() * t.element_size() for t in [*own, *state])})
 
 
 def measure_live(trainer: L.Trainer, out: str) -> None:

@@ -35,7 +35,7 @@ from torch import Tensor
 from lightning_pipedream.runtime.faults.failures import pipeline_failures
 from lightning_pipedream.tree import map_tensors, tensors
 
-GROUP_BYTES = 16 * 2**20  # tensors smaller than this travel to rank 0 together, up to this many bytes a message
+GROUP_BYTES = 2**20  # tensors smaller than this travel to rank 0 together, up to this many bytes a message
 _PROTOCOL = 2  # torch.save's pickle protocol
 
 
@@ -249,7 +249,8 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _storage_type(dtype: torch.dtype) -> Any:
-    return getattr(torch, torch.storage.TypedStorage(dtype=dtype, device="cpu")._pickle_storage_type())
+    """The storage class ``torch.save`` names for a tensor of ``dtype`` (``torch.FloatStorage``, ...)."""
+    return getattr(torch, torch.storage._dtype_to_storage_type_map()[dtype])
 
 
 def _pickled(checkpoint: Any, save: StreamedSave, keys: dict[_Described, str], first_key: int = 0
