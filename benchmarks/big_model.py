@@ -16,7 +16,13 @@ The model is saved with ``save_pretrained`` (sharded safetensors and their index
   the first step), ``read_s`` (materializing and reading the stage alone), ``peak_before_first_step_mb`` and
   ``peak_training_mb`` above the imports (torch.export's first-trace imports included), ``stage_weights_mb``, then
   ``trainer.save_checkpoint`` of a sharded checkpoint (each rank its stage's weights and SGD state):
-  ``save_s`` and ``peak_saving_mb``, the resident peak during the save above the resident size before it;
+  ``save_s`` and ``peak_saving_mb``, the resident peak during the save above the resident size before it; then a
+  single-file save (``checkpoint="auto"``, the model being under 1 GiB), written on rank 0 stage by stage:
+  ``full_save_s`` and ``peak_full_save_mb`` (goal on rank 0: at most the largest stage's weights and optimizer state);
+* ``skeleton``: the same run on the same architecture (layers, heads' layout) at a width of 64 and a vocabulary of 256,
+  whose weights are negligible: each rank's peak before the first step there is the fixed overhead (the trace and its
+  graph, the planner's tables, Lightning's and gloo's buffers), and the goal for the real model is a peak of at most
+  1.25x the rank's own parameter bytes plus that overhead (``peak_over_goal`` per rank: under 1 meets it);
 * ``whole_model`` (at the default size, and with ``--big --whole``; ``--no-whole`` skips it): the path a user takes
   without the meta device, ``from_pretrained`` in the LightningModule's ``__init__`` and
   ``PipeDreamStrategy(schedule="1f1b", chunks=2)`` without ``pretrained=``: every rank's peaks, where rank 0
@@ -39,6 +45,7 @@ SIZES = {  # hidden, intermediate, layers, vocabulary
     "default": (1024, 4096, 12, 8192),
     "big": (2048, 8192, 30, 32000),
 }
+GOAL_FACTOR = 1.25  # the peak before the first step: at most this times the rank's own parameters, plus the overhead
 
 
 def _status_mb(field: str) -> float:
@@ -51,22 +58,25 @@ def _reset_peak() -> None:
         f.write("5")  # VmHWM := VmRSS (Linux >= 4.0)
 
 
-def _config(size: str):  # noqa: ANN202 - transformers is imported lazily
+def _config(size: str, skeleton: bool = False):  # noqa: ANN202 - transformers is imported lazily
     from transformers import LlamaConfig
 
     hidden, intermediate, layers, vocab = SIZES[size]
+    heads, kv_heads = hidden // 64, hidden // 256
+    if skeleton:  # the same layers and heads, negligible weights: what a rank holds besides its parameters
+        hidden, intermediate, vocab = 4 * heads, 16 * heads, 256
     return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
-                       num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=hidden // 256,
+                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                        max_position_embeddings=128)
 
 
-def _save(size: str, directory: str) -> float:
+def _save(size: str, directory: str, skeleton: bool = False) -> float:
     import torch
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
     with torch.device("meta"):
-        model = LlamaForCausalLM(_config(size))
+        model = LlamaForCausalLM(_config(size, skeleton))
     model.to_empty(device="cpu")
     with torch.no_grad():  # values do not matter to memory or time; normal_ is cheaper than the full init
         for p in model.parameters():
@@ -167,6 +177,15 @@ def _per_stage(spec: dict) -> None:
         started = time.perf_counter()
         trainer.save_checkpoint(f"{spec['out']}/saved.ckpt")
         result.update(save_s=time.perf_counter() - started, peak_saving_mb=_status_mb("VmHWM") - before)
+        # one file (checkpoint="auto" under 1 GiB): rank 0 writes it, receiving one stage's tensors after another
+        trainer.strategy.checkpoints.mode = "auto"
+        single = "full" if not trainer.strategy.checkpoints.sharded else "sharded"
+        before = _status_mb("VmRSS")
+        _reset_peak()
+        started = time.perf_counter()
+        trainer.save_checkpoint(f"{spec['out']}/single.ckpt")
+        result.update(full_save_form=single, full_save_s=time.perf_counter() - started,
+                      peak_full_save_mb=_status_mb("VmHWM") - before)
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 
@@ -204,6 +223,16 @@ def main() -> None:
         spec = {"dir": f"{tmp}/hf", "out": f"{tmp}/out", "vocab": SIZES[size][3]}
         _python(["--worker", json.dumps(spec)], args.timeout)
         ranks = [json.loads((Path(tmp) / "out" / f"rank{r}.json").read_text()) for r in range(4)]
+        _save(size, f"{tmp}/skeleton_hf", skeleton=True)
+        (Path(tmp) / "skeleton").mkdir()
+        _python(["--worker", json.dumps({**spec, "dir": f"{tmp}/skeleton_hf", "out": f"{tmp}/skeleton",
+                                         "vocab": 256})], args.timeout)
+        skeleton = [json.loads((Path(tmp) / "skeleton" / f"rank{r}.json").read_text()) for r in range(4)]
+        for r, s in zip(ranks, skeleton):  # the goal: 1.25x own parameters plus the skeleton's peak (the overhead)
+            r["overhead_mb"] = s["peak_before_first_step_mb"]
+            r["peak_over_own"] = r["peak_before_first_step_mb"] / r["stage_weights_mb"]
+            r["goal_mb"] = GOAL_FACTOR * r["stage_weights_mb"] + r["overhead_mb"]
+            r["peak_over_goal"] = r["peak_before_first_step_mb"] / r["goal_mb"]
         whole, whole_error = None, None
         if (args.whole or not args.big) and not args.no_whole:
             (Path(tmp) / "whole").mkdir()
@@ -215,7 +244,11 @@ def main() -> None:
     result = {"model": f"Llama {SIZES[size]} (hidden, intermediate, layers, vocabulary), fp32",
               "weights_mb": weights_mb, "processes": 4, "schedule": "1f1b, chunks=2, SGD, 3 steps",
               "when": time.strftime("%Y-%m-%d %H:%M"), "load_avg": os.getloadavg(),
-              "from_pretrained": loaded, "per_stage": ranks}
+              "from_pretrained": loaded, "per_stage": ranks, "skeleton": skeleton,
+              "goal": f"peak before the first step <= {GOAL_FACTOR} x own parameters + the skeleton's peak; rank 0's "
+                      "single-file save growth <= the largest stage's weights (SGD: no state)",
+              "full_save_rank0_growth_over_largest_stage": ranks[0]["peak_full_save_mb"]
+              / max(r["stage_weights_mb"] for r in ranks)}
     if whole_error is not None:
         result["whole_model_error"] = whole_error
         print(f"whole-model path failed:\n{whole_error}")
@@ -232,8 +265,10 @@ def main() -> None:
     for r in ranks:
         print(f"rank {r['rank']}: setup {r['setup_s']:.1f} s (materialize + read {r['read_s']:.1f} s), peak before "
               f"first step {r['peak_before_first_step_mb']:.0f} MB, training {r['peak_training_mb']:.0f} MB, "
-              f"stage weights {r['stage_weights_mb']:.0f} MB; sharded save {r['save_s']:.1f} s, peak "
-              f"+{r['peak_saving_mb']:.0f} MB")
+              f"stage weights {r['stage_weights_mb']:.0f} MB ({r['peak_over_own']:.2f}x; goal {r['goal_mb']:.0f} MB "
+              f"with the skeleton's {r['overhead_mb']:.0f} MB: {r['peak_over_goal']:.2f}); sharded save "
+              f"{r['save_s']:.1f} s, peak +{r['peak_saving_mb']:.0f} MB; single-file save {r['full_save_s']:.1f} s, "
+              f"peak +{r['peak_full_save_mb']:.0f} MB")
     for r in whole or []:
         print(f"whole-model path, rank {r['rank']}: peak before first step {r['peak_before_first_step_mb']:.0f} MB")
     out_json.parent.mkdir(parents=True, exist_ok=True)
