@@ -87,3 +87,47 @@ def test_a_checkpoint_moved_into_place_is_never_missing_and_an_unfinished_newer_
         say_skipped_saves(str(last))
     assert (f"Resuming from {last}, the newest complete checkpoint; 1 newer save(s) did not finish and are skipped: "
             "epoch=1-step=24.ckpt.tmp-7") in caplog.text
+
+
+def test_a_single_file_written_stage_by_stage_loads_as_torch_save_wrote_it(tmp_path):
+    """The streamed writer's file (one process here: its own stage's tensors, received from itself a group at a time)
+    holds what torch.save of the whole dict holds, loaded with weights_only and with mmap; a tensor of another dtype,
+    a view into a larger storage, an empty one and the checkpoint's own tensors (loops, schedulers) included."""
+    from lightning_pipedream.strategy.single_file import StreamedSave, write_streamed
+
+    flat = torch.randn(300)
+    model = {"a.weight": torch.randn(700, 500), "a.bias": torch.randn(500).bfloat16(), "view": flat[100:200],
+             "mask": torch.rand(9) > 0.5, "empty": torch.empty(0, 4)}
+    optimizer = {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(700, 500)}}, "param_groups": [{}]}
+    save = StreamedSave(0, 1)
+    (model_in,) = save.gather(model)
+    (optimizer_in,) = save.gather(optimizer)
+    assert all(t.is_meta for t in model_in.values())
+    checkpoint = {"state_dict": model_in, "optimizer_states": [optimizer_in], "loops": {"seen": torch.arange(5)},
+                  "epoch": 2}
+    write_streamed(checkpoint, str(tmp_path / "one.ckpt"), save, torch.device("cpu"))
+    for options in ({"weights_only": True}, {"weights_only": True, "mmap": True}, {"weights_only": False}):
+        loaded = torch.load(tmp_path / "one.ckpt", **options)
+        assert list(loaded["state_dict"]) == list(model) and loaded["epoch"] == 2
+        for name, tensor in model.items():
+            assert loaded["state_dict"][name].dtype == tensor.dtype and torch.equal(loaded["state_dict"][name], tensor)
+        for key, tensor in optimizer["state"][0].items():
+            assert torch.equal(loaded["optimizer_states"][0]["state"][0][key], tensor), key
+        assert torch.equal(loaded["loops"]["seen"], torch.arange(5))
+
+
+def test_a_hook_that_computes_from_the_stand_ins_is_refused_in_words(tmp_path):
+    from lightning_pipedream.strategy.single_file import StreamedSave, write_streamed
+
+    save = StreamedSave(0, 1)
+    (model_in,) = save.gather({"w": torch.randn(4, 4)})
+    checkpoint = {"state_dict": {k: v.half() for k, v in model_in.items()}}  # an on_save_checkpoint that casts
+    with pytest.raises(ValueError) as info:
+        write_streamed(checkpoint, str(tmp_path / "one.ckpt"), save, torch.device("cpu"))
+    assert str(info.value) == (
+        "The checkpoint holds a tensor on the meta device that is none of the model's or optimizer's own: under "
+        "PipeDreamStrategy the single-file save's state_dict and optimizer_states hold stand-ins (meta tensors) that "
+        "the save fills in from each stage's process; a hook (on_save_checkpoint) that makes new tensors from them "
+        "cannot be written. Change the weights in on_load_checkpoint instead, or save with "
+        "PipeDreamStrategy(checkpoint='sharded').")
+    assert not (tmp_path / "one.ckpt").exists()
