@@ -93,7 +93,7 @@ def test_a_single_file_written_stage_by_stage_loads_as_torch_save_wrote_it(tmp_p
     """The streamed writer's file (one process here: its own stage's tensors, received from itself a group at a time)
     holds what torch.save of the whole dict holds, loaded with weights_only and with mmap; a tensor of another dtype,
     a view into a larger storage, an empty one and the checkpoint's own tensors (loops, schedulers) included."""
-    from lightning_pipedream.strategy.single_file import StreamedSave, write_streamed
+    from lightning_pipedream.strategy.checkpoints.single_file import StreamedSave, write_streamed
 
     flat = torch.randn(300)
     model = {"a.weight": torch.randn(700, 500), "a.bias": torch.randn(500).bfloat16(), "view": flat[100:200],
@@ -117,7 +117,7 @@ def test_a_single_file_written_stage_by_stage_loads_as_torch_save_wrote_it(tmp_p
 
 
 def test_a_hook_that_computes_from_the_stand_ins_is_refused_in_words(tmp_path):
-    from lightning_pipedream.strategy.single_file import StreamedSave, write_streamed
+    from lightning_pipedream.strategy.checkpoints.single_file import StreamedSave, write_streamed
 
     save = StreamedSave(0, 1)
     (model_in,) = save.gather({"w": torch.randn(4, 4)})

@@ -12,10 +12,10 @@ from lightning.pytorch import LightningModule
 from lightning_pipedream.runtime.execution.shares import BatchShares
 from lightning_pipedream.schedule.actions import Action
 from lightning_pipedream.schedule.builders import inference
-from lightning_pipedream.strategy.inference.generation import generating_step, pipelined_step
 from lightning_pipedream.strategy.reporting.logs import LogRecorder
 from lightning_pipedream.strategy.setup.batches import batch_args, merge_outputs, to_cpu
 from lightning_pipedream.strategy.setup.labels import labelled_token_counter
+from lightning_pipedream.strategy.setup.marked_steps import generating_step, pipelined_step
 from lightning_pipedream.strategy.setup.options import PipelineOptions
 from lightning_pipedream.strategy.setup.stage_pipeline import StagePipeline
 from lightning_pipedream.tree import map_tensors

@@ -9,23 +9,20 @@ holding the whole module) and returns the same ids. No rank gathers or materiali
 
 A marked step may be the Trainer's first call (``trainer.predict`` straight from a checkpoint): setup builds the
 pipeline from the model's plain forward, which :func:`generate` makes once, without a cache, while setup captures the
-step's call (:func:`pipelined_step`); an unmarked step that calls :func:`generate` is refused with words that say
+step's call (``setup/marked_steps.py``); an unmarked step that calls :func:`generate` is refused with words that say
 to mark it.
 """
 
 from __future__ import annotations
 
-import contextvars
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from lightning_pipedream.runtime.execution.decode import find_blocks, generate_ids, is_hf_model, split_of_owners
-
-_GENERATES = "_pipedream_generates"
+from lightning_pipedream.strategy.setup.marked_steps import GENERATES, PIPELINED_STEP, unmarked_step_words
 
 
 def generates(step: Callable) -> Callable:
@@ -36,43 +33,8 @@ def generates(step: Callable) -> Callable:
     returns is the same on every rank. Such a step must not call ``self(...)`` for a pipelined forward of its own
     (compute a loss in another step). Without the strategy the mark changes nothing.
     """
-    setattr(step, _GENERATES, True)
+    setattr(step, GENERATES, True)
     return step
-
-
-def generating_step(module: nn.Module, hook: str) -> bool:
-    """Whether ``module``'s ``hook`` is marked with :func:`generates`."""
-    return bool(getattr(getattr(module, hook, None), _GENERATES, False))
-
-
-# The step the strategy runs through the pipeline now, or whose forward call setup captures: (hook, marked).
-_PIPELINED_STEP: contextvars.ContextVar[tuple[str, bool] | None] = contextvars.ContextVar("pipelined_step",
-                                                                                          default=None)
-
-
-@contextmanager
-def pipelined_step(module: nn.Module, hook: str) -> Iterator[None]:
-    """While the strategy runs ``module``'s ``hook`` to find its pipelined call (setup's capture, or an unmarked
-    step split at its ``self(...)``): :func:`generate` called from a step marked with :func:`generates` makes the
-    model's plain forward call once (what setup builds the pipeline from), and from an unmarked step it refuses,
-    saying to mark the step."""
-    token = _PIPELINED_STEP.set((hook, generating_step(module, hook)))
-    try:
-        yield
-    finally:
-        _PIPELINED_STEP.reset(token)
-
-
-def unmarked_step_words(module: nn.Module, hook: str) -> str:
-    """What an unmarked step that calls :func:`generate` under the strategy is told."""
-    name = type(module).__name__
-    if hook == "training_step":
-        return (f"{name}.training_step called generate() under PipeDreamStrategy, which splits a training step at its "
-                "self(...) call. Generate from a validation_step, test_step or predict_step marked with @generates "
-                "(from lightning_pipedream import generates), or after fit on every rank.")
-    return (f"{name}.{hook} calls generate() but is not marked with @generates, so PipeDreamStrategy splits it at its "
-            "model call between the stages instead of decoding around the pipeline's ring. Mark the step: "
-            f"`from lightning_pipedream import generates`, then `@generates` on the line above `def {hook}`.")
 
 
 def _plain_forward(module: nn.Module, call: Callable[..., Any], input_ids: Tensor,
@@ -133,7 +95,7 @@ def generate(module: nn.Module, input_ids: Tensor, *, attention_mask: Tensor | N
     ours = any(c.__name__ == "PipeDreamStrategy" for c in type(strategy).__mro__)
     pipeline = getattr(strategy, "_pipeline", None) if ours else None
     call = _call_of(module, forward)
-    running = _PIPELINED_STEP.get() if ours else None
+    running = PIPELINED_STEP.get() if ours else None
     if running is not None:
         hook, marked = running
         if not marked:

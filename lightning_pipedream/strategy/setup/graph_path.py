@@ -26,8 +26,8 @@ from lightning_pipedream.strategy.setup.calls import (
     innermost_called_module,
     pipelined_call,
 )
-from lightning_pipedream.strategy.inference.generation import generating_step, pipelined_step
 from lightning_pipedream.strategy.setup.graph_memory import loss_bytes, memory_profile
+from lightning_pipedream.strategy.setup.marked_steps import generating_step, pipelined_step
 from lightning_pipedream.strategy.setup.options import PipelineOptions
 from lightning_pipedream.strategy.setup.placement import Placement
 from lightning_pipedream.strategy.setup.pretrained import StageWeights, refuse_pretrained_with_real_weights
