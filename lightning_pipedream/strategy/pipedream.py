@@ -37,9 +37,9 @@ from lightning_pipedream.runtime.faults.launch import rendezvous_store
 from lightning_pipedream.runtime.faults.watchdog import watchdog
 from lightning_pipedream.runtime.stages.materialize import has_meta_tensors
 from lightning_pipedream.schedule.specs import SCHEDULES
-from lightning_pipedream.strategy.checkpoints.checkpoint import AtomicCheckpointIO
+from lightning_pipedream.strategy.checkpoints.checkpoint import AtomicCheckpointIO, writes_itself
 from lightning_pipedream.strategy.checkpoints.sharded_checkpoint import PipelineCheckpoints, refuse_after_failure
-from lightning_pipedream.strategy.checkpoints.single_file import stream_saves, writes_itself
+from lightning_pipedream.strategy.checkpoints.single_file import stream_saves
 from lightning_pipedream.strategy.inference.evaluation import evaluate
 from lightning_pipedream.strategy.reporting import collectives
 from lightning_pipedream.strategy.setup.batches import batch_args, loop_loader

@@ -289,3 +289,10 @@ def load_own_share(module: torch.nn.Module, state: Mapping[str, Any], strict: bo
             "Load it with strict=False to keep those parameters as they are."
         )
     module.load_state_dict({k: v for k, v in state.items() if k in own}, strict=False)
+
+
+def writes_itself(checkpoint_io: Any, path: Any, storage_options: Any) -> bool:
+    """Whether the strategy writes a single-file checkpoint itself, stage by stage (its own CheckpointIO, to a local
+    path, no storage options); otherwise the CheckpointIO the user gave writes the whole dict."""
+    return (type(checkpoint_io) is AtomicCheckpointIO and storage_options is None
+            and isinstance(get_filesystem(path), LocalFileSystem))

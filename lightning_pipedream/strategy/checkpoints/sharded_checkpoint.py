@@ -195,7 +195,8 @@ class PipelineCheckpoints:
             from lightning_pipedream.strategy.checkpoints.single_file import fill_in, message_device, write_streamed
 
             if streamable:
-                write_streamed(checkpoint, path, stream, message_device(device))
+                write_streamed(checkpoint, path, stream, message_device(device), put_in_place=replace_path,
+                               clear_leftovers=remove_stale_temporaries)
                 return
             checkpoint = fill_in(checkpoint, stream, message_device(device))
         if not self.sharded:  # rank 0 writes the file, as Lightning does (no collective)

@@ -23,7 +23,7 @@ import io
 import os
 import pickle
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -261,9 +261,13 @@ def _pickled(checkpoint: Any, save: StreamedSave, keys: dict[_Described, str], f
     return buffer.getvalue(), pickler
 
 
-def write_streamed(checkpoint: dict[str, Any], path: str, save: StreamedSave, device: torch.device) -> None:
+def write_streamed(checkpoint: dict[str, Any], path: str, save: StreamedSave, device: torch.device, *,
+                   put_in_place: Callable[[str, Callable[[str], None]], None] | None = None,
+                   clear_leftovers: Callable[[str], Any] | None = None) -> None:
     """Every rank calls it: rank 0 writes ``checkpoint`` to ``path`` (a temporary file beside it, flushed, then
-    renamed into place), filling each stand-in with its rank's tensor, one group at a time; the others send theirs."""
+    renamed into place: ``put_in_place(path, write)``, which keeps a previous checkpoint there until the new one is
+    whole), filling each stand-in with its rank's tensor, one group at a time; the others send theirs.
+    ``clear_leftovers(directory)`` removes what a killed save left there first."""
     wanted: list[_Described] | None = None
     data, pickler = b"", None
     if save.rank == 0:
@@ -278,11 +282,9 @@ def write_streamed(checkpoint: dict[str, Any], path: str, save: StreamedSave, de
         save.send_own(requests.get(save.rank, []), device)
         return
     assert wanted is not None and pickler is not None
-    from lightning_pipedream.strategy.checkpoints.checkpoint import remove_stale_temporaries
-    from lightning_pipedream.strategy.checkpoints.sharded_checkpoint import replace_path
-
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    remove_stale_temporaries(os.path.dirname(path) or ".")
+    if clear_leftovers is not None:
+        clear_leftovers(os.path.dirname(path) or ".")
     temporary = f"{path}.tmp-{os.getpid()}"
     try:
         with torch.serialization._open_zipfile_writer(temporary) as archive:  # torch.save's own zip writer
@@ -305,7 +307,10 @@ def write_streamed(checkpoint: dict[str, Any], path: str, save: StreamedSave, de
                 storage = storage.cpu() if storage.device.type != "cpu" else storage
                 archive.write_record(f"data/{key}", storage, storage.nbytes())
         _fsync(temporary)
-        replace_path(path, lambda target: os.replace(temporary, target))
+        if put_in_place is not None:
+            put_in_place(path, lambda target: os.replace(temporary, target))
+        else:
+            os.replace(temporary, path)
     finally:
         if os.path.exists(temporary):
             os.remove(temporary)
@@ -386,15 +391,3 @@ def stream_saves(trainer: Any) -> None:
     setattr(save_checkpoint, _STREAMS, True)
     save_checkpoint.__doc__ = save.__doc__
     trainer.save_checkpoint = save_checkpoint
-
-
-def writes_itself(checkpoint_io: Any, path: Any, storage_options: Any) -> bool:
-    """Whether the strategy writes a single-file checkpoint itself (its own CheckpointIO, to a local path, no
-    storage options); otherwise the CheckpointIO the user gave writes the whole dict."""
-    from fsspec.implementations.local import LocalFileSystem
-    from lightning.fabric.utilities.cloud_io import get_filesystem
-
-    from lightning_pipedream.strategy.checkpoints.checkpoint import AtomicCheckpointIO
-
-    return (type(checkpoint_io) is AtomicCheckpointIO and storage_options is None
-            and isinstance(get_filesystem(path), LocalFileSystem))
