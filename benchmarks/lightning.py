@@ -194,20 +194,20 @@ def _worker(spec: dict) -> None:
             "threads": torch.get_num_threads(),
             "threads_cpu_s": timer.threads,
         }
-        trace_file = out / "trace" / f"trace_rank{trainer.global_rank}.json"
-        if trace_file.exists():
-            result["breakdown_s"] = _breakdown(trace_file, timer.ends[timer.warmup - 1], timer.ends[-1])
+        pipeline = getattr(trainer.strategy, "_pipeline", None)
+        if pipeline is not None and pipeline.engine.executor.records:
+            result["breakdown_s"] = _breakdown(pipeline.engine.executor.records, timer.ends[timer.warmup - 1],
+                                               timer.ends[-1])
         (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 
-def _breakdown(trace_file: Path, t0: float, t1: float) -> dict[str, float]:
-    """Where a rank's timed interval went, from the strategy's trace: the executor's actions by kind, and the rest
-    (Lightning's loop, the strategy's bookkeeping, Python between the actions)."""
+def _breakdown(recorded: list, t0: float, t1: float) -> dict[str, float]:
+    """Where a rank's timed interval went, from the executor's records under ``trace=`` (``(action, start, end)``,
+    perf_counter seconds as t0 and t1): the actions by kind, and the rest (Lightning's loop, the strategy's
+    bookkeeping, Python between the actions)."""
     from benchmarks.workload import breakdown
-    from lightning_pipedream.schedule.timeline import from_chrome_trace
 
-    events = from_chrome_trace(json.loads(trace_file.read_text()))  # perf_counter seconds, as t0 and t1
-    records = [(e.action, max(e.start, t0), min(e.end, t1)) for e in events if e.end > t0 and e.start < t1]
+    records = [(a, max(s, t0), min(e, t1)) for a, s, e in recorded if e > t0 and s < t1]
     return breakdown(records, t1 - t0)
 
 

@@ -13,7 +13,7 @@ fed the per-stage forward/backward/optimizer seconds and the link latency and ba
 benchmark measured). For pipedream both show 8 consecutive minibatches (one step of 512 samples)
 in the steady state.
 
-``--strategy-trace DIR --schedule NAME`` draws instead the ``trace_rank<r>.json`` files that
+``--strategy-trace DIR --schedule NAME`` draws instead the ``pipeline_trace.json`` file that
 ``PipeDreamStrategy(trace=DIR)`` writes at the end of training (all of the run's steps).
 """
 
@@ -88,15 +88,15 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     if args.strategy_trace:
-        files = sorted(args.strategy_trace.glob("trace_rank*.json"))
+        files = sorted(args.strategy_trace.glob("pipeline_trace.json"))  # rank 0's merged trace of every rank
         if not files:
-            parser.error(f"no trace_rank*.json in {args.strategy_trace}")
+            parser.error(f"no pipeline_trace.json in {args.strategy_trace}")
         events = load_trace(*files)
         name = args.schedule or "run"
         path = plot_timeline(
             events,
             args.out / f"real_{name}_strategy.png",
-            title=f"{name}: PipeDreamStrategy trace, {len(files)} ranks, {_ms(makespan(events))}",
+            title=f"{name}: PipeDreamStrategy trace, {len({e.rank for e in events})} ranks, {_ms(makespan(events))}",
         )
         print(f"wrote {path}")
         return

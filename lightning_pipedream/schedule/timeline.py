@@ -81,7 +81,8 @@ def from_chrome_trace(obj: dict | list) -> list[TimedAction]:
             ) from err
         action = Action(op, int(args["stage"]), args.get("microbatch"), args.get("peer"), int(args.get("step", 0)))
         start = float(ev["ts"]) / 1e6
-        events.append(TimedAction(int(ev["tid"]), action, start, start + float(ev.get("dur", 0.0)) / 1e6))
+        rank = int(args.get("rank", ev["tid"]))  # a merged trace (merged_trace.py) names its rank; else the tid
+        events.append(TimedAction(rank, action, start, start + float(ev.get("dur", 0.0)) / 1e6))
     return events
 
 

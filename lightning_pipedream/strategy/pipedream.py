@@ -114,7 +114,7 @@ class PipeDreamStrategy(DDPStrategy):
             same as ``stages=``.
         stages: pipeline stages; on ``stages * d`` processes the strategy runs ``d`` data-parallel
             pipelines (each stage's replicas all-reduce their gradients). Default: one stage per process.
-        trace: a directory; each rank writes a Chrome/Perfetto trace of its actions there at the end.
+        trace, trace_steps, log_figures: a merged timeline of a window of steps; stage figures (docs/reading_a_run.md).
         keep_freed_memory: on CPU, tell each rank's C allocator (glibc) to keep freed blocks for reuse rather than
             return them to the OS (:func:`~.allocator.keep_freed_memory`): faulting a stage's gradients and
             activations back in every minibatch cost ``pipedream`` ~10 % of its step in ``benchmarks/lightning.py``.
@@ -188,7 +188,7 @@ class PipeDreamStrategy(DDPStrategy):
         divergence_factor: float = DEFAULT_FACTOR,
         minibatches_per_batch: int = 1,
         transport: str | None = None,
-        shard: str | None = None,
+        shard: str | None = None, log_figures: bool = True, trace_steps: tuple[int, int] | None = None,
         pretrained: str | os.PathLike | None = None, pretrained_prefix: str | None = None, checkpoint: str = "auto",
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -205,7 +205,7 @@ class PipeDreamStrategy(DDPStrategy):
             tuple_or_none(replicas), check_finite, straight, virtual_stages,
             tuple(recompute) if isinstance(recompute, (list, tuple)) else recompute, keep_freed_memory, mean_over,
             memory_limit, exact, on_divergence, divergence_factor, minibatches_per_batch, transport, shard,
-            pretrained, pretrained_prefix,
+            pretrained, pretrained_prefix, log_figures, tuple_or_none(trace_steps),  # type: ignore[arg-type]
         )
         if start_method != "popen":
             # spawn/fork launchers copy only rank 0's weights back to the main process: wrong for a pipeline.
@@ -544,11 +544,8 @@ class PipeDreamStrategy(DDPStrategy):
     @override
     def on_train_end(self) -> None:
         self.drain()
-        pipeline = self._pipeline
         if self._training is not None and self._failure is None:
-            self._training.finish()  # training stopped between drains (should_stop): deliver, too late to log
-        if pipeline is not None and self.options.trace_dir is not None:
-            pipeline.write_trace(self.options.trace_dir, self.global_rank)
+            self._training.finish()  # still on its way: summaries, SIGTERM flags; the last steps' figures, the trace
         super().on_train_end()
 
     @override

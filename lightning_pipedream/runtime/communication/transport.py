@@ -6,6 +6,7 @@ import json
 import math
 import os
 import pickle
+import time
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -23,6 +24,9 @@ from lightning_pipedream.runtime.faults.timeouts import world_timeout
 
 _ALIGN = 64  # every leaf starts at a multiple of this many bytes in a message (any dtype can view it)
 _HEADER = 8  # one int64 at the start of every message
+# A message with tensors has padding before its first one (at _ALIGN): the send's start time goes there, as a float64,
+# so that the receiver can tell waiting for the peer from the transfer (runtime/execution/accounts.py).
+_STAMP = slice(_HEADER, 2 * _HEADER)
 
 
 @dataclass
@@ -221,6 +225,11 @@ class Transport:
     # Messages to lower ranks (None: on ``group`` too); see the class's text. Its members are ``group``'s.
     reverse_group: Any = None
     directional: bool = False  # set from kind, backend and reverse_group: see the class's text
+    # Seconds to add to this process's perf_counter to read the clock every rank shares (rank 0's), estimated at setup;
+    # 0 between processes of one machine. Each message with tensors carries its send's start on that clock.
+    clock_offset: float = 0.0
+    # The last received message's send start, on this process's perf_counter (None: it carried no tensors).
+    last_sent_at: float | None = None
 
     def __post_init__(self) -> None:
         self.kind = transport_kind(self.kind)
@@ -277,6 +286,7 @@ class Transport:
 
     def send(self, tree: Any, peer: int, where: str = "stage output", channel: Hashable = None) -> None:
         """Send ``tree`` to ``peer`` on ``channel`` without waiting for it to be received."""
+        sent_at = time.perf_counter() + self.clock_offset
         leaves, spec = flatten(tree, where)
         meta = _Meta(
             spec,
@@ -301,6 +311,8 @@ class Transport:
             layout.set_meta(meta)
         message = torch.empty(layout.size, dtype=torch.uint8, device=self.device)
         message[:_HEADER].zero_()
+        if layout.size >= _ALIGN:
+            message[_STAMP].view(torch.float64).fill_(sent_at)
         for t, offset, nbytes in zip(leaves, layout.offsets, layout.sizes):
             if nbytes:
                 message[offset : offset + nbytes].view(t.dtype).view(t.shape).copy_(t.detach())
@@ -327,7 +339,8 @@ class Transport:
         else:
             message = torch.empty(layout.size, dtype=torch.uint8, device=self.device)
             self._recv_into(message, src)
-        blob_size = int(message[:_HEADER].view(torch.int64).item())
+        head = message[: 2 * _HEADER].cpu() if message.numel() >= _ALIGN else message[:_HEADER].cpu()
+        blob_size = int(head[:_HEADER].view(torch.int64).item())
         if blob_size > 0:
             if _HEADER + blob_size <= message.numel():
                 blob = message[_HEADER : _HEADER + blob_size]
@@ -337,8 +350,11 @@ class Transport:
             layout.set_meta(pickle.loads(blob.cpu().numpy().tobytes()))
             message = torch.empty(layout.size, dtype=torch.uint8, device=self.device)
             self._recv_into(message, src)
-            if int(message[:_HEADER].view(torch.int64).item()) != 0:
+            head = message[: 2 * _HEADER].cpu() if message.numel() >= _ALIGN else message[:_HEADER].cpu()
+            if int(head[:_HEADER].view(torch.int64).item()) != 0:
                 raise PeerFailedError(f"Rank {peer} sent a second description in a row; the peers disagree.")
+        self.last_sent_at = (float(head[_STAMP].view(torch.float64).item()) - self.clock_offset
+                             if head.numel() >= 2 * _HEADER else None)
         meta = layout.last_meta
         if meta is None:
             raise PeerFailedError(f"The first message from rank {peer} carried no description; the peers disagree.")

@@ -9,6 +9,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from lightning_pipedream.runtime.communication.transport import Transport
+from lightning_pipedream.runtime.execution.accounts import StepAccounts, clock
 from lightning_pipedream.runtime.execution.executor import Executor, InputFn, LossFn
 from lightning_pipedream.runtime.faults.failures import pipeline_failures
 from lightning_pipedream.runtime.faults.flight import recorder
@@ -271,9 +272,16 @@ class PipelineEngine:
         taken, self.weights.staleness = self.weights.staleness, []
         return taken
 
+    @property
+    def accounts(self) -> StepAccounts:
+        """Where this rank's step time went (see :mod:`.accounts`)."""
+        return self.executor.accounts
+
     def _wait_for_sends(self) -> None:
+        start = clock()
         with pipeline_failures(self.stage.index, waiting="waiting for this step's sends to be received"):
             self.transport.wait_all()
+        self.executor.accounts.transfer(clock() - start)  # the sends that were not hidden behind the step's work
 
     def version_for(self, minibatch: int) -> int:
         """Vertical sync: the version stage 0 used for ``minibatch`` (it has made ``t - stages + 1`` updates).

@@ -7,10 +7,12 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from lightning_pipedream.runtime.communication.microbatch import flatten, unflatten
 from lightning_pipedream.runtime.communication.transport import Transport
+from lightning_pipedream.runtime.execution.accounts import StepAccounts
 from lightning_pipedream.runtime.faults.flight import recorder
 from lightning_pipedream.runtime.stages.stage import Stage
 from lightning_pipedream.schedule.actions import Action, Op
@@ -27,7 +29,10 @@ class Executor:
     With ``record=True`` every action is appended to :attr:`records` as ``(action, start, end)``
     (``perf_counter`` seconds); a blocking receive's time is the time spent waiting for the peer.
     Whatever ``record`` says, the process's flight recorder (:mod:`~lightning_pipedream.runtime.faults.flight`)
-    keeps the last few hundred actions and the one in progress, for the words and the file of a failure.
+    keeps the last few hundred actions and the one in progress, for the words and the file of a failure, and
+    :attr:`accounts` adds each action's time to its part of the step (compute, waiting, transfer, update). Under
+    an active torch profiler (``Trainer(profiler="pytorch")``) each action is a ``record_function`` range named
+    ``pipeline/<action>`` (e.g. ``pipeline/F3``, ``pipeline/RA3@0``).
 
     ``stage`` is this rank's stage, or (interleaved schedules) a mapping from stage index to each of
     the rank's model chunks; ``rank`` is this rank's number, so that a message between two chunks on
@@ -49,6 +54,9 @@ class Executor:
         self.record = record
         self.rank = rank
         self.records: list[tuple[Action, float, float]] = []
+        self.accounts = StepAccounts()
+        # For the merged trace: each received message's send start, beside the receive in records (this rank's clock).
+        self.sent_at: list[float | None] = []
         # Keyed by (stage, micro-batch): several stages may live here (interleaved).
         self._inputs: dict[tuple[int, int], Any] = {}
         self._grads: dict[tuple[int, int], Any] = {}
@@ -94,12 +102,17 @@ class Executor:
             if peer != local:
                 transport.post_recv(peer, channel_of(a))
         flight = recorder()
+        accounts = self.accounts
+        labelled = torch._C._autograd._profiler_enabled()  # one look per run: a profiler records now
         for i, action in enumerate(actions):
             op, mb = action.op, action.microbatch
             key = (action.stage, mb)
             stage = self.stages[action.stage]
             remote = action.peer is not None and action.peer != local
             flight.begin(action, transport.global_rank(action.peer) if op.is_recv and remote else None)
+            label = torch.profiler.record_function(f"pipeline/{action}") if labelled else None
+            if label is not None:
+                label.__enter__()
             start = time.perf_counter()
             if op is Op.RECV_ACT or op is Op.RECV_GRAD:
                 if remote:
@@ -158,9 +171,15 @@ class Executor:
                     )
                 allreduce(action)
             end = time.perf_counter()
+            if label is not None:
+                label.__exit__(None, None, None)
             flight.end(action, start, end)
+            # (a transport of one's own without send stamps: every receive counts as transfer)
+            sent_at = getattr(transport, "last_sent_at", None) if remote and op.is_recv else None
+            accounts.action(op, start, end, sent_at)
             if self.record:
                 self.records.append((action, start, end))
+                self.sent_at.append(sent_at)
         return losses
 
     def _send(self, tree: Any, action: Action, where: str) -> None:

@@ -26,6 +26,7 @@ def evaluate(pipeline: StagePipeline, module: LightningModule, hook: str, args: 
     """Run ``module``'s ``hook`` (``validation_step``, ``test_step``, ``predict_step``) on a batch through the
     pipeline's stages; every rank logs what the last stage's steps logged, and with ``send_output`` returns the
     batch's merged outputs."""
+    pipeline.engine.accounts.interrupt()  # evaluation is no training step's time: the one before ends with its work
     if generating_step(module, hook):  # it decodes around the ring itself: every rank runs the whole step
         return getattr(module, hook)(*args, **kwargs)
     placement = pipeline.placement

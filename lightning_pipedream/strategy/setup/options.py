@@ -55,8 +55,15 @@ class PipelineOptions:
     # a model built on the meta device: each rank reads its stage's tensors from this checkpoint (strategy/pretrained)
     pretrained: str | os.PathLike | None = None
     pretrained_prefix: str | None = None  # prepended to the checkpoint's keys; None: found from the names
+    log_figures: bool = True  # every stage's time, bubble and memory in the loggers (strategy/reporting/stage_figures)
+    trace_steps: tuple[int, int] | None = None  # with trace_dir: (first training step, steps) to record; None: all
 
     def __post_init__(self) -> None:
+        window = self.trace_steps
+        whole = window is not None and all(isinstance(v, int) and not isinstance(v, bool) for v in window)
+        if window is not None and (len(window) != 2 or not whole or window[0] < 0 or window[1] < 1):
+            raise ValueError(f"trace_steps={self.trace_steps!r} is not a window of steps: give (first, count), the "
+                             "first training step to record (from 0) and how many, e.g. trace_steps=(10, 5).")
         if self.pretrained is not None and not os.path.exists(self.pretrained):
             from lightning_pipedream.runtime.stages.loading import FORMATS
 

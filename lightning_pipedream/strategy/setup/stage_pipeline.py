@@ -4,9 +4,7 @@ builder that decides the placement, keeps this rank's layers and builds the rest
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import os
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -84,7 +82,7 @@ class StagePipeline:
     shard: str | None = None  # each stage's replicas shard it (runtime/stages/sharding.py); None: whole copies
     step_context: str = "setup"  # what the pipeline runs now, for error messages
 
-    # -- checkpoints (single-device form) and traces ---------------------------------------------------------
+    # -- checkpoints (single-device form) ---------------------------------------------------------------
     def state_share(self, is_global_zero: bool, gather: bool = True) -> dict[str, Tensor]:
         """This rank's part of the model's state dict, under the module's own names. Under ``shard=``, each sharded
         tensor gathered whole (``gather``: a collective over the stage's replicas), or this replica's shard as a
@@ -111,15 +109,6 @@ class StagePipeline:
             raw = getattr(optimizer, "_optimizer", optimizer)
             local = self.optimizer_layouts[i].to_local(raw, states[i], self.local_names)
             raw.load_state_dict(sharded_optimizer_state(raw, local) if self.shard is not None else local)
-
-    def write_trace(self, trace_dir: str, global_rank: int) -> None:
-        """This rank's actions as a Chrome/Perfetto trace in ``trace_dir``."""
-        from lightning_pipedream.schedule.timeline import to_chrome_trace
-
-        os.makedirs(trace_dir, exist_ok=True)
-        events = self.engine.executor.events(global_rank)
-        with open(os.path.join(trace_dir, f"trace_rank{global_rank}.json"), "w") as f:
-            json.dump(to_chrome_trace(events), f)
 
 
 def shard_own_stage(stage: nn.Module, placement: Placement, groups: ProcessGroups, shard: str, unsupported: bool,

@@ -5,7 +5,9 @@ SIGTERM asks for (at the same step on every rank, see ``stop_signal.py``)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import os
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -18,8 +20,17 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 
 from lightning_pipedream.runtime.faults.failures import pipeline_failures
+from lightning_pipedream.schedule.merged_trace import merged_chrome_trace
 from lightning_pipedream.strategy.reporting.collectives import inside_step
 from lightning_pipedream.strategy.reporting.logs import LogRecorder
+from lightning_pipedream.strategy.reporting.stage_figures import (
+    TRACE_FILE,
+    StageFigures,
+    check_trace_dir,
+    predicted_events,
+    rank_trace,
+    simulated_bubble,
+)
 from lightning_pipedream.strategy.reporting.stop_signal import install as install_stop_requests
 from lightning_pipedream.strategy.setup.checks import refuse_guard_with_unequal_replicas
 from lightning_pipedream.strategy.setup.options import PipelineOptions
@@ -54,6 +65,13 @@ class Training:
         precision.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
         # Lightning's SIGTERM broadcasts replaced by point-to-point flags (none in a single process).
         self.stop = install_stop_requests(trainer, pipeline, device, pipeline.placement.stage_index, timeout)
+        if options.trace_dir is not None and global_rank == 0:
+            check_trace_dir(options.trace_dir)
+        self.figures = stage_figures(options, pipeline, trainer, device, global_rank)
+        pipeline.engine.transport.clock_offset = self.figures.offset  # messages carry their send's start on one clock
+        self._steps_run = 0  # training steps of this fit (the trace window counts them)
+        pipeline.engine.executor.record = False  # only the window's training steps (never evaluation)
+        pipeline.engine.executor.records, pipeline.engine.executor.sent_at = [], []  # a fit's own (kept after it)
         if options.on_divergence is not None:
             refuse_guard_with_unequal_replicas(pipeline.placement)  # a plan's replicas are known only now
             self.guard = DivergenceGuard(options.divergence_factor)
@@ -66,8 +84,13 @@ class Training:
                             options=self.options, precision=self.precision, device=self.device,
                             global_rank=self.global_rank, warn_token_mean=not self._token_mean_warned)
         self._token_mean_warned |= step.warned_token_mean
+        self.pipeline.engine.executor.record = self._traced(self._steps_run)
+        self.figures.begin_step()
         with inside_step("training_step"):  # a collective of Lightning's in the user's step is refused in words
             result = step.run(self._observe if self.guard is not None else None)
+        self.pipeline.engine.executor.record = False
+        self.figures.end_step(self.module.trainer.global_step)
+        self._steps_run += 1
         self._staleness.add(self.pipeline.engine.take_staleness())
         if self._divergence is not None:
             self._go_over_to_1f1b(self._divergence)
@@ -94,14 +117,6 @@ class Training:
                         trainer.fit_loop.epoch_loop.batch_idx, trainer.current_epoch)
         raise SIGTERMException()
 
-    def finish(self) -> None:
-        """Where every rank ends the fit normally (``on_train_end``, drained): the summaries still pending (training
-        stopped between drains, should_stop: delivered, too late to log) and the SIGTERM flags still in flight."""
-        if self.pipeline.lagged is not None:
-            self.pipeline.lagged.take_all()
-        if self.stop is not None:
-            self.stop.settle()
-
     def drain(self) -> None:
         """Finish every minibatch in flight (``pipedream``): afterwards all stages hold final weights. Every rank
         calls it at the same point (they run the same steps and hooks)."""
@@ -109,8 +124,65 @@ class Training:
             with self.updates.pipeline_grads():
                 self.pipeline.engine.drain(self.updates.apply)
 
+    def finish(self) -> None:
+        """Where every rank ends the fit normally (``on_train_end``, drained): the summaries still pending (training
+        stopped between drains, should_stop: delivered, too late to log), the SIGTERM flags still in flight, the last
+        steps' figures (they reach rank 0, which logs them) and, with ``trace``, every rank's recorded actions, which
+        rank 0 writes as one trace."""
+        if self.pipeline.lagged is not None:
+            self.pipeline.lagged.take_all()
+        if self.stop is not None:
+            self.stop.settle()
+        self.figures.finish(self.module.trainer.global_step)
+        if self.options.trace_dir is not None:
+            self._write_trace()
+
+    def _traced(self, step: int) -> bool:
+        if self.options.trace_dir is None:
+            return False
+        window = self.options.trace_steps
+        return window is None or window[0] <= step < window[0] + window[1]
+
+    def _write_trace(self) -> None:
+        pipeline, figures, options = self.pipeline, self.figures, self.options
+        executor = pipeline.engine.executor
+        placement = pipeline.placement
+        mine = rank_trace(executor.records, executor.sent_at, self.global_rank, placement.stage_index,
+                          placement.replica_index, figures.offset, pipeline.engine.transport.global_rank)
+        traces = figures.gather_traces(mine)
+        if traces is None:
+            return
+        window = options.trace_steps
+        steps = self._steps_run if window is None else max(0, min(window[1], self._steps_run - window[0]))
+        notes = []
+        if window is not None and window[0] + window[1] > self._steps_run:
+            notes.append(f"trace_steps={window} asked for steps {window[0]} to {window[0] + window[1] - 1}, but the "
+                         f"fit ran {self._steps_run} training steps: the trace holds {steps} of them.")
+        predicted, source = [], ""
+        if steps and placement.layout is None:
+            try:
+                predicted, source = predicted_events(options.schedule, placement.num_stages, options.chunks,
+                                                     options.virtual_stages, steps, traces,
+                                                     getattr(self.module.trainer.strategy, "plan", None))
+            except Exception as err:  # the ghost track is a help, never a reason to lose the measured trace
+                notes.append(f"no predicted timeline: {err}")
+        trace = merged_chrome_trace(traces, predicted, {"schedule": options.schedule, "steps": steps,
+                                                        "predicted_from": source, "notes": notes})
+        path = os.path.join(options.trace_dir, TRACE_FILE)
+        with open(path, "w") as f:
+            json.dump(trace, f)
+        check = trace["metadata"]["clock_check"]
+        if check["receives_before_their_send"]:
+            log.warning("PipeDreamStrategy trace: %d of %d receives end before their send began (by up to %.3f ms): "
+                        "the ranks' clocks are not aligned that well.", check["receives_before_their_send"],
+                        check["messages"], -check["worst_s"] * 1e3)
+        for note in notes:
+            log.warning("PipeDreamStrategy trace: %s", note)
+        log.info("PipeDreamStrategy: the merged trace of %d ranks is in %s", len(traces), path)
+
     def failed(self) -> None:
         """A step raised (here or on a peer): the stages stopped at different places; drain nothing more."""
+        self.figures.forget()
         self.updates.forget()
         if self.pipeline.lagged is not None:
             self.pipeline.lagged.forget()
@@ -176,6 +248,7 @@ class Training:
         pipeline.lagged = None
         pipeline.engine = make_engine(self.options, pipeline.stage, [pipeline.stage], pipeline.placement,
                                       pipeline.groups, self.device)
+        pipeline.engine.executor.accounts = self.figures.accounts  # the figures go on over the new engine
         self.switched, self._divergence, self.guard = divergence, None, None
         step = module.trainer.global_step
         if self.global_rank == 0:
@@ -184,6 +257,30 @@ class Training:
                 "weights and optimizer state of the last drain and trains on under schedule='1f1b' (chunks=%d) "
                 "instead of %r.", divergence.words(), step, chunks, before)
         module.log("pipeline/switched_to_1f1b", 1.0, on_step=True, on_epoch=False)
+
+
+def stage_figures(options: PipelineOptions, pipeline: StagePipeline, trainer: Trainer, device: torch.device,
+                  global_rank: int) -> StageFigures:
+    """This rank's :class:`StageFigures` over the engine's accounts; rank 0 logs through the Trainer's loggers."""
+    placement = pipeline.placement
+    graph = pipeline.graph
+    predicted = None
+    if graph is not None and graph.predicted_memory is not None:
+        predicted = [float(m["predicted_peak_bytes"]) for m in graph.predicted_memory]
+    plan = getattr(trainer.strategy, "plan", None)
+    simulated = None
+    if placement.layout is None:
+        simulated = simulated_bubble(options.schedule, placement.num_stages, options.chunks, options.virtual_stages,
+                                     plan)
+    replicas = placement.num_pipelines > 1 or placement.layout is not None
+    figures = StageFigures(pipeline.engine.accounts, rank=global_rank, world_size=placement.world_size,
+                           stage=placement.stage_index, replica=placement.replica_index,
+                           every=trainer.log_every_n_steps, device=device, replicas=replicas,
+                           enabled=options.log_figures, predicted_bytes=predicted, simulated=simulated,
+                           timeout=getattr(trainer.strategy, "_timeout", None))
+    if global_rank == 0:
+        figures.loggers = list(trainer.loggers)
+    return figures
 
 
 def drain_before_callbacks(trainer: Trainer, drain: Callable[[], None],

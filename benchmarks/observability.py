@@ -1,0 +1,267 @@
+"""What the always-on time accounting costs, and whether its bubble is the one the schedules should have.
+
+Run from the repository root::
+
+    python -m benchmarks.observability                      # ~3 min on 2 busy cores: results/observability.json
+    python -m benchmarks.observability --quick --json /tmp/q.json
+
+Each case runs the runtime's ``Pipeline`` (no Lightning) on P CPU processes (gloo, shared memory), a balanced MLP of
+``4 x P`` blocks Linear(512, 512) + Tanh, batches of 64 in M = 8 micro-batches, one thread per process. Within one
+set of processes it alternates blocks of steps in three modes, rotating their order each round, so that the
+machine's swings hit them alike:
+
+- ``off``: the accounts never open a step (each action still makes the call, which returns at once: the floor this
+  measures against is "the accounting compiled in but idle");
+- ``on``: the accounts open and close every step (what every fit does: PipeDreamStrategy's default);
+- ``trace``: ``on`` plus the executor's records (what ``trace=`` keeps for the merged timeline).
+
+Figures: the accounting's cost per action timed alone (``StepAccounts.action`` against an empty call), and from
+it its estimated share of each case's step; per mode the median over rounds of seconds per step (the slowest
+rank's), the paired ratios ``on/off`` and ``trace/on``; the measured bubble (all ranks' waiting over their step
+time) beside ``(P-1)/(M+P-1)`` and the schedule simulator's (equal stages); and with one stage made 2x slower (a
+layer that sleeps as long as the stage computes), each stage's waiting against the balanced run's, the share of
+the extra waiting that falls on the other stages, and the stage the figures name as the slowest (largest compute).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+MODES = ("off", "on", "trace")
+
+
+class Sleep(nn.Module):
+    """Sleeps ``seconds`` in its forward (and nothing in its backward): a stage made slower."""
+
+    def __init__(self, seconds: float = 0.0) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.seconds:
+            time.sleep(self.seconds)
+        return x
+
+
+def _rank(rank: int, world: int, spec: dict, init: str, out: str) -> None:
+    from lightning_pipedream.runtime.pipeline import Pipeline
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    torch.manual_seed(0)
+    width, blocks = spec["width"], 4
+    layers: list[nn.Module] = []
+    balance = []
+    for _ in range(world):
+        stage = [m for _ in range(blocks) for m in (nn.Linear(width, width), nn.Tanh())]
+        layers += stage + [Sleep()]
+        balance.append(len(stage) + 1)
+    pipe = Pipeline(nn.Sequential(*layers), loss_fn=nn.functional.mse_loss,
+                    optimizer=lambda p: torch.optim.SGD(p, lr=1e-4), balance=balance, schedule=spec["schedule"],
+                    chunks=spec["chunks"])
+    sleeper = next(m for m in pipe.engine.stage.module.modules() if isinstance(m, Sleep))
+    x, y = torch.randn(64, width), torch.randn(64, width)
+    accounts = pipe.engine.accounts
+    executor = pipe.engine.executor
+
+    def block(mode: str, steps: int) -> dict:
+        executor.record = mode == "trace"
+        accounts.take()
+        dist.barrier()
+        began = time.perf_counter()
+        for _ in range(steps):
+            if mode != "off":
+                accounts.begin_step()
+            pipe.step(x, y)
+            if mode != "off":
+                accounts.end_step()
+        seconds = time.perf_counter() - began
+        if mode != "off":
+            accounts.finish()
+        executor.records.clear()
+        executor.sent_at.clear()
+        figures = accounts.take()
+        return {"seconds": seconds, "compute": figures.compute, "wait": figures.wait, "step": figures.step,
+                "transfer": figures.transfer}
+
+    for _ in range(2):  # warm-up
+        pipe.step(x, y)
+    results: dict = {"rounds": []}
+    for r in range(spec["rounds"]):
+        order = MODES[r % 3:] + MODES[: r % 3]
+        results["rounds"].append({mode: block(mode, spec["steps"]) for mode in order})
+    # The slow stage: its sleeping layer sleeps as long as the stage computes (measured in the "on" blocks).
+    slow = spec["slow_stage"]
+    if slow is not None:
+        on = [rd["on"] for rd in results["rounds"]]
+        per_step = statistics.median(o["compute"] for o in on) / spec["steps"]
+        per_forward = per_step / 3 / spec["chunks"]  # forward ~ a third of forward + backward, per micro-batch
+        share = torch.tensor([per_forward])
+        dist.broadcast(share, src=slow)
+        if rank == slow:
+            sleeper.seconds = float(share) * 3  # the stage's whole work again, in its forwards
+        results["slow"] = [block("on", spec["steps"]) for _ in range(spec["rounds"])]
+    gathered = [None] * world
+    dist.all_gather_object(gathered, results)
+    if rank == 0:
+        Path(out).write_text(json.dumps(gathered))
+    dist.destroy_process_group()
+
+
+def run_case(schedule: str, stages: int, spec: dict) -> dict:
+    from lightning_pipedream.schedule.builders import build_schedule
+    from lightning_pipedream.schedule.simulate import simulate
+
+    spec = {**spec, "schedule": schedule}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "out.json")
+        mp.spawn(_rank, args=(stages, spec, f"file://{tmp}/rendezvous", out), nprocs=stages, join=True)
+        ranks = json.loads(Path(out).read_text())
+    rounds = spec["rounds"]
+    per_mode = {m: [max(ranks[k]["rounds"][r][m]["seconds"] for k in range(stages)) / spec["steps"]
+                    for r in range(rounds)] for m in MODES}
+    on_off = [per_mode["on"][r] / per_mode["off"][r] for r in range(rounds)]
+    trace_on = [per_mode["trace"][r] / per_mode["on"][r] for r in range(rounds)]
+    waits = [sum(ranks[k]["rounds"][r]["on"]["wait"] for k in range(stages)) for r in range(rounds)]
+    steps = [sum(ranks[k]["rounds"][r]["on"]["step"] for k in range(stages)) for r in range(rounds)]
+    m = spec["chunks"]
+    sim = simulate(build_schedule(schedule, stages, m), 1.0, 2.0).bubble_fraction
+    case = {
+        "schedule": schedule, "stages": stages, "chunks": m,
+        "seconds_per_step": {mode: statistics.median(v) for mode, v in per_mode.items()},
+        "on_over_off": statistics.median(on_off), "on_over_off_rounds": on_off,
+        "trace_over_on": statistics.median(trace_on), "trace_over_on_rounds": trace_on,
+        "bubble_measured": statistics.median(w / s for w, s in zip(waits, steps)),
+        "bubble_closed_form": (stages - 1) / (m + stages - 1),
+        "bubble_simulated": sim,
+        "wait_ms_per_stage": [statistics.median(ranks[k]["rounds"][r]["on"]["wait"] for r in range(rounds))
+                              * 1e3 / spec["steps"] for k in range(stages)],
+    }
+    slow = spec["slow_stage"]
+    if slow is not None:
+        slowed = [statistics.median(b["wait"] for b in ranks[k]["slow"]) * 1e3 / spec["steps"] for k in range(stages)]
+        compute = [statistics.median(b["compute"] for b in ranks[k]["slow"]) for k in range(stages)]
+        extra = [s - b for s, b in zip(slowed, case["wait_ms_per_stage"])]
+        total_extra = sum(e for e in extra if e > 0)
+        case["slow_stage"] = {
+            "stage": slow, "wait_ms_per_stage": slowed, "extra_wait_ms_per_stage": extra,
+            "share_of_extra_wait_on_other_stages": (sum(e for k, e in enumerate(extra) if k != slow and e > 0)
+                                                    / total_extra) if total_extra > 0 else None,
+            "named_slowest": max(range(stages), key=lambda k: compute[k]),
+        }
+    return case
+
+
+def action_cost_ns(calls: int = 200_000, repeats: int = 5) -> dict:
+    """The accounting's own cost per action, timed in this process: ``StepAccounts.action`` for a receive (the
+    longest path) in an open step, minus the same loop calling a function that returns at once. Median of repeats."""
+    from lightning_pipedream.runtime.execution.accounts import StepAccounts
+    from lightning_pipedream.schedule.actions import Op
+
+    accounts = StepAccounts()
+    accounts.begin_step()
+
+    def nothing(op: Op, start: float, end: float, sent_at: float | None = None) -> None:
+        return None
+
+    def loop(fn) -> float:
+        began = time.perf_counter()
+        for _ in range(calls):
+            fn(Op.RECV_ACT, 1.0, 2.0, 1.5)
+        return (time.perf_counter() - began) / calls
+
+    costs = [(loop(accounts.action) - loop(nothing)) * 1e9 for _ in range(repeats)]
+    clock_ns = statistics.median(_clock_read() for _ in range(repeats)) * 1e9
+    return {"action_ns": statistics.median(costs), "action_ns_rounds": costs, "clock_read_ns": clock_ns}
+
+
+def _clock_read(calls: int = 200_000) -> float:
+    began = time.perf_counter()
+    for _ in range(calls):
+        time.perf_counter()
+    return (time.perf_counter() - began) / calls
+
+
+def draw_merged_trace(trace_file: str | Path, png: str | Path, title: str = "") -> Path:
+    """A PNG of a merged trace (``pipeline_trace.json``): per stage a measured row (compute coloured by kind, the
+    waiting red, sends and receives grey) and under it the predicted row. For docs/reading_a_run.md."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    events = json.loads(Path(trace_file).read_text())["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    pids = sorted(names, key=lambda pid: (pid % 10_000, pid >= 10_000))
+    colours = {"F": "#4C72B0", "B": "#DD8452", "W": "#C44E52", "O": "#55A868"}
+    fig = Figure(figsize=(12, 0.55 * len(pids) + 1.3))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    row = {pid: len(pids) - 1 - i for i, pid in enumerate(pids)}
+    for e in events:
+        if e.get("ph") != "X" or e["pid"] not in row:
+            continue
+        left, width, y = e["ts"] / 1e3, e["dur"] / 1e3, row[e["pid"]]
+        if e.get("cat") == "waiting":
+            ax.barh(y - 0.3, width, left=left, height=0.2, color="#D62728")
+        elif e.get("cat") in ("send", "receive"):
+            ax.barh(y + 0.3, width, left=left, height=0.15, color="#999999")
+        else:
+            ax.barh(y, width, left=left, height=0.55, color=colours.get(e["name"][:1], "#777777"),
+                    alpha=0.45 if e.get("cat") == "predicted" else 1.0, edgecolor="black", linewidth=0.3)
+    ax.set_yticks([row[p] for p in pids], [names[p] for p in pids], fontsize=8)
+    ax.set_xlabel("milliseconds")
+    ax.set_title(title, fontsize=10)
+    legend = [Patch(color=c, label=n) for n, c in (("forward", "#4C72B0"), ("backward", "#DD8452"),
+                                                   ("update", "#55A868"), ("waiting", "#D62728"),
+                                                   ("send / receive", "#999999"))]
+    fig.legend(handles=legend, loc="lower center", ncol=5, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.3 / fig.get_figheight(), 1, 1))
+    fig.savefig(png, dpi=110)
+    return Path(png)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="few steps and rounds: a smoke run")
+    parser.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "observability.json"))
+    parser.add_argument("--stages", default="2,4", help="comma-separated process counts (default 2,4)")
+    args = parser.parse_args()
+    spec = {"width": 256 if args.quick else 512, "chunks": 8, "steps": 3 if args.quick else 10,
+            "rounds": 3 if args.quick else 5, "slow_stage": None}
+    load_before = os.getloadavg()
+    cost = action_cost_ns()
+    print(json.dumps(cost), flush=True)
+    cases = []
+    for stages in (int(s) for s in args.stages.split(",")):
+        for schedule in ("gpipe", "1f1b"):
+            slow = 1 if (schedule == "1f1b" and stages == 2) else None
+            case = run_case(schedule, stages, {**spec, "slow_stage": slow})
+            # The accounting's share of the step, from its cost per action (a flushed step: 2 M computes and up to
+            # 4 M sends and receives per rank, the update, the sends' wait) and the step's time.
+            actions = 6 * spec["chunks"] + 2
+            case["accounting_share_of_step_estimated"] = (actions * cost["action_ns"] * 1e-9
+                                                          / case["seconds_per_step"]["on"])
+            cases.append(case)
+            print(json.dumps({k: v for k, v in case.items() if not k.endswith("_rounds")}), flush=True)
+    result = {"command": "python -m benchmarks.observability" + (" --quick" if args.quick else ""),
+              "cpus": os.cpu_count(), "load_before": load_before, "load_after": os.getloadavg(),
+              "spec": spec, "accounting_cost": cost, "cases": cases}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(result, indent=1))
+    print(f"written {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""What a pipeline run tells its user: every stage's time, bubble and memory in Lightning's loggers (CSVLogger read
+back after real multi-process fits), the actions under Trainer(profiler="pytorch"), and a logger that refuses the
+names not stopping training."""
+
+from __future__ import annotations
+
+import csv
+import glob
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers.script_runs import run_script
+
+from lightning_pipedream.runtime.execution.accounts import PARTS, StepAccounts
+from lightning_pipedream.schedule.actions import Action, Op
+from lightning_pipedream.schedule.timeline import from_chrome_trace
+from lightning_pipedream.strategy.reporting.stage_figures import check_trace_dir
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "figures_trainer.py"
+
+
+def _rows(out: Path) -> list[dict[str, float]]:
+    with open(out / "csv" / "version_0" / "metrics.csv") as f:
+        return [{k: float(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
+
+
+def _figure_rows(rows: list[dict[str, float]]) -> list[dict[str, float]]:
+    return [row for row in rows if "pipeline/bubble" in row]
+
+
+def _launch(tmp_path: Path, name: str, runs: list[tuple[str, dict]]) -> dict[str, Path]:
+    outs = {case: tmp_path / case for case, _ in runs}
+    plan = tmp_path / f"{name}.json"
+    plan.write_text(json.dumps([[str(outs[case]), options] for case, options in runs]))
+    run_script(SCRIPT, tmp_path / name, {"--runs": str(plan)}, timeout=600)
+    return outs
+
+
+def _check_every_stage(rows: list[dict[str, float]], stages: int) -> None:
+    figures = _figure_rows(rows)
+    assert len(figures) >= 3, rows
+    for row in figures:
+        for k in range(stages):
+            prefix = f"pipeline/stage{k}/"
+            for part in (*PARTS, "step"):
+                assert prefix + f"{part}_ms" in row, (k, part, sorted(row))
+            parts = sum(row[prefix + f"{part}_ms"] for part in PARTS)
+            assert parts == pytest.approx(row[prefix + "step_ms"], rel=0.01)
+            # The measured parts never exceed the step: "other" (Lightning, data) is what they leave.
+            for part in PARTS:
+                assert row[prefix + f"{part}_ms"] >= -1e-6, (part, row)
+            assert row[prefix + "compute_ms"] > 0 and row[prefix + "peak_memory_mb"] > 0
+        assert 0.0 <= row["pipeline/bubble"] < 1.0
+        assert 0.0 < row["pipeline/bubble_simulated"] < 1.0
+
+
+def test_two_stage_figures_in_csv_logger_and_off(tmp_path: Path) -> None:
+    outs = _launch(tmp_path, "two", [
+        ("on", {"devices": 2, "schedule": "1f1b", "epochs": 2}),
+        ("off", {"devices": 2, "schedule": "gpipe", "epochs": 2, "log_figures": False}),
+    ])
+    rows = _rows(outs["on"])
+    _check_every_stage(rows, 2)
+    # One row per logging interval, at the interval's last step (log_every_n_steps=3, 12 batches per epoch).
+    steps = sorted(int(row["step"]) for row in _figure_rows(rows))
+    assert steps[:4] == [2, 5, 8, 11]
+    # Under 1f1b with 2 micro-batches, stage 1 waits for stage 0's first forward every step.
+    assert sum(row["pipeline/stage1/wait_ms"] for row in _figure_rows(rows)) > 0
+    assert not any(k.startswith("pipeline/stage") for row in _rows(outs["off"]) for k in row)
+    assert any("train_loss" in row for row in _rows(outs["off"]))
+
+
+def test_three_stages_asynchronous_broken_logger_and_profiler(tmp_path: Path) -> None:
+    outs = _launch(tmp_path, "three", [
+        ("pipedream", {"devices": 3, "schedule": "pipedream", "epochs": 2, "logger": "broken", "trace": "trace",
+                       "trace_steps": [20, 10]}),
+        ("profiled", {"devices": 3, "schedule": "1f1b", "epochs": 1, "profiler": "pytorch", "trace": "trace"}),
+    ])
+    # pipedream: the figures travel without a collective at a batch boundary; a logger that refuses their names
+    # (it sits first in the Trainer's list) is left out with a warning, the CSVLogger after it still gets them.
+    _check_every_stage(_rows(outs["pipedream"]), 3)
+    _check_every_stage(_rows(outs["profiled"]), 3)
+    # Under Trainer(profiler="pytorch") every rank's Kineto trace names the pipeline's actions.
+    for rank in range(3):
+        (trace,) = glob.glob(str(outs["profiled"] / f"fit-prof-{rank}-*training_step*.json"))
+        names = {event.get("name") for event in json.load(open(trace))["traceEvents"]}
+        assert {"pipeline/F0", "pipeline/B0"} <= names, sorted(n for n in names if str(n).startswith("pipeline"))
+    names = {event.get("name") for event in json.load(open(glob.glob(
+        str(outs["profiled"] / "fit-prof-1-*training_step*.json"))[0]))["traceEvents"]}
+    assert {"pipeline/RA0@0", "pipeline/SA0@2", "pipeline/RG0@2", "pipeline/O"} <= names
+    _check_merged_trace(outs["profiled"] / "trace", steps=12)
+    # A window that goes past the run's 24 steps: its 4 steps are there, and the trace says so.
+    merged = json.loads((outs["pipedream"] / "trace" / "pipeline_trace.json").read_text())
+    assert merged["metadata"]["steps"] == 4
+    assert "fit ran 24 training steps: the trace holds 4 of them" in merged["metadata"]["notes"][0]
+    check = merged["metadata"]["clock_check"]
+    assert check["messages"] > 0 and check["receives_before_their_send"] == 0
+    assert {e.rank for e in from_chrome_trace(merged)} == {0, 1, 2}
+
+
+def _check_merged_trace(trace_dir: Path, steps: int) -> None:
+    """One file for the whole pipeline: a process per stage with its lanes, every receive ending after its send began
+    (the clocks aligned), an arrow per message, and the predicted track."""
+    assert sorted(p.name for p in trace_dir.iterdir()) == ["pipeline_trace.json"]
+    merged = json.loads((trace_dir / "pipeline_trace.json").read_text())
+    events = merged["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    assert [names[r] for r in range(3)] == [f"stage {r} (rank {r})" for r in range(3)]
+    assert sorted(n for n in names.values() if n.startswith("predicted")) == [f"predicted: stage {r}" for r in range(3)]
+    lanes = {(e["pid"], e["args"]["name"]) for e in events if e.get("name") == "thread_name"}
+    assert {(r, lane) for r in range(3) for lane in ("compute", "send", "receive", "waiting")} <= lanes
+    check = merged["metadata"]["clock_check"]
+    # 1f1b, 2 micro-batches, 3 stages: 2 x 2 activations and 2 x 2 gradients per step
+    assert check["messages"] == 8 * steps and check["receives_before_their_send"] == 0
+    starts = {e["id"]: e["ts"] for e in events if e.get("ph") == "s"}
+    ends = {e["id"]: e["ts"] for e in events if e.get("ph") == "f"}
+    assert len(starts) == len(ends) == 8 * steps and all(ends[i] >= starts[i] for i in starts)
+    assert any(e.get("cat") == "predicted" for e in events)
+    actions = from_chrome_trace(merged)
+    assert {e.rank for e in actions} == {0, 1, 2}
+    assert sum(e.action.op is Op.FORWARD for e in actions) == 3 * 2 * steps
+    shown = subprocess.run([sys.executable, "-m", "lightning_pipedream", "show", "--trace",
+                            str(trace_dir / "pipeline_trace.json"), "--last", "0"], capture_output=True, text=True)
+    assert shown.returncode == 0, shown.stderr
+    assert "rank 0, 1, 2" in shown.stdout
+
+
+def test_a_trace_directory_that_cannot_be_written_is_refused_in_words(tmp_path: Path) -> None:
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(ValueError, match=r"trace=.*a_file/traces.*rank 0 cannot write there.*or trace=None"):
+        check_trace_dir(blocker / "traces")
+
+
+def _recv(mb: int = 0) -> Op:
+    return Action(Op.RECV_ACT, 1, mb, peer=0).op
+
+
+def test_a_receive_splits_into_waiting_and_transfer_at_the_send_start() -> None:
+    accounts = StepAccounts()
+    accounts.begin_step()
+    accounts.action(_recv(), 10.0, 10.5, sent_at=10.3)  # waited 0.3 s for the peer to start, 0.2 s of transfer
+    accounts.action(_recv(1), 11.0, 11.1, sent_at=9.0)  # sent long before: all transfer
+    accounts.action(_recv(2), 12.0, 12.1, sent_at=13.0)  # a clock a little off: capped at the receive
+    accounts.action(Op.FORWARD, 12.1, 12.4)
+    accounts.action(Op.OPTIMIZER_STEP, 12.4, 12.5)
+    accounts.end_step()
+    accounts.begin_step()
+    figures = accounts.take()
+    assert figures.steps == 1
+    assert figures.wait == pytest.approx(0.3 + 0.1)
+    assert figures.transfer == pytest.approx(0.2 + 0.1)
+    assert figures.compute == pytest.approx(0.3) and figures.update == pytest.approx(0.1)
+
+
+def test_actions_outside_a_step_do_not_count_and_evaluation_ends_the_step_at_its_work(monkeypatch) -> None:
+    from lightning_pipedream.runtime.execution import accounts as accounts_module
+
+    times = iter([0.0, 1.0, 100.0, 103.0, 110.0, 111.0])  # the clock at each begin_step / end_step
+    monkeypatch.setattr(accounts_module, "clock", lambda: next(times))
+    accounts = StepAccounts()
+    accounts.action(Op.FORWARD, 0.0, 5.0)  # before any step (e.g. the sanity check's evaluation)
+    accounts.begin_step()  # 0
+    accounts.end_step()  # 1
+    accounts.interrupt()  # validation came between: its time is no step's
+    accounts.action(Op.FORWARD, 2.0, 7.0)
+    accounts.begin_step()  # 100: the first step ends at 1, its own end
+    accounts.action(Op.FORWARD, 100.0, 102.0)
+    accounts.end_step()  # 103
+    accounts.begin_step()  # 110: nothing between, the second step runs from 100 to 110 (data loading, hooks)
+    accounts.end_step()  # 111
+    accounts.finish()
+    figures = accounts.take()
+    assert figures.steps == 3 and figures.compute == 2.0
+    assert figures.step == 1.0 + 10.0 + 1.0 and figures.other == 10.0
