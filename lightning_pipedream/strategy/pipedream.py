@@ -51,7 +51,7 @@ from lightning_pipedream.strategy.setup.checks import (
     refuse_minibatches_with_accumulation,
     refuse_minibatches_with_replicas,
 )
-from lightning_pipedream.strategy.setup.options import DEFAULT_FACTOR, PipelineOptions, tuple_or_none
+from lightning_pipedream.strategy.setup.options import DEFAULT_FACTOR, PipelineOptions
 from lightning_pipedream.strategy.setup.placement import Placement, ProcessGroups
 from lightning_pipedream.strategy.setup.stage_pipeline import (
     Ranks,
@@ -150,10 +150,12 @@ class PipeDreamStrategy(DDPStrategy):
             stage's ``d`` replicas shard its weights, gradients and optimizer state with torch's FSDP2 (``"full"``:
             weights gathered for each forward and backward; ``"grad_op"``: kept whole from a forward to its
             backward) instead of keeping whole copies; the step's last backward reduce-scatters the gradients once.
-            None (default): whole copies, gradients all-reduced.
+            None (default): whole copies, gradients all-reduced. Under ``schedule="auto"``, ``"auto"`` lets the planner
+            weigh whole against sharded replicas under ``memory_limit`` (plan/shards.py).
         pretrained: for a model built on the meta device, a safetensors file, Hugging Face directory, torch state dict
-            or torch.distributed.checkpoint directory from which each rank reads only its stage's tensors;
-            ``pretrained_prefix`` turns its keys into the module's names (default: found). docs/big_models.md.
+            or torch.distributed.checkpoint directory from which each rank reads only its stage's tensors
+            (docs/big_models.md).
+        pretrained_prefix: the prefix that turns ``pretrained``'s keys into the module's names (default: found).
         checkpoint: ``"sharded"``: a checkpoint is a directory in which each rank writes its own stage's weights and
             optimizer state by parameter name (torch.distributed.checkpoint and ``meta.pt``; it resumes on any layout;
             ``python -m lightning_pipedream checkpoint consolidate`` makes one file of it); ``"full"``: one file in
@@ -199,14 +201,7 @@ class PipeDreamStrategy(DDPStrategy):
         timeout: timedelta | None = _DEFAULT_TIMEOUT,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
-        self.options = PipelineOptions(
-            schedule, chunks, tuple_or_none(balance), plan, layers, tuple_or_none(split_points), weight_stashing,
-            vertical_sync, tuple(bandwidth) if isinstance(bandwidth, (list, tuple)) else bandwidth, trace, stages,
-            tuple_or_none(replicas), check_finite, straight, virtual_stages,
-            tuple(recompute) if isinstance(recompute, (list, tuple)) else recompute, keep_freed_memory, mean_over,
-            memory_limit, exact, on_divergence, divergence_factor, minibatches_per_batch, transport, shard,
-            pretrained, pretrained_prefix, log_figures, tuple_or_none(trace_steps),  # type: ignore[arg-type]
-        )
+        self.options = PipelineOptions.from_arguments(locals())  # each field from the argument of its name
         if start_method != "popen":
             # spawn/fork launchers copy only rank 0's weights back to the main process: wrong for a pipeline.
             raise ValueError(

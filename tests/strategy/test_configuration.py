@@ -166,3 +166,30 @@ def test_schedule_auto_without_fitting_runs_whole_stages_one_per_process(shard: 
     ranks = Ranks(0, 2, 2, 1, torch.device("cpu"), "gloo", None)
     chosen, plan = choose_automatically(options, ranks, None, Layers(), False, lambda batch: batch)  # type: ignore[arg-type]
     assert (chosen.schedule, chosen.shard, chosen.memory_limit, plan) == ("1f1b", None, None, None)
+
+
+def test_every_option_reaches_its_field_by_name_and_is_documented_once(tmp_path: Path) -> None:
+    # PipelineOptions is built from PipeDreamStrategy's arguments by name: each field has an argument of that name
+    # (plan=, trace= for plan_path, trace_dir), with the same default, documented in the strategy's docstring.
+    import dataclasses
+    import inspect
+
+    from lightning_pipedream.strategy.setup.options import ARGUMENT_OF, PipelineOptions
+
+    parameters = inspect.signature(PipeDreamStrategy.__init__).parameters
+    doc = PipeDreamStrategy.__doc__ or ""
+    for field in dataclasses.fields(PipelineOptions):
+        name = ARGUMENT_OF.get(field.name, field.name)
+        assert name in parameters, f"PipelineOptions.{field.name} has no argument {name}="
+        assert parameters[name].default == field.default, name
+        entry = rf"^\s+(\w+, )*{name}(, \w+)*: "  # its own entry, or one entry naming several options
+        assert re.search(entry, doc, flags=re.M), f"{name}= is not documented in PipeDreamStrategy"
+    # Values far from their defaults arrive in the right fields, lists as tuples.
+    strategy = PipeDreamStrategy(schedule="1f1b", chunks=4, balance=[3, 2], split_points=None, bandwidth=[1e9, 1e8],
+                                 trace=str(tmp_path), check_finite=True, recompute=[True, False],
+                                 divergence_factor=3.0, transport="gloo", pretrained_prefix="model.")
+    options = strategy.options
+    assert (options.schedule, options.chunks, options.balance, options.bandwidth, options.trace_dir) == (
+        "1f1b", 4, (3, 2), (1e9, 1e8), str(tmp_path))
+    assert (options.check_finite, options.recompute, options.divergence_factor, options.transport,
+            options.pretrained_prefix) == (True, (True, False), 3.0, "gloo", "model.")

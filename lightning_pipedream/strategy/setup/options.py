@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
 from typing import Any
 
 from lightning_pipedream.plan.shards import check_shard_choice
@@ -16,13 +16,16 @@ from lightning_pipedream.schedule.specs import AUTO, ScheduleSpec, spec_of
 ON_DIVERGENCE = (None, "flush")  # the divergence guard (strategy/training/divergence.py): off, or back to 1f1b
 DEFAULT_FACTOR = 2.0  # the smoothed loss may rise to this many times its lowest before the guard steps in
 
+ARGUMENT_OF = {"plan_path": "plan", "trace_dir": "trace"}  # fields whose argument has another name
+
 
 @dataclass(frozen=True)
 class PipelineOptions:
     """What the user chose: the schedule and its options, how to split the model, what to check and record.
 
     Every combination that cannot run is refused here, in the process that builds the Trainer, with the fix.
-    See :class:`~lightning_pipedream.PipeDreamStrategy` for each field's meaning.
+    Each field is the argument of :class:`~lightning_pipedream.PipeDreamStrategy` of the same name (``plan_path`` is
+    ``plan=``, ``trace_dir`` is ``trace=``), documented there, and comes from it by that name (:meth:`from_arguments`).
     """
 
     schedule: str = "pipedream"
@@ -40,23 +43,37 @@ class PipelineOptions:
     check_finite: bool = False
     straight: bool = True
     virtual_stages: int = 1
-    recompute: bool | tuple[bool, ...] = False  # one bool, or one per model stage
+    recompute: bool | tuple[bool, ...] = False
     keep_freed_memory: bool = True
-    mean_over: Callable[[Any], Any] | None = None  # what the loss is a mean over, counted in a piece of a batch
-    memory_limit: float | None = None  # schedule='auto': bytes per process the plan must fit in
-    exact: bool = False  # schedule='auto': only schedules equal to one device
-    on_divergence: str | None = None  # "flush": back to the last drained weights, then 1f1b (see strategy/divergence)
+    mean_over: Callable[[Any], Any] | None = None
+    memory_limit: float | None = None
+    exact: bool = False
+    on_divergence: str | None = None
     divergence_factor: float = DEFAULT_FACTOR
-    minibatches_per_batch: int = 1  # pipedream: minibatches (each its own update) a batch is cut into
-    transport: str | None = None  # how stages talk (see transport_kind); None: LIGHTNING_PIPEDREAM_TRANSPORT or auto
-    # data-parallel pipelines: each stage's replicas shard it (runtime/stages/sharding.py); schedule='auto' also takes
-    # "auto" (the planner weighs whole against sharded replicas under memory_limit, plan/shards.py)
+    minibatches_per_batch: int = 1
+    transport: str | None = None
     shard: str | None = None
-    # a model built on the meta device: each rank reads its stage's tensors from this checkpoint (strategy/pretrained)
     pretrained: str | os.PathLike | None = None
-    pretrained_prefix: str | None = None  # prepended to the checkpoint's keys; None: found from the names
-    log_figures: bool = True  # every stage's time, bubble and memory in the loggers (strategy/reporting/stage_figures)
-    trace_steps: tuple[int, int] | None = None  # with trace_dir: (first training step, steps) to record; None: all
+    pretrained_prefix: str | None = None
+    log_figures: bool = True
+    trace_steps: tuple[int, int] | None = None
+
+    @classmethod
+    def from_arguments(cls, arguments: Mapping[str, Any]) -> PipelineOptions:
+        """The options from ``PipeDreamStrategy``'s arguments (its ``locals()``), each field by its argument's name,
+        lists as tuples: an option added or moved in either place shifts no other."""
+        values = {}
+        for field in fields(cls):
+            name = ARGUMENT_OF.get(field.name, field.name)
+            if name not in arguments:
+                raise TypeError(f"PipelineOptions.{field.name} has no argument {name}= in PipeDreamStrategy.__init__")
+            values[field.name] = arguments[name]
+        for name in ("balance", "split_points", "replicas", "trace_steps"):
+            values[name] = tuple_or_none(values[name])
+        for name in ("bandwidth", "recompute"):  # one value, or one per link kind / model stage
+            if isinstance(values[name], (list, tuple)):
+                values[name] = tuple(values[name])
+        return cls(**values)
 
     def __post_init__(self) -> None:
         window = self.trace_steps
