@@ -300,6 +300,35 @@ def test_strategy_rooms_import_only_downwards() -> None:
     assert not bad, "imports against strategy/'s rooms:\n" + "\n".join(bad)
 
 
+BENCHMARKS = ROOT / "benchmarks"
+
+
+def benchmark_room_violations(path: Path) -> list[str]:
+    """What a benchmark imports from another room of benchmarks/ than its own and ``common`` (which imports none)."""
+    room = path.relative_to(BENCHMARKS).parts[0]
+    allowed = {room} if room == "common" else {room, "common"}
+    tree = ast.parse(path.read_text(), str(path))
+    modules = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names] + [
+        n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module and not n.level]
+    return [f"{path.relative_to(ROOT)} imports {m}: benchmarks/{room}/ may import only {sorted(allowed)}"
+            for m in modules if m.split(".")[0] == "benchmarks" and (len(m.split(".")) < 2 or m.split(".")[1] not in allowed)]
+
+
+def test_benchmark_rooms_import_only_common() -> None:
+    files = sorted(BENCHMARKS.glob("*/*.py"))
+    assert files and not [p for p in BENCHMARKS.glob("*.py") if p.name != "__init__.py"], "a benchmark needs a room"
+    bad = [line for path in files for line in benchmark_room_violations(path)]
+    assert not bad, "imports between benchmark rooms (share through benchmarks/common/):\n" + "\n".join(bad)
+    probe = BENCHMARKS / "memory" / "_probe_for_test.py"
+    probe.write_text("from benchmarks.speed import schedules\nfrom benchmarks.common import figures\n")
+    try:
+        assert benchmark_room_violations(probe) == [
+            "benchmarks/memory/_probe_for_test.py imports benchmarks.speed: benchmarks/memory/ may import only "
+            "['common', 'memory']"]
+    finally:
+        probe.unlink()
+
+
 def test_every_package_opens_with_a_one_line_docstring() -> None:
     for init in sorted(PACKAGE.rglob("__init__.py")):
         doc = ast.get_docstring(ast.parse(init.read_text()))

@@ -59,7 +59,7 @@ def gathered_bytes(shard: str | None, layer_parameters: Sequence[float], paramet
     - the backward is split (``splits_backward``, zb-h1): the runtime keeps the stage gathered from the step's first
       forward to its last weight half (either mode).
 
-    Measured: ``benchmarks/sharding.py``.
+    Measured: ``benchmarks/memory/sharding.py``.
     """
     if shard is None:
         return 0.0

@@ -116,8 +116,8 @@ class PipeDreamStrategy(DDPStrategy):
             pipelines (each stage's replicas all-reduce their gradients). Default: one stage per process.
         trace, trace_steps, log_figures: a merged timeline of a window of steps; stage figures (docs/reading_a_run.md).
         keep_freed_memory: on CPU, tell each rank's C allocator (glibc) to keep freed blocks for reuse rather than
-            return them to the OS (:func:`~.allocator.keep_freed_memory`): faulting a stage's gradients and
-            activations back in every minibatch cost ``pipedream`` ~10 % of its step in ``benchmarks/lightning.py``.
+            return them to the OS (:func:`~.allocator.keep_freed_memory`): faulting a stage's gradients and activations
+            back in every minibatch cost ``pipedream`` ~10 % of its step in ``benchmarks/speed/lightning.py``.
             Resident memory then stays at its peak until ``teardown`` gives it back. No effect on GPU devices.
         mean_over: for a loss that is a mean over something other than the batch's samples, a function counting
             it in a piece of a batch (``lambda batch: (batch[1] != -100).sum()``): each micro-batch's loss counts by

@@ -22,7 +22,7 @@ def _load(name: str):
 
 def test_schedules_memory_and_timelines_run(tmp_path):
     """Every schedule (ours and torch's) against the machine's bound; then the timelines and the memory probe."""
-    schedules = _load("schedules")
+    schedules = _load("speed.schedules")
     out, traces = tmp_path / "schedules.json", tmp_path / "traces"
     # every contender but the newer schedules' traced runs (their analysis is the older schedules'); 4 blocks:
     # interleaved's 4 stages each hold a Linear
@@ -31,7 +31,7 @@ def test_schedules_memory_and_timelines_run(tmp_path):
     # threads have run (a test worker's, after other files) hangs the first time the child computes on two threads.
     args = ["--layers", "4", *TINY[2:], "--rounds", "1", "--steps", "2", "--warmup", "0", "--quick", "--max-wait", "0",
             "--wait-budget", "0", "--only", ",".join(names), "--json", str(out), "--trace-dir", str(traces)]
-    proc = run_killable([sys.executable, "-m", "benchmarks.schedules", *args], ROOT, 540)
+    proc = run_killable([sys.executable, "-m", "benchmarks.speed.schedules", *args], ROOT, 540)
     assert proc.returncode == 0, proc.stderr[-4000:]
     saved = json.loads(out.read_text())
     assert saved["contenders"].keys() == set(names)
@@ -59,16 +59,17 @@ def test_schedules_memory_and_timelines_run(tmp_path):
     assert saved["bubble"]["gpipe"]["analytic"] == pytest.approx(1 / 5)
     assert {p.name for p in traces.iterdir()} == {"real_gpipe.json", "real_1f1b.json", "real_pipedream.json"}
     tiny = schedules.Config(layers=4, width=32, batch=16, chunks=4)  # the newer schedules' theory, at these sizes
-    assert schedules.analytic_bubble("interleaved", tiny, {}) == pytest.approx(0.5 / 4.5)
-    assert schedules.analytic_bubble("zb-h1", tiny, {"F": [1.0], "B": [1.0], "W": [1.0]}) == pytest.approx(1 / 13)
+    schedule_traces = _load("speed.schedule_traces")  # the traces' analysis, beside benchmarks.speed.schedules
+    assert schedule_traces.analytic_bubble("interleaved", tiny, {}) == pytest.approx(0.5 / 4.5)
+    assert schedule_traces.analytic_bubble("zb-h1", tiny, {"F": [1.0], "B": [1.0], "W": [1.0]}) == pytest.approx(1 / 13)
 
-    timelines = _load("timelines")
+    timelines = _load("speed.timelines")
     timelines.main(["--results", str(out), "--traces", str(traces), "--out", str(tmp_path / "img")])
     assert {p.name for p in (tmp_path / "img").iterdir()} == {
         f"{kind}_{s}.png" for kind in ("real", "sim2") for s in ("gpipe", "1f1b", "pipedream")
     }
 
-    memory = _load("memory")
+    memory = _load("memory.peaks")
     cfg = schedules.Config(layers=2, width=32, batch=16, chunks=4)
     ranks = memory.measure("gpipe", cfg, steps=1, timeout=60)
     assert [r["peak_in_flight"] for r in ranks] == [4, 4]  # gpipe keeps every micro-batch
@@ -81,7 +82,7 @@ def test_schedules_parts_run_on_three_stages():
     the real stderr.)"""
     from lightning_pipedream.runtime.faults.launch import run_local
 
-    workload, schedules = _load("workload"), _load("schedules")
+    workload, schedules = _load("common.workload"), _load("speed.schedules")
     cfg = workload.Config(layers=3, width=32, batch=16, chunks=4, stages=3)
     link = run_local(workload.link_worker, 3, cfg, 2, timeout=60)
     assert link[0]["latency_s"] > 0 and link[0]["bandwidth_Bps"] > 0 and link[1:] == [None, None]
@@ -92,16 +93,16 @@ def test_schedules_parts_run_on_three_stages():
 
 
 def test_schedules_on_three_stages_ask_interleaved_for_a_layer_per_model_chunk(capsys):
-    schedules = _load("schedules")
+    schedules = _load("speed.schedules")
     with pytest.raises(SystemExit):  # interleaved on 3 processes holds 6 model chunks: 3 layers are too few
         schedules.main(["--stages", "3", "--layers", "3", "--json", ""])
     assert "--layers must be at least 6" in capsys.readouterr().err
 
 
 def test_lightning_quick_runs(tmp_path):
-    """`python -m benchmarks.lightning --quick`: every contender trains on the same samples, with the same updates
+    """`python -m benchmarks.speed.lightning --quick`: every contender trains on the same samples, with the same updates
     as the contenders it is compared with, and the JSON holds the ratios the docs quote."""
-    lightning = _load("lightning")
+    lightning = _load("speed.lightning")
     out = tmp_path / "lightning.json"
     doc = lightning.main(["--quick", "--json", str(out)])
     saved = json.loads(out.read_text())
@@ -140,9 +141,9 @@ def test_lightning_quick_runs(tmp_path):
 
 
 def test_replication_quick_runs(tmp_path):
-    """`python -m benchmarks.replication --quick`: the planner's plans and predictions are recorded, the hybrid (2-1),
+    """`python -m benchmarks.paper.replication --quick`: the planner's plans and predictions are recorded, the hybrid (2-1),
     straight and DDP runs on 3 processes do the same updates and end with one-process training's weights."""
-    replication = _load("replication")
+    replication = _load("paper.replication")
     out = tmp_path / "replication.json"
     replication.main(["--quick", "--json", str(out)])
     saved = json.loads(out.read_text())

@@ -1,4 +1,4 @@
-"""`python -m benchmarks.gpu_check --device cpu --quick`: the GPU check's code paths on the CPU, its JSON and table."""
+"""`python -m benchmarks.memory.gpu_check --device cpu --quick`: the GPU check's code paths on the CPU, its JSON and table."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 
 
 def test_gpu_check_runs_every_section_on_the_cpu(tmp_path, capsys):
-    check = importlib.import_module("benchmarks.gpu_check")  # the repository root is on pytest's pythonpath
-    memory_model = importlib.import_module("benchmarks.memory_model")
+    check = importlib.import_module("benchmarks.memory.gpu_check")  # the repository root is on pytest's pythonpath
+    memory_model = importlib.import_module("benchmarks.memory.memory_model")
     out = tmp_path / "gpu_check.json"
     check.main(["--device", "cpu", "--quick", "--json", str(out)])
     doc = json.loads(out.read_text())
@@ -23,7 +23,7 @@ def test_gpu_check_runs_every_section_on_the_cpu(tmp_path, capsys):
     for r in rows:
         assert r["measured"]["peak_bytes"] > 0 and r["predicted"]["predicted_peak_bytes"] > 0
         assert "workspace" not in r["predicted"]  # the CPU's model: no CUDA terms
-        # tiny sizes: the measured peaks sit at 0.85-1.0 of the model (benchmarks/memory_model.py --quick alike)
+        # tiny sizes: the measured peaks sit at 0.85-1.0 of the model (benchmarks/memory/memory_model.py --quick alike)
         assert 0.7 < r["measured_over_predicted"] < 1.2, (r["schedule"], r["rank"])
     # (b): every schedule under the model of NCCL's rules, equal to one device (or to the CPU's run)
     assert {r["schedule"] for r in doc["executor"]} == set(check.SCHEDULES)
@@ -35,7 +35,7 @@ def test_gpu_check_runs_every_section_on_the_cpu(tmp_path, capsys):
 
 
 def test_cuda_without_a_gpu_says_so():
-    check = importlib.import_module("benchmarks.gpu_check")
+    check = importlib.import_module("benchmarks.memory.gpu_check")
     if check.torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     with pytest.raises(SystemExit, match="torch sees no GPU here"):
@@ -44,7 +44,7 @@ def test_cuda_without_a_gpu_says_so():
 
 def test_a_failing_case_is_recorded_and_the_others_still_run(monkeypatch, tmp_path):
     """A GPU's time is scarce: one case that fails is written into the JSON with its words, and the rest run."""
-    check = importlib.import_module("benchmarks.gpu_check")
+    check = importlib.import_module("benchmarks.memory.gpu_check")
     real = check.pipeline_weights
 
     def failing(schedule, *args, **kwargs):

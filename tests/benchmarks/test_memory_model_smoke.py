@@ -1,4 +1,4 @@
-"""benchmarks/memory_model.py runs end to end in --quick mode and reports measured, predicted and ratio per stage."""
+"""benchmarks/memory/memory_model.py runs end to end in --quick mode and reports measured, predicted and ratio per stage."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ pytestmark = pytest.mark.multiprocess  # starts 2 processes: not in the fast sui
 
 
 def test_every_schedule_and_stage_has_measured_predicted_and_ratio(tmp_path):
-    bench = importlib.import_module("benchmarks.memory_model")  # the repository root is on pytest's pythonpath
+    bench = importlib.import_module("benchmarks.memory.memory_model")  # the repository root is on pytest's pythonpath
     out = tmp_path / "memory_model.json"
     bench.main(["--quick", "--out", str(out)])
     doc = json.loads(out.read_text())

@@ -1,4 +1,4 @@
-"""The fast guard of benchmarks/recipes_long.py (the four recipes' default runs, minutes each, are the benchmark's
+"""The fast guard of benchmarks/paper/recipes_long.py (the four recipes' default runs, minutes each, are the benchmark's
 job): it runs every task the configs define, as users type it, and its committed result shows each run whole."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from benchmarks.recipes_long import MIN_BATCHES, TASKS, command
+from benchmarks.paper.recipes_long import MIN_BATCHES, TASKS, command
 
 ROOT = Path(__file__).resolve().parents[2]
 

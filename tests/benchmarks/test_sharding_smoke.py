@@ -1,4 +1,4 @@
-"""benchmarks/sharding.py runs end to end in --quick mode: per rank, sharding halves the measured training state and
+"""benchmarks/memory/sharding.py runs end to end in --quick mode: per rank, sharding halves the measured training state and
 the memory model predicts every mode's live peak within 10 %."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ pytestmark = pytest.mark.multiprocess  # starts 4 processes per configuration: n
 
 
 def test_shards_hold_half_the_training_state_and_the_model_predicts_each_mode(tmp_path):
-    bench = importlib.import_module("benchmarks.sharding")  # the repository root is on pytest's pythonpath
+    bench = importlib.import_module("benchmarks.memory.sharding")  # the repository root is on pytest's pythonpath
     out = tmp_path / "sharding.json"
     bench.main(["--quick", "--out", str(out)])
     doc = json.loads(out.read_text())

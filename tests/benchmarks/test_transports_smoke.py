@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from benchmarks import transports
+from benchmarks.speed import transports
 
 pytestmark = pytest.mark.multiprocess
 

@@ -16,8 +16,8 @@ from lightning_pipedream.runtime.faults.failures import pipeline_failures
 
 # Steps between two checks of the data; an epoch's first batch is always checked, an iterable dataset's every batch.
 CHECK_EVERY = 1  # gpipe, 1f1b, zb-h1, interleaved: the fingerprints ride with the step summary's collective, free
-# pipedream, 2bw: the fingerprints are messages of their own to the last stage (an A/B of benchmarks/lightning.py on
-# 2 CPU ranks could not tell every 8 steps from none; every step looked to add gloo loop-thread CPU there)
+# pipedream, 2bw: the fingerprints are messages of their own to the last stage (an A/B of benchmarks/speed/lightning.py
+# on 2 CPU ranks could not tell every 8 steps from none; every step looked to add gloo loop-thread CPU there)
 CHECK_EVERY_ASYNC = 8
 RECORD_SLOTS = 32  # float64 numbers per fingerprint
 _LEAVES = 4  # the batch's first leaves are fingerprinted

@@ -2,8 +2,8 @@
 
 Run from the repository root::
 
-    python -m benchmarks.observability                      # ~3 min on 2 busy cores: results/observability.json
-    python -m benchmarks.observability --quick --json /tmp/q.json
+    python -m benchmarks.speed.observability                      # ~3 min on 2 busy cores: results/observability.json
+    python -m benchmarks.speed.observability --quick --json /tmp/q.json
 
 Each case runs the runtime's ``Pipeline`` (no Lightning) on P CPU processes (gloo, shared memory), a balanced MLP of
 ``4 x P`` blocks Linear(512, 512) + Tanh, batches of 64 in M = 8 micro-batches, one thread per process. Within one
@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MODES = ("off", "on", "trace")
 
 
@@ -255,7 +255,7 @@ def main() -> None:
                                                           / case["seconds_per_step"]["on"])
             cases.append(case)
             print(json.dumps({k: v for k, v in case.items() if not k.endswith("_rounds")}), flush=True)
-    result = {"command": "python -m benchmarks.observability" + (" --quick" if args.quick else ""),
+    result = {"command": "python -m benchmarks.speed.observability" + (" --quick" if args.quick else ""),
               "cpus": os.cpu_count(), "load_before": load_before, "load_after": os.getloadavg(),
               "spec": spec, "accounting_cost": cost, "cases": cases}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

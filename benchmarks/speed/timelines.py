@@ -1,10 +1,10 @@
 """PNG timelines of real runs (from their Chrome traces) beside the simulator's, for gpipe, 1f1b and pipedream.
 
-Run from the repository root, after ``python -m benchmarks.schedules`` (which writes one traced step of
+Run from the repository root, after ``python -m benchmarks.speed.schedules`` (which writes one traced step of
 each schedule to ``benchmarks/results/traces/real_<schedule>.json`` and the measured costs to its
 JSON)::
 
-    python benchmarks/timelines.py --results benchmarks/results/schedules.json \\
+    python benchmarks/speed/timelines.py --results benchmarks/results/schedules.json \\
         --traces benchmarks/results/traces --out docs/img
 
 writes ``docs/img/real_<schedule>.png`` (the recorded step, both ranks) and
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         print(f"wrote {sim_path}")
         if not trace.exists():
-            print(f"no {trace}; run python -m benchmarks.schedules first", file=sys.stderr)
+            print(f"no {trace}; run python -m benchmarks.speed.schedules first", file=sys.stderr)
             continue
         events = load_trace(trace)
         path = plot_timeline(

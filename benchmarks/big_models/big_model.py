@@ -2,9 +2,9 @@
 
 Run from the repository root::
 
-    python -m benchmarks.big_model            # a 0.8 GB model, a few minutes: results/big_model.json
-    python -m benchmarks.big_model --big      # an ~8 GB model (the size: a third of a 24 GB machine)
-    python -m benchmarks.big_model --big --whole   # and the whole-model path at that size (about 17 GB in all)
+    python -m benchmarks.big_models.big_model            # a 0.8 GB model, a few minutes: results/big_model.json
+    python -m benchmarks.big_models.big_model --big  # an ~8 GB model (the size: a third of a 24 GB machine)
+    python -m benchmarks.big_models.big_model --big --whole  # and the whole-model path at that size (~17 GB in all)
 
 The model is saved with ``save_pretrained`` (sharded safetensors and their index) to a temporary directory, then:
 
@@ -40,7 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SIZES = {  # hidden, intermediate, layers, vocabulary
     "default": (1024, 4096, 12, 8192),
     "big": (2048, 8192, 30, 32000),
@@ -191,7 +191,7 @@ def _per_stage(spec: dict) -> None:
 
 def _python(args: list[str], timeout: float) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.big_model", *args], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.big_models.big_model", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"{args[0]} failed:\n{proc.stderr[-3000:]}")

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from benchmarks.memory import status_kb
+from benchmarks.memory.peaks import status_kb
 from lightning_pipedream.plan.balance import even_balance
 from lightning_pipedream.plan.live_bytes import LiveTensorBytes
 from lightning_pipedream.plan.memory import flight_schedule, held_bytes, predict_memory, stage_bytes
@@ -134,7 +134,7 @@ def metered_run(build: Callable[[], tuple[Pipeline, Any, Any]], steps: int, quic
     :class:`LiveTensorBytes`: its peak live tensor bytes and the phase at the peak, its RSS, and the terms measured
     (weights, gradients, optimizer state, weight versions). The meter counts the calling thread's tensors only (a
     dispatch mode is per thread), so ranks run as threads of one process are measured apart
-    (``benchmarks/gpu_check.py``); the RSS figures are the whole process's."""
+    (``benchmarks/memory/gpu_check.py``); the RSS figures are the whole process's."""
     run = {"quick": quick}
     rss_base = status_kb("VmRSS")
     meter = LiveTensorBytes()
@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> dict:
     steps = 1 if args.quick else 3
     started = time.time()
     doc: dict[str, Any] = {
-        "command": "python -m benchmarks.memory_model" + (" --quick" if args.quick else ""),
+        "command": "python -m benchmarks.memory.memory_model" + (" --quick" if args.quick else ""),
         "machine": {"torch": torch.__version__, "load_before": _load()},
         "optimizer": OPTIMIZER, "stages": STAGES, "runs": [],
         # the ranks' transport (auto: shared memory here, whose mapped rings the count leaves out, as it does every

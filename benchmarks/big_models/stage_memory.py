@@ -2,8 +2,8 @@
 
 Run from the repository root::
 
-    python -m benchmarks.stage_memory                     # ~2 min: results/stage_memory.json
-    python -m benchmarks.stage_memory --quick --json /tmp/quick.json   # a 16 MB model, ~30 s
+    python -m benchmarks.big_models.stage_memory                     # ~2 min: results/stage_memory.json
+    python -m benchmarks.big_models.stage_memory --quick --json /tmp/quick.json   # a 16 MB model, ~30 s
 
 The model is one ``nn.Sequential`` of ``layers`` x ``Linear(width, width)`` (16 x 4096 x 4096 fp32:
 1.07 GB of weights), trained for 2 steps under ``PipeDreamStrategy(schedule="1f1b", chunks=2)`` on
@@ -31,9 +31,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.result_file import write_result
+from benchmarks.common.figures import write_result
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MODES = ("whole", "per_stage")
 
 
@@ -106,7 +106,8 @@ def _run(mode: str, width: int, layers: int, timeout: float) -> list[dict]:
         spec = {"mode": mode, "width": width, "layers": layers, "out": tmp,
                 "balance": [layers // 2, layers - layers // 2]}
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-        proc = subprocess.run([sys.executable, "-m", "benchmarks.stage_memory", "--worker", json.dumps(spec)],
+        proc = subprocess.run([sys.executable, "-m", "benchmarks.big_models.stage_memory", "--worker",
+                               json.dumps(spec)],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0:
             raise RuntimeError(f"{mode} failed:\n{proc.stderr[-3000:]}")

@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python -m benchmarks.memory --json benchmarks/results/memory.json
+    python -m benchmarks.memory.peaks --json benchmarks/results/memory.json
 
 Each schedule runs in a fresh Python process (which forks its 2 ranks), so one configuration's
 allocations do not inflate another's peak. Per rank it reports:
@@ -35,11 +35,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from benchmarks.workload import OURS, Config, build_model, make_batch, sgd
+from benchmarks.common.workload import OURS, Config, build_model, make_batch, sgd
 from lightning_pipedream.runtime.faults.launch import run_local
 from lightning_pipedream.runtime.pipeline import Pipeline
 
-REPO = Path(__file__).resolve().parent.parent  # the ranks' processes import benchmarks.workload from here
+REPO = Path(__file__).resolve().parents[2]  # the ranks' processes import benchmarks.common.workload from here
 
 
 def status_kb(key: str) -> int:
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> dict:
         cmd = [
             sys.executable,
             "-m",
-            "benchmarks.memory",
+            "benchmarks.memory.peaks",
             "--one",
             schedule,
             "--steps",

@@ -2,7 +2,7 @@
 (M = 1) and against one process decoding the whole model, on the same prompts, in one run; and the simulator's
 prediction for the ring from the measured time of one decode step.
 
-    python -m benchmarks.generation [--stages 2] [--tokens 32] [--out benchmarks/results/generation.json]
+    python -m benchmarks.generation.ring [--stages 2] [--tokens 32] [--out benchmarks/results/generation.json]
 
 A tiny Llama (Hugging Face ``LlamaForCausalLM`` built from a config: no download) on the CPU, one thread per
 process, ranks over gloo with the pipeline's own transport (``kind="directional"``). Each rank caches its own
@@ -29,7 +29,7 @@ from lightning_pipedream.runtime.communication.transport import Transport
 from lightning_pipedream.runtime.execution.decode import generate_ids
 from lightning_pipedream.schedule.generation import ring_bubble, simulate_ring
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BATCH, PROMPT, REPEATS = 8, 16, 3
 
 

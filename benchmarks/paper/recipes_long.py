@@ -2,8 +2,8 @@
 whole run on 2 processes with validation and (the language model) samples on, as `python recipes/train.py
 task=<task>` (issue #52: the language model's default run hung at its 32nd batch, which no smoke run reaches).
 
-python -m benchmarks.recipes_long [--tasks image translation language_model video_captioning]
-                                  [--out benchmarks/results/recipes_long.json] [--limit SECONDS]
+python -m benchmarks.paper.recipes_long [--tasks image translation language_model video_captioning]
+                                        [--out benchmarks/results/recipes_long.json] [--limit SECONDS]
 
 Writes, per task: the training batches it ran (at least 100 each), the seconds from the start of the job to its first
 validation and to its target, the final metric, the job's wall time, its exit code, and the load average.
@@ -21,9 +21,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.result_file import write_result
+from benchmarks.common.figures import write_result
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TASKS = ("image", "translation", "language_model", "video_captioning")
 MIN_BATCHES = 100
 

@@ -1,6 +1,6 @@
 """Simulated timelines of every schedule (docs/img/sim_<schedule>.png) and a table of their predictions.
 
-Run from the repository root: `python benchmarks/plot_simulated.py [--stages 4 --chunks 8 --out docs/img]`.
+Run from the repository root: `python benchmarks/speed/plot_simulated.py [--stages 4 --chunks 8 --out docs/img]`.
 Costs are unit-free: forward 1, backward 2 per micro-batch on every stage, free links.
 """
 

@@ -1,6 +1,7 @@
 """Markdown tables of the benchmark results, as docs/benchmarks.md shows them.
 
-python benchmarks/report.py [--schedules benchmarks/results/schedules.json] [--memory benchmarks/results/memory.json]
+python benchmarks/speed/report.py [--schedules benchmarks/results/schedules.json]
+    [--memory benchmarks/results/memory.json]
 """
 
 from __future__ import annotations

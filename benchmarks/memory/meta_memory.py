@@ -2,8 +2,8 @@
 
 Run from the repository root::
 
-    python -m benchmarks.meta_memory              # ~3 min on 2 cores: results/meta_memory.json
-    python -m benchmarks.meta_memory --quick      # the test's small Llama, one schedule
+    python -m benchmarks.memory.meta_memory              # ~3 min on 2 cores: results/meta_memory.json
+    python -m benchmarks.memory.meta_memory --quick      # the test's small Llama, one schedule
 
 A Hugging Face Llama (hidden 256, 8 layers, vocabulary 2048: 27 MB of fp32 weights) is built in
 ``configure_model`` (on the meta device under the strategy, no pretrained weights: each stage initialized alone) and
@@ -27,9 +27,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.result_file import write_result
+from benchmarks.common.figures import write_result
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "scripts" / "meta_trainer.py"
 SIZES = {  # vocabulary, hidden, intermediate, layers, heads, key-value heads; batches, batch size, sequence length
     "default": ((2048, 256, 1024, 8, 8, 2), (3, 8, 128)),
@@ -55,7 +55,7 @@ def main() -> None:
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
                          num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
                          max_position_embeddings=length)
-    result: dict = {"command": "python -m benchmarks.meta_memory" + (" --quick" if args.quick else ""),
+    result: dict = {"command": "python -m benchmarks.memory.meta_memory" + (" --quick" if args.quick else ""),
                     "model": config.to_dict() | {"batch": [batch, length]}, "processes": 4, "optimizer": "adam",
                     "when": time.strftime("%Y-%m-%d %H:%M"), "load_before": os.getloadavg(), "runs": {}}
     with tempfile.TemporaryDirectory() as tmp:

@@ -2,10 +2,10 @@
 
 Run from the repository root (``-m`` only: run as a file, ``import lightning`` would find this module)::
 
-    python -m benchmarks.lightning                                   # 3 rounds, ~5 min: results/lightning.json
-    python -m benchmarks.lightning --quick --json /tmp/quick.json    # smoke run, tiny sizes, ~25 s
+    python -m benchmarks.speed.lightning                                   # 3 rounds, ~5 min: results/lightning.json
+    python -m benchmarks.speed.lightning --quick --json /tmp/quick.json    # smoke run, tiny sizes, ~25 s
 
-The workload is that of ``benchmarks/workload.py``: 8 x (Linear(1024, 1024) + ReLU), MSE, plain SGD
+The workload is that of ``benchmarks/common/workload.py``: 8 x (Linear(1024, 1024) + ReLU), MSE, plain SGD
 (lr 1e-3), ``OMP_NUM_THREADS=1`` and one thread per process; every contender runs with glibc keeping
 freed memory (``--malloc keep``, PipeDreamStrategy's default ``keep_freed_memory=True``) or none does
 (``--malloc default``). Every contender trains on the same
@@ -21,9 +21,9 @@ samples, in the same order; two groups do the same number of updates:
 
 A step is one Lightning training batch; each run is timed from ``on_train_batch_end`` of the last
 warm-up step to that of the last step (the earliest rank's start to the latest rank's end), in
-seconds per step. The standalone engine (``benchmarks.workload.ours_worker``: ``Pipeline``
+seconds per step. The standalone engine (``benchmarks.common.workload.ours_worker``: ``Pipeline``
 without Lightning) does the same work in the same run, so the JSON holds the strategy/engine ratio per
-schedule. The machine's bound (``benchmarks.workload.bound_worker``: each process runs only its own
+schedule. The machine's bound (``benchmarks.common.workload.bound_worker``: each process runs only its own
 stage's forwards, backwards and SGD steps on stand-in inputs, both at once, no communication, no
 Lightning) is ``bound_64`` (an update per minibatch) and ``bound_512`` (one per batch): every contender's
 ``share_of_bound`` is the bound's seconds per step over its own, for the bound with the same updates.
@@ -46,7 +46,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.worker_process import run_worker
+from benchmarks.common.figures import median_or_none
+from benchmarks.common.worker_process import run_worker
 
 # pipedream_gloo: the same as pipedream with the ranks talking through gloo's TCP pairs instead of shared memory;
 # pipedream_per_batch: the same updates from batches of 512, each cut into 8 minibatches (minibatches_per_batch=8)
@@ -76,7 +77,7 @@ def _worker(spec: dict) -> None:
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
-    from benchmarks.workload import LR, Config, build_model, threads_cpu, threads_cpu_since, zero_grads
+    from benchmarks.common.workload import LR, Config, build_model, threads_cpu, threads_cpu_since, zero_grads
     from lightning_pipedream import PipeDreamStrategy
     from lightning_pipedream.plan.balance import even_balance
     from lightning_pipedream.runtime.communication.transport import TRANSPORT_ENV
@@ -205,7 +206,7 @@ def _breakdown(recorded: list, t0: float, t1: float) -> dict[str, float]:
     """Where a rank's timed interval went, from the executor's records under ``trace=`` (``(action, start, end)``,
     perf_counter seconds as t0 and t1): the actions by kind, and the rest (Lightning's loop, the strategy's
     bookkeeping, Python between the actions)."""
-    from benchmarks.workload import breakdown
+    from benchmarks.common.workload import breakdown
 
     records = [(a, max(s, t0), min(e, t1)) for a, s, e in recorded if e > t0 and s < t1]
     return breakdown(records, t1 - t0)
@@ -225,7 +226,7 @@ def run_lightning_many(names: list[str], cfg_dict: dict, units: dict, timeout: f
         spec = {"names": names, "cfg": cfg_dict, "warmup": {n: units[n][0] for n in names},
                 "steps": {n: units[n][1] for n in names}, "out": str(out), "profile": profile,
                 "malloc": malloc}
-        proc = run_worker("benchmarks.lightning", spec, tmp, timeout)
+        proc = run_worker("benchmarks.speed.lightning", spec, tmp, timeout)
         if proc.returncode != 0:
             raise RuntimeError(f"{names} failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
         return {n: _collect(n, out / n, *units[n], minibatches_per_step(n, cfg_dict["chunks"])) for n in names}
@@ -263,7 +264,7 @@ def _collect(name: str, out: Path, warmup: int, steps: int, per_step: int = 1) -
 
 def run_engine(name: str, cfg, warmup: int, steps: int, timeout: float) -> dict:
     """The standalone engine on the same work: ``steps`` batches of 512 (pipedream: 8 minibatches of 64 each)."""
-    from benchmarks.workload import ours_worker
+    from benchmarks.common.workload import ours_worker
     from lightning_pipedream.runtime.faults.launch import run_local
 
     schedule = name.removeprefix("engine_")
@@ -288,7 +289,7 @@ def run_engine(name: str, cfg, warmup: int, steps: int, timeout: float) -> dict:
 
 def run_bound(name: str, cfg, warmup: int, steps: int, timeout: float) -> dict:
     """The machine's bound on the same work: each stage alone in its process, both at once, no communication."""
-    from benchmarks.workload import bound_worker
+    from benchmarks.common.workload import bound_worker
     from lightning_pipedream.runtime.faults.launch import run_local
 
     per_minibatch = name == "bound_64"
@@ -309,16 +310,12 @@ def run_bound(name: str, cfg, warmup: int, steps: int, timeout: float) -> dict:
     }
 
 
-def _median(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
-
-
 def summarize(runs: dict[str, list[dict]]) -> dict:
     out: dict[str, dict] = {}
     for name, rs in runs.items():
         sps = [r["seconds_per_step"] for r in rs]
         out[name] = {
-            "seconds_per_step": _median(sps),
+            "seconds_per_step": median_or_none(sps),
             "min": min(sps),
             "max": max(sps),
             "runs": sps,
@@ -410,7 +407,7 @@ def main(argv: list[str] | None = None) -> dict:
         _worker(json.loads(args.worker))
         return {}
 
-    from benchmarks.workload import Config
+    from benchmarks.common.workload import Config
     from lightning_pipedream.runtime.execution.allocator import keep_freed_memory
 
     if args.quick:  # a Linear on every stage
@@ -436,7 +433,7 @@ def main(argv: list[str] | None = None) -> dict:
     shared = args.shared or args.quick
     if args.malloc == "keep" and not keep_freed_memory():  # here too: the engine's runs fork from this process
         parser.error("--malloc keep needs glibc; use --malloc default")
-    from benchmarks.workload import GRADS_ENV
+    from benchmarks.common.workload import GRADS_ENV
 
     os.environ[GRADS_ENV] = "free" if args.malloc == "keep" else "keep"  # every contender's zero_grads
 
@@ -471,7 +468,7 @@ def main(argv: list[str] | None = None) -> dict:
             run["loadavg_before"], run["loadavg_after"] = before, os.getloadavg()
             runs[n].append(run)
         rounds = 0
-    from benchmarks.workload import idle_load, wait_for_quiet
+    from benchmarks.common.workload import idle_load, wait_for_quiet
 
     max_wait = args.max_wait if args.max_wait is not None else (0.0 if args.quick else 20.0)
     for rnd in range(rounds):
@@ -505,7 +502,7 @@ def main(argv: list[str] | None = None) -> dict:
                    "warmup_batches_of_512": warmup, "timed_batches_of_512": steps,
                    "quick": args.quick, "malloc": args.malloc},
         "machine": {"cpus": os.cpu_count(), "loadavg_start": load0, "loadavg_end": os.getloadavg(),
-                    "loadavg_1m_during": {"median": _median(loads), "min": min(loads), "max": max(loads)}},
+                    "loadavg_1m_during": {"median": median_or_none(loads), "min": min(loads), "max": max(loads)}},
         "contenders": contenders,
         "seconds": time.time() - started,
     }
@@ -558,7 +555,7 @@ def plot(doc: dict, path: Path) -> None:
 
 
 def summarize_partial(runs: dict[str, list[dict]]) -> dict:
-    return {n: {"seconds_per_step": _median([r["seconds_per_step"] for r in rs]),
+    return {n: {"seconds_per_step": median_or_none([r["seconds_per_step"] for r in rs]),
                 "runs": [r["seconds_per_step"] for r in rs], "samples": rs[0]["samples"],
                 "updates": rs[0]["updates"], **_per_rank_medians(rs)} for n, rs in runs.items()}
 

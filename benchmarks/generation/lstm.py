@@ -1,7 +1,7 @@
 """An LSTM decoder's step with its states carried against recomputing the prefix: one process decoding the
 recipes' GNMT-8 greedily, the same tokens both ways, seconds per generated word.
 
-    python -m benchmarks.generation_lstm [--tokens 32] [--out benchmarks/results/generation_lstm.json]
+    python -m benchmarks.generation.lstm [--tokens 32] [--out benchmarks/results/generation_lstm.json]
 
 ``recompute``: the recipes' ``greedy_decode`` (the whole prefix through the model at every step, as before).
 ``carried``: ``generate_ids`` (what ``lightning_pipedream.generate`` runs), which keeps each LSTM's (h, c) and the
@@ -23,7 +23,7 @@ from lightning_pipedream.runtime.execution.decode import generate_ids
 from recipes.models import build_model
 from recipes.tasks.seq2seq import greedy_decode
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BATCH, SOURCE, HIDDEN, VOCAB, REPEATS, BOS = 8, 16, 256, 1000, 3, 2
 
 

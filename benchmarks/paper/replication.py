@@ -1,10 +1,10 @@
 """Replicated stages (the planner's hybrid plan) against a straight pipeline and DDP under Lightning, VGG-like model.
 
-Run from the repository root (``-m`` only, as ``benchmarks.lightning``)::
+Run from the repository root (``-m`` only, as ``benchmarks.speed.lightning``)::
 
-    python -m benchmarks.replication --four                           # 5 rounds, ~30 min: results/replication.json
-    python -m benchmarks.replication --quick --json /tmp/repl.json    # smoke run: small model, 3 processes, ~10 s idle
-    python -m benchmarks.replication --plot docs/img/replication.png  # the plot, from the JSON
+    python -m benchmarks.paper.replication --four                          # 5 rounds, ~30 min: results/replication.json
+    python -m benchmarks.paper.replication --quick --json /tmp/repl.json  # smoke run: small model, 3 processes, ~10 s
+    python -m benchmarks.paper.replication --plot docs/img/replication.png  # the plot, from the JSON
 
 The model is one ``nn.Sequential``: a convolutional feature block (as torchvision's VGG groups its
 ``features``: few parameters, most of the compute), then a wide classifier (``Linear``/``ReLU`` children:
@@ -26,7 +26,7 @@ The pipelines' micro-batches all have ``micro`` samples, the profiled size (a re
 takes ``batch / replicas`` samples per shard, cut into ``chunks``). Each run is timed from
 ``on_train_batch_end`` of the last warm-up step to that of the last step (earliest rank to latest rank);
 contenders run in interleaved rounds (order rotated each round), each run in fresh processes after a short
-wait for other processes to calm down (``benchmarks.workload.wait_for_quiet``), with ``os.getloadavg()``
+wait for other processes to calm down (``benchmarks.common.workload.wait_for_quiet``), with ``os.getloadavg()``
 before and after and the cores other processes used during the run (``LoadMeter``); figures are medians
 over rounds, and the JSON says in how many rounds the order within the round was the planner's. After each run
 every parameter is compared with plain one-process training on the same batches (all of these contenders
@@ -45,10 +45,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from benchmarks.worker_process import run_worker
-from benchmarks.workload import LoadMeter, wait_for_quiet
+from benchmarks.common.worker_process import run_worker
+from benchmarks.common.workload import LoadMeter, wait_for_quiet
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # the contenders compared with each other, per process count (4: only with --four)
 GROUPS = {3: ("hybrid3", "straight3", "ddp3"), 2: ("straight2", "ddp2"), 4: ("hybrid4", "straight4", "ddp4")}
 CONTENDERS = ("one_device",) + GROUPS[3] + GROUPS[2]
@@ -328,7 +328,7 @@ def run_many(names: list[str], spec: dict, reference: dict, timeout: float) -> d
     """Run ``names`` one after the other in the same processes (all need the same process count)."""
     with tempfile.TemporaryDirectory(prefix="bench_replication_") as tmp:
         spec = dict(spec, names=names, out=tmp)
-        proc = run_worker("benchmarks.replication", spec, tmp, timeout)
+        proc = run_worker("benchmarks.paper.replication", spec, tmp, timeout)
         if proc.returncode != 0:  # the first rank's error, not only the peers' "connection closed" after it
             errors = [line for line in proc.stderr.splitlines() if "Error" in line and "closed by peer" not in line]
             raise RuntimeError(f"{names} failed (rc {proc.returncode}): {errors[:3]}\n{proc.stderr[-3000:]}")

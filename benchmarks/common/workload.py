@@ -2,7 +2,7 @@
 time it in processes started by ``run_local`` (ours, torch's, one process, and the machine's bound: every
 stage alone in its process, all at once, no communication), and the meter of what other processes use.
 
-``benchmarks/schedules.py`` and ``benchmarks/memory.py`` import it as ``benchmarks.workload``.
+``benchmarks/speed/schedules.py`` and ``benchmarks/memory/peaks.py`` import it as ``benchmarks.common.workload``.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from benchmarks.common.figures import median_seconds
 from lightning_pipedream.plan.balance import even_balance, stage_slice
 from lightning_pipedream.runtime.communication.transport import Transport
 from lightning_pipedream.runtime.faults.launch import run_local
@@ -413,15 +414,6 @@ def bound_worker(
 # What the simulator needs, measured: per-stage costs in isolation (1 thread) and the link.
 
 
-def _median_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
 def profile_worker(rank: int, world: int, cfg: Config, repeats: int) -> dict:
     """Forward/backward seconds of one micro-batch and the SGD step, per stage, on 1 thread.
 
@@ -471,7 +463,7 @@ def profile_worker(rank: int, world: int, cfg: Config, repeats: int) -> dict:
             opt.step()
             zero_grads(opt)
 
-        out["optimizer_s"].append(_median_time(step, repeats))
+        out["optimizer_s"].append(median_seconds(step, repeats))
     return out
 
 

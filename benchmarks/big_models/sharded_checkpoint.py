@@ -2,9 +2,9 @@
 
 Run from the repository root::
 
-    python -m benchmarks.sharded_checkpoint                  # results/sharded_checkpoint.json (~1 min alone)
-    python -m benchmarks.sharded_checkpoint --quick --json /tmp/quick.json   # a 16 MB model
-    python -m benchmarks.sharded_checkpoint --shard full     # results/sharded_checkpoint_shard.json (2 x 2 shards)
+    python -m benchmarks.big_models.sharded_checkpoint                  # results/sharded_checkpoint.json (~1 min alone)
+    python -m benchmarks.big_models.sharded_checkpoint --quick --json /tmp/quick.json   # a 16 MB model
+    python -m benchmarks.big_models.sharded_checkpoint --shard full  # results/sharded_checkpoint_shard.json (2x2)
 
 The model is one ``nn.Sequential`` of ``layers`` x ``Linear(width, width)`` (12 x 2048 x 2048 fp32: 201 MB of
 weights, 201 MB more of momentum), trained one step under ``PipeDreamStrategy(schedule="1f1b", chunks=2)`` on 4 CPU
@@ -33,9 +33,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.result_file import write_result
+from benchmarks.common.figures import write_result
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PROCESSES = 4
 
 
@@ -190,7 +190,8 @@ def main() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     with tempfile.TemporaryDirectory() as tmp:
         spec = {"width": width, "layers": layers, "out": tmp, "shard": args.shard}
-        proc = subprocess.run([sys.executable, "-m", "benchmarks.sharded_checkpoint", "--worker", json.dumps(spec)],
+        proc = subprocess.run([sys.executable, "-m", "benchmarks.big_models.sharded_checkpoint", "--worker",
+                               json.dumps(spec)],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
         if proc.returncode != 0:
             raise RuntimeError(f"the training failed:\n{proc.stderr[-3000:]}")
@@ -199,7 +200,7 @@ def main() -> None:
             _print_shards(result)
             write_result(json_path, result)
             return
-        proc = subprocess.run([sys.executable, "-m", "benchmarks.sharded_checkpoint", "--consolidate",
+        proc = subprocess.run([sys.executable, "-m", "benchmarks.big_models.sharded_checkpoint", "--consolidate",
                                str(Path(tmp) / "sharded.ckpt"), str(Path(tmp) / "one.ckpt")],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
         if proc.returncode != 0:

@@ -2,7 +2,7 @@
 
 Run from the repository root (the profiles are read from ../shared/pipedream-profiles)::
 
-    python benchmarks/plan_speed.py --json /tmp/plan_speed.json     # ~30 s on 2 busy cores
+    python benchmarks/paper/plan_speed.py --json /tmp/plan_speed.json     # ~30 s on 2 busy cores
 
 Each plan is timed from a loaded profile (median of --repeats runs); loading graph.txt is timed apart.
 The CLI is timed as a user meets it, a fresh interpreter running ``python -m lightning_pipedream plan`` on
@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from benchmarks.common.figures import median_seconds
 from lightning_pipedream.plan import Topology, load_pipedream_graph, partition, profile_module
 
 MODELS = ["vgg16", "alexnet", "resnet50", "gnmt8", "gnmt16"]
@@ -38,24 +39,15 @@ TOPOLOGIES = {
 }
 
 
-def _median_seconds(fn, repeats: int) -> float:
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
-
-
 def plan_times(root: Path, repeats: int) -> list[dict]:
     rows = []
     for model in MODELS:
         path = root / model / "graph.txt"
-        load_s = _median_seconds(lambda: load_pipedream_graph(path), repeats)
+        load_s = median_seconds(lambda: load_pipedream_graph(path), repeats)
         profile = load_pipedream_graph(path)
         for name, topology in TOPOLOGIES.items():
             for straight in (False, True):
-                seconds = _median_seconds(lambda: partition(profile, topology, straight=straight), repeats)
+                seconds = median_seconds(lambda: partition(profile, topology, straight=straight), repeats)
                 plan = partition(profile, topology, straight=straight)
                 rows.append(
                     {

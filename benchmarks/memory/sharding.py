@@ -2,8 +2,8 @@
 
 Run from the repository root::
 
-    python -m benchmarks.sharding                      # ~3 min on 2 cores: results/sharding.json
-    python -m benchmarks.sharding --quick --out /tmp/sharding.json   # a small model, 1 round: ~40 s
+    python -m benchmarks.memory.sharding                      # ~3 min on 2 cores: results/sharding.json
+    python -m benchmarks.memory.sharding --quick --out /tmp/sharding.json   # a small model, 1 round: ~40 s
 
 The model is an MLP whose weights and Adam state dominate the memory: 4 x (``Linear(w, 4w)``, ``ReLU``,
 ``Linear(4w, w)``), w = 512 (33.6 MB of weights, 16.8 MB per stage), split 6 + 6 layers over 2 stages, each stage
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> dict:
            "rounds": args.rounds or (1 if args.quick else 5)}
     started = time.time()
     doc: dict[str, Any] = {
-        "command": "python -m benchmarks.sharding" + (" --quick" if args.quick else ""),
+        "command": "python -m benchmarks.memory.sharding" + (" --quick" if args.quick else ""),
         "machine": {"torch": torch.__version__, "load_before": _load()},
         "model": f"4 x (Linear({run['width']}, {4 * run['width']}), ReLU, Linear({4 * run['width']}, {run['width']}))",
         "layout": "2 stages x 2 replicas, 4 processes, gloo", "chunks": CHUNKS, "optimizer": OPTIMIZER, **run,

@@ -2,8 +2,8 @@
 
 Run from the repository root::
 
-    python -m benchmarks.transports --json benchmarks/results/transports.json     # 5 rounds, ~2 minutes
-    python -m benchmarks.transports --rounds 1 --steps 2 --json /tmp/t.json       # smoke run
+    python -m benchmarks.speed.transports --json benchmarks/results/transports.json     # 5 rounds, ~2 minutes
+    python -m benchmarks.speed.transports --rounds 1 --steps 2 --json /tmp/t.json       # smoke run
 
 Every contender is the same ``Pipeline`` (8 x Linear(width) + ReLU, MSE, SGD) on 2 processes of one thread each,
 run in fresh processes (``run_local``); only the transport differs:
@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     summary = {name: statistics.median(t[name] for t in rounds) for name in CONTENDERS}
     ratios = {name: statistics.median(t[name] / t["gloo"] for t in rounds) for name in CONTENDERS}
     return {
-        "command": "python -m benchmarks.transports " + " ".join(f"--{k} {v}" for k, v in vars(args).items()
+        "command": "python -m benchmarks.speed.transports " + " ".join(f"--{k} {v}" for k, v in vars(args).items()
                                                                  if k != "json"),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_before": os.getloadavg()},

@@ -2,14 +2,15 @@
 
 # Run from the repository root (docs/gpu.md says what each section shows and what has run where):
 #
-#     python -m benchmarks.gpu_check                       # on the GPU: JSON in benchmarks/results/gpu_check_cuda.json
-#     python -m benchmarks.gpu_check --device cpu --quick  # the same code paths on the CPU (the CI smoke test)
+#     python -m benchmarks.memory.gpu_check                 # on the GPU: JSON in benchmarks/results/gpu_check_cuda.json
+#     python -m benchmarks.memory.gpu_check --device cpu --quick  # the same code paths on the CPU (the CI smoke test)
 #
-# (a) memory: each schedule of benchmarks/memory_model.py on 2 stages, each stage measured on its own: the ranks are
+# (a) memory: each schedule of benchmarks/memory/memory_model.py on 2 stages, each stage measured alone: the ranks are
 #     threads of this process under the model of NCCL's rules (lightning_pipedream/testing/nccl_model.py),
 #     the measured rank on the device and the others on the CPU. On CUDA its peak is torch.cuda.max_memory_allocated
 #     over its construction and training (cuBLAS's workspaces cleared first, so that they count); on the CPU the live
-#     tensor bytes of its thread (benchmarks.memory_model.metered_run). Predicted: plan.memory with device= the same.
+#     tensor bytes of its thread (benchmarks.memory.memory_model.metered_run). Predicted: plan.memory with device=
+#     the same.
 # (b) executor: every schedule with all ranks on the device (threads, the same model of NCCL) against one device
 #     trained by a plain loop (flushed schedules: equal); pipedream and 2bw against the same pipeline on the CPU (the
 #     suite checks the CPU's against their rules: tests/runtime/test_nccl_model.py).
@@ -35,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from benchmarks import memory_model
+from benchmarks.memory import memory_model
 from lightning_pipedream.plan.memory import predict_memory, stage_bytes
 from lightning_pipedream.plan.profile import profile_module
 from lightning_pipedream.runtime.pipeline import Pipeline
@@ -260,7 +261,7 @@ def trainer_section(quick: bool, timeout: float) -> dict:
         message = f"skipped: needs 2 or more GPUs, this machine has {count}"
         print(f"(c) {message}", flush=True)
         return {"skipped": message}
-    from benchmarks.worker_process import run_worker
+    from benchmarks.common.worker_process import run_worker
 
     spec_base = {"devices": count, "width": 256 if quick else 1024, "batches": 6 if quick else 20, "chunks": 4}
     out: dict[str, Any] = {"devices": count, "runs": {}}
@@ -271,7 +272,7 @@ def trainer_section(quick: bool, timeout: float) -> dict:
             spec: dict[str, Any] = {**spec_base, "schedule": schedule, "out": str(Path(tmp) / schedule),
                     "torch_pipelining": schedule == "1f1b"}
             try:
-                proc = run_worker("benchmarks.gpu_check", spec, Path(__file__).resolve().parent.parent, timeout)
+                proc = run_worker("benchmarks.memory.gpu_check", spec, Path(__file__).resolve().parents[2], timeout)
                 if proc.returncode != 0:
                     raise RuntimeError(f"rc {proc.returncode}: {proc.stderr[-3000:]}")
                 out["runs"][schedule] = json.loads((Path(spec["out"]) / "result.json").read_text())
@@ -453,7 +454,7 @@ def main(argv: list[str] | None = None) -> dict:
     sections = set(args.sections.split(","))
     started = time.time()
     doc: dict[str, Any] = {
-        "command": " ".join(["python -m benchmarks.gpu_check", *(sys.argv[1:] if argv is None else argv)]),
+        "command": " ".join(["python -m benchmarks.memory.gpu_check", *(sys.argv[1:] if argv is None else argv)]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": device,
         "device_name": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",

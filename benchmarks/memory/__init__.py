@@ -1,0 +1,2 @@
+"""Memory: each rank's peak per schedule, the memory model against measurement, sharded replicas, and the GPU check;
+imports only ``common``."""
