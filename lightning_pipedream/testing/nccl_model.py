@@ -1,5 +1,6 @@
 """An in-process model of NCCL's point-to-point semantics and collectives: ranks as threads, one FIFO stream per pair
-of ranks, each group's collectives in call order. For the tests and ``benchmarks.gpu_check``; training never uses it.
+of ranks, each group's collectives in call order. For the tests and ``benchmarks.memory.gpu_check``; training never
+uses it.
 
 No CPU backend shows how NCCL orders point-to-point messages, so the code that GPUs run is checked here against a
 model of it, in one process, with each rank's code running in a thread of its own:
