@@ -127,6 +127,16 @@ def arm_save_kill(trainer: L.Trainer, step: int) -> None:
         write_file(self, path, data)
 
     AtomicCheckpointIO._write = half_then_die  # type: ignore[method-assign]
+    from lightning_pipedream.strategy.checkpoints import single_file
+
+    fsync = single_file._fsync
+
+    def written_then_die(path: str) -> None:  # the streamed single file: whole in its temporary, not yet in place
+        if trainer.global_step == step:
+            die()
+        fsync(path)
+
+    single_file._fsync = written_then_die  # type: ignore[assignment]
 
 
 class SkewedClock:
