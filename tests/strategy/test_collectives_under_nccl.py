@@ -8,13 +8,20 @@ all-reduce at each update; under the synchronous schedules the gradient norm's a
 all-reduces over the pipeline), the step summaries (lagged point-to-point under pipedream and 2bw, a broadcast
 otherwise), the SIGTERM flags (strategy/reporting/stop_signal.py), and at every log interval the collectives a hook issues
 (``self.log(sync_dist=True)``, ``self.all_gather``), after a drain and the staleness all-gather under the
-asynchronous schedules, as the strategy does. Shards (FSDP2's collectives go through torch's functional collectives,
-which the model does not stand in for) are not run here.
+asynchronous schedules, as the strategy does.
+
+Replicated stages run on the groups a non-uniform layout makes with ``new_group`` (the model has no DeviceMesh; a
+uniform layout's mesh makes groups of the same members). Sharded stages (FSDP2) cannot run in the model: FSDP2 needs a
+DeviceMesh over a real process group. They are run by a stand-in that issues a collective on the stage's replica group
+wherever FSDP2 issues one under ``shard="full"``. That is an all-gather before each unit's forward and before its
+backward, and the step's reduce-scatter at the ALLREDUCE_GRAD action that replaces the replicas' all-reduce (see
+runtime/stages/sharding.py).
 """
 
 from __future__ import annotations
 
 import copy
+from unittest import mock
 
 import pytest
 import torch
@@ -48,7 +55,7 @@ def data(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def fit(rank: int, world: int, schedule: str, *, ties: bool, replicas: list[int] | None = None,
-        planted: bool = False, sigterm: bool = True) -> int | None:
+        planted: bool = False, sigterm: bool = True, shard: bool = False) -> int | None:
     """One rank's fit; returns the step at which training stopped for the SIGTERM (None: it ran to the end)."""
     spec = spec_of(schedule)
     stages = world if replicas is None else len(replicas)
@@ -59,6 +66,9 @@ def fit(rank: int, world: int, schedule: str, *, ties: bool, replicas: list[int]
                     optimizer=lambda p: torch.optim.SGD(p, lr=0.01), schedule=schedule, chunks=chunks,
                     transport="directional", reverse_group="reverse", replicas=replicas, virtual_stages=virtual)
     stage = pipe.stage_index
+    if shard:
+        assert replicas is not None and not spec.asynchronous
+        stand_in_for_fsdp2(pipe, pipe.groups.data_group, replicas[stage])
     tied = None
     if ties:  # the first Linear's weight and the last's, on the first and the last stage: a tie between them
         weights = [n for n, _ in pipe.module.named_parameters() if n.endswith("weight")]
@@ -121,10 +131,35 @@ def fit(rank: int, world: int, schedule: str, *, ties: bool, replicas: list[int]
     return None
 
 
+GATHERS: list[int] = []  # the stand-in's all-gathers, by rank (a check that it ran)
+
+
+def stand_in_for_fsdp2(pipe: Pipeline, group: object, replicas: int) -> None:
+    """Issue FSDP2's collectives of a ``shard="full"`` stage where FSDP2 issues them, on the replicas' group: an
+    all-gather before every unit's forward and before its backward (parameters freed after each), and the step's
+    reduce-scatter of the gradients at the ALLREDUCE_GRAD action."""
+
+    def gather(*_: object) -> None:
+        GATHERS.append(pipe.rank)
+        dist.all_gather([torch.zeros(1) for _ in range(replicas)], torch.zeros(1), group=group)
+
+    for unit in pipe.module.children():
+        if any(p.requires_grad for p in unit.parameters()):
+            unit.register_forward_pre_hook(gather)
+            unit.register_full_backward_pre_hook(gather)
+
+    def reduce_scatter(average: bool = False) -> None:
+        dist.all_reduce(torch.zeros(replicas), group=group)  # the model's stand-in for a reduce-scatter
+
+    pipe.engine.allreduce = reduce_scatter
+
+
 def run(world: int, schedule: str, **options: object) -> list[int | None]:
     model = PointToPointModel(world, watchdog_s=60)
     try:
-        return model.run(lambda rank: fit(rank, world, schedule, **options), timeout=300)
+        # Replicas' groups from new_group (see the module's text): the model has no DeviceMesh.
+        with mock.patch("lightning_pipedream.runtime.stages.replicas._has_device_mesh", return_value=False):
+            return model.run(lambda rank: fit(rank, world, schedule, **options), timeout=300)
     finally:
         termination().reset()
 
@@ -149,6 +184,23 @@ def test_every_collective_of_a_fit_meets_its_group_at_one_point_of_the_schedule(
 def test_replicated_stages_with_their_all_reduce(schedule):
     # PipeDream's 1F1B-RR: stage 0 on two replicas (their gradients' all-reduce at each update), stage 1 on one
     assert run(3, schedule, ties=False, replicas=[2, 1]) == [SIGTERM_AT + 1] * 3
+
+
+@pytest.mark.parametrize("schedule", ["pipedream", "1f1b", "gpipe"])
+def test_two_replicas_of_every_stage(schedule):
+    # Two data-parallel copies of a 2-stage pipeline: each stage's replicas all-reduce at its update.
+    assert run(4, schedule, ties=False, replicas=[2, 2]) == [SIGTERM_AT + 1] * 4
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_sharded_stages_with_their_gathers_and_reduce_scatter(schedule):
+    # shard="full" over two replicas of each stage (the asynchronous schedules refuse shards): FSDP2's collectives
+    # on the replicas' group, among the pipeline's transfers, ties-free, summaries, SIGTERM flags and hooks.
+    GATHERS.clear()
+    assert run(4, schedule, ties=False, replicas=[2, 2], shard=True) == [SIGTERM_AT + 1] * 4
+    # Every rank gathered before each of its units' forwards and backwards: 2 chunks a step, 2 units per stage.
+    assert sorted(set(GATHERS)) == [0, 1, 2, 3]
+    assert all(GATHERS.count(r) >= (SIGTERM_AT + 1) * 2 * 2 * 2 for r in range(4)), [GATHERS.count(r) for r in range(4)]
 
 
 @pytest.mark.parametrize("stages", [2, 3])
