@@ -295,14 +295,9 @@ def write_streamed(checkpoint: dict[str, Any], path: str, save: StreamedSave, de
             if alignment is not None:
                 archive.write_record(".storage_alignment", alignment, len(alignment))
             archive.write_record("byteorder", sys.byteorder, len(sys.byteorder))
-            by_rank: dict[int, list[_Described]] = {}
-            for d in wanted:
-                by_rank.setdefault(d.rank, []).append(d)
-            for rank in sorted(by_rank):
-                described = by_rank[rank]
-                for j, buffer in save.receive(rank, described, device):
-                    storage = _exact_storage(buffer)
-                    archive.write_record(f"data/{pickler.keys[described[j]]}", storage, storage.nbytes())
+            for d, buffer in _received(save, wanted, device):
+                storage = _exact_storage(buffer)
+                archive.write_record(f"data/{pickler.keys[d]}", storage, storage.nbytes())
             for key, storage in pickler.storages.items():  # the checkpoint's other tensors (loops, schedulers)
                 storage = storage.cpu() if storage.device.type != "cpu" else storage
                 archive.write_record(f"data/{key}", storage, storage.nbytes())
@@ -314,6 +309,18 @@ def write_streamed(checkpoint: dict[str, Any], path: str, save: StreamedSave, de
     finally:
         if os.path.exists(temporary):
             os.remove(temporary)
+
+
+def _received(save: StreamedSave, wanted: list[_Described],
+              device: torch.device) -> Iterator[tuple[_Described, Tensor]]:
+    """Each wanted tensor with the buffer it arrived in on rank 0, rank after rank (each rank's in one stream)."""
+    by_rank: dict[int, list[_Described]] = {}
+    for d in wanted:
+        by_rank.setdefault(d.rank, []).append(d)
+    for rank in sorted(by_rank):
+        described = by_rank[rank]
+        for j, buffer in save.receive(rank, described, device):
+            yield described[j], buffer
 
 
 def _fsync(path: str) -> None:
@@ -333,16 +340,8 @@ def fill_in(checkpoint: dict[str, Any], save: StreamedSave, device: torch.device
         save.send_own(requests.get(save.rank, []), device)
         return checkpoint
     assert wanted is not None
-    filled: dict[_Described, Tensor] = {}
-    by_rank: dict[int, list[_Described]] = {}
-    for d in wanted:
-        by_rank.setdefault(d.rank, []).append(d)
-    for rank in sorted(by_rank):
-        described = by_rank[rank]
-        for j, buffer in save.receive(rank, described, device):
-            d = described[j]
-            filled[d] = buffer.clone().view(d.dtype).reshape(d.shape) if d.nbytes else torch.empty(d.shape,
-                                                                                                    dtype=d.dtype)
+    filled = {d: buffer.clone().view(d.dtype).reshape(d.shape) if d.nbytes else torch.empty(d.shape, dtype=d.dtype)
+              for d, buffer in _received(save, wanted, device)}
 
     def fill(t: Tensor) -> Tensor:
         source = save.source_of(t)
