@@ -20,11 +20,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--profile", type=Path, help="a profile JSON saved by Profile.save (or a graph.txt)")
     source.add_argument("--pipedream-graph", type=Path, help="a PipeDream profile, graph.txt")
-    parser.add_argument(
-        "--workers", required=True, help="workers per level, innermost first, e.g. 4,4 (PipeDream's -n)"
+    source.add_argument(
+        "--from-trace", type=Path, metavar="TRACE",
+        help="plan again from a run: the merged trace of PipeDreamStrategy(trace=...) of a run the strategy planned; "
+        "each layer's profiled time is scaled by its stage's measured compute over the plan's (same stages, links, "
+        "schedule); --save the result for PipeDreamStrategy(plan=...)",
     )
     parser.add_argument(
-        "--bandwidth", required=True, help="bytes/s per level, innermost first, e.g. 1e10,1.25e9 (PipeDream's -b)"
+        "--workers",
+        help="workers per level, innermost first, e.g. 4,4 (PipeDream's -n); required but with --from-trace",
+    )
+    parser.add_argument(
+        "--bandwidth", help="bytes/s per level, innermost first, e.g. 1e10,1.25e9 (PipeDream's -b); required but with "
+        "--from-trace"
     )
     parser.add_argument("--memory", type=float, help="memory limit per worker in bytes (default: none)")
     parser.add_argument("--straight", action="store_true", help="no stage replication: one worker per stage")
@@ -79,7 +87,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.from_trace is not None:
+        return _run_from_trace(args)
     try:
+        if args.workers is None or args.bandwidth is None:
+            raise ValueError("--workers and --bandwidth are required with --profile and --pipedream-graph (e.g. "
+                             "--workers 4 --bandwidth 1e9).")
         topology = parse_topology(args.workers, args.bandwidth)
         if args.free_side_sources and args.pipedream_graph is None:
             raise ValueError("--free-side-sources applies to --pipedream-graph only.")
@@ -110,6 +123,39 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"{profile.source}: {len(profile.layers)} layers; {topology.describe()}")
         print(plan.describe(simulated=True))
+    return 0
+
+
+def _run_from_trace(args: argparse.Namespace) -> int:
+    """``--from-trace``: the run's plan, its profile scaled by the measured stage compute, partitioned again."""
+    from lightning_pipedream.plan.explain import explain, from_trace, replan
+
+    defaults = {"workers": None, "bandwidth": None, "memory": None, "straight": False, "method": "pipedream",
+                "cost_model": "code", "free_side_sources": False, "schedule": None, "exact": False,
+                "optimizer": "adam", "max_chunks": 16, "accumulate_grad_batches": 1, "shard": "none",
+                "device": "cpu", "cuda_capability": "9.0", "overhead": 0.0}
+    given = [f"--{name.replace('_', '-')}" for name, default in defaults.items() if getattr(args, name) != default]
+    if given:
+        print(f"error: --from-trace plans again for the run's own stages, links and schedule; {', '.join(given)} "
+              "apply to --profile and --pipedream-graph. Drop them.", file=sys.stderr)
+        return 2
+    try:
+        trace = json.loads(Path(args.from_trace).read_text())
+    except json.JSONDecodeError as err:
+        print(f"error: {args.from_trace} is not JSON ({err}); give the pipeline_trace.json that "
+              "PipeDreamStrategy(trace=DIR) writes.", file=sys.stderr)
+        return 2
+    old, measured = from_trace(trace, str(args.from_trace))
+    new = replan(old, measured)
+    if args.save is not None:
+        new.save(args.save)
+    if args.json:
+        print(json.dumps({"before": old.balance, "after": new.balance, "plan": new.to_json()}))
+        return 0
+    print(explain(old, measured).table())
+    print()
+    print(f"planned again from {args.from_trace}: layers per stage {old.balance} -> {new.balance}")
+    print(new.describe(simulated=True))
     return 0
 
 

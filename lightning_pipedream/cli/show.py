@@ -194,7 +194,25 @@ def run_trace(args: argparse.Namespace) -> int:
     )
     print()
     print(render_events(events, unfinished, max(0, args.last)))
+    for path in args.trace:  # a merged trace of a planned run: the plan's prediction against the measured steps
+        explanation = explained(path)
+        if explanation:
+            print()
+            print(explanation)
     return 0
+
+
+def explained(path: Path) -> str | None:
+    """The explanation table of a merged trace whose run had a plan (``plan/explain.py``), or None."""
+    from lightning_pipedream.plan.explain import ExplainError, explain, from_trace
+
+    try:
+        obj = json.loads(path.read_text())
+        if not isinstance(obj, dict) or "measured" not in (obj.get("metadata") or {}):
+            return None  # a flight-recorder file, or a trace of a run without figures
+        return explain(*from_trace(obj, str(path))).table()
+    except ExplainError as err:
+        return f"no explanation of the run against its plan: {err}"
 
 
 def run(args: argparse.Namespace) -> int:

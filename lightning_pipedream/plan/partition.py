@@ -721,3 +721,23 @@ def _stage_plan(
         parameter_bytes=int(params),
         output_bytes=int(sums.cut[last]) if last < len(names) - 1 else 0,
     )
+
+
+def every_stage_trains_or_repartition(plan: Plan, profile: Profile, topology: Topology) -> Plan:
+    """A stage of parameter-free layers (an activation alone: noisy timings can make it look worth a stage)
+    cannot have an optimizer: partition by time, then by parameters, until every stage trains."""
+    for method in ("time", "parameters"):
+        if _every_stage_trains(profile, plan.balance):
+            break
+        plan = partition(profile, topology, method)
+    return plan
+
+
+def _every_stage_trains(profile: Profile, balance: list[int]) -> bool:
+    """Whether each stage of ``balance`` holds a layer with parameters, by ``profile``'s parameter bytes."""
+    start = 0
+    for count in balance:
+        if not any(layer.parameter_bytes for layer in profile.layers[start : start + count]):
+            return False
+        start += count
+    return True

@@ -222,6 +222,7 @@ class PipeDreamStrategy(DDPStrategy):
         )
         self.plan: Any = self.options.load_plan()  # the Plan used: plan= (read now), the partitioner's, or None
         self.balance: list[int] | None = None  # the layers per stage used (a module whose layers are one Sequential)
+        self.explanation: Any = None  # rank 0, after a fit with a plan: its prediction explained (plan/explain.py)
         self._pipeline: StagePipeline | None = None
         self._training: Training | None = None  # a fit's batches, updates and drains, from setup on
         self._failure: BaseException | None = None

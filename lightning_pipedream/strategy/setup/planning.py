@@ -14,6 +14,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
 from lightning_pipedream.plan.balance import check_balance, check_chunk_count, check_stage_count, even_balance
+from lightning_pipedream.plan.partition import every_stage_trains_or_repartition
 from lightning_pipedream.runtime.faults.failures import from_rank_zero
 from lightning_pipedream.runtime.stages.materialize import balance_by_parameters, has_meta_tensors
 from lightning_pipedream.strategy.setup.batches import first_batch
@@ -97,8 +98,9 @@ class LayerPlanner:
         if len(plan.stages) != num_stages:
             # The optimizer may leave workers idle when that is faster; a pipeline here uses them all.
             plan = partition(profile, topology, "time")
-        plan = _every_stage_trains_or_repartition(plan, profile, topology)
+        plan = every_stage_trains_or_repartition(plan, profile, topology)
         plan.schedule, plan.chunks = self.options.schedule, self.options.chunks
+        plan.extra["profile"] = profile.to_json()  # what a rerun plans again from, with the measured times
         log.info("PipeDreamStrategy plan (%d stages, schedule=%s):\n%s", num_stages, self.options.schedule,
                  plan.describe())
         return plan.to_json(), plan.balance
@@ -173,7 +175,7 @@ class LayerPlanner:
             flat = Topology.flat(world_size, options.link_bandwidth)
             if sum(stage.replicas for stage in plan.stages) != world_size:  # it left processes idle
                 plan = partition(profile, flat, "time")
-            plan = _every_stage_trains_or_repartition(plan, profile, flat)
+            plan = every_stage_trains_or_repartition(plan, profile, flat)
             plan.schedule, plan.chunks = options.schedule, options.chunks
             log.info("PipeDreamStrategy plan (%d processes, replication allowed, schedule=%s):\n%s",
                      world_size, options.schedule, plan.describe())
@@ -196,28 +198,6 @@ def shard_choice(shard: str | None, layers: nn.Sequential) -> str | None:
                          "replicas (tied parameters are not sharded yet).", owner[id(param)], index)
                 return None
     return shard
-
-
-def _every_stage_trains_or_repartition(plan: Any, profile: Any, topology: Any) -> Any:
-    """A stage of parameter-free layers (an activation alone: noisy timings can make it look worth a stage)
-    cannot have an optimizer: partition by time, then by parameters, until every stage trains."""
-    from lightning_pipedream.plan.partition import partition
-
-    for method in ("time", "parameters"):
-        if _every_stage_trains(profile, plan.balance):
-            break
-        plan = partition(profile, topology, method)
-    return plan
-
-
-def _every_stage_trains(profile: Any, balance: list[int]) -> bool:
-    """Whether each stage of ``balance`` holds a layer with parameters, by ``profile``'s parameter bytes."""
-    start = 0
-    for count in balance:
-        if not any(layer.parameter_bytes for layer in profile.layers[start : start + count]):
-            return False
-        start += count
-    return True
 
 
 def plan_mismatch_words(path: str, planned: list[str], names: list[str], where: str) -> str:

@@ -22,6 +22,7 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from lightning_pipedream.runtime.faults.failures import pipeline_failures
 from lightning_pipedream.schedule.merged_trace import merged_chrome_trace
 from lightning_pipedream.strategy.reporting.collectives import inside_step
+from lightning_pipedream.strategy.reporting.explanation import explain_fit, measured_ranks
 from lightning_pipedream.strategy.reporting.logs import LogRecorder
 from lightning_pipedream.strategy.reporting.stage_figures import (
     TRACE_FILE,
@@ -70,6 +71,7 @@ class Training:
         self.figures = stage_figures(options, pipeline, trainer, device, global_rank)
         pipeline.engine.transport.clock_offset = self.figures.offset  # messages carry their send's start on one clock
         self._steps_run = 0  # training steps of this fit (the trace window counts them)
+        self.measured: list[dict[str, Any]] = []  # rank 0, at the fit's end: every rank's mean step, by part
         pipeline.engine.executor.record = False  # only the window's training steps (never evaluation)
         pipeline.engine.executor.records, pipeline.engine.executor.sent_at = [], []  # a fit's own (kept after it)
         if options.on_divergence is not None:
@@ -134,8 +136,15 @@ class Training:
         if self.stop is not None:
             self.stop.settle()
         self.figures.finish(self.module.trainer.global_step)
+        if self.global_rank == 0:  # the plan's prediction against the measured steps (strategy.explanation)
+            self.measured = measured_ranks(self.figures.totals)
+            self.module.trainer.strategy.explanation = explain_fit(self._plan(), self.measured,
+                                                                   self.pipeline.placement.layout is not None)
         if self.options.trace_dir is not None:
             self._write_trace()
+
+    def _plan(self) -> Any:
+        return getattr(self.module.trainer.strategy, "plan", None)
 
     def _traced(self, step: int) -> bool:
         if self.options.trace_dir is None:
@@ -162,12 +171,16 @@ class Training:
         if steps and placement.layout is None:
             try:
                 predicted, source = predicted_events(options.schedule, placement.num_stages, options.chunks,
-                                                     options.virtual_stages, steps, traces,
-                                                     getattr(self.module.trainer.strategy, "plan", None))
+                                                     options.virtual_stages, steps, traces, self._plan())
             except Exception as err:  # the ghost track is a help, never a reason to lose the measured trace
                 notes.append(f"no predicted timeline: {err}")
+        plan = self._plan()
         trace = merged_chrome_trace(traces, predicted, {"schedule": options.schedule, "steps": steps,
-                                                        "predicted_from": source, "notes": notes})
+                                                        "predicted_from": source, "notes": notes,
+                                                        # the whole fit's means, and the plan: `show --trace` explains
+                                                        # the run, `plan --from-trace` plans again from them
+                                                        "measured": self.measured,
+                                                        "plan": None if plan is None else plan.to_json()})
         path = os.path.join(options.trace_dir, TRACE_FILE)
         with open(path, "w") as f:
             json.dump(trace, f)

@@ -1,0 +1,260 @@
+"""The plan's prediction against what a run measured: a table per stage, the gap split into its causes, and a new plan
+from the measured times.
+
+Inputs are plain numbers: the :class:`~lightning_pipedream.plan.partition.Plan` the run used (its stage times, from
+the profile) and each rank's measured mean per training step (the runtime's accounts: ``compute``, ``wait``,
+``transfer``, ``update``, ``other`` and ``step``, in seconds; see ``runtime/execution/accounts.py``). No torch, no
+Lightning: the strategy calls :func:`explain` at the end of a fit, ``python -m lightning_pipedream show --trace``
+from a merged trace's metadata.
+
+How the gap between the plan's time per minibatch ``P`` and the measured step ``S`` (of the stage whose mean step is
+longest, the reference ``r``) is split; the parts add up to ``S - P`` exactly, by construction:
+
+- **schedule**: the schedule simulator's step with the plan's stage times, minus ``P`` (PipeDream's partitioner
+  predicts the asynchronous steady state: a flushed schedule's fill and drain are not in ``P``);
+- **imbalance**: the simulator's step with every stage's times scaled to its measured compute, minus the same with
+  the plan's (a stage whose compute is off its profile moves the whole pipeline, the more so if it is the slowest);
+- **communication**: stage ``r``'s waiting and transfer beyond the idle time the simulator gives it with the measured
+  compute (negative when the stage idled less than the schedule predicts);
+- **update**: stage ``r``'s optimizer step, which no profile times;
+- **outside**: stage ``r``'s time outside the pipeline's actions: Lightning's per-step work, data loading.
+
+:func:`replan` scales each layer of the plan's profile by its stage's measured compute over its predicted compute
+(the accounts time stages, not layers) and partitions again: a split chosen from a wrong profile is corrected by one
+rerun (``python -m lightning_pipedream plan --from-trace``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_pipedream.plan.errors import InputFormatError
+from lightning_pipedream.plan.partition import Plan
+from lightning_pipedream.plan.profile import Profile
+
+MEASURED = ("compute", "wait", "transfer", "update", "other", "step")
+PARTS = ("schedule", "imbalance", "communication", "update", "outside")
+PART_WORDS = {
+    "schedule": "schedule (fill and drain, not in the plan's figure)",
+    "imbalance": "stage imbalance (measured compute against the profile)",
+    "communication": "communication (waiting beyond the schedule's bubble, transfers)",
+    "update": "optimizer update (not in the profile)",
+    "outside": "outside the pipeline (Lightning's step, data loading)",
+}
+
+
+class ExplainError(InputFormatError):
+    """The run cannot be explained against its plan (no plan stage times, stages that do not match); says why."""
+
+
+@dataclass
+class StageRow:
+    """One stage: predicted and measured compute per step (seconds), predicted and measured bubble (shares of the
+    step), and the measured parts of its mean step (seconds; replicas averaged)."""
+
+    stage: int
+    predicted_compute: float
+    predicted_bubble: float
+    compute: float
+    wait: float
+    transfer: float
+    update: float
+    other: float
+    step: float
+
+    @property
+    def bubble(self) -> float:
+        return self.wait / self.step if self.step > 0 else 0.0
+
+    @property
+    def ratio(self) -> float:
+        """Measured compute over predicted (inf when the plan predicted none)."""
+        return self.compute / self.predicted_compute if self.predicted_compute > 0 else math.inf
+
+
+@dataclass
+class Explanation:
+    """The plan's time per minibatch against the measured step, per stage and split into parts (module text)."""
+
+    schedule: str
+    predicted: float  # the plan's time per minibatch (s)
+    simulated: float  # the simulator's step with the plan's stage times (s)
+    simulated_measured: float  # the simulator's step with the measured compute (s)
+    reference: int  # the stage whose measured step is the figure explained
+    stages: list[StageRow]
+    parts: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def measured(self) -> float:
+        return self.stages[self.reference].step
+
+    @property
+    def gap(self) -> float:
+        return self.measured - self.predicted
+
+    @property
+    def slowest(self) -> int:
+        """The stage whose compute is furthest above its profile."""
+        return max(self.stages, key=lambda s: s.ratio).stage
+
+    def table(self) -> str:
+        """The per-stage table and the split of the gap, for people (milliseconds)."""
+        ms = 1e3
+        head = ("stage", "compute ms pred/meas", "bubble pred/meas", "wait ms", "transfer ms", "update ms",
+                "other ms", "step ms")
+        rows = [head]
+        for s in self.stages:
+            rows.append((str(s.stage), f"{s.predicted_compute * ms:.2f} / {s.compute * ms:.2f}",
+                         f"{s.predicted_bubble:.2f} / {s.bubble:.2f}", f"{s.wait * ms:.2f}", f"{s.transfer * ms:.2f}",
+                         f"{s.update * ms:.2f}", f"{s.other * ms:.2f}", f"{s.step * ms:.2f}"))
+        widths = [max(len(r[c]) for r in rows) for c in range(len(head))]
+        lines = ["  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        slow = self.stages[self.slowest]
+        out = [f"time per minibatch: predicted {self.predicted * ms:.1f} ms, measured {self.measured * ms:.1f} ms "
+               f"(stage {self.reference}'s mean step), gap {self.gap * ms:+.1f} ms; schedule {self.schedule}", *lines,
+               f"where the gap went (stage {self.slowest}'s compute is {slow.ratio:.2f}x its profile, the most):"]
+        words = max(len(w) for w in PART_WORDS.values())
+        for part in PARTS:
+            value = self.parts[part]
+            share = f"{value / self.gap:6.0%}" if self.gap else "     -"
+            out.append(f"  {PART_WORDS[part].ljust(words)}  {value * ms:+9.2f} ms  {share}")
+        out.append(f"  {'total'.ljust(words)}  {sum(self.parts.values()) * ms:+9.2f} ms")
+        return "\n".join(out)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schedule": self.schedule, "predicted_s": self.predicted, "measured_s": self.measured,
+                "gap_s": self.gap, "simulated_s": self.simulated, "simulated_measured_s": self.simulated_measured,
+                "reference_stage": self.reference, "slowest_stage": self.slowest, "parts_s": dict(self.parts),
+                "stages": [dataclasses.asdict(s) | {"bubble": s.bubble} for s in self.stages]}
+
+
+def measured_stages(ranks: list[dict[str, Any]]) -> list[dict[str, float]]:
+    """Per stage (in order), the mean per step of each of :data:`MEASURED` over its replicas' ranks; ``ranks``: one
+    dict per rank with ``stage`` and those keys in seconds per step (ranks that ran no step are left out)."""
+    by_stage: dict[int, list[dict[str, Any]]] = {}
+    for r in ranks:
+        if r.get("steps", 1) and r["step"] > 0:
+            by_stage.setdefault(int(r["stage"]), []).append(r)
+    if not by_stage or sorted(by_stage) != list(range(len(by_stage))):
+        raise ExplainError(f"measured figures for stages {sorted(by_stage)}: every stage from 0 on needs one rank's "
+                           "figures of at least one training step.")
+    return [{k: sum(float(r[k]) for r in by_stage[s]) / len(by_stage[s]) for k in MEASURED}
+            for s in range(len(by_stage))]
+
+
+def _rank_of_plan_stages(plan: Plan, ranks: int) -> list[int]:
+    """Which pipeline rank runs each of the plan's stages: one each, or (interleaved model chunks) stage i on rank
+    i mod ranks."""
+    n = len(plan.stages)
+    if n == ranks or (n % ranks == 0 and plan.extra.get("chunk_stages")):
+        return [i % ranks for i in range(n)]
+    raise ExplainError(f"the plan has {n} stages but the run measured {ranks}; explain a run against the plan it "
+                       "ran with.")
+
+
+def _scaled(plan: Plan, factors: list[float]) -> Plan:
+    """``plan`` with each stage's times scaled by its rank's factor."""
+    owner = _rank_of_plan_stages(plan, len(factors))
+    stages = [dataclasses.replace(s, compute_s=s.compute_s * factors[owner[i]],
+                                  forward_s=s.forward_s * factors[owner[i]]) for i, s in enumerate(plan.stages)]
+    return dataclasses.replace(plan, stages=stages)
+
+
+def explain(plan: Plan, ranks: list[dict[str, Any]]) -> Explanation:
+    """The plan's prediction against the measured ``ranks`` (see :func:`measured_stages`): the module text's split."""
+    measured = measured_stages(ranks)
+    owner = _rank_of_plan_stages(plan, len(measured))
+    predicted = [0.0] * len(measured)
+    for i, s in enumerate(plan.stages):
+        predicted[owner[i]] += s.compute_s
+    if not all(p > 0 for p in predicted):
+        raise ExplainError("the plan has no compute time for every stage (a plan from balance= or a layer count, not "
+                           "a profile): there is no prediction to explain. Let the strategy profile the model (no "
+                           "balance=), or give a plan made by `python -m lightning_pipedream plan`.")
+    simulated = plan.simulated_time_per_minibatch()
+    factors = [m["compute"] / p for m, p in zip(measured, predicted)]
+    simulated_measured = _scaled(plan, factors).simulated_time_per_minibatch()
+    stages = [StageRow(k, p, max(0.0, 1.0 - p / simulated) if simulated > 0 else 0.0,
+                       *(m[key] for key in MEASURED)) for k, (p, m) in enumerate(zip(predicted, measured))]
+    r = max(range(len(stages)), key=lambda k: stages[k].step)
+    ref = stages[r]
+    idle = simulated_measured - ref.compute  # what the schedule leaves stage r idle, at the measured compute
+    parts = {
+        "schedule": simulated - plan.time_per_minibatch,
+        "imbalance": simulated_measured - simulated,
+        "communication": ref.wait + ref.transfer - idle,
+        "update": ref.update,
+        "outside": ref.other,
+    }
+    return Explanation(plan.schedule, plan.time_per_minibatch, simulated, simulated_measured, r, stages, parts)
+
+
+def measured_profile(plan: Plan, ranks: list[dict[str, Any]]) -> Profile:
+    """The profile the plan was made from (``plan.extra["profile"]``, which the strategy keeps when it profiles),
+    each layer's times scaled by its stage's measured compute over the plan's."""
+    if not isinstance(plan.extra.get("profile"), dict):
+        raise ExplainError("the plan holds no profile of its layers (a plan given with plan=, or balance=): nothing to "
+                           "partition again. Let the strategy profile the model (no balance= or plan=), with trace=, "
+                           "and plan again from that run's trace.")
+    profile = Profile.from_json(plan.extra["profile"])
+    measured = measured_stages(ranks)
+    owner = _rank_of_plan_stages(plan, len(measured))
+    predicted = [0.0] * len(measured)
+    for i, s in enumerate(plan.stages):
+        predicted[owner[i]] += s.compute_s
+    factor_of: dict[str, float] = {}
+    for i, s in enumerate(plan.stages):
+        factor = measured[owner[i]]["compute"] / predicted[owner[i]] if predicted[owner[i]] > 0 else 1.0
+        factor_of.update({name: factor for name in s.layers})
+    missing = [layer.name for layer in profile.layers if layer.name not in factor_of]
+    if missing:
+        raise ExplainError(f"the plan's stages do not list the profile's layers {missing[:3]}: the plan and its "
+                           "profile disagree.")
+    layers = []
+    for layer in profile.layers:
+        f = factor_of[layer.name]
+        weight = None if layer.weight_s is None else layer.weight_s * f
+        layers.append(dataclasses.replace(layer, forward_s=layer.forward_s * f, backward_s=layer.backward_s * f,
+                                          weight_s=weight))
+    source = f"{profile.source or 'profile'} scaled by the measured stage compute"
+    return dataclasses.replace(profile, layers=layers, source=source)
+
+
+def replan(plan: Plan, ranks: list[dict[str, Any]]) -> Plan:
+    """A new straight plan (one stage per rank, as the run had) from :func:`measured_profile`, on the plan's
+    topology, for the same schedule and micro-batches; its ``extra["profile"]`` is the scaled profile."""
+    from lightning_pipedream.plan.partition import every_stage_trains_or_repartition, partition
+    from lightning_pipedream.plan.topology import Topology
+
+    profile = measured_profile(plan, ranks)
+    stages = len(measured_stages(ranks))
+    if plan.topology and int(Topology([tuple(level) for level in plan.topology]).num_workers) == stages:
+        topology = Topology([tuple(level) for level in plan.topology])
+    else:
+        bandwidth = float(plan.topology[0][1]) if plan.topology else 1e9
+        topology = Topology.flat(stages, bandwidth)
+    new = partition(profile, topology, "pipedream", straight=True)
+    if len(new.stages) != stages:  # the optimizer may leave workers idle; the pipeline runs one stage per rank
+        new = partition(profile, topology, "time")
+    new = every_stage_trains_or_repartition(new, profile, topology)
+    new.schedule, new.chunks = plan.schedule, plan.chunks
+    new.extra = {**new.extra, "profile": profile.to_json()}
+    return new
+
+
+def from_trace(trace: dict[str, Any], path: str = "the trace") -> tuple[Plan, list[dict[str, Any]]]:
+    """The plan and the measured means a merged trace's metadata holds (``PipeDreamStrategy(trace=...)`` writes them
+    at the end of a fit), or :class:`ExplainError` saying what is missing."""
+    meta = trace.get("metadata") if isinstance(trace, dict) else None
+    if not isinstance(meta, dict) or "measured" not in meta:
+        raise ExplainError(f"{path} holds no measured stage figures: it is not a merged trace of "
+                           "PipeDreamStrategy(trace=...) (pipeline_trace.json), or one written before they were kept.")
+    if not meta.get("plan"):
+        raise ExplainError(f"{path} holds no plan: the run split its model without one (balance=, or a traced graph's "
+                           "split points), so nothing was predicted. Let the strategy profile and plan the model (no "
+                           "balance=) to compare and plan again.")
+    return Plan.from_json(meta["plan"], path=path), list(meta["measured"])
