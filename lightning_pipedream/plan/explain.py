@@ -232,8 +232,9 @@ def replan(plan: Plan, ranks: list[dict[str, Any]]) -> Plan:
 
     profile = measured_profile(plan, ranks)
     stages = len(measured_stages(ranks))
-    if plan.topology and int(Topology([tuple(level) for level in plan.topology]).num_workers) == stages:
-        topology = Topology([tuple(level) for level in plan.topology])
+    levels = [(int(level[0]), float(level[1])) for level in plan.topology or []]
+    if levels and Topology(levels).num_workers == stages:
+        topology = Topology(levels)
     else:
         bandwidth = float(plan.topology[0][1]) if plan.topology else 1e9
         topology = Topology.flat(stages, bandwidth)

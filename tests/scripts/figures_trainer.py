@@ -4,7 +4,10 @@
 Options: ``devices``, ``schedule``, ``chunks``, ``batches`` (per epoch), ``epochs``, ``every`` (log_every_n_steps),
 ``log_figures``, ``profiler`` ("pytorch": Trainer(profiler=...) writing under OUT_DIR), ``hidden`` (layers),
 ``slow_stage`` / ``slow_s`` (a layer that sleeps that long per forward on that stage), ``logger`` ("csv" or "broken":
-a logger that raises on names ending in _ms), ``trace`` (a trace directory under OUT_DIR), ``trace_steps``. Each rank writes
+a logger that raises on names ending in _ms), ``trace`` (a trace directory under OUT_DIR), ``trace_steps``,
+``sleepy`` ({"layers", "per_sample_s", "slow_layer", "extra_s"}: instead of the tiny classifier, layers that sleep in
+proportion to their batch, one of them slower from the train start on, and no balance=: the strategy profiles and plans;
+rank 0 writes ``explanation.json``, the strategy's explanation of the fit). Each rank writes
 ``rank{r}.json``: its clock at the start of every training batch (callback), so a test can compare the step time the
 strategy measured with one read independently.
 """
@@ -29,6 +32,7 @@ from script_runs import main_runs, refuse_unused, trainer_args, write_json  # no
 from tiny import TinyClassifier, data  # noqa: E402
 
 from lightning_pipedream import PipeDreamStrategy  # noqa: E402
+from lightning_pipedream.testing.slow_layers import arm, sleepy_layers  # noqa: E402
 
 
 class Sleep(nn.Module):
@@ -51,6 +55,9 @@ class BatchClock(L.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.starts.append(time.perf_counter())
+
+    def on_train_start(self, trainer, pl_module):
+        arm(pl_module)  # after the strategy profiled the layers: the slow layer is slower than the profile says
 
     def on_train_end(self, trainer, pl_module):
         write_json(os.path.join(self.out, f"rank{trainer.global_rank}.json"), {"starts": self.starts})
@@ -90,13 +97,18 @@ def train(out: str, options: dict[str, Any]) -> None:
     trace = options.pop("trace", None)
     log_figures = options.pop("log_figures", True)
     trace_steps = options.pop("trace_steps", None)
+    sleepy = options.pop("sleepy", None)
     refuse_unused(options)
     L.seed_everything(0)
     model = TinyClassifier(hidden=hidden, scheduler=False)
     layers = list(model.layers)
     per = len(layers) // devices
-    balance = [per] * (devices - 1) + [len(layers) - per * (devices - 1)]
-    if slow_stage is not None:  # a sleeping layer at the start of that stage
+    balance: list[int] | None = [per] * (devices - 1) + [len(layers) - per * (devices - 1)]
+    if sleepy is not None:  # the strategy profiles these layers and plans the split itself
+        model.layers = sleepy_layers(sleepy["layers"], sleepy["per_sample_s"], sleepy["slow_layer"],
+                                     sleepy["extra_s"])
+        balance = None
+    if slow_stage is not None and balance is not None:  # a sleeping layer at the start of that stage
         at = sum(balance[:slow_stage])
         layers.insert(at, Sleep(slow_s))
         balance[slow_stage] += 1
@@ -120,6 +132,9 @@ def train(out: str, options: dict[str, Any]) -> None:
                                        callbacks=[BatchClock(out)]))
     loader = DataLoader(data(8 * batches), batch_size=8)
     trainer.fit(model, loader, DataLoader(data(16), batch_size=8))
+    explanation = trainer.strategy.explanation  # set at the fit's end, after the callbacks' on_train_end
+    if trainer.global_rank == 0 and explanation is not None:
+        write_json(os.path.join(out, "explanation.json"), explanation.to_json())
 
 
 if __name__ == "__main__":
