@@ -14,6 +14,9 @@ from pathlib import Path
 import pytest
 from helpers.script_runs import run_script
 
+from lightning_pipedream.cli import main
+from lightning_pipedream.plan.explain import PARTS as EXPLAINED_PARTS
+from lightning_pipedream.plan.explain import explain, from_trace
 from lightning_pipedream.runtime.execution.accounts import PARTS, StepAccounts
 from lightning_pipedream.schedule.actions import Action, Op
 from lightning_pipedream.schedule.timeline import from_chrome_trace
@@ -57,11 +60,18 @@ def _check_every_stage(rows: list[dict[str, float]], stages: int) -> None:
         assert 0.0 < row["pipeline/bubble_simulated"] < 1.0
 
 
-def test_two_stage_figures_in_csv_logger_and_off(tmp_path: Path) -> None:
+# Six layers that sleep 0.25 ms per sample forward (0.5 backward); layer 1 sleeps 2 ms more per sample from the train
+# start on, after the strategy profiled them: its stage computes about twice what its profile says.
+SLEEPY = {"layers": 6, "per_sample_s": 0.00025, "slow_layer": 1, "extra_s": 0.002}
+
+
+def test_two_stage_figures_in_csv_logger_and_off(tmp_path: Path, capsys) -> None:
     outs = _launch(tmp_path, "two", [
         ("on", {"devices": 2, "schedule": "1f1b", "epochs": 2}),
         ("off", {"devices": 2, "schedule": "gpipe", "epochs": 2, "log_figures": False}),
+        ("planned", {"devices": 2, "schedule": "1f1b", "epochs": 2, "trace": "trace", "sleepy": SLEEPY}),
     ])
+    _check_explained_and_planned_again(outs["planned"], capsys)
     rows = _rows(outs["on"])
     _check_every_stage(rows, 2)
     # One row per logging interval, at the interval's last step (log_every_n_steps=3, 12 batches per epoch).
@@ -99,6 +109,29 @@ def test_three_stages_asynchronous_broken_logger_and_profiler(tmp_path: Path) ->
     check = merged["metadata"]["clock_check"]
     assert check["messages"] > 0 and check["receives_before_their_send"] == 0
     assert {e.rank for e in from_chrome_trace(merged)} == {0, 1, 2}
+
+
+def _check_explained_and_planned_again(out: Path, capsys) -> None:
+    """A planned fit's explanation (the strategy's, at the fit's end) adds up to its gap on the measured figures and
+    names the stage of the slow layer; `show --trace` gives the same from the merged trace, and `plan --from-trace`
+    takes layers away from that stage."""
+    _check_every_stage(_rows(out), 2)
+    explanation = json.loads((out / "explanation.json").read_text())
+    parts = explanation["parts_s"]
+    assert sorted(parts) == sorted(EXPLAINED_PARTS)
+    assert sum(parts.values()) == pytest.approx(explanation["gap_s"], rel=1e-9, abs=1e-12)
+    assert explanation["measured_s"] - explanation["predicted_s"] == pytest.approx(explanation["gap_s"])
+    trace_path = out / "trace" / "pipeline_trace.json"
+    plan, measured = from_trace(json.loads(trace_path.read_text()))
+    slow_stage = next(k for k, stage in enumerate(plan.stages) if str(SLEEPY["slow_layer"]) in stage.layers)
+    assert explanation["slowest_stage"] == slow_stage, explanation
+    again = explain(plan, measured)
+    assert again.gap == pytest.approx(explanation["gap_s"]) and again.parts == pytest.approx(parts)
+    assert main(["show", "--trace", str(trace_path), "--last", "0"]) == 0
+    assert f"where the gap went (stage {slow_stage}'s compute is" in capsys.readouterr().out
+    assert main(["plan", "--from-trace", str(trace_path), "--json"]) == 0
+    replanned = json.loads(capsys.readouterr().out)
+    assert replanned["after"][slow_stage] < replanned["before"][slow_stage], replanned
 
 
 def _check_merged_trace(trace_dir: Path, steps: int) -> None:
@@ -176,3 +209,42 @@ def test_actions_outside_a_step_do_not_count_and_evaluation_ends_the_step_at_its
     figures = accounts.take()
     assert figures.steps == 3 and figures.compute == 2.0
     assert figures.step == 1.0 + 10.0 + 1.0 and figures.other == 10.0
+
+
+def test_a_logger_that_refuses_the_names_is_left_out_in_words_and_the_others_go_on(caplog) -> None:
+    import torch
+
+    from lightning_pipedream.strategy.reporting.stage_figures import StageFigures
+
+    class Refuses:
+        calls = 0
+
+        def log_metrics(self, metrics: dict, step: int | None = None) -> None:
+            self.calls += 1
+            raise ValueError("names may not contain '/'")
+
+    class Takes:
+        def __init__(self) -> None:
+            self.logged: list[tuple[int, dict]] = []
+
+        def log_metrics(self, metrics: dict, step: int | None = None) -> None:
+            self.logged.append((step, metrics))
+
+    accounts = StepAccounts()
+    figures = StageFigures(accounts, rank=0, world_size=1, stage=0, replica=0, every=1, device=torch.device("cpu"),
+                           replicas=False, simulated=0.25)
+    refuses, takes = Refuses(), Takes()
+    figures.loggers = [refuses, takes]
+    with caplog.at_level("WARNING", logger="lightning_pipedream"):
+        for step in range(3):
+            figures.begin_step()
+            accounts.action(Op.FORWARD, 0.0, 0.001)
+            figures.end_step(step)
+        figures.finish(3)
+    assert refuses.calls == 1  # told once, then left out
+    assert [step for step, _ in takes.logged] == [1, 2, 3]  # each interval, after the step that closes it
+    assert "pipeline/stage0/compute_ms" in takes.logged[0][1] and takes.logged[0][1]["pipeline/bubble_simulated"] == 0.25
+    (warning,) = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert warning == ("PipeDreamStrategy: the logger Refuses refused the pipeline's figures (ValueError: names may not "
+                       "contain '/'); they are no longer sent to it. Training goes on. "
+                       "PipeDreamStrategy(log_figures=False) stops logging them.")
