@@ -6,10 +6,13 @@ Run from the repository root::
     python -m benchmarks.speed.replan --rounds 1 --json /tmp/r.json
 
 The model (``lightning_pipedream/testing/slow_layers.py``): 8 layers, each a Linear(16, 16) and a sleep of 0.25 ms
-per sample in the forward (0.5 ms in the backward), so equal layers as the strategy's profiler times them; layer 1
-sleeps 2 ms more per sample from the train start on, after the profiling. Two CPU processes, ``1f1b``, 4
-micro-batches of 4 samples, 24 batches; sleeping rather than computing keeps the layers' costs what they are said to
-be on a machine whose cores are busy (a sleeping rank leaves the cores to the others).
+per sample in the forward (0.5 ms in the backward), so equal layers as the strategy's profiler times them (12 ms
+per batch of 16); layer 1 sleeps 1.5 ms more per sample (24 ms per batch, two layers' worth) from the train start
+on, after the profiling. Two CPU processes, ``pipedream`` (its steady state is the slowest stage's time, the
+partitioner's model), 32 batches of 16; sleeping rather than computing keeps the layers' costs what they are said to
+be on a machine whose cores are busy (a sleeping rank leaves the cores to the others). The profile's even 4-4 split
+runs 72 ms against 48; stage 0's compute measured 1.5x its profile, its layers scaled so, the partitioner gives it
+3 layers: 36 + 24 ms against 60, if the sleeps keep their time.
 
 Each round, in one process after another:
 
@@ -38,8 +41,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-SPEC = {"layers": 8, "per_sample_s": 0.00025, "slow_layer": 1, "extra_s": 0.002, "batch": 16, "chunks": 4,
-        "batches": 24, "schedule": "1f1b", "devices": 2}
+SPEC = {"layers": 8, "per_sample_s": 0.00025, "slow_layer": 1, "extra_s": 0.0015, "batch": 16, "chunks": 1,
+        "batches": 32, "schedule": "pipedream", "devices": 2}
 
 
 def fit(out: str, plan: str | None) -> None:
