@@ -32,8 +32,10 @@ RESULT_KEYS = (
     "contender",  # the `contender=` config chosen (a reproduction sweep), or null
     "seed",
     "history",  # one entry per validation: epoch, step, metric, seconds (see ResultsCallback)
+    "explanation",  # a planned pipeline: the plan's prediction against the measured steps (plan/explain.py), or null
 )
-SUMMARY_COLUMNS = ("run", *(key for key in RESULT_KEYS if key != "history"))
+NESTED_KEYS = ("history", "explanation")  # left out of a sweep's summary table
+SUMMARY_COLUMNS = ("run", *(key for key in RESULT_KEYS if key not in NESTED_KEYS))
 
 
 def _batch_size(batch: Any) -> int:
@@ -214,7 +216,7 @@ def summarize(sweep_dir: Path) -> str:
     rows = []
     for result in sorted(sweep_dir.glob("*/results.json"), key=lambda p: (len(p.parent.name), p.parent.name)):
         job = json.loads(result.read_text())
-        rows.append({"run": result.parent.name, **{k: v for k, v in job.items() if k != "history"}})
+        rows.append({"run": result.parent.name, **{k: v for k, v in job.items() if k not in NESTED_KEYS}})
     (sweep_dir / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
 
     def cell(value: Any) -> str:

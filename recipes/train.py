@@ -139,7 +139,11 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, Any] | None:
         "time_to_target_s": results.time_to_target,
         "history": results.history,
     }
-    if plan is not None and results.steps:
+    explanation = getattr(trainer.strategy, "explanation", None)
+    if explanation is not None:  # the plan's prediction against every stage's measured steps, the gap split
+        print(explanation.table(), flush=True)
+        summary["explanation"] = explanation.to_json()
+    elif plan is not None and results.steps:
         print(
             f"time per minibatch: predicted {plan.time_per_minibatch * 1e3:.1f} ms, "
             f"measured {results.train_seconds / results.steps * 1e3:.1f} ms",

@@ -31,7 +31,7 @@ TASKS = {
     "video_captioning": ("s2vt", "val_bleu", (0.0, 1.0)),
 }
 RESULT_KEYS = {"task", "model", "schedule", "stages", "chunks", "metric_name", "metric",
-               "throughput_samples_per_s", "time_to_target_s", "error", "contender", "seed", "history"}
+               "throughput_samples_per_s", "time_to_target_s", "error", "contender", "seed", "history", "explanation"}
 
 
 def train(args: list[str], cwd: Path, timeout: float = 240, expect_ok: bool = True) -> subprocess.CompletedProcess:
@@ -217,7 +217,11 @@ def test_main_job_defaults_train_digits_to_90_percent(tmp_path: Path) -> None:
     assert results["metric"] >= 0.9 and results["time_to_target_s"] is not None  # target: 95%
     out = proc.stdout
     assert "pipeline: 2 stages, layers per stage" in out and "stage 1: layers" in out
-    assert "time per minibatch: predicted" in out and "measured" in out
+    assert "time per minibatch: predicted" in out and "measured" in out and "where the gap went" in out
+    # The table's parts add up to the gap between the plan's time per minibatch and the measured step.
+    explanation = results["explanation"]
+    assert sum(explanation["parts_s"].values()) == pytest.approx(explanation["gap_s"], rel=1e-9, abs=1e-12)
+    assert len(explanation["stages"]) == 2 and all(s["compute"] > 0 for s in explanation["stages"])
     epochs = [line for line in out.splitlines() if line.startswith("epoch ")]
     assert len(epochs) == 10 and all("val_acc=" in line and "samples/s" in line for line in epochs)
 
