@@ -113,15 +113,16 @@ class Explanation:
         widths = [max(len(r[c]) for r in rows) for c in range(len(head))]
         lines = ["  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
-        slow = self.stages[self.slowest]
+        ratios = ", ".join(f"stage {s.stage} {s.ratio:.2f}x" for s in self.stages)
         out = [f"time per minibatch: predicted {self.predicted * ms:.1f} ms, measured {self.measured * ms:.1f} ms "
                f"(stage {self.reference}'s mean step), gap {self.gap * ms:+.1f} ms; schedule {self.schedule}", *lines,
-               f"where the gap went (stage {self.slowest}'s compute is {slow.ratio:.2f}x its profile, the most):"]
+               f"where the gap went (measured compute over the profile's: {ratios}; furthest above: stage "
+               f"{self.slowest}):"]
         words = max(len(w) for w in PART_WORDS.values())
         for part in PARTS:
             value = self.parts[part]
-            share = f"{value / self.gap:6.0%}" if self.gap else "     -"
-            out.append(f"  {PART_WORDS[part].ljust(words)}  {value * ms:+9.2f} ms  {share}")
+            share = f"  {value / self.gap:5.0%} of the gap" if self.gap > 0 else ""  # a share of a saving reads badly
+            out.append(f"  {PART_WORDS[part].ljust(words)}  {value * ms:+9.2f} ms{share}")
         out.append(f"  {'total'.ljust(words)}  {sum(self.parts.values()) * ms:+9.2f} ms")
         return "\n".join(out)
 
@@ -130,6 +131,14 @@ class Explanation:
                 "gap_s": self.gap, "simulated_s": self.simulated, "simulated_measured_s": self.simulated_measured,
                 "reference_stage": self.reference, "slowest_stage": self.slowest, "parts_s": dict(self.parts),
                 "stages": [dataclasses.asdict(s) | {"bubble": s.bubble} for s in self.stages]}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Explanation:
+        """Back from :meth:`to_json` (a recipe's ``results.json``), e.g. to print its table again."""
+        names = [f.name for f in dataclasses.fields(StageRow)]
+        return cls(data["schedule"], data["predicted_s"], data["simulated_s"], data["simulated_measured_s"],
+                   data["reference_stage"], [StageRow(**{k: s[k] for k in names}) for s in data["stages"]],
+                   dict(data["parts_s"]))
 
 
 def measured_stages(ranks: list[dict[str, Any]]) -> list[dict[str, float]]:

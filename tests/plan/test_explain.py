@@ -10,7 +10,7 @@ import json
 import pytest
 
 from lightning_pipedream.cli import main
-from lightning_pipedream.plan.explain import PARTS, ExplainError, explain, measured_profile, replan
+from lightning_pipedream.plan.explain import PARTS, ExplainError, Explanation, explain, measured_profile, replan
 from lightning_pipedream.plan.partition import Plan, StagePlan, partition
 from lightning_pipedream.plan.profile import LayerProfile, Profile
 from lightning_pipedream.plan.topology import Topology
@@ -60,9 +60,10 @@ def test_the_parts_add_up_to_the_gap_and_name_the_slow_stage(schedule: str, chun
     assert e.slowest == 2 and e.parts["imbalance"] > 0
     assert e.parts["update"] == pytest.approx(0.7 * MS) and e.parts["outside"] == pytest.approx(5 * MS)
     table = e.table()
-    assert "stage 2's compute is 2.33x its profile, the most" in table
+    assert "stage 0 1.00x, stage 1 1.05x, stage 2 2.33x, stage 3 1.00x; furthest above: stage 2" in table
     assert f"gap {e.gap * 1e3:+.1f} ms" in table
-    assert json.loads(json.dumps(e.to_json()))["parts_s"] == pytest.approx(e.parts)
+    back = Explanation.from_json(json.loads(json.dumps(e.to_json())))
+    assert back.table() == table and back.parts == pytest.approx(e.parts)
 
 
 def test_replicas_are_averaged_and_a_stage_without_steps_is_refused_in_words() -> None:
@@ -112,7 +113,7 @@ def test_plan_from_trace_and_show_trace_on_the_command_line(tmp_path, capsys) ->
     saved = tmp_path / "again.json"
     assert main(["plan", "--from-trace", path, "--save", str(saved)]) == 0
     out = capsys.readouterr().out
-    assert "where the gap went (stage 0's compute is 1.50x its profile, the most)" in out
+    assert "where the gap went (measured compute over the profile's: stage 0 1.50x, stage 1 1.00x" in out
     assert "layers per stage [4, 4] -> [3, 5]" in out
     assert Plan.load(saved).balance == [3, 5]
     assert main(["plan", "--from-trace", path, "--json"]) == 0

@@ -128,7 +128,7 @@ def _check_explained_and_planned_again(out: Path, capsys) -> None:
     again = explain(plan, measured)
     assert again.gap == pytest.approx(explanation["gap_s"]) and again.parts == pytest.approx(parts)
     assert main(["show", "--trace", str(trace_path), "--last", "0"]) == 0
-    assert f"where the gap went (stage {slow_stage}'s compute is" in capsys.readouterr().out
+    assert f"furthest above: stage {slow_stage})" in capsys.readouterr().out
     assert main(["plan", "--from-trace", str(trace_path), "--json"]) == 0
     replanned = json.loads(capsys.readouterr().out)
     assert replanned["after"][slow_stage] < replanned["before"][slow_stage], replanned
