@@ -143,14 +143,27 @@ def main() -> None:
     result = {
         "command": "python -m benchmarks.speed.replan " + " ".join(sys.argv[1:]),
         "cpus": os.cpu_count(), "load_before": load_before, "load_after": os.getloadavg(), "spec": SPEC,
-        "median_step_s": {kind: statistics.median(r[kind]["step_s"] for r in rounds)
-                          for kind in ("profiled", "replanned")},
-        "median_step_ratio_replanned_over_profiled": statistics.median(
-            r["step_ratio_replanned_over_profiled"] for r in rounds),
+        **summary_of(rounds),
         "rounds": rounds,
     }
     Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps({k: result[k] for k in ("median_step_s", "median_step_ratio_replanned_over_profiled")}))
+    print(json.dumps(summary_of(rounds)))
+
+
+def summary_of(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over the rounds: each fit's mean step and its slowest stage's compute (the bottleneck the split
+    decides), and the rounds' ratios replanned / profiled of both."""
+    kinds = ("profiled", "replanned")
+    return {
+        "median_step_s": {k: statistics.median(r[k]["step_s"] for r in rounds) for k in kinds},
+        "median_bottleneck_compute_s": {k: statistics.median(max(r[k]["stage_compute_s"]) for r in rounds)
+                                        for k in kinds},
+        "median_step_ratio_replanned_over_profiled": statistics.median(
+            r["step_ratio_replanned_over_profiled"] for r in rounds),
+        "median_bottleneck_ratio_replanned_over_profiled": statistics.median(
+            max(r["replanned"]["stage_compute_s"]) / max(r["profiled"]["stage_compute_s"]) for r in rounds),
+        "balances": [[r["profiled"]["balance"], r["replanned"]["balance"]] for r in rounds],
+    }
 
 
 if __name__ == "__main__":
