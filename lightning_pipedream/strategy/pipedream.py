@@ -159,7 +159,8 @@ class PipeDreamStrategy(DDPStrategy):
         checkpoint: ``"sharded"``: a checkpoint is a directory in which each rank writes its own stage's weights and
             optimizer state by parameter name (torch.distributed.checkpoint and ``meta.pt``; it resumes on any layout;
             ``python -m lightning_pipedream checkpoint consolidate`` makes one file of it); ``"full"``: one file in
-            single-device form, gathered on rank 0; ``"auto"`` (default): sharded from 1 GiB of weights, else full.
+            single-device form, gathered on rank 0; ``"auto"`` (default): sharded from 1 GiB of weights, else full;
+            ``"sharded-async"``: sharded, a fit's saves written in the background (docs/strategy.md, "Long runs").
     """
 
     strategy_name = "pipedream"
@@ -381,6 +382,7 @@ class PipeDreamStrategy(DDPStrategy):
             drain_before_callbacks(trainer, self.drain, self._pipeline_failed)
         self._failure = None
         self.checkpoints.after_setup(self._pipeline)  # a sharded checkpoint's weights, now that the stage exists
+        self.checkpoints.open_background(fitting)  # checkpoint="sharded-async": a fit's saves in the background
         stream_saves(trainer)  # trainer.save_checkpoint writes a single file stage by stage
 
     def _ranks(self) -> Ranks:
@@ -523,6 +525,10 @@ class PipeDreamStrategy(DDPStrategy):
                               device=self.root_device)
 
     @override
+    def remove_checkpoint(self, filepath: Any) -> None:  # ModelCheckpoint's older ones: after the save in flight
+        self.checkpoints.remove(os.fspath(filepath), lambda: super(PipeDreamStrategy, self).remove_checkpoint(filepath))
+
+    @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         return self.checkpoints.load(os.fspath(checkpoint_path), weights_only,
                                      lambda path: DDPStrategy.load_checkpoint(self, path, weights_only))
@@ -542,11 +548,13 @@ class PipeDreamStrategy(DDPStrategy):
         self.drain()
         if self._training is not None and self._failure is None:
             self._training.finish()  # still on its way: summaries, SIGTERM flags; the last steps' figures, the trace
+        self.checkpoints.end_background()  # the last asynchronous save is complete before fit returns
         super().on_train_end()
 
     @override
     def teardown(self) -> None:
         try:
+            self.checkpoints.end_background(failed=self._failure is not None)
             self._teardown_module()
         finally:
             if self._keeping_freed_memory:  # training is over: the process gives its freed memory back

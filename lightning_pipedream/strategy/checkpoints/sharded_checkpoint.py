@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import glob
+import io
 import os
 import shutil
 import sys
@@ -38,6 +39,7 @@ from lightning_pipedream.runtime.stages.named_tensors import (
     write_named,
 )
 from lightning_pipedream.runtime.stages.sharding import sharded_model_state
+from lightning_pipedream.strategy.checkpoints.async_save import ASYNC_MODE, BackgroundSaves
 from lightning_pipedream.strategy.checkpoints.checkpoint import (
     CheckpointGather,
     OptimizerLayout,
@@ -67,7 +69,7 @@ class StagePipeline(Protocol):
     def optimizer_state(self, optimizer: torch.optim.Optimizer, index: int) -> dict[str, Tensor]: ...
     def load_optimizer_states(self, optimizers: list[torch.optim.Optimizer], states: list[dict]) -> None: ...
 
-CHECKPOINT_MODES = ("auto", "sharded", "full")
+CHECKPOINT_MODES = ("auto", "sharded", "sharded-async", "full")
 SHARDED_FROM = 2**30  # checkpoint="auto": a model whose state dict has this many bytes or more saves sharded
 META_FILE = "meta.pt"  # Lightning's name (lightning.fabric.utilities.load._METADATA_FILENAME)
 INFO = "pipedream_sharded"  # meta.pt's entry that says what wrote it: the model, its keys, its optimizers' names
@@ -80,7 +82,8 @@ def check_checkpoint_mode(mode: str) -> str:
     if mode not in CHECKPOINT_MODES:
         raise ValueError(
             f"PipeDreamStrategy(checkpoint={mode!r}) is not a checkpoint form; use 'sharded' (a directory, each rank "
-            "writing its own stage), 'full' (one file gathered on rank 0) or 'auto' (sharded from 1 GiB of weights)."
+            "writing its own stage), 'sharded-async' (the same, written in the background while training goes on), "
+            "'full' (one file gathered on rank 0) or 'auto' (sharded from 1 GiB of weights)."
         )
     return mode
 
@@ -151,6 +154,7 @@ class PipelineCheckpoints:
         self.model_bytes: int | None = None  # the whole model's state dict, measured before setup splits it
         # what to load once the stage exists: a sharded checkpoint, or a file's state dict for a model built on meta
         self.pending: tuple[SavedShards | dict[str, Any], bool] | None = None
+        self.background = BackgroundSaves()  # checkpoint="sharded-async": the save in flight, its group and memory
 
     def measure(self, module: torch.nn.Module) -> None:
         """The whole model's size (meta tensors count by shape), for ``checkpoint="auto"``; once, before the split."""
@@ -159,7 +163,20 @@ class PipelineCheckpoints:
 
     @property
     def sharded(self) -> bool:
-        return self.mode == "sharded" or (self.mode == "auto" and (self.model_bytes or 0) >= SHARDED_FROM)
+        return self.mode in ("sharded", ASYNC_MODE) or (self.mode == "auto" and (self.model_bytes or 0) >= SHARDED_FROM)
+
+    def open_background(self, fitting: bool) -> None:
+        """A fit's saves go to the background (``checkpoint="sharded-async"``) from setup to the end of training."""
+        self.background.open = fitting and self.mode == ASYNC_MODE
+
+    def end_background(self, failed: bool = False) -> None:
+        """The end of training (or of a failed fit, whose save's own error would hide the failure): wait for the save
+        in flight; saves after it are written before they return."""
+        self.background.close(raise_errors=not failed)
+
+    def remove(self, path: str, remove: Callable[[], None]) -> None:
+        """Remove checkpoint ``path`` (``remove`` does it), once the save in flight, if any, is complete."""
+        self.background.remove_after(remove)
 
     # -- saving ----------------------------------------------------------------------------------------------------
     def model_state(self, pipeline: StagePipeline, is_global_zero: bool) -> dict[str, Any]:
@@ -181,8 +198,8 @@ class PipelineCheckpoints:
              storage_options: Any | None = None, streamable: bool = False,
              device: torch.device | None = None) -> None:
         """Every rank calls it: sharded, each writes its share into ``<path>.tmp-<pid>`` and rank 0 renames it into
-        place; full, rank 0 writes the file (``write_full``) that the gather made, or inside ``trainer.save_checkpoint``
-        the file stage by stage (``streamable``: rank 0 writes it itself, each rank's tensors received in turn;
+        place (``sharded-async`` during a fit: in the background, :mod:`.async_save`); full, rank 0 writes the file
+        (``write_full``) that the gather made, or inside ``trainer.save_checkpoint`` the file stage by stage (``streamable``: rank 0 writes it itself, each rank's tensors received in turn;
         else the stand-ins are filled in on rank 0 first and ``write_full`` writes the whole dict)."""
         if self.sharded and storage_options is not None:
             raise TypeError(
@@ -190,6 +207,8 @@ class PipelineCheckpoints:
                 "without the CheckpointIO, so it takes no storage_options. Use checkpoint='full' to save through the "
                 "CheckpointIO with storage_options, or save to a local path."
             )
+        background = self.background.open and self.mode == ASYNC_MODE
+        self.background.wait()  # the save in flight first, whatever this one is (one at a time, in order)
         stream = pipeline.checkpoint.stream
         if not self.sharded and stream is not None:  # every rank: rank 0 writes, the others send their tensors
             from lightning_pipedream.strategy.checkpoints.single_file import fill_in, message_device, write_streamed
@@ -219,9 +238,12 @@ class PipelineCheckpoints:
         for i, share in enumerate(optimizers or []):
             for name, state in share["state"].items():
                 named.update({f"{optimizer_prefix(i)}{name}/{key}": value for key, value in state.items()})
-        write_named(named, temporary)  # collective: each rank writes its own; rank 0 the global metadata
+        if not background:
+            write_named(named, temporary)  # collective: each rank writes its own; rank 0 the global metadata
         groups = [pipeline.checkpoint.gather(share["groups"]) for share in optimizers or []]  # settings, no tensors
         if not is_global_zero:
+            if background:
+                self.background.start(named, temporary, path, checkpoint.get("global_step", 0), None)
             return
         layouts = pipeline.optimizer_layouts
         if optimizers is not None:  # each optimizer's groups in single-device form; the state is in the shards
@@ -231,6 +253,11 @@ class PipelineCheckpoints:
                             "keys": list(pipeline.checkpoint.full_keys),
                             "optimizers": [layout.groups for layout in layouts],
                             "world_size": pipeline.checkpoint.world_size}
+        if background:  # meta.pt as it is now (training goes on), written once every rank's data is
+            buffer = io.BytesIO()
+            torch.save(checkpoint, buffer)
+            self.background.start(named, temporary, path, checkpoint.get("global_step", 0), buffer.getvalue())
+            return
         _write_file(checkpoint, os.path.join(temporary, META_FILE))
         move_into_place(temporary, path)
 
