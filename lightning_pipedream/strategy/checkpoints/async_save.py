@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import shutil
 import threading
+import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -99,8 +100,10 @@ class BackgroundSaves:
                 _write_bytes(meta, os.path.join(temporary, META_FILE))
                 move_into_place(temporary, path)
 
-        future = dcp.async_save(named, storage_writer=_CompletingWriter(temporary, complete), process_group=self.group,
-                                async_stager=self.stager, no_dist=not distributed)
+        with warnings.catch_warnings():  # alone, torch says it assumes a single process: so it is
+            warnings.filterwarnings("ignore", message=".*assuming the intent")
+            future = dcp.async_save(named, storage_writer=_CompletingWriter(temporary, complete),
+                                    process_group=self.group, async_stager=self.stager, no_dist=not distributed)
         assert isinstance(future, Future)  # a stager that copies at once: the writing's future alone
         self.in_flight = _Save(path, step, future)
 
