@@ -1,6 +1,6 @@
 """A run that a kill interrupts and torchrun restarts: `torchrun ... restart_trainer.py OUT JSON_OPTIONS`.
 
-Options: schedule ("1f1b" or "pipedream"), checkpoint ("full" or "sharded"), max_steps, ckpt_path ("last"),
+Options: schedule ("1f1b" or "pipedream"), checkpoint ("full", "sharded" or "sharded-async"), max_steps, ckpt_path ("last"),
 plain_loader (a torch DataLoader instead of the StatefulDataLoader), time_interval (ModelCheckpoint's
 train_time_interval, in seconds, instead of steps) with clock_skew ({"rank", "rate", "offset"}: that rank's clock
 as ModelCheckpoint reads it runs ``rate`` times as fast, ``offset`` s ahead), every (ModelCheckpoint's
@@ -10,7 +10,8 @@ leaves the file ``killed``): SIGKILL, so no handler of this process runs:
 - "step": rank r, right after training step s ended (``on_train_batch_end`` with global_step s);
 - "transfer": rank r, in the middle of step s + 1, just after it posted a point-to-point send or receive;
 - "save": rank r, in the middle of the checkpoint save at global step s (sharded: after its own share is written and
-  before the directory is complete; full: rank 0 only writes, halfway through the file).
+  before the directory is complete; sharded-async: the same, in the background thread, while training goes on;
+  full: rank 0 only writes, halfway through the file).
 
 Every attempt fits with ``ckpt_path="last"`` and a torchdata StatefulDataLoader (shuffled), so the resumed run reads
 the rest of the interrupted epoch. At the end, each rank writes ``final_rank{r}.pt``: its stage's weights, its
@@ -137,6 +138,18 @@ def arm_save_kill(trainer: L.Trainer, step: int) -> None:
         fsync(path)
 
     single_file._fsync = written_then_die  # type: ignore[assignment]
+    from lightning_pipedream.strategy.checkpoints import async_save
+
+    write_data = async_save._CompletingWriter.write_data
+
+    def written_in_background_then_die(writer: Any, plan: Any, planner: Any) -> Any:
+        done = write_data(writer, plan, planner)  # in the background: the step the save holds is in its name
+        if f"step={step}.ckpt.tmp-" in os.path.basename(str(writer.path)):
+            done.wait()
+            die()
+        return done
+
+    async_save._CompletingWriter.write_data = written_in_background_then_die  # type: ignore[method-assign]
 
 
 class SkewedClock:

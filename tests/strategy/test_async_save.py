@@ -104,10 +104,10 @@ def test_one_save_in_flight_a_new_one_waits_for_it_and_reuses_its_memory(backgro
     assert second.is_alive() and writes.first_began() == [f"a.ckpt.tmp-{os.getpid()}"]  # b waits for a, not yet begun
     writes.go.set()
     second.join(60)
-    assert not second.is_alive() and writes.began == [f"a.ckpt.tmp-{os.getpid()}", f"b.ckpt.tmp-{os.getpid()}"]
-    assert is_sharded_checkpoint(tmp_path / "a.ckpt")  # whole before b began
+    assert not second.is_alive() and is_sharded_checkpoint(tmp_path / "a.ckpt")  # whole before b began
     assert background.background.stager is stager  # the same staging memory (torch's stager keeps its buffers)
     background.end_background()
+    assert writes.began == [f"a.ckpt.tmp-{os.getpid()}", f"b.ckpt.tmp-{os.getpid()}"]
     assert consolidate(str(tmp_path / "b.ckpt"))["global_step"] == 16
 
 

@@ -23,6 +23,9 @@ CASES = {
     # a kill inside the save at step 24: the restart resumes from the previous complete checkpoint (16)
     "pipedream_sharded_kill_in_save": ("pipedream", "sharded", {"rank": 1, "step": 24, "during": "save"},
                                        "static", 1, 16),
+    # the same in an asynchronous save: rank 1 dies in the background once its data is written, training going on
+    "pipedream_async_kill_in_save": ("pipedream", "sharded-async", {"rank": 1, "step": 24, "during": "save"},
+                                     "static", 1, 16),
     "1f1b_full_kill_in_save": ("1f1b", "full", {"rank": 0, "step": 24, "during": "save"}, "static", 1, 16),
     # two "nodes" of one process each on loopback, the c10d rendezvous, a kill in the middle of a transfer
     "pipedream_sharded_two_nodes_kill_in_transfer": ("pipedream", "sharded", {"rank": 0, "step": 21,

@@ -68,6 +68,10 @@ RUNS: dict[str, dict] = {
                  "model": {"width": 512, "hidden": 4, "optimizer": "adam"},
                  "strategy": {**SHARDED, "stages": 2, "balance": [6, 5], "shard": "grad_op"}},
     "resumed-2": {**RESUME, "devices": 2, "resume": FROM_4, "strategy": {**SHARDED, "balance": [4, 3]}},
+    # sharded-4 again, each epoch's save written in the background; resumed on 2 stages as resumed-2 resumes sharded-4
+    "async-4": {**RESUME, "devices": 4, "strategy": {**SHARDED, "checkpoint": "sharded-async", "balance": [2, 2, 2, 1]}},
+    "async-resumed-2": {**RESUME, "devices": 2, "resume": "{runs}/async-4/epoch=1-step=2.ckpt",
+                        "strategy": {**SHARDED, "balance": [4, 3]}},
     # Asynchronous schedules (weight stashing, 2BW's two versions) drain before saving: sharded holds what full does.
     "pipedream-2": {"devices": 2, "max_steps": 3, "also_full": True, "strategy": {"schedule": "pipedream",
                     "checkpoint": "sharded"}},
@@ -120,6 +124,35 @@ def test_a_4_stage_checkpoint_resumes_on_other_layouts(runs, resumed):
     assert list(got) == list(want)
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def assert_same_checkpoint(got: dict, want: dict) -> None:
+    """Weights, optimizer state and global step ``torch.equal``."""
+    assert got["global_step"] == want["global_step"] and list(got["state_dict"]) == list(want["state_dict"])
+    for name, tensor in want["state_dict"].items():
+        assert torch.equal(got["state_dict"][name], tensor), name
+    (mine,), (theirs,) = got["optimizer_states"], want["optimizer_states"]
+    assert mine["param_groups"] == theirs["param_groups"] and sorted(mine["state"]) == sorted(theirs["state"])
+    for index, state in theirs["state"].items():
+        assert state.keys() == mine["state"][index].keys()
+        assert all(torch.equal(mine["state"][index][k], v) for k, v in state.items()), index
+
+
+@pytest.mark.multiprocess
+def test_an_asynchronous_save_holds_and_resumes_what_the_synchronous_one_does(runs):
+    """checkpoint="sharded-async" (4 stages, a save at each epoch's end, training going on while it is written): each
+    checkpoint equals the synchronous run's, and the run resumed from its step-2 checkpoint on 2 stages ends where
+    the one resumed from the synchronous checkpoint ends."""
+    for step in range(1, 5):
+        name = f"epoch={step - 1}-step={step}.ckpt"
+        got, want = consolidate(str(runs["async-4"] / name)), consolidate(str(runs["sharded-4"] / name))
+        assert got["global_step"] == step
+        assert_same_checkpoint(got, want)
+    assert not list(runs["async-4"].glob("*.tmp-*"))  # every save finished before the fit returned
+    assert losses(runs["async-resumed-2"]) == losses(runs["resumed-2"])
+    got, want = consolidate(str(runs["async-resumed-2"] / "final.ckpt")), consolidate(str(runs["resumed-2"] / "final.ckpt"))
+    assert got["global_step"] == 4
+    assert_same_checkpoint(got, want)
 
 
 @pytest.mark.multiprocess

@@ -22,6 +22,7 @@ import threading
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +31,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+from lightning_pipedream.runtime.faults.failures import pipeline_failures
 from lightning_pipedream.runtime.faults.timeouts import group_timeout
 
 ASYNC_MODE = "sharded-async"
@@ -122,7 +124,13 @@ class BackgroundSaves:
         save = self.in_flight
         if save is None:
             return
-        error = save.future.exception()
+        error = None
+        try:  # distributed: a peer lost meanwhile is named, and a failure here stops every peer with its reason
+            with pipeline_failures(None, waiting=f"the asynchronous save of {save.path}") if (
+                    raise_errors and self.group is not None) else nullcontext():
+                save.future.result()
+        except BaseException as err:  # noqa: BLE001  (raised again below, in words that name the save)
+            error = err
         self.in_flight = None
         if error is None:
             for remove in save.removals:
@@ -143,9 +151,15 @@ class BackgroundSaves:
             self.wait()
 
     def close(self, raise_errors: bool = True) -> None:
-        """The fit's end: wait for the last save; saves from here on are written before they return."""
+        """The fit's end: wait for the last save; saves from here on are written before they return, and the staging
+        memory goes back (a next fit makes it again)."""
         self.open = False
-        self.wait(raise_errors)
+        try:
+            self.wait(raise_errors)
+        finally:
+            if self.stager is not None and self.in_flight is None:
+                self.stager.close()
+                self.stager = None
 
 
 def _write_bytes(data: bytes, path: str) -> None:

@@ -199,8 +199,9 @@ class PipelineCheckpoints:
              device: torch.device | None = None) -> None:
         """Every rank calls it: sharded, each writes its share into ``<path>.tmp-<pid>`` and rank 0 renames it into
         place (``sharded-async`` during a fit: in the background, :mod:`.async_save`); full, rank 0 writes the file
-        (``write_full``) that the gather made, or inside ``trainer.save_checkpoint`` the file stage by stage (``streamable``: rank 0 writes it itself, each rank's tensors received in turn;
-        else the stand-ins are filled in on rank 0 first and ``write_full`` writes the whole dict)."""
+        (``write_full``) that the gather made, or inside ``trainer.save_checkpoint`` the file stage by stage
+        (``streamable``: rank 0 writes it itself, each rank's tensors received in turn; else the stand-ins are filled
+        in on rank 0 first and ``write_full`` writes the whole dict)."""
         if self.sharded and storage_options is not None:
             raise TypeError(
                 "PipeDreamStrategy(checkpoint='sharded') writes a directory on a local or shared filesystem itself, "
