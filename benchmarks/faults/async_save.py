@@ -17,7 +17,8 @@ synchronous save, the writing; ``previous_done`` False when it first waited for 
 time from one ``on_train_batch_end`` to the next, less the save inside it, labelled ``during_async`` when an
 asynchronous save was being written while it ran, ``quiet`` when no save was (the steps right after a synchronous
 save included). Figures: each kind's median over the rounds (and the rounds), ``async_stall_over_step`` (the median
-asynchronous stall over the median quiet step), ``sync_over_async_stall``, and steps per second during an
+asynchronous stall over the median quiet step), ``sync_over_async_stall`` (of the medians; ``_by_round``: each
+round's pair), and steps per second during an
 asynchronous save against quiet. The machine's load average before and after is in the JSON: the figures are
 noisy on a shared machine.
 """
@@ -102,11 +103,13 @@ def _worker(spec: dict) -> None:
                 self.in_flight = kind == "async"
                 if index >= 2:  # previous_done: False if the save had to wait for the one before to finish
                     self.saves.append({"round": pair - 1, "kind": kind, "stall_s": stall, "step": step,
-                                       "previous_done": not writing_before})
+                                       "previous_done": not writing_before, **parts})
+                parts.clear()
                 if index >= 1:  # the one before goes (after the save in flight is complete, if any)
                     trainer.strategy.remove_checkpoint(out / f"save-{index - 1}.ckpt")
             self.last = time.perf_counter()
 
+    parts = _time_parts()
     torch.manual_seed(0)  # every rank the same data
     batch = spec["batch"]
     data = TensorDataset(torch.randn(batch * 4, width), torch.randn(batch * 4, width))
@@ -123,23 +126,57 @@ def _worker(spec: dict) -> None:
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 
+def _time_parts() -> dict[str, float]:
+    """Where a save's stall goes, filled in at each save: ``strategy_s`` (the strategy's save: paths, the optimizers'
+    groups, ``meta.pt``, and the writing or its start), ``start_s`` (of which: starting the background save) and
+    ``copy_s`` (of which: the copy into the staging memory); the rest of ``stall_s`` is Lightning's (its checkpoint
+    dict, the drain, its barrier)."""
+    from lightning_pipedream.strategy.checkpoints import async_save, sharded_checkpoint
+
+    parts: dict[str, float] = {}
+
+    def timed(owner: object, name: str, key: str) -> None:
+        original = getattr(owner, name)
+
+        def call(*args, **kwargs):  # type: ignore[no-untyped-def]
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                parts[key] = parts.get(key, 0.0) + time.perf_counter() - start
+
+        setattr(owner, name, call)
+
+    timed(sharded_checkpoint.PipelineCheckpoints, "save", "strategy_s")
+    timed(async_save.BackgroundSaves, "start", "start_s")
+    timed(async_save._ReusedStaging, "stage", "copy_s")
+    return parts
+
+
 def _summary(ranks: list[dict]) -> dict:
     """Medians over the rounds: each save kind's stall (the slower rank's, as the pipeline waits for it), the steps'
     seconds by kind (every rank's), and the ratios."""
     stalls: dict[str, list[float]] = {"async": [], "sync": []}
+    by_round: dict[int, dict[str, float]] = {}
     for save in ranks[0]["saves"]:
         same = [next(s for s in r["saves"] if s["step"] == save["step"]) for r in ranks]
         stalls[save["kind"]].append(max(s["stall_s"] for s in same))
+        by_round.setdefault(save["round"], {})[save["kind"]] = stalls[save["kind"]][-1]
     steps = {kind: [s["seconds"] for r in ranks for s in r["steps"] if s["kind"] == kind]
              for kind in ("quiet", "during_async")}
     step = statistics.median(steps["quiet"])
     during = statistics.median(steps["during_async"]) if steps["during_async"] else None
+    asynchronous = [s for r in ranks for s in r["saves"] if s["kind"] == "async"]
+    parts = {key: statistics.median(s.get(key, 0.0) for s in asynchronous)
+             for key in ("strategy_s", "start_s", "copy_s")}
     return {
         "async_stall_s": spread(stalls["async"]), "sync_stall_s": spread(stalls["sync"]),
+        "async_stall_parts_s": parts,
         "step_s_quiet": spread(steps["quiet"]),
         "step_s_during_async": spread(steps["during_async"]) if during is not None else None,
         "async_stall_over_step": statistics.median(stalls["async"]) / step,
         "sync_over_async_stall": statistics.median(stalls["sync"]) / statistics.median(stalls["async"]),
+        "sync_over_async_stall_by_round": spread([r["sync"] / r["async"] for r in by_round.values()]),
         "steps_per_s_quiet": 1 / step,
         "steps_per_s_during_async": 1 / during if during else None,
     }
