@@ -17,7 +17,6 @@ complete one.
 from __future__ import annotations
 
 import os
-import shutil
 import threading
 import warnings
 from collections.abc import Callable
@@ -82,10 +81,12 @@ class BackgroundSaves:
         self.open = False  # saves go to the background only during a fit (the strategy opens and closes it)
         self._lock = threading.Lock()
 
-    def start(self, named: dict[str, Any], temporary: str, path: str, step: int, meta: bytes | None) -> None:
+    def start(self, named: dict[str, Any], temporary: str, path: str, step: int,
+              complete: Callable[[], None] | None) -> None:
         """Every rank: wait for the save before (one in flight), copy ``named`` into the staging memory (the only
-        wait), and write it into ``temporary`` in the background; rank 0 (``meta`` given) then writes ``meta.pt`` and
-        puts ``temporary`` in place at ``path``."""
+        wait), and write it into ``temporary`` in the background; rank 0 (``complete`` given) then, once every rank's
+        data and torch's metadata are written, runs ``complete`` (``meta.pt``, and ``temporary`` put in place at
+        ``path``)."""
         import torch.distributed.checkpoint as dcp
 
         self.wait()
@@ -95,16 +96,9 @@ class BackgroundSaves:
         if distributed and self.group is None:  # every rank at its first save: a collective, at the same point
             self.group = dist.new_group(backend="gloo", timeout=group_timeout())  # the world's, not 30 min
 
-        def complete() -> None:
-            if meta is not None:
-                from lightning_pipedream.strategy.checkpoints.sharded_checkpoint import META_FILE, move_into_place
-
-                _write_bytes(meta, os.path.join(temporary, META_FILE))
-                move_into_place(temporary, path)
-
         with warnings.catch_warnings():  # alone, torch says it assumes a single process: so it is
             warnings.filterwarnings("ignore", message=".*assuming the intent")
-            future = dcp.async_save(named, storage_writer=_CompletingWriter(temporary, complete),
+            future = dcp.async_save(named, storage_writer=_CompletingWriter(temporary, complete or _nothing),
                                     process_group=self.group, async_stager=self.stager, no_dist=not distributed)
         assert isinstance(future, Future)  # a stager that copies at once: the writing's future alone
         self.in_flight = _Save(path, step, future)
@@ -162,16 +156,12 @@ class BackgroundSaves:
                 self.stager = None
 
 
-def _write_bytes(data: bytes, path: str) -> None:
+def _nothing() -> None:
+    pass
+
+
+def write_bytes(data: bytes, path: str) -> None:
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-
-
-def remove_path(path: str) -> None:
-    """A checkpoint file or a sharded directory, gone (as Lightning's checkpoint IO removes one)."""
-    if os.path.isdir(path):
-        shutil.rmtree(path, ignore_errors=True)
-    elif os.path.lexists(path):
-        os.remove(path)

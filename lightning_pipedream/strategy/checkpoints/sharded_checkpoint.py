@@ -39,7 +39,7 @@ from lightning_pipedream.runtime.stages.named_tensors import (
     write_named,
 )
 from lightning_pipedream.runtime.stages.sharding import sharded_model_state
-from lightning_pipedream.strategy.checkpoints.async_save import ASYNC_MODE, BackgroundSaves
+from lightning_pipedream.strategy.checkpoints.async_save import ASYNC_MODE, BackgroundSaves, write_bytes
 from lightning_pipedream.strategy.checkpoints.checkpoint import (
     CheckpointGather,
     OptimizerLayout,
@@ -257,7 +257,12 @@ class PipelineCheckpoints:
         if background:  # meta.pt as it is now (training goes on), written once every rank's data is
             buffer = io.BytesIO()
             torch.save(checkpoint, buffer)
-            self.background.start(named, temporary, path, checkpoint.get("global_step", 0), buffer.getvalue())
+
+            def complete() -> None:  # rank 0, in the background, once every rank's data is written
+                write_bytes(buffer.getvalue(), os.path.join(temporary, META_FILE))
+                move_into_place(temporary, path)
+
+            self.background.start(named, temporary, path, checkpoint.get("global_step", 0), complete)
             return
         _write_file(checkpoint, os.path.join(temporary, META_FILE))
         move_into_place(temporary, path)
