@@ -4,7 +4,7 @@ The pipeline waits only for a copy of its stage's tensors into memory kept for t
 ``DefaultStager``, which reuses its buffers while the tensors it copies live; pinned where CUDA is), then trains on
 while a thread writes that copy with torch.distributed.checkpoint's ``async_save``. The writes' collectives run on a
 gloo process group of their own, made once by every rank at its first save, so they never interleave with the
-pipeline's (docs: /work/coord/COLLECTIVES.md's rule, "a group of its own"). At most one save is in flight: a new
+pipeline's (docs/strategy.md, "Collectives": a group of its own). At most one save is in flight: a new
 save, and the end of the fit, wait for the one before. Completeness is the synchronous save's: rank 0 (torch's
 coordinator) writes ``meta.pt`` once every rank's data and torch's ``.metadata`` are in the temporary directory, then
 swaps it into place (:func:`~.sharded_checkpoint.move_into_place`); a checkpoint the strategy was told to remove
