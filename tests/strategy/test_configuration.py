@@ -193,3 +193,24 @@ def test_every_option_reaches_its_field_by_name_and_is_documented_once(tmp_path:
         "1f1b", 4, (3, 2), (1e9, 1e8), str(tmp_path))
     assert (options.check_finite, options.recompute, options.divergence_factor, options.transport,
             options.pretrained_prefix) == (True, (True, False), 3.0, "gloo", "model.")
+
+
+def test_a_balance_for_another_number_of_processes_after_a_torchrun_restart_says_to_plan_anew(monkeypatch):
+    """Under torchrun, a restart may bring fewer (or more) processes: a fixed balance= then cannot hold, and the
+    words say why and that an unset balance resumes on the new layout."""
+    from torch import nn
+
+    from lightning_pipedream.strategy.setup.options import PipelineOptions
+    from lightning_pipedream.strategy.setup.planning import LayerPlanner
+
+    planner = LayerPlanner(PipelineOptions(schedule="1f1b", balance=(4, 3)), None, None, None, True, None)
+    layers = nn.Sequential(*[nn.Linear(2, 2) for _ in range(7)])
+    assert planner.balance(layers, 2, None)[0] == [4, 3]
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    with pytest.raises(ValueError, match=re.escape(
+            "balance=[4, 3] lists 2 stages, but this start of the run has 1 process for the pipeline: torchrun "
+            "started it on another number of processes (a restart with --nnodes MIN:MAX after nodes were lost or "
+            "added, or the job started again with another --nproc-per-node). Checkpoints resume on any layout: "
+            "leave balance= unset (and stages=, plan=) so that each start plans its own stages, or give a balance "
+            "of 1 stage.")):
+        planner.balance(layers, 1, None)

@@ -3,10 +3,12 @@ newest complete checkpoint, and ends with the weights, optimizer state and globa
 
 Each case is one torchrun job of 2 processes (tests/scripts/restart_trainer.py, 15 batches an epoch, a checkpoint
 every 8 steps, ``fit(ckpt_path="last")``, a StatefulDataLoader); the uninterrupted runs are one job of their own.
+One launch starts the run again on fewer processes after each kill: 4, then 2, then 1.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -33,6 +35,25 @@ CASES = {
 }
 
 
+# Back on fewer processes: the same script started again by torchrun on fewer of them each time (as a restart with
+# `--nnodes MIN:MAX` after nodes were lost does): 4 processes, rank 1 killed after step 21 (no restart left); 2
+# processes, which resume from step 16 and lose rank 1 after step 27; 1 process, which resumes from step 24. Each
+# start plans the 7 layers anew on its processes; 1f1b is flushed, so every layout ends with the uninterrupted
+# 2-process run's weights. One launch of three torchrun jobs in a row, beside the others.
+FEWER = {"schedule": "1f1b", "checkpoint": "sharded", "max_steps": MAX_STEPS, "elastic": True,
+         "kill": [{"rank": 1, "step": 21, "world": 4}, {"rank": 1, "step": 27, "world": 2}]}
+
+
+def fewer_and_fewer(out: Path) -> tuple[list[int], str]:
+    """FEWER's three jobs, one after the other (4, 2, 1 processes): their exit codes and stderr, together."""
+    codes, texts = [], []
+    for nproc in (4, 2, 1):
+        (code,), text = finish_torchrun([start_torchrun(out, FEWER, nproc=nproc, max_restarts=0)])[0]
+        codes.append(code)
+        texts.append(text)
+    return codes, "\n".join(texts)
+
+
 # Time-based saves, rank 1's clock (as ModelCheckpoint reads it) 7 times as fast and 1000 s ahead of rank 0's.
 CLOCK = {"schedule": "pipedream", "max_steps": 24, "time_interval": 0.3,
          "clock_skew": {"rank": 1, "rate": 7.0, "offset": 1000.0}}
@@ -57,8 +78,13 @@ def jobs(tmp_path_factory) -> dict[str, tuple[Path, list[int], str]]:
         started[case] = (out, start_torchrun(out, {"schedule": schedule, "checkpoint": checkpoint, "kill": kill,
                                                    "max_steps": MAX_STEPS}, nproc=2 // nodes, nodes=nodes,
                                              rendezvous=rendezvous))
-    ended = finish_torchrun([job for _, job in started.values()], limit=TORCHRUN_LIMIT * 2)
-    return {name: (out, codes, text) for (name, (out, _)), (codes, text) in zip(started.items(), ended)}
+    fewer = tmp_path_factory.mktemp("fewer")
+    with ThreadPoolExecutor(1) as chain:  # its jobs in a row, while the others run
+        fewer_ended = chain.submit(fewer_and_fewer, fewer)
+        ended = finish_torchrun([job for _, job in started.values()], limit=TORCHRUN_LIMIT * 2)
+        jobs = {name: (out, codes, text) for (name, (out, _)), (codes, text) in zip(started.items(), ended)}
+        jobs["fewer"] = (fewer, *fewer_ended.result())
+    return jobs
 
 
 def assert_equal_ends(run: Path, reference: Path) -> None:
@@ -111,3 +137,27 @@ def test_time_based_saves_happen_at_the_same_step_on_every_stage_whatever_their_
     assert saves[0] == saves[1] and len(saves[0]) >= 1, saves
     written = sorted(int(p.name.split("step=")[1].split(".")[0]) for p in (root / "clock" / "checkpoints").iterdir())
     assert written == sorted(int(step) for step in saves[0])
+
+
+def test_a_run_restarted_on_fewer_processes_resumes_on_the_new_layout_as_if_never_stopped(jobs):
+    """4 processes -> 2 -> 1 (FEWER): each start resumes the newest checkpoint on its own layout, and the run ends
+    with the weights, optimizer state and global step of a run nobody stopped."""
+    out, codes, text = jobs["fewer"]
+    assert codes == [1, 1, 0], text[-6000:]  # the two killed jobs fail (no restart left); the last one ends the run
+    attempts = (out / "attempts_rank0.txt").read_text().split("\n")[:-1]
+    # (restart count, the step it resumed at, world size): the checkpoints at 16 and 24, on 2 then 1 process
+    assert [line.split() for line in attempts] == [["0", "0", "4"], ["0", "16", "2"], ["0", "24", "1"]], \
+        (attempts, text[-6000:])
+    got = torch.load(out / "final_rank0.pt")  # one process: the whole model
+    references, ref_codes, ref_text = jobs["references"]
+    assert ref_codes == [0], ref_text[-6000:]
+    want = [torch.load(references / "1f1b" / f"final_rank{rank}.pt") for rank in (0, 1)]
+    assert got["global_step"] == MAX_STEPS and got["world_size"] == 1
+    weights = {**want[0]["weights"], **want[1]["weights"]}
+    optimizer = {**want[0]["named_optimizer"], **want[1]["named_optimizer"]}
+    assert got["weights"].keys() == weights.keys() and got["named_optimizer"].keys() == optimizer.keys()
+    for name, tensor in weights.items():
+        assert torch.equal(got["weights"][name], tensor), name
+    for name, state in optimizer.items():
+        for key, value in state.items():
+            assert torch.equal(got["named_optimizer"][name][key], value), (name, key)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -54,6 +55,7 @@ class LayerPlanner:
         if options.plan_path is not None:
             return self._balance_from_plan_file(layers, num_stages, plan), plan
         if options.balance is not None:
+            check_fixed_stages(options.balance, num_stages)
             return check_balance(options.balance, len(layers), num_stages), plan
         if not options.straight and plan is not None:  # the replicating planner's choice
             return check_balance(plan.balance, len(layers), num_stages), plan
@@ -198,6 +200,21 @@ def shard_choice(shard: str | None, layers: nn.Sequential) -> str | None:
                          "replicas (tied parameters are not sharded yet).", owner[id(param)], index)
                 return None
     return shard
+
+
+def check_fixed_stages(balance: Any, num_stages: int) -> None:
+    """A ``balance=`` written for another number of processes than this start of the run has: under torchrun, most
+    likely a restart on fewer (or more) processes, which a checkpoint resumes on any layout if the stages are
+    planned anew."""
+    if len(balance) == num_stages or not any(name in os.environ for name in ("TORCHELASTIC_RUN_ID", "GROUP_RANK")):
+        return
+    raise ValueError(
+        f"balance={list(balance)} lists {len(balance)} stages, but this start of the run has {num_stages} "
+        f"{'process' if num_stages == 1 else 'processes'} for the pipeline: torchrun started it on another number "
+        "of processes (a restart with --nnodes MIN:MAX after nodes were lost or added, or the job started again "
+        "with another --nproc-per-node). Checkpoints resume on any layout: leave balance= unset (and stages=, "
+        f"plan=) so that each start plans its own stages, or give a balance of {num_stages} "
+        f"{'stage' if num_stages == 1 else 'stages'}.")
 
 
 def plan_mismatch_words(path: str, planned: list[str], names: list[str], where: str) -> str:
