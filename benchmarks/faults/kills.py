@@ -287,7 +287,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--kills", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="3 kills (one after a step, in a transfer, in a save)")
-    parser.add_argument("--out", type=Path, default=None, help=f"the JSON result (default {RESULT})")
+    parser.add_argument("--json", "--out", dest="out", type=Path, default=None,
+                        help=f"the JSON result (default {RESULT})")
     parser.add_argument("--keep", type=Path, default=None, help="keep the runs' folders here")
     parser.add_argument("--from-runs", type=Path, default=None,
                         help="no new run: read the finished jobs of an earlier --keep folder (a run cut short)")
