@@ -8,6 +8,7 @@ the checkpoint before) run in the launches of test_sharded_checkpoint.py and tes
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import threading
 from pathlib import Path
@@ -127,7 +128,9 @@ def test_a_checkpoint_to_remove_goes_only_once_the_save_in_flight_is_complete(ba
     assert not gone.exists()
 
 
-def test_a_failed_background_save_names_itself_and_keeps_the_checkpoint_before(background, tmp_path, monkeypatch):
+@pytest.mark.parametrize("failed_before_the_removal", [False, True])
+def test_a_failed_background_save_names_itself_and_keeps_the_checkpoint_before(background, tmp_path, monkeypatch,
+                                                                               failed_before_the_removal):
     save(background, Net(), tmp_path / "last.ckpt", step=8)
     background.background.wait()
     first = consolidate(str(tmp_path / "last.ckpt"))
@@ -139,7 +142,9 @@ def test_a_failed_background_save_names_itself_and_keeps_the_checkpoint_before(b
     old = tmp_path / "epoch=0-step=8.ckpt"
     old.write_bytes(b"")
     save(background, Net(), tmp_path / "last.ckpt", step=16)  # returns: the failure comes in the background
-    background.remove(str(old), lambda: os.remove(old))
+    if failed_before_the_removal:  # ModelCheckpoint's removal of the older one comes after the failure
+        concurrent.futures.wait([background.background.in_flight.future])
+    background.remove(str(old), lambda: os.remove(old))  # either way, said at the next save, not here
     with pytest.raises(RuntimeError) as raised:
         save(background, Net(), tmp_path / "other.ckpt", step=24)  # the next save waits for it, and says it failed
     message = " ".join(str(raised.value).split())

@@ -105,10 +105,13 @@ class BackgroundSaves:
 
     def remove_after(self, remove: Callable[[], None]) -> None:
         """Remove a checkpoint now, or, while a save is in flight, once it is complete (the newest complete
-        checkpoint is never removed before the one that replaces it is whole); not at all if that save fails."""
+        checkpoint is never removed before the one that replaces it is whole); not at all if that save fails.
+        A save that has failed already keeps the removal too: its error comes at the next save or at the fit's end
+        (:meth:`wait`), whether it failed before this call or after."""
         with self._lock:
-            if self.in_flight is not None and not self.in_flight.future.done():
-                self.in_flight.removals.append(remove)
+            save = self.in_flight
+            if save is not None and (not save.future.done() or save.future.exception() is not None):
+                save.removals.append(remove)
                 return
         self._settle()
         remove()
