@@ -164,3 +164,14 @@ def test_the_checkpoint_forms_name_the_asynchronous_one():
     with pytest.raises(ValueError, match=r"'sharded-async' \(the same, written in the background while training"):
         PipelineCheckpoints("async")
     assert PipelineCheckpoints("sharded-async").sharded
+
+
+def test_a_torch_without_dcp_s_stager_refuses_the_asynchronous_form_in_words(monkeypatch):
+    import torch.distributed.checkpoint.staging as staging
+
+    monkeypatch.delattr(staging, "DefaultStager")  # torch before 2.9 (the oldest the package accepts is 2.8)
+    with pytest.raises(ValueError, match=r"checkpoint='sharded-async' needs torch.distributed.checkpoint's "
+                                         r"DefaultStager, which torch .* lacks: install the torch that "
+                                         r"lightning_pipedream pins, or use checkpoint='sharded'"):
+        PipelineCheckpoints("sharded-async")
+    assert PipelineCheckpoints("sharded").sharded

@@ -28,7 +28,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from lightning_pipedream.runtime.faults.failures import pipeline_failures
 from lightning_pipedream.runtime.faults.timeouts import group_timeout
@@ -36,15 +35,27 @@ from lightning_pipedream.runtime.faults.timeouts import group_timeout
 ASYNC_MODE = "sharded-async"
 
 
-class _ReusedStaging(DefaultStager):
+def check_async_saves() -> None:
+    """Refuse, with the way out, a torch whose torch.distributed.checkpoint has no ``DefaultStager`` (before 2.9)."""
+    try:
+        from torch.distributed.checkpoint.staging import DefaultStager  # noqa: F401
+    except ImportError:
+        raise ValueError(f"checkpoint={ASYNC_MODE!r} needs torch.distributed.checkpoint's DefaultStager, which torch "
+                         f"{torch.__version__} lacks: install the torch that lightning_pipedream pins, or use "
+                         "checkpoint='sharded' (the same files, saved in the foreground).") from None
+
+
+def _reused_staging() -> Any:
     """torch's stager, copying in the caller's thread into the buffers of the save before (its storage cache);
-    async_save does not wait for it again (and does not call its deprecated ``synchronize_staging``)."""
+    async_save does not wait for it again (and does not call its deprecated ``synchronize_staging``). Made on first
+    use: torch before 2.9 has no ``DefaultStager`` (:func:`check_async_saves` refuses the mode there)."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-    _synchronize_after_execute = False
+    class ReusedStaging(DefaultStager):
+        _synchronize_after_execute = False
 
-    def __init__(self) -> None:
-        cuda = torch.cuda.is_available()
-        super().__init__(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
+    cuda = torch.cuda.is_available()
+    return ReusedStaging(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
                                         use_non_blocking_copy=cuda))
 
 
@@ -76,7 +87,7 @@ class BackgroundSaves:
 
     def __init__(self) -> None:
         self.group: Any = None
-        self.stager: _ReusedStaging | None = None
+        self.stager: Any = None
         self.in_flight: _Save | None = None
         self.open = False  # saves go to the background only during a fit (the strategy opens and closes it)
         self._lock = threading.Lock()
@@ -91,7 +102,7 @@ class BackgroundSaves:
 
         self.wait()
         if self.stager is None:
-            self.stager = _ReusedStaging()
+            self.stager = _reused_staging()
         distributed = dist.is_available() and dist.is_initialized()
         if distributed and self.group is None:  # every rank at its first save: a collective, at the same point
             self.group = dist.new_group(backend="gloo", timeout=group_timeout())  # the world's, not 30 min

@@ -39,7 +39,12 @@ from lightning_pipedream.runtime.stages.named_tensors import (
     write_named,
 )
 from lightning_pipedream.runtime.stages.sharding import sharded_model_state
-from lightning_pipedream.strategy.checkpoints.async_save import ASYNC_MODE, BackgroundSaves, write_bytes
+from lightning_pipedream.strategy.checkpoints.async_save import (
+    ASYNC_MODE,
+    BackgroundSaves,
+    check_async_saves,
+    write_bytes,
+)
 from lightning_pipedream.strategy.checkpoints.checkpoint import (
     CheckpointGather,
     OptimizerLayout,
@@ -151,6 +156,8 @@ class PipelineCheckpoints:
 
     def __init__(self, mode: str) -> None:
         self.mode = check_checkpoint_mode(mode)
+        if self.mode == ASYNC_MODE:
+            check_async_saves()
         self.model_bytes: int | None = None  # the whole model's state dict, measured before setup splits it
         # what to load once the stage exists: a sharded checkpoint, or a file's state dict for a model built on meta
         self.pending: tuple[SavedShards | dict[str, Any], bool] | None = None
