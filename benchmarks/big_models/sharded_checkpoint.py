@@ -100,34 +100,18 @@ def _worker(spec: dict) -> None:
     import lightning as L
     import torch
     import torch.distributed.checkpoint  # noqa: F401  (its import is not a save's memory)
-    from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
+    from benchmarks.common.wide_module import wide_module
     from lightning_pipedream import PipeDreamStrategy
 
     torch.set_num_threads(1)
     width, layers, out = spec["width"], spec["layers"], Path(spec["out"])
 
-    class Wide(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layers = None
-
-        def configure_model(self) -> None:  # each rank materializes only its stage
-            if self.layers is None:
-                self.layers = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
-
-        def forward(self, x):
-            return self.layers(x)
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            return nn.functional.mse_loss(self(x), y)
-
-        def configure_optimizers(self):
-            if spec.get("shard"):
-                return torch.optim.Adam(self.parameters(), lr=1e-4)
-            return torch.optim.SGD(self.parameters(), lr=1e-4, momentum=0.9)
+    def optimizer(params):  # type: ignore[no-untyped-def]
+        if spec.get("shard"):
+            return torch.optim.Adam(params, lr=1e-4)
+        return torch.optim.SGD(params, lr=1e-4, momentum=0.9)
 
     torch.manual_seed(0)  # every rank the same batch
     data = TensorDataset(torch.randn(8, width), torch.randn(8, width))
@@ -136,7 +120,7 @@ def _worker(spec: dict) -> None:
     trainer = L.Trainer(accelerator="cpu", devices=PROCESSES, strategy=strategy, max_steps=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         use_distributed_sampler=False)
-    trainer.fit(Wide(), DataLoader(data, batch_size=8))
+    trainer.fit(wide_module(width, layers, optimizer), DataLoader(data, batch_size=8))
     trainer.save_checkpoint(out / "warm.ckpt")  # first-call costs of a sharded save (its planner, gloo buffers)
     if spec.get("shard"):
         (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(_shard_worker(trainer, strategy, out)))

@@ -44,33 +44,17 @@ PROCESSES = 2
 def _worker(spec: dict) -> None:
     import lightning as L
     import torch
-    from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
+    from benchmarks.common.wide_module import wide_module
     from lightning_pipedream import PipeDreamStrategy
 
     torch.set_num_threads(1)
     width, layers, out = spec["width"], spec["layers"], Path(spec["out"])
     gap, rounds = spec["gap"], spec["rounds"]
 
-    class Wide(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layers = None
-
-        def configure_model(self) -> None:  # each rank materializes only its stage
-            if self.layers is None:
-                self.layers = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
-
-        def forward(self, x):  # type: ignore[no-untyped-def]
-            return self.layers(x)
-
-        def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
-            x, y = batch
-            return nn.functional.mse_loss(self(x), y)
-
-        def configure_optimizers(self):  # type: ignore[no-untyped-def]
-            return torch.optim.Adam(self.parameters(), lr=1e-5)
+    def optimizer(params):  # type: ignore[no-untyped-def]
+        return torch.optim.Adam(params, lr=1e-5)
 
     class Saves(L.Callback):
         """Every ``gap`` steps a save (async and sync in turn, paired by round); each step's time and kind."""
@@ -118,7 +102,7 @@ def _worker(spec: dict) -> None:
     trainer = L.Trainer(accelerator="cpu", devices=PROCESSES, strategy=strategy, max_steps=gap * (2 * rounds + 3),
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, use_distributed_sampler=False, callbacks=[saves])
-    trainer.fit(Wide(), DataLoader(data, batch_size=batch))
+    trainer.fit(wide_module(width, layers, optimizer), DataLoader(data, batch_size=batch))
     module, optimizer = strategy.lightning_module, trainer.optimizers[0]
     state = [*module.parameters(), *(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))]
     result = {"rank": trainer.global_rank, "saves": saves.saves, "steps": saves.steps[1:],  # the first: setup's too
@@ -149,7 +133,9 @@ def _time_parts() -> dict[str, float]:
 
     timed(sharded_checkpoint.PipelineCheckpoints, "save", "strategy_s")
     timed(async_save.BackgroundSaves, "start", "start_s")
-    timed(async_save._ReusedStaging, "stage", "copy_s")
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    timed(DefaultStager, "stage", "copy_s")  # the strategy's stager is torch's, copying in the caller's thread
     return parts
 
 
