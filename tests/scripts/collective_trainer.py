@@ -5,7 +5,9 @@ Options: schedule, chunks, devices, balance, batches, clip (gradient_clip_val, b
 every that many batches), hooks (collectives in on_train_batch_end: self.all_gather, self.log(sync_dist=True)),
 sigterm_at (rank 0 sends itself SIGTERM at that batch), spin_at (rank 0 spins in on_before_optimizer_step from that
 step: its peer waits in the tie's all-reduce), sigterm_peer_after (with spin_at: rank 0 sends SIGTERM to rank 1
-after that many seconds of spinning), timeout and patient_rank (that rank's timeout is 600 s). Each rank writes
+after that many seconds of spinning), timeout and patient_rank (that rank's timeout is 600 s), launcher_checks_every
+(seconds between the checks of Lightning's launcher on its child processes: 5 s as shipped, 0.1 s is torchrun's
+agent's pace, which ends every rank as soon as one exits). Each rank writes
 rank<R>.json (what it saw) and the run writes final.ckpt (every weight, by the module's names).
 """
 
@@ -132,6 +134,16 @@ def train(out_dir: str, options: dict[str, Any]) -> None:
     timeout = options.pop("timeout", LONG)
     timeout = LONG if rank == options.pop("patient_rank", None) else timeout
     schedule = options.pop("schedule", "pipedream")
+    checks_every = options.pop("launcher_checks_every", None)
+    if checks_every is not None:
+        from lightning.fabric.strategies.launchers import subprocess_script
+
+        shipped = subprocess_script._ChildProcessObserver.__init__
+
+        def observer(self: Any, main_pid: int, child_processes: list, sleep_period: int = 5) -> None:
+            shipped(self, main_pid, child_processes, sleep_period=checks_every)
+
+        subprocess_script._ChildProcessObserver.__init__ = observer
     watch = Watch(out, options)
     val_every = options.pop("val_every", None)
     clip = options.pop("clip", None)

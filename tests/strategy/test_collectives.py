@@ -163,8 +163,10 @@ def _one(tmp_path: Path, options: dict[str, Any]) -> str:
 def test_a_rank_blocked_in_the_ties_all_reduce_ends_every_rank_naming_it(tmp_path):
     # Rank 0 spins from step 30 (after its own all-reduce of that update): rank 1 waits in the tie's next all-reduce
     # and times out (10 s); rank 0 never waits (its timeout is 600 s) and can only have ended because it was told.
+    # The launcher checks its child (rank 1) at torchrun's pace: rank 1 waits at its exit for rank 0 to say where
+    # it was (at Lightning's 5 s pace that was a race, lost once in CI).
     err = fail(tmp_path, {"schedule": "pipedream", "devices": 2, "balance": [3, 2], "spin_at": 30, "timeout": 10,
-                          "patient_rank": 0})
+                          "patient_rank": 0, "launcher_checks_every": 0.1})
     assert "PipelineTimeoutError: Pipeline timeout: rank 1, step " in err, err[-4000:]
     timed_out = err[err.index("PipelineTimeoutError: Pipeline timeout: rank 1"):].splitlines()[0]
     assert "the tied weight '4.weight''s all-reduce with rank 0 (stage 1) got no answer within" in timed_out, timed_out

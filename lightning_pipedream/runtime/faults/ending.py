@@ -12,8 +12,8 @@ import time
 
 import torch.distributed as dist
 
-from lightning_pipedream.runtime.faults.flight import STOP_GRACE, post_error_soon, recorder
-from lightning_pipedream.runtime.faults.mailbox import ANSWERED, SILENT, mailbox, process_state
+from lightning_pipedream.runtime.faults.flight import HEARTBEAT, HUNG_GRACE, STOP_GRACE, post_error_soon, recorder
+from lightning_pipedream.runtime.faults.mailbox import ANSWERED, GONE, SILENT, Mailbox, mailbox, process_state
 
 log = logging.getLogger("lightning_pipedream")
 
@@ -38,6 +38,7 @@ def end_run(message: str, hung: tuple[int, ...] = (), here: bool = False) -> Non
             if box.is_local(rank) and (statuses.get(rank) == SILENT or box.local_state(rank) == "T"):
                 _kill(rank, "it is stopped or frozen")
         _end_local_peers_at_exit()
+        _wait_at_exit_for(tuple(rank for rank in hung if statuses.get(rank) == ANSWERED))
     exit_without_final_collections()
     world = dist.get_world_size() if dist.is_initialized() else 1
     if len(statuses) < world - 1 or any(status != ANSWERED for status in statuses.values()):
@@ -80,6 +81,38 @@ def _skip_final_collections_after_a_failure() -> None:
 
 
 atexit.register(_skip_final_collections_after_a_failure)
+
+
+_hung_to_wait_for: list[int] = []  # ranks named as hung that answered the stop request: they say where they were
+
+
+def _wait_at_exit_for(hung: tuple[int, ...]) -> None:
+    """At this process's exit, give the ranks named as hung (and able to obey) the time to print where they were.
+
+    Launchers end every rank as soon as one exits (Lightning's observes its children every 5 s, torchrun's agent
+    every 0.1 s): without this wait a hung rank could be killed before its watchdog, which obeys a stop request
+    within a heartbeat and a grace, writes its threads' stacks, which are the point of naming it."""
+    if not hung:
+        return
+    if not _hung_to_wait_for:
+        atexit.register(_wait_for_hung_ranks)
+    _hung_to_wait_for.extend(rank for rank in hung if rank not in _hung_to_wait_for)
+
+
+def _wait_for_hung_ranks() -> None:
+    box = mailbox()
+    deadline = _ending[0] + HUNG_GRACE + 2 * HEARTBEAT + 2.0
+    waiting = list(_hung_to_wait_for)
+    while waiting and time.monotonic() < deadline:
+        waiting = [rank for rank in waiting if not _gone(box, rank)]
+        if waiting:
+            time.sleep(0.1)
+
+
+def _gone(box: Mailbox, rank: int) -> bool:
+    if box.is_local(rank):
+        return box.local_state(rank) in (None, "Z")
+    return box.ask(rank, "report", 0.5)[0] == GONE
 
 
 def _end_local_peers_at_exit() -> None:
