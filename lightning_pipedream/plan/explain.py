@@ -7,6 +7,13 @@ the profile) and each rank's measured mean per training step (the runtime's acco
 Lightning: the strategy calls :func:`explain` at the end of a fit, ``python -m lightning_pipedream show --trace``
 from a merged trace's metadata.
 
+Like for like: the plan's figures are per minibatch of its profile (the strategy profiles the first training batch)
+and, with replicated stages, per replica with the minibatches shared among the replicas; a rank's training step may
+hold several of them (``minibatches_per_batch=k`` with a plan of one minibatch's profile: k; ``d`` data-parallel
+pipelines with a plan that counts them as replicas: d). Each rank's figures say how many
+(``minibatches_per_step``, default 1), and every measured figure is divided by it: the comparison is per minibatch
+of the plan on both sides. Replicas of a stage are averaged (the table gives their steps' range).
+
 How the gap between the plan's time per minibatch ``P`` and the measured step ``S`` (of the stage whose mean step is
 longest, the reference ``r``) is split; the parts add up to ``S - P`` exactly, by construction:
 
@@ -15,8 +22,13 @@ longest, the reference ``r``) is split; the parts add up to ``S - P`` exactly, b
 - **imbalance**: the simulator's step with every stage's times scaled to its measured compute, minus the same with
   the plan's (a stage whose compute is off its profile moves the whole pipeline, the more so if it is the slowest);
 - **communication**: stage ``r``'s waiting and transfer beyond the idle time the simulator gives it with the measured
-  compute (negative when the stage idled less than the schedule predicts);
-- **update**: stage ``r``'s optimizer step, which no profile times;
+  compute (its step less that compute and its predicted all-reduce; negative when the stage idled less than the
+  schedule predicts);
+- **update**: stage ``r``'s optimizer step, which no profile times, less the gradient all-reduce the plan predicts
+  for its replicas (``allreduce_s``): the strategy all-reduces a replicated stage's gradients right before each update,
+  inside the optimizer step that the accounts time as ``update`` (the runtime's ``ALLREDUCE_GRAD`` action is a no-op
+  there), so the all-reduce is compared where it is measured. The simulator counts the predicted all-reduce in the
+  stage's busy time, so **communication** is left with the point-to-point messages only;
 - **outside**: stage ``r``'s time outside the pipeline's actions: Lightning's per-step work, data loading.
 
 :func:`replan` scales each layer of the plan's profile by its stage's measured compute over its predicted compute
@@ -52,8 +64,9 @@ class ExplainError(InputFormatError):
 
 @dataclass
 class StageRow:
-    """One stage: predicted and measured compute per step (seconds), predicted and measured bubble (shares of the
-    step), and the measured parts of its mean step (seconds; replicas averaged)."""
+    """One stage: predicted and measured compute per minibatch of the plan (seconds), predicted and measured bubble
+    (shares of the step), the measured parts of its mean step (seconds; replicas averaged), the plan's all-reduce of
+    its replicas' gradients, and with replicas their number and their mean steps' range."""
 
     stage: int
     predicted_compute: float
@@ -64,6 +77,10 @@ class StageRow:
     update: float
     other: float
     step: float
+    predicted_allreduce: float = 0.0
+    replicas: int = 1
+    step_min: float | None = None
+    step_max: float | None = None
 
     @property
     def bubble(self) -> float:
@@ -86,6 +103,7 @@ class Explanation:
     reference: int  # the stage whose measured step is the figure explained
     stages: list[StageRow]
     parts: dict[str, float] = field(default_factory=dict)
+    minibatches_per_step: float = 1.0  # the plan's minibatches a training step held: the measured figures divided by it
 
     @property
     def measured(self) -> float:
@@ -107,22 +125,33 @@ class Explanation:
                 "other ms", "step ms")
         rows = [head]
         for s in self.stages:
+            step = f"{s.step * ms:.2f}"
+            if s.replicas > 1 and s.step_min is not None and s.step_max is not None:
+                step += f" ({s.replicas} replicas, {s.step_min * ms:.2f}-{s.step_max * ms:.2f})"
             rows.append((str(s.stage), f"{s.predicted_compute * ms:.2f} / {s.compute * ms:.2f}",
                          f"{s.predicted_bubble:.2f} / {s.bubble:.2f}", f"{s.wait * ms:.2f}", f"{s.transfer * ms:.2f}",
-                         f"{s.update * ms:.2f}", f"{s.other * ms:.2f}", f"{s.step * ms:.2f}"))
+                         f"{s.update * ms:.2f}", f"{s.other * ms:.2f}", step))
         widths = [max(len(r[c]) for r in rows) for c in range(len(head))]
         lines = ["  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
         ratios = ", ".join(f"stage {s.stage} {s.ratio:.2f}x" for s in self.stages)
+        n = self.minibatches_per_step
+        step = f"stage {self.reference}'s mean step"
+        if n != 1:  # the measured figures are per minibatch of the plan: a step held n of them
+            step += f" / {n:.3g}, the plan's minibatches per step"
+        allreduce = sum(s.predicted_allreduce for s in self.stages) > 0
         out = [f"time per minibatch: predicted {self.predicted * ms:.1f} ms, measured {self.measured * ms:.1f} ms "
-               f"(stage {self.reference}'s mean step), gap {self.gap * ms:+.1f} ms; schedule {self.schedule}", *lines,
+               f"({step}), gap {self.gap * ms:+.1f} ms; schedule {self.schedule}", *lines,
                f"where the gap went (measured compute over the profile's: {ratios}; furthest above: stage "
                f"{self.slowest}):"]
         words = max(len(w) for w in PART_WORDS.values())
         for part in PARTS:
             value = self.parts[part]
             share = f"  {value / self.gap:5.0%} of the gap" if self.gap > 0 else ""  # a share of a saving reads badly
-            out.append(f"  {PART_WORDS[part].ljust(words)}  {value * ms:+9.2f} ms{share}")
+            label = PART_WORDS[part]
+            if part == "update" and allreduce:
+                label = "optimizer update (beyond the plan's all-reduce)"
+            out.append(f"  {label.ljust(words)}  {value * ms:+9.2f} ms{share}")
         out.append(f"  {'total'.ljust(words)}  {sum(self.parts.values()) * ms:+9.2f} ms")
         return "\n".join(out)
 
@@ -130,6 +159,7 @@ class Explanation:
         return {"schedule": self.schedule, "predicted_s": self.predicted, "measured_s": self.measured,
                 "gap_s": self.gap, "simulated_s": self.simulated, "simulated_measured_s": self.simulated_measured,
                 "reference_stage": self.reference, "slowest_stage": self.slowest, "parts_s": dict(self.parts),
+                "minibatches_per_step": self.minibatches_per_step,
                 "stages": [dataclasses.asdict(s) | {"bubble": s.bubble} for s in self.stages]}
 
     @classmethod
@@ -137,13 +167,16 @@ class Explanation:
         """Back from :meth:`to_json` (a recipe's ``results.json``), e.g. to print its table again."""
         names = [f.name for f in dataclasses.fields(StageRow)]
         return cls(data["schedule"], data["predicted_s"], data["simulated_s"], data["simulated_measured_s"],
-                   data["reference_stage"], [StageRow(**{k: s[k] for k in names}) for s in data["stages"]],
-                   dict(data["parts_s"]))
+                   data["reference_stage"], [StageRow(**{k: s[k] for k in names if k in s}) for s in data["stages"]],
+                   dict(data["parts_s"]), data.get("minibatches_per_step", 1.0))
 
 
 def measured_stages(ranks: list[dict[str, Any]]) -> list[dict[str, float]]:
-    """Per stage (in order), the mean per step of each of :data:`MEASURED` over its replicas' ranks; ``ranks``: one
-    dict per rank with ``stage`` and those keys in seconds per step (ranks that ran no step are left out)."""
+    """Per stage (in order), the mean per minibatch of the plan of each of :data:`MEASURED` over its replicas' ranks,
+    and ``replicas``, ``step_min``, ``step_max`` (the replicas' range) and ``minibatches_per_step``; ``ranks``: one
+    dict per rank with ``stage`` and those keys in seconds per training step, and optionally
+    ``minibatches_per_step`` (how many of the plan's minibatches the step held; 1) (ranks that ran no step are left
+    out)."""
     by_stage: dict[int, list[dict[str, Any]]] = {}
     for r in ranks:
         if r.get("steps", 1) and r["step"] > 0:
@@ -151,8 +184,19 @@ def measured_stages(ranks: list[dict[str, Any]]) -> list[dict[str, float]]:
     if not by_stage or sorted(by_stage) != list(range(len(by_stage))):
         raise ExplainError(f"measured figures for stages {sorted(by_stage)}: every stage from 0 on needs one rank's "
                            "figures of at least one training step.")
-    return [{k: sum(float(r[k]) for r in by_stage[s]) / len(by_stage[s]) for k in MEASURED}
-            for s in range(len(by_stage))]
+    out = []
+    for s in range(len(by_stage)):
+        per = []
+        for r in by_stage[s]:
+            n = float(r.get("minibatches_per_step", 1.0))
+            if not n > 0:
+                raise ExplainError(f"rank figures with minibatches_per_step={n!r}: it counts the plan's minibatches "
+                                   "one training step held, a number > 0.")
+            per.append({k: float(r[k]) / n for k in MEASURED} | {"minibatches_per_step": n})
+        stage = {k: sum(p[k] for p in per) / len(per) for k in (*MEASURED, "minibatches_per_step")}
+        stage.update(replicas=len(per), step_min=min(p["step"] for p in per), step_max=max(p["step"] for p in per))
+        out.append(stage)
+    return out
 
 
 def _rank_of_plan_stages(plan: Plan, ranks: int) -> list[int]:
@@ -178,8 +222,10 @@ def explain(plan: Plan, ranks: list[dict[str, Any]]) -> Explanation:
     measured = measured_stages(ranks)
     owner = _rank_of_plan_stages(plan, len(measured))
     predicted = [0.0] * len(measured)
+    allreduce = [0.0] * len(measured)
     for i, s in enumerate(plan.stages):
         predicted[owner[i]] += s.compute_s
+        allreduce[owner[i]] += s.allreduce_s
     if not all(p > 0 for p in predicted):
         raise ExplainError("the plan has no compute time for every stage (a plan from balance= or a layer count, not "
                            "a profile): there is no prediction to explain. Let the strategy profile the model (no "
@@ -187,19 +233,25 @@ def explain(plan: Plan, ranks: list[dict[str, Any]]) -> Explanation:
     simulated = plan.simulated_time_per_minibatch()
     factors = [m["compute"] / p for m, p in zip(measured, predicted)]
     simulated_measured = _scaled(plan, factors).simulated_time_per_minibatch()
-    stages = [StageRow(k, p, max(0.0, 1.0 - p / simulated) if simulated > 0 else 0.0,
-                       *(m[key] for key in MEASURED)) for k, (p, m) in enumerate(zip(predicted, measured))]
+    # The simulator's stage is busy for its compute and its all-reduce (in its backward): the rest is its bubble.
+    stages = [StageRow(k, p, max(0.0, 1.0 - (p + a) / simulated) if simulated > 0 else 0.0,
+                       compute=m["compute"], wait=m["wait"], transfer=m["transfer"], update=m["update"],
+                       other=m["other"], step=m["step"], predicted_allreduce=a, replicas=int(m["replicas"]),
+                       step_min=m["step_min"], step_max=m["step_max"])
+              for k, (p, a, m) in enumerate(zip(predicted, allreduce, measured))]
     r = max(range(len(stages)), key=lambda k: stages[k].step)
     ref = stages[r]
-    idle = simulated_measured - ref.compute  # what the schedule leaves stage r idle, at the measured compute
+    # What the schedule leaves stage r idle at the measured compute; its predicted all-reduce is measured in `update`.
+    idle = simulated_measured - ref.compute - ref.predicted_allreduce
     parts = {
         "schedule": simulated - plan.time_per_minibatch,
         "imbalance": simulated_measured - simulated,
         "communication": ref.wait + ref.transfer - idle,
-        "update": ref.update,
+        "update": ref.update - ref.predicted_allreduce,
         "outside": ref.other,
     }
-    return Explanation(plan.schedule, plan.time_per_minibatch, simulated, simulated_measured, r, stages, parts)
+    n = sum(m["minibatches_per_step"] for m in measured) / len(measured)
+    return Explanation(plan.schedule, plan.time_per_minibatch, simulated, simulated_measured, r, stages, parts, n)
 
 
 def measured_profile(plan: Plan, ranks: list[dict[str, Any]]) -> Profile:
@@ -234,22 +286,29 @@ def measured_profile(plan: Plan, ranks: list[dict[str, Any]]) -> Profile:
 
 
 def replan(plan: Plan, ranks: list[dict[str, Any]]) -> Plan:
-    """A new straight plan (one stage per rank, as the run had) from :func:`measured_profile`, on the plan's
-    topology, for the same schedule and micro-batches; its ``extra["profile"]`` is the scaled profile."""
+    """A new plan from :func:`measured_profile`, on the plan's topology, for the same schedule and micro-batches: a
+    straight one (one stage per rank, as the run had), or for a plan with replicated stages one made as the strategy's
+    ``straight=False`` makes it (replication allowed, every process used); its ``extra["profile"]`` is the scaled
+    profile."""
     from lightning_pipedream.plan.partition import every_stage_trains_or_repartition, partition
     from lightning_pipedream.plan.topology import Topology
 
     profile = measured_profile(plan, ranks)
-    stages = len(measured_stages(ranks))
+    replicated = any(stage.replicas > 1 for stage in plan.stages)
+    workers = plan.num_workers if replicated else len(measured_stages(ranks))
     levels = [(int(level[0]), float(level[1])) for level in plan.topology or []]
-    if levels and Topology(levels).num_workers == stages:
-        topology = Topology(levels)
+    bandwidth = float(plan.topology[0][1]) if plan.topology else 1e9
+    flat = Topology.flat(workers, bandwidth)
+    topology = Topology(levels) if levels and Topology(levels).num_workers == workers else flat
+    if replicated:
+        new = partition(profile, topology, "pipedream", straight=False)
+        if sum(stage.replicas for stage in new.stages) != workers:  # it left processes idle: one stage per process
+            new = partition(profile, flat, "time")
+        topology = flat
     else:
-        bandwidth = float(plan.topology[0][1]) if plan.topology else 1e9
-        topology = Topology.flat(stages, bandwidth)
-    new = partition(profile, topology, "pipedream", straight=True)
-    if len(new.stages) != stages:  # the optimizer may leave workers idle; the pipeline runs one stage per rank
-        new = partition(profile, topology, "time")
+        new = partition(profile, topology, "pipedream", straight=True)
+        if len(new.stages) != workers:  # the optimizer may leave workers idle; the pipeline runs one stage per rank
+            new = partition(profile, topology, "time")
     new = every_stage_trains_or_repartition(new, profile, topology)
     new.schedule, new.chunks = plan.schedule, plan.chunks
     new.extra = {**new.extra, "profile": profile.to_json()}

@@ -137,3 +137,135 @@ def test_plan_from_trace_refuses_in_words(tmp_path, capsys) -> None:
         capsys.readouterr().err
     assert main(["plan", "--profile", str(flight)]) == 2
     assert "--workers and --bandwidth are required with --profile" in capsys.readouterr().err
+
+
+def _per_step(stage: int, compute: float, wait: float, transfer: float, update: float, other: float,
+              minibatches: float, replica: int = 0) -> dict[str, float]:
+    """A rank's figures per training step, saying how many of the plan's minibatches the step held."""
+    return {**_rank(stage, compute, wait, transfer, update, other), "replica": replica,
+            "minibatches_per_step": minibatches}
+
+
+def test_several_minibatches_per_step_are_compared_per_minibatch_of_the_plan() -> None:
+    from lightning_pipedream.strategy.reporting.explanation import minibatches_per_step
+
+    # A plan from a profile of one 16-sample minibatch (pipedream, 2 stages of 12 ms); the run cuts batches of 64 into
+    # minibatches_per_batch=4, so each training step runs 4 of the plan's minibatches.
+    plan = _planned(schedule="pipedream", chunks=1)
+    plan.extra["profile"] = {**plan.extra["profile"], "batch_size": 16}
+    n = minibatches_per_step(plan, 0, samples_per_step=64, minibatches_per_batch=4)
+    assert n == 4
+    # Without the profile's batch size the plan's minibatch is taken to be the run's: the same 4.
+    bare = Plan.from_json({**plan.to_json(), "extra": {}})
+    assert minibatches_per_step(bare, 1, samples_per_step=64, minibatches_per_batch=4) == 4
+    # Each stage computes what its profile says for each of the 4 minibatches; 4 updates, Lightning's work once.
+    ranks = [_per_step(0, 4 * 12 * MS, 0.4 * MS, 2 * MS, 4 * 0.5 * MS, 3 * MS, n),
+             _per_step(1, 4 * 12 * MS, 1.2 * MS, 1 * MS, 4 * 0.5 * MS, 3.4 * MS, n)]
+    e = explain(plan, ranks)
+    step = max(r["step"] for r in ranks)
+    assert e.minibatches_per_step == 4
+    # Per minibatch on both sides: the measured step over 4 against the plan's 12 ms.
+    assert e.predicted == pytest.approx(12 * MS) and e.measured == pytest.approx(step / 4)
+    assert e.gap == pytest.approx(step / 4 - 12 * MS)
+    assert sum(e.parts.values()) == pytest.approx(e.gap, abs=1e-12)
+    # The compute is as profiled: no imbalance (the per-step comparison called it 4x its profile, +36 ms).
+    assert [s.ratio for s in e.stages] == pytest.approx([1.0, 1.0])
+    assert e.parts["imbalance"] == pytest.approx(0.0, abs=1e-12)
+    assert e.parts["schedule"] == pytest.approx(0.0, abs=1e-8)  # the transfer at 1 TB/s
+    assert e.parts["update"] == pytest.approx(0.5 * MS) and e.parts["outside"] == pytest.approx(3.4 * MS / 4)
+    table = e.table()
+    assert "stage 1's mean step / 4, the plan's minibatches per step" in table and "stage 0 1.00x, stage 1 1.00x" in table
+    assert Explanation.from_json(json.loads(json.dumps(e.to_json()))).table() == table
+    # A plan the strategy made from the whole first batch (64 samples): a step held one minibatch of it.
+    whole = _planned(schedule="pipedream", chunks=1)
+    whole.extra["profile"] = {**whole.extra["profile"], "batch_size": 64}
+    assert minibatches_per_step(whole, 0, samples_per_step=64, minibatches_per_batch=4) == 1
+    # An epoch's smaller last batch lowers the mean samples per step, and so the minibatches held.
+    assert minibatches_per_step(whole, 0, samples_per_step=60, minibatches_per_batch=4) == pytest.approx(60 / 64)
+    # Planning again divides by the same count: the profile is left as it was, not scaled by 4.
+    assert [layer.forward_s for layer in measured_profile(plan, ranks).layers] == pytest.approx([1 * MS] * 8)
+
+
+def _replicated_plan(schedule: str, replicas: tuple[int, int], allreduce: tuple[float, float]) -> Plan:
+    """Two stages of 12 ms per 64-sample minibatch (4 forward, 8 backward), each replicated as said, as the partitioner
+    writes them: per replica, the minibatches shared among the replicas, and the gradient all-reduce amortized too."""
+    stages = [StagePlan([f"s{k}"], replicas=r, compute_s=12 * MS / r, forward_s=4 * MS / r, allreduce_s=a)
+              for k, (r, a) in enumerate(zip(replicas, allreduce))]
+    time = max(s.compute_s + s.allreduce_s for s in stages)
+    return Plan(stages, schedule=schedule, chunks=2, time_per_minibatch=time,
+                extra={"profile": {"batch_size": 64, "layers": []}})
+
+
+def test_data_parallel_pipelines_are_explained_per_minibatch_with_the_all_reduce_in_the_update() -> None:
+    from lightning_pipedream.strategy.reporting.explanation import fit_minibatches
+
+    # Two data-parallel pipelines of 2 stages on 4 processes ([2, 2]), planned with replication (straight=False):
+    # per replica each stage costs 6 ms + a 1 ms all-reduce per minibatch; every replica runs a whole batch of 64
+    # per step (its pipeline's), which is 2 of the plan's minibatches.
+    plan = _replicated_plan("1f1b", (2, 2), (1 * MS, 1 * MS))
+    per_step = fit_minibatches(plan, 2, samples_per_step=64, minibatches_per_batch=1, layout_replicas=None)
+    assert per_step == {0: 2.0, 1: 2.0}
+    simulated = plan.simulated_time_per_minibatch()
+    # Each replica computes its profile's 12 ms per step, all-reduces 2 ms (plus 0.6 ms of optimizer) in its update,
+    # and idles what the schedule leaves it; replica 1 of stage 1 waits 1 ms more.
+    idle = 2 * simulated - 12 * MS - 2 * MS
+    ranks = [_per_step(s, 12 * MS, idle + (1 * MS if (s, j) == (1, 1) else 0.0), 0.0, 2.6 * MS, 4 * MS, per_step[s], j)
+             for s in (0, 1) for j in (0, 1)]
+    e = explain(plan, ranks)
+    assert sum(e.parts.values()) == pytest.approx(e.gap, abs=1e-12)
+    assert e.reference == 1 and e.measured == pytest.approx((12 + 2.6 + 4) * MS / 2 + idle / 2 + 0.25 * MS)
+    assert e.gap == pytest.approx(e.measured - plan.time_per_minibatch)
+    assert [s.ratio for s in e.stages] == pytest.approx([1.0, 1.0])  # (a per-step comparison said 2x)
+    assert e.parts["imbalance"] == pytest.approx(0.0, abs=1e-12)
+    # The all-reduce is predicted (1 ms per minibatch) and measured in the update: the update part is the optimizer.
+    assert e.parts["update"] == pytest.approx(0.3 * MS)
+    # Communication: the replicas' mean wait beyond the idle time the schedule gives the stage.
+    assert e.parts["communication"] == pytest.approx(0.25 * MS)
+    assert e.parts["outside"] == pytest.approx(2 * MS)
+    assert [s.replicas for s in e.stages] == [2, 2]
+    assert e.stages[1].step_max - e.stages[1].step_min == pytest.approx(0.5 * MS)
+    assert [s.predicted_bubble for s in e.stages] == pytest.approx([1 - 7 * MS / simulated] * 2)
+    table = e.table()
+    s1 = e.stages[1]
+    assert f"{s1.step * 1e3:.2f} (2 replicas, {s1.step_min * 1e3:.2f}-{s1.step_max * 1e3:.2f})" in table
+    assert "optimizer update (beyond the plan's all-reduce)" in table
+    assert Explanation.from_json(json.loads(json.dumps(e.to_json()))).table() == table
+
+
+def test_unequal_replicas_round_robin_share_the_batch_per_step() -> None:
+    from lightning_pipedream.strategy.reporting.explanation import fit_minibatches
+
+    # PipeDream's 1F1B-RR, replicas (2, 1): each step's batch of 64 is cut into 2 minibatches; stage 0's replicas take
+    # one each, stage 1 runs both. The plan (from the whole 64-sample batch): stage 0 at 6 ms per replica plus 0.5 ms
+    # of all-reduce, stage 1 at 12 ms.
+    plan = _replicated_plan("1f1b", (2, 1), (0.5 * MS, 0.0))
+    per_step = fit_minibatches(plan, 2, samples_per_step=64, minibatches_per_batch=1, layout_replicas=(2, 1))
+    assert per_step == {0: 1.0, 1: 1.0}
+    # Without the profile's batch size the plan's minibatch is one input replica's share: 2 per step on both stages.
+    bare = Plan.from_json({**plan.to_json(), "extra": {}})
+    assert fit_minibatches(bare, 2, None, 1, (2, 1)) == {0: 2.0, 1: 2.0}
+    # Stage 1 computes 18 ms where its profile said 12: the explanation names it.
+    ranks = [_per_step(0, 6 * MS, 12 * MS, 1 * MS, 1 * MS, 3 * MS, 1.0, 0),
+             _per_step(0, 6 * MS, 13 * MS, 1 * MS, 1 * MS, 3 * MS, 1.0, 1),
+             _per_step(1, 18 * MS, 1 * MS, 1 * MS, 0.5 * MS, 3 * MS, 1.0)]
+    e = explain(plan, ranks)
+    assert sum(e.parts.values()) == pytest.approx(e.gap, abs=1e-12)
+    assert e.slowest == 1 and e.parts["imbalance"] > 0
+    assert e.stages[0].compute == pytest.approx(6 * MS) and e.stages[0].ratio == pytest.approx(1.0)
+    assert e.stages[0].predicted_allreduce == pytest.approx(0.5 * MS) and e.stages[0].replicas == 2
+
+
+def test_planning_again_a_replicated_plan_keeps_every_process_and_replicates_the_slow_stage_more() -> None:
+    # Activations too large to send but between layers 3 and 4: PipeDream's optimizer replicates, 2 stages x 2.
+    profile = Profile([LayerProfile(f"l{i}", 1 * MS, 2 * MS, 1000 if i == 3 else 10**7, 1000) for i in range(8)],
+                      source="wide cuts", batch_size=64)
+    plan = partition(profile, Topology.flat(4, 1e9), "pipedream", straight=False)
+    assert [(len(s.layers), s.replicas) for s in plan.stages] == [(4, 2), (4, 2)]
+    plan.schedule, plan.chunks, plan.extra["profile"] = "1f1b", 2, profile.to_json()
+    # Each replica runs its pipeline's whole batch, 2 of the plan's minibatches; stage 0 computes 3x its profile.
+    ranks = [_per_step(s, (36 if s == 0 else 12) * MS, 0.0, 0.0, 0.0, 0.0, 2.0, j) for s in (0, 1) for j in (0, 1)]
+    assert explain(plan, ranks).stages[0].ratio == pytest.approx(3.0)
+    new = replan(plan, ranks)
+    # The same 4 processes, the slow layers on 3 of them.
+    assert [(len(s.layers), s.replicas) for s in new.stages] == [(4, 3), (4, 1)]
+    assert (new.schedule, new.chunks) == ("1f1b", 2)

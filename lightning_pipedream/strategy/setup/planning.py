@@ -179,6 +179,7 @@ class LayerPlanner:
                 plan = partition(profile, flat, "time")
             plan = every_stage_trains_or_repartition(plan, profile, flat)
             plan.schedule, plan.chunks = options.schedule, options.chunks
+            plan.extra["profile"] = profile.to_json()  # its batch size: what a step holds of the plan's minibatches
             log.info("PipeDreamStrategy plan (%d processes, replication allowed, schedule=%s):\n%s",
                      world_size, options.schedule, plan.describe())
             return plan.to_json()

@@ -22,7 +22,7 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from lightning_pipedream.runtime.faults.failures import pipeline_failures
 from lightning_pipedream.schedule.merged_trace import merged_chrome_trace
 from lightning_pipedream.strategy.reporting.collectives import inside_step
-from lightning_pipedream.strategy.reporting.explanation import explain_fit, measured_ranks
+from lightning_pipedream.strategy.reporting.explanation import explain_fit, fit_minibatches, measured_ranks
 from lightning_pipedream.strategy.reporting.logs import LogRecorder
 from lightning_pipedream.strategy.reporting.stage_figures import (
     TRACE_FILE,
@@ -71,6 +71,7 @@ class Training:
         self.figures = stage_figures(options, pipeline, trainer, device, global_rank)
         pipeline.engine.transport.clock_offset = self.figures.offset  # messages carry their send's start on one clock
         self._steps_run = 0  # training steps of this fit (the trace window counts them)
+        self._samples = 0  # samples of those steps' batches (the explanation's minibatches of the plan per step)
         self.measured: list[dict[str, Any]] = []  # rank 0, at the fit's end: every rank's mean step, by part
         pipeline.engine.executor.record = False  # only the window's training steps (never evaluation)
         pipeline.engine.executor.records, pipeline.engine.executor.sent_at = [], []  # a fit's own (kept after it)
@@ -93,6 +94,7 @@ class Training:
         self.pipeline.engine.executor.record = False
         self.figures.end_step(self.module.trainer.global_step)
         self._steps_run += 1
+        self._samples += step.shares.total
         self._staleness.add(self.pipeline.engine.take_staleness())
         if self._divergence is not None:
             self._go_over_to_1f1b(self._divergence)
@@ -137,9 +139,12 @@ class Training:
             self.stop.settle()
         self.figures.finish(self.module.trainer.global_step)
         if self.global_rank == 0:  # the plan's prediction against the measured steps (strategy.explanation)
-            self.measured = measured_ranks(self.figures.totals)
-            self.module.trainer.strategy.explanation = explain_fit(self._plan(), self.measured,
-                                                                   self.pipeline.placement.layout is not None)
+            placement = self.pipeline.placement
+            per_step = fit_minibatches(self._plan(), placement.num_stages, self._samples / max(1, self._steps_run),
+                                       self.options.minibatches_per_batch,
+                                       placement.layout.replicas if placement.layout is not None else None)
+            self.measured = measured_ranks(self.figures.totals, per_step)
+            self.module.trainer.strategy.explanation = explain_fit(self._plan(), self.measured)
         if self.options.trace_dir is not None:
             self._write_trace()
 
