@@ -398,6 +398,9 @@ def train(out: str, options: dict) -> None:
     if options.pop("measure_live", False):
         measure_live(trainer, out)
     predictions = trainer.predict(model, DataLoader(data(24), batch_size=12)) if options.pop("predict", False) else None
+    explanation = getattr(trainer.strategy, "explanation", None)  # the plan's prediction against the fit's figures
+    if trainer.is_global_zero and explanation is not None:
+        write_json(os.path.join(out, "explanation.json"), explanation.to_json())
     if trainer.is_global_zero:
         metrics["epoch"] = trainer.current_epoch
         metrics["global_step"] = trainer.global_step

@@ -146,8 +146,10 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 
     base = tmp_path_factory.mktemp("runs")
     Plan([StagePlan(["0", "1"]), StagePlan(["2", "3", "4"])], schedule="gpipe", chunks=3).save(base / "plan.json")
-    Plan([StagePlan(["0", "1", "2"], replicas=2), StagePlan(["3", "4"])], schedule="gpipe", chunks=2).save(
-        base / "plan21.json")
+    # With stage times (per replica, as the partitioner writes them), so that the fit's end explains the run against it.
+    Plan([StagePlan(["0", "1", "2"], replicas=2, compute_s=1e-3, forward_s=3e-4, allreduce_s=2e-4),
+          StagePlan(["3", "4"], compute_s=1e-3, forward_s=3e-4)], schedule="gpipe", chunks=2,
+         time_per_minibatch=1.2e-3).save(base / "plan21.json")
     for devices in (1, 4, 2, 3):  # in this order: a resumed run reads the checkpoint of a run before it
         group = [[str(base / name), json.loads(json.dumps(options).replace("{runs}", str(base)))]
                  for name, options in RUNS.items() if options.get("devices", 1) == devices]
@@ -288,6 +290,25 @@ def test_a_plan_with_unequal_replicas_equals_one_device(runs, name):
     # a replicated stage's replicas all-reduce together; a stage with one replica has no group
     assert groups == ([None, [1, 2], [1, 2]] if name == "rr_last_gpipe" else [[0, 1], [0, 1], None])
     assert [rank_info(runs[name], r)["losses"] for r in (1, 2)] == [rank_info(runs[name], 0)["losses"]] * 2
+    if name == "rr_gpipe":  # the plan file has stage times: rank 0 explained the fit against it, replicas included
+        _check_replicated_explanation(json.loads((runs[name] / "explanation.json").read_text()))
+
+
+def _check_replicated_explanation(explanation: dict) -> None:
+    """The 2-1 plan's explanation: stage 0's two replicas averaged (their range kept), each step holding 2 of the
+    plan's minibatches (a plan file without its profile: the run's minibatch, one input replica's half of the batch),
+    the plan's all-reduce in the update, and the parts adding up to the gap."""
+    parts = explanation["parts_s"]
+    assert sum(parts.values()) == pytest.approx(explanation["gap_s"], rel=1e-9, abs=1e-12)
+    assert explanation["measured_s"] - explanation["predicted_s"] == pytest.approx(explanation["gap_s"])
+    assert explanation["minibatches_per_step"] == 2
+    zero, one = explanation["stages"]
+    assert (zero["replicas"], one["replicas"]) == (2, 1)
+    assert zero["step_min"] <= zero["step"] <= zero["step_max"] and one["step_min"] == one["step_max"] == one["step"]
+    assert (zero["predicted_allreduce"], one["predicted_allreduce"]) == (2e-4, 0.0)
+    ref = explanation["stages"][explanation["reference_stage"]]
+    assert parts["update"] == pytest.approx(ref["update"] - ref["predicted_allreduce"])
+    assert all(s["compute"] > 0 and s["step"] > 0 for s in explanation["stages"])
 
 
 def round_robin_reference(replicas: list[int], minibatch: int) -> tuple[TinyClassifier, RoundRobinRule]:
