@@ -53,12 +53,18 @@ def measured_ranks(totals: dict[int, RankFigures], per_step: dict[int, float] | 
 
 def fit_minibatches(plan: Any, num_stages: int, samples_per_step: float | None, minibatches_per_batch: int,
                     layout_replicas: tuple[int, ...] | None) -> dict[int, float]:
-    """:func:`minibatches_per_step` of every stage (empty without a plan)."""
+    """:func:`minibatches_per_step` of every stage (empty without a plan, or a plan it cannot read: said, and the
+    fit goes on)."""
     if plan is None:
         return {}
-    return {stage: minibatches_per_step(plan, stage, samples_per_step=samples_per_step,
-                                        minibatches_per_batch=minibatches_per_batch, layout_replicas=layout_replicas)
-            for stage in range(num_stages)}
+    try:
+        return {stage: minibatches_per_step(plan, stage, samples_per_step=samples_per_step,
+                                            minibatches_per_batch=minibatches_per_batch,
+                                            layout_replicas=layout_replicas) for stage in range(num_stages)}
+    except Exception as err:  # the explanation is a help, never a reason for a finished fit to fail
+        log.warning("PipeDreamStrategy: the plan's minibatches per training step are unknown (%s: %s); the run is "
+                    "explained per step.", type(err).__name__, err)
+        return {}
 
 
 def explain_fit(plan: Any, ranks: list[dict[str, Any]]) -> Explanation | None:
