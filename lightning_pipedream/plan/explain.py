@@ -193,8 +193,15 @@ def measured_stages(ranks: list[dict[str, Any]]) -> list[dict[str, float]]:
                 raise ExplainError(f"rank figures with minibatches_per_step={n!r}: it counts the plan's minibatches "
                                    "one training step held, a number > 0.")
             per.append({k: float(r[k]) / n for k in MEASURED} | {"minibatches_per_step": n})
-        stage = {k: sum(p[k] for p in per) / len(per) for k in (*MEASURED, "minibatches_per_step")}
+        stage: dict[str, Any] = {k: sum(p[k] for p in per) / len(per) for k in (*MEASURED, "minibatches_per_step")}
         stage.update(replicas=len(per), step_min=min(p["step"] for p in per), step_max=max(p["step"] for p in per))
+        # Each layer's forward where the ranks timed it (a traced window): the mean over the replicas that did.
+        timed = [(r["layer_forward"], float(r.get("minibatches_per_step", 1.0))) for r in by_stage[s]
+                 if isinstance(r.get("layer_forward"), dict) and r["layer_forward"]]
+        if timed:
+            names = set.intersection(*(set(layers) for layers, _ in timed))
+            stage["layer_forward"] = {name: sum(float(layers[name]) / n for layers, n in timed) / len(timed)
+                                      for name in names}
         out.append(stage)
     return out
 
@@ -256,7 +263,13 @@ def explain(plan: Plan, ranks: list[dict[str, Any]]) -> Explanation:
 
 def measured_profile(plan: Plan, ranks: list[dict[str, Any]]) -> Profile:
     """The profile the plan was made from (``plan.extra["profile"]``, which the strategy keeps when it profiles),
-    each layer's times scaled by its stage's measured compute over the plan's."""
+    with the run's measured times.
+
+    Where the ranks timed each layer's forward (``layer_forward``, seconds per step by layer name, from a traced
+    window: ``runtime/execution/layer_clock.py``), a stage's layers take their measured forwards and the stage's
+    backwards (weight-gradient parts included) are scaled together so that the stage adds up to its measured compute:
+    one slow layer is found alone. Elsewhere (no timed layers, or forwards that leave no backward time) every layer's
+    times are scaled by its stage's measured compute over the plan's."""
     if not isinstance(plan.extra.get("profile"), dict):
         raise ExplainError("the plan holds no profile of its layers (a plan given with plan=, or balance=): nothing to "
                            "partition again. Let the strategy profile the model (no balance= or plan=), with trace=, "
@@ -275,14 +288,46 @@ def measured_profile(plan: Plan, ranks: list[dict[str, Any]]) -> Profile:
     if missing:
         raise ExplainError(f"the plan's stages do not list the profile's layers {missing[:3]}: the plan and its "
                            "profile disagree.")
+    timed = _timed_layers(plan, profile, measured, owner)
     layers = []
     for layer in profile.layers:
+        if layer.name in timed:
+            forward, g = timed[layer.name]
+            weight = None if layer.weight_s is None else layer.weight_s * g
+            layers.append(dataclasses.replace(layer, forward_s=forward, backward_s=layer.backward_s * g,
+                                              weight_s=weight))
+            continue
         f = factor_of[layer.name]
         weight = None if layer.weight_s is None else layer.weight_s * f
         layers.append(dataclasses.replace(layer, forward_s=layer.forward_s * f, backward_s=layer.backward_s * f,
                                           weight_s=weight))
-    source = f"{profile.source or 'profile'} scaled by the measured stage compute"
+    how = "the measured layer forwards and stage compute" if timed else "the measured stage compute"
+    source = f"{profile.source or 'profile'} scaled by {how}"
     return dataclasses.replace(profile, layers=layers, source=source)
+
+
+def _timed_layers(plan: Plan, profile: Profile, measured: list[dict[str, Any]],
+                  owner: list[int]) -> dict[str, tuple[float, float]]:
+    """Per layer of the ranks that timed every one of their layers' forwards: (its measured forward for a whole
+    minibatch of the plan, the factor of its backward); see :func:`measured_profile`."""
+    by_name = {layer.name: layer for layer in profile.layers}
+    out: dict[str, tuple[float, float]] = {}
+    for rank, m in enumerate(measured):
+        forwards = m.get("layer_forward") or {}
+        mine = [s for i, s in enumerate(plan.stages) if owner[i] == rank]
+        names = [name for s in mine for name in s.layers]
+        if not names or not all(name in forwards and name in by_name for name in names):
+            continue
+        # The plan's figures (and so the measured ones, per minibatch of the plan) are per replica: a replica runs
+        # 1/r of the minibatches; the profile's layers are whole minibatches.
+        r = mine[0].replicas
+        forward = {name: float(forwards[name]) * r for name in names}
+        backward = sum(by_name[name].backward_s for name in names)
+        g = (m["compute"] * r - sum(forward.values())) / backward if backward > 0 else 0.0
+        if g <= 0:  # the window's forwards exceed the fit's compute: no backward left to scale
+            continue
+        out.update({name: (forward[name], g) for name in names})
+    return out
 
 
 def replan(plan: Plan, ranks: list[dict[str, Any]]) -> Plan:

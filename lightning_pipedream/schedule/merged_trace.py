@@ -40,15 +40,16 @@ class RankTrace:
     replica: int
     offset: float  # seconds added to this rank's clock to read rank 0's
     events: list[list[Any]] = field(default_factory=list)
+    layers: dict[str, float] = field(default_factory=dict)  # each layer's forward seconds per traced step, if timed
 
     def to_json(self) -> dict:
         return {"rank": self.rank, "stage": self.stage, "replica": self.replica, "offset": self.offset,
-                "events": self.events}
+                "events": self.events, "layers": self.layers}
 
     @classmethod
     def from_json(cls, data: dict) -> RankTrace:
         return cls(int(data["rank"]), int(data["stage"]), int(data["replica"]), float(data["offset"]),
-                   list(data["events"]))
+                   list(data["events"]), {str(k): float(v) for k, v in (data.get("layers") or {}).items()})
 
 
 def _args(row: list[Any], rank: int) -> dict[str, Any]:

@@ -269,3 +269,70 @@ def test_planning_again_a_replicated_plan_keeps_every_process_and_replicates_the
     # The same 4 processes, the slow layers on 3 of them.
     assert [(len(s.layers), s.replicas) for s in new.stages] == [(4, 3), (4, 1)]
     assert (new.schedule, new.chunks) == ("1f1b", 2)
+
+
+def test_timed_layer_forwards_find_one_slow_layer_where_the_stage_factor_moves_the_wrong_boundary() -> None:
+    plan = _planned(layers=8)  # 4-4, each layer 1 ms forward and 2 ms backward
+    # Layer l3, the last of stage 0, takes 6 ms more in its forward than profiled; the stage computes 18 ms.
+    forwards = [{f"l{i}": (7 if i == 3 else 1) * MS for i in range(4)}, {f"l{i}": 1 * MS for i in range(4, 8)}]
+    ranks = [{**_rank(0, 18 * MS), "layer_forward": forwards[0]}, {**_rank(1, 12 * MS, wait=6 * MS),
+                                                                   "layer_forward": forwards[1]}]
+    scaled = measured_profile(plan, ranks)
+    assert [layer.forward_s for layer in scaled.layers] == pytest.approx([1 * MS] * 3 + [7 * MS] + [1 * MS] * 4)
+    # The backwards are scaled as a whole to the stage's measured compute: here they are as profiled.
+    assert [layer.backward_s for layer in scaled.layers] == pytest.approx([2 * MS] * 8)
+    assert "measured layer forwards" in scaled.source
+    # The slow layer moved to stage 1 would make it 21 ms: the split stays (from stage factors alone, every layer of
+    # stage 0 looks 1.5x slower and l3 is moved, predicting 16.5 ms).
+    assert replan(plan, ranks).balance == [4, 4]
+    assert replan(plan, [{k: v for k, v in r.items() if k != "layer_forward"} for r in ranks]).balance == [3, 5]
+    # The same slow forward on l0: the layer-timed plan gives l3 away, as the stage factor does.
+    forwards[0] = {f"l{i}": (7 if i == 0 else 1) * MS for i in range(4)}
+    assert replan(plan, [{**r, "layer_forward": f} for r, f in zip(ranks, forwards)]).balance == [3, 5]
+    # Forwards that leave no backward time (a noisy window) fall back to the stage's factor.
+    forwards[0] = {f"l{i}": 5 * MS for i in range(4)}
+    fallback = measured_profile(plan, [{**r, "layer_forward": f} for r, f in zip(ranks, forwards)])
+    assert [layer.forward_s for layer in fallback.layers][:4] == pytest.approx([1.5 * MS] * 4)
+
+
+def test_a_sleeping_layer_timed_in_process_is_found_alone() -> None:
+    import torch
+
+    from lightning_pipedream.plan.profile import profile_module
+    from lightning_pipedream.runtime.execution.accounts import clock
+    from lightning_pipedream.runtime.execution.layer_clock import LayerClock
+    from lightning_pipedream.testing.slow_layers import arm, sleepy_layers
+
+    # 8 layers sleeping 0.25 ms per sample forward (0.5 ms backward); layer 3 sleeps 2 ms more per sample once armed,
+    # after the profile: on a batch of 8, 16 ms more in one layer of stage 0.
+    torch.manual_seed(0)
+    model = sleepy_layers(8, 0.00025, slow_layer=3, extra_per_sample=0.002)
+    batch = torch.randn(8, 8)
+    profile = profile_module(model, batch)
+    plan = partition(profile, Topology.flat(2, 1e12), "pipedream", straight=True)
+    plan.extra["profile"] = profile.to_json()
+    assert plan.balance == [4, 4]
+    arm(model)
+    stages = [torch.nn.Sequential(*list(model)[:4]), torch.nn.Sequential(*list(model)[4:])]
+    clocks = [LayerClock(stage) for stage in stages]
+    computes = [0.0, 0.0]
+    steps = 3
+    for _ in range(steps):  # each stage's forward and backward, timed as the accounts time a stage's compute
+        for k, stage in enumerate(stages):
+            clocks[k].start()
+            started = clock()
+            x = (batch if k == 0 else torch.randn(8, 16)).requires_grad_(k > 0)
+            stage(x).sum().backward()
+            computes[k] += clock() - started
+            clocks[k].stop()
+    stages[0](batch)  # after stop: no hook left, nothing counted
+    assert clocks[0].calls == {"0": steps, "1": steps, "2": steps, "3": steps}
+    ranks = [{**_rank(k, computes[k] / steps), "layer_forward": c.per_step(steps)} for k, c in enumerate(clocks)]
+    # The slow layer's forward is at least its sleep, 8 x (0.25 + 2) ms, and the longest of all.
+    timed = ranks[0]["layer_forward"]
+    assert timed["3"] >= 8 * 0.00225 and max(timed, key=timed.get) == "3"
+    scaled = {layer.name: layer for layer in measured_profile(plan, ranks).layers}
+    assert max(scaled, key=lambda name: scaled[name].forward_s) == "3"
+    assert scaled["3"].forward_s >= 8 * 0.00225
+    # Moving layer 3 to stage 1 would give that stage its 16 ms on top of four layers: the split stays.
+    assert replan(plan, ranks).balance == [4, 4]

@@ -125,6 +125,10 @@ def _check_explained_and_planned_again(out: Path, capsys) -> None:
     plan, measured = from_trace(json.loads(trace_path.read_text()))
     slow_stage = next(k for k, stage in enumerate(plan.stages) if str(SLEEPY["slow_layer"]) in stage.layers)
     assert explanation["slowest_stage"] == slow_stage, explanation
+    # The traced steps timed each layer's forward: the slow layer's is the longest of its stage's.
+    forwards = next(m["layer_forward"] for m in measured if m["stage"] == slow_stage)
+    assert sorted(forwards) == sorted(plan.stages[slow_stage].layers)
+    assert max(forwards, key=forwards.get) == str(SLEEPY["slow_layer"]), forwards
     again = explain(plan, measured)
     assert again.gap == pytest.approx(explanation["gap_s"]) and again.parts == pytest.approx(parts)
     assert main(["show", "--trace", str(trace_path), "--last", "0"]) == 0

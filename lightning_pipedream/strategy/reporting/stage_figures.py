@@ -316,15 +316,15 @@ def check_trace_dir(trace_dir: str | os.PathLike) -> None:
 
 
 def rank_trace(records: list, sent_at: list, rank: int, stage: int, replica: int, offset: float,
-               global_rank: Any) -> RankTrace:
+               global_rank: Any, layers: dict[str, float] | None = None) -> RankTrace:
     """This rank's recorded actions on rank 0's clock; ``global_rank`` turns a peer of the pipeline's group into a
-    global rank."""
+    global rank; ``layers``: each layer's forward seconds per traced step, where they were timed."""
     rows = []
     for (action, start, end), sent in zip(records, sent_at):
         peer = global_rank(action.peer) if action.peer is not None else None
         rows.append([action.op.value, action.stage, action.microbatch, peer, action.step, start + offset,
                      end + offset, None if sent is None else sent + offset])
-    return RankTrace(rank, stage, replica, offset, rows)
+    return RankTrace(rank, stage, replica, offset, rows, dict(layers or {}))
 
 
 def predicted_events(schedule: str, num_stages: int, chunks: int, virtual_stages: int, steps: int,

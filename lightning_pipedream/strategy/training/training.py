@@ -19,6 +19,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 
+from lightning_pipedream.runtime.execution.layer_clock import LayerClock
 from lightning_pipedream.runtime.faults.failures import pipeline_failures
 from lightning_pipedream.schedule.merged_trace import merged_chrome_trace
 from lightning_pipedream.strategy.reporting.collectives import inside_step
@@ -33,6 +34,7 @@ from lightning_pipedream.strategy.reporting.stage_figures import (
     simulated_bubble,
 )
 from lightning_pipedream.strategy.reporting.stop_signal import install as install_stop_requests
+from lightning_pipedream.strategy.setup.calls import SequentialCall
 from lightning_pipedream.strategy.setup.checks import refuse_guard_with_unequal_replicas
 from lightning_pipedream.strategy.setup.options import PipelineOptions
 from lightning_pipedream.strategy.setup.stage_pipeline import StagePipeline, clip_grad_by_norm, make_engine
@@ -72,6 +74,11 @@ class Training:
         pipeline.engine.transport.clock_offset = self.figures.offset  # messages carry their send's start on one clock
         self._steps_run = 0  # training steps of this fit (the trace window counts them)
         self._samples = 0  # samples of those steps' batches (the explanation's minibatches of the plan per step)
+        # Each layer's forward, timed in the traced steps only (plan --from-trace finds a slow layer); not on CUDA,
+        # where the host clock reads launches.
+        self.layer_clock = LayerClock(pipeline.stage) if options.trace_dir is not None and device.type != "cuda" \
+            and isinstance(pipeline.call, SequentialCall) else None
+        self._timed_steps = 0
         self.measured: list[dict[str, Any]] = []  # rank 0, at the fit's end: every rank's mean step, by part
         pipeline.engine.executor.record = False  # only the window's training steps (never evaluation)
         pipeline.engine.executor.records, pipeline.engine.executor.sent_at = [], []  # a fit's own (kept after it)
@@ -87,11 +94,17 @@ class Training:
                             options=self.options, precision=self.precision, device=self.device,
                             global_rank=self.global_rank, warn_token_mean=not self._token_mean_warned)
         self._token_mean_warned |= step.warned_token_mean
-        self.pipeline.engine.executor.record = self._traced(self._steps_run)
+        traced = self._traced(self._steps_run)
+        self.pipeline.engine.executor.record = traced
+        if traced and self.layer_clock is not None:
+            self.layer_clock.start()
         self.figures.begin_step()
         with inside_step("training_step"):  # a collective of Lightning's in the user's step is refused in words
             result = step.run(self._observe if self.guard is not None else None)
         self.pipeline.engine.executor.record = False
+        if traced and self.layer_clock is not None:
+            self.layer_clock.stop()
+            self._timed_steps += 1
         self.figures.end_step(self.module.trainer.global_step)
         self._steps_run += 1
         self._samples += step.shares.total
@@ -161,11 +174,14 @@ class Training:
         pipeline, figures, options = self.pipeline, self.figures, self.options
         executor = pipeline.engine.executor
         placement = pipeline.placement
+        layers = self.layer_clock.per_step(self._timed_steps) if self.layer_clock is not None else None
         mine = rank_trace(executor.records, executor.sent_at, self.global_rank, placement.stage_index,
-                          placement.replica_index, figures.offset, pipeline.engine.transport.global_rank)
+                          placement.replica_index, figures.offset, pipeline.engine.transport.global_rank, layers)
         traces = figures.gather_traces(mine)
         if traces is None:
             return
+        timed = {t.rank: t.layers for t in traces if t.layers}  # plan --from-trace scales the slow layers alone
+        measured = [m | {"layer_forward": timed[m["rank"]]} if m["rank"] in timed else m for m in self.measured]
         window = options.trace_steps
         steps = self._steps_run if window is None else max(0, min(window[1], self._steps_run - window[0]))
         notes = []
@@ -184,7 +200,7 @@ class Training:
                                                         "predicted_from": source, "notes": notes,
                                                         # the whole fit's means, and the plan: `show --trace` explains
                                                         # the run, `plan --from-trace` plans again from them
-                                                        "measured": self.measured,
+                                                        "measured": measured,
                                                         "plan": None if plan is None else plan.to_json()})
         path = os.path.join(options.trace_dir, TRACE_FILE)
         with open(path, "w") as f:
