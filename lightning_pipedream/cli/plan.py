@@ -23,8 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument(
         "--from-trace", type=Path, metavar="TRACE",
         help="plan again from a run: the merged trace of PipeDreamStrategy(trace=...) of a run the strategy planned; "
-        "each layer's profiled time is scaled by its stage's measured compute over the plan's (same stages, links, "
-        "schedule); --save the result for PipeDreamStrategy(plan=...)",
+        "each layer takes its forward as the traced steps timed it, and its stage's measured compute (CUDA: each layer "
+        "scaled by its stage's measured compute over the plan's; same stages, links, schedule); --save the result "
+        "for PipeDreamStrategy(plan=...)",
     )
     parser.add_argument(
         "--workers",

@@ -31,9 +31,10 @@ longest, the reference ``r``) is split; the parts add up to ``S - P`` exactly, b
   stage's busy time, so **communication** is left with the point-to-point messages only;
 - **outside**: stage ``r``'s time outside the pipeline's actions: Lightning's per-step work, data loading.
 
-:func:`replan` scales each layer of the plan's profile by its stage's measured compute over its predicted compute
-(the accounts time stages, not layers) and partitions again: a split chosen from a wrong profile is corrected by one
-rerun (``python -m lightning_pipedream plan --from-trace``).
+:func:`replan` partitions the plan's profile again with the measured times: each layer's forward as a traced window
+timed it (``layer_forward``, where the ranks have it), the stage's backwards scaled together to its measured compute;
+elsewhere each layer scaled by its stage's measured compute over its predicted compute (the accounts time stages).
+A split chosen from a wrong profile is corrected by one rerun (``python -m lightning_pipedream plan --from-trace``).
 """
 
 from __future__ import annotations
