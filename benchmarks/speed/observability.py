@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python -m benchmarks.speed.observability                      # ~3 min on 2 busy cores: results/observability.json
+    python -m benchmarks.speed.observability                      # ~4 min on 2 quiet cores: results/observability.json
     python -m benchmarks.speed.observability --quick --json /tmp/q.json
 
 Each case runs the runtime's ``Pipeline`` (no Lightning) on P CPU processes (gloo, shared memory), a balanced MLP of
@@ -18,7 +18,9 @@ machine's swings hit them alike:
 Figures: the accounting's cost per action timed alone (``StepAccounts.action`` against an empty call), and from
 it its estimated share of each case's step; per mode the median over rounds of seconds per step (the slowest
 rank's), the paired ratios ``on/off`` and ``trace/on``; the measured bubble (all ranks' waiting over their step
-time) beside ``(P-1)/(M+P-1)`` and the schedule simulator's (equal stages); and with one stage made 2x slower (a
+time) beside ``(P-1)/(M+P-1)`` (gpipe, 1f1b), the schedule simulator's at equal stages, and the simulator's at the
+run's own action times (each stage's median F, B and W in the traced blocks), for gpipe, 1f1b, interleaved (2
+stages per process) and zb-h1; and with one stage made 2x slower (a
 layer that sleeps as long as the stage computes), each stage's waiting against the balanced run's, the share of
 the extra waiting that falls on the other stages, and the stage the figures name as the slowest (largest compute).
 """
@@ -61,16 +63,17 @@ def _rank(rank: int, world: int, spec: dict, init: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     torch.manual_seed(0)
-    width, blocks = spec["width"], 4
+    virtual = spec.get("virtual_stages", 1)  # interleaved: each process holds that many stages of 4 / virtual blocks
+    width, blocks = spec["width"], 4 // virtual
     layers: list[nn.Module] = []
     balance = []
-    for _ in range(world):
+    for _ in range(world * virtual):
         stage = [m for _ in range(blocks) for m in (nn.Linear(width, width), nn.Tanh())]
         layers += stage + [Sleep()]
         balance.append(len(stage) + 1)
     pipe = Pipeline(nn.Sequential(*layers), loss_fn=nn.functional.mse_loss,
                     optimizer=lambda p: torch.optim.SGD(p, lr=1e-4), balance=balance, schedule=spec["schedule"],
-                    chunks=spec["chunks"])
+                    chunks=spec["chunks"], virtual_stages=virtual)
     sleeper = next(m for m in pipe.engine.stage.module.modules() if isinstance(m, Sleep))
     x, y = torch.randn(64, width), torch.randn(64, width)
     accounts = pipe.engine.accounts
@@ -90,11 +93,18 @@ def _rank(rank: int, world: int, spec: dict, init: str, out: str) -> None:
         seconds = time.perf_counter() - began
         if mode != "off":
             accounts.finish()
+        # The traced blocks' actions, by kind and stage: the simulator is also run at the times this run's actions took
+        # (a first stage's B is almost free, its input needing no gradient, so stages differ by kind).
+        spans: dict[str, list[float]] = {}
+        for action, start, end in executor.records:
+            if action.op.value in ("F", "B", "W", "O"):
+                spans.setdefault(f"{action.op.value}{action.stage}", []).append(end - start)
         executor.records.clear()
         executor.sent_at.clear()
         figures = accounts.take()
         return {"seconds": seconds, "compute": figures.compute, "wait": figures.wait, "step": figures.step,
-                "transfer": figures.transfer}
+                "transfer": figures.transfer,
+                "action_s": {key: statistics.median(v) for key, v in spans.items()}}
 
     for _ in range(2):  # warm-up
         pipe.step(x, y)
@@ -137,15 +147,38 @@ def run_case(schedule: str, stages: int, spec: dict) -> dict:
     waits = [sum(ranks[k]["rounds"][r]["on"]["wait"] for k in range(stages)) for r in range(rounds)]
     steps = [sum(ranks[k]["rounds"][r]["on"]["step"] for k in range(stages)) for r in range(rounds)]
     m = spec["chunks"]
-    sim = simulate(build_schedule(schedule, stages, m), 1.0, 2.0).bubble_fraction
+    virtual = spec.get("virtual_stages", 1)
+    # Per stage of the schedule: an interleaved process's stages each hold 1 / virtual of its blocks. zb-h1 splits
+    # each backward into its input half and its weight half (the simulator's default split of backward_s).
+    sim = simulate(build_schedule(schedule, stages, m, virtual_stages=virtual), 1.0 / virtual,
+                   2.0 / virtual).bubble_fraction
+    # The simulator again, at the median time this run's traced actions of each kind took on each stage (over rounds).
+    schedule_ir = build_schedule(schedule, stages, m, virtual_stages=virtual)
+    traced = [ranks[k]["rounds"][r]["trace"]["action_s"] for k in range(stages) for r in range(rounds)]
+
+    def measured(op: str) -> list[float] | None:
+        times = [[t[f"{op}{s}"] for t in traced if f"{op}{s}" in t] for s in range(stages * virtual)]
+        return [statistics.median(t) for t in times] if all(times) else None
+
+    forward, backward, weight = measured("F"), measured("B"), measured("W")
+    update = [statistics.median(t[key] for t in traced if key in t) for key in {k for t in traced for k in t}
+              if key.startswith("O")]
+    assert forward is not None and backward is not None, "a traced block without every stage's forward and backward"
+    if weight is not None:  # the simulator's backward_s holds a split backward's W
+        backward = [b + w for b, w in zip(backward, weight)]
+    sim_measured = simulate(schedule_ir, forward, backward, weight_s=weight,
+                            optimizer_s=max(update, default=0.0)).bubble_fraction
     case = {
-        "schedule": schedule, "stages": stages, "chunks": m,
+        "schedule": schedule, "stages": stages, "chunks": m, "virtual_stages": virtual,
         "seconds_per_step": {mode: statistics.median(v) for mode, v in per_mode.items()},
         "on_over_off": statistics.median(on_off), "on_over_off_rounds": on_off,
         "trace_over_on": statistics.median(trace_on), "trace_over_on_rounds": trace_on,
         "bubble_measured": statistics.median(w / s for w, s in zip(waits, steps)),
-        "bubble_closed_form": (stages - 1) / (m + stages - 1),
+        "bubble_closed_form": (stages - 1) / (m + stages - 1) if schedule in ("gpipe", "1f1b") else None,
         "bubble_simulated": sim,
+        "bubble_simulated_at_measured_action_times": sim_measured,
+        "action_ms_measured": {"forward": [v * 1e3 for v in forward], "backward": [v * 1e3 for v in backward],
+                               "weight": None if weight is None else [v * 1e3 for v in weight]},
         "wait_ms_per_stage": [statistics.median(ranks[k]["rounds"][r]["on"]["wait"] for r in range(rounds))
                               * 1e3 / spec["steps"] for k in range(stages)],
     }
@@ -253,6 +286,11 @@ def main() -> None:
             actions = 6 * spec["chunks"] + 2
             case["accounting_share_of_step_estimated"] = (actions * cost["action_ns"] * 1e-9
                                                           / case["seconds_per_step"]["on"])
+            cases.append(case)
+            print(json.dumps({k: v for k, v in case.items() if not k.endswith("_rounds")}), flush=True)
+        # The schedules whose bubble only the simulator gives (no closed form): measured against it.
+        for schedule, virtual in (("interleaved", 2), ("zb-h1", 1)):
+            case = run_case(schedule, stages, {**spec, "virtual_stages": virtual})
             cases.append(case)
             print(json.dumps({k: v for k, v in case.items() if not k.endswith("_rounds")}), flush=True)
     result = {"command": "python -m benchmarks.speed.observability" + (" --quick" if args.quick else ""),

@@ -9,8 +9,9 @@ everything but has run no torch operation starts in milliseconds and behaves as 
 through the atexit handlers (the garbage collector's last passes skipped, as ``script_runs`` does for every script).
 
 What still runs as in a user's run: the script, Lightning's launcher (it decides which ranks to start and with which
-environment; only its ``subprocess.Popen`` is replaced by a fork of this process), the rendezvous, every rank's
-process, exit codes and signals. ``LIGHTNING_PIPEDREAM_TEST_COLD=1`` starts every script as a process of its own
+environment; only its ``subprocess.Popen`` is replaced by a fork of this process), torchrun's agent (``python -m
+torch.distributed.run``: its rendezvous, restarts and monitoring; only the ``Popen`` of its worker processes is
+replaced the same way, so a restart starts warm too), the rendezvous, every rank's process, exit codes and signals. ``LIGHTNING_PIPEDREAM_TEST_COLD=1`` starts every script as a process of its own
 instead (the old way; for comparison and to rule the zygote out).
 
 Protocol (a Unix socket, one JSON line per request, file descriptors passed with SCM_RIGHTS):
@@ -166,7 +167,26 @@ class _LauncherSubprocess:
         return child if child is not None else subprocess.Popen(command, env=env, cwd=cwd, **kwargs)
 
 
+def _torchrun_popen(args: Any, env: dict[str, str] | None = None, stdout: Any = None, stderr: Any = None,
+                    **kwargs: Any) -> Any:
+    """What torchrun's agent (in a zygote's child) calls as ``Popen`` for each worker: a fork of the zygote with the
+    worker's command, environment, working directory and streams (its redirect files, or the agent's own)."""
+    command = [str(a) for a in args]
+    env = dict(os.environ if env is None else env)
+    stdio = (0, stdout.fileno() if stdout is not None else 1, stderr.fileno() if stderr is not None else 2)
+    child = start(command, os.getcwd(), env, stdio, group=env.get(GROUP_ENV))
+    return child if child is not None else subprocess.Popen(args=args, env=env, stdout=stdout, stderr=stderr, **kwargs)
+
+
 # -- the zygote ---------------------------------------------------------------------------------------------------
+def _unbuffered() -> None:
+    """``python -u``: standard output and error written through at once (torchrun starts its workers so)."""
+    import io
+
+    sys.stdout = io.TextIOWrapper(open(1, "wb", buffering=0, closefd=False), write_through=True)
+    sys.stderr = io.TextIOWrapper(open(2, "wb", buffering=0, closefd=False), write_through=True)
+
+
 def _run_child(message: dict, fds: list[int]) -> None:
     """In the forked child: become ``python SCRIPT ARGS`` (or ``python -m MODULE ARGS``) and exit with its code."""
     code = 0
@@ -186,6 +206,13 @@ def _run_child(message: dict, fds: list[int]) -> None:
         import lightning.pytorch.strategies.launchers.subprocess_script as launcher
 
         launcher.subprocess = fabric_launcher.subprocess = _LauncherSubprocess()  # type: ignore[assignment]
+        if argv[:2] == ["-m", "torch.distributed.run"]:  # torchrun's agent: its workers start through us too
+            from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
+
+            subprocess_handler.Popen = _torchrun_popen  # type: ignore[assignment,misc]
+        if argv[0] == "-u":
+            argv = argv[1:]
+            _unbuffered()
         atexit.register(gc.freeze)
         if argv[0] == "-m":
             sys.argv = [argv[1], *argv[2:]]

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from script_runs import run_killable
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -19,8 +20,8 @@ TRAIN = ROOT / "recipes" / "train.py"
 
 
 def train(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(TRAIN), *args, f"hydra.run.dir={cwd / 'run'}"], cwd=cwd,
-                          capture_output=True, text=True, timeout=120)
+    """``python recipes/train.py ARGS`` (a fork of this worker's warm zygote, as the recipe runs' tests start it)."""
+    return run_killable([sys.executable, str(TRAIN), *args, f"hydra.run.dir={cwd / 'run'}"], cwd, 120)
 
 
 @pytest.mark.parametrize("group, name, listed", [("task", "imagenet", "language_model"), ("model", "gnmt4", "gnmt16"),
