@@ -7,19 +7,19 @@ Multi-process Trainers run ``tests/scripts/tiny.py`` in a subprocess (Lightning'
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
+import time
 from collections import OrderedDict
 from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
+from fault_runs import start_group
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from pipedream_reference import RoundRobinRule
-from script_runs import free_port, run_script
+from script_runs import free_port, run_script, script_env
 from tiny import TinyClassifier, data
 from torch import nn
 
@@ -409,26 +409,34 @@ def test_one_device_is_a_single_stage_run(runs):
 
 
 def torchrun_two_nodes(out: Path, options: dict, per_node: int) -> None:
-    """Two torchrun "nodes" on loopback, ``per_node`` processes each, running tiny.py with ``options``."""
+    """Two torchrun "nodes" on loopback, ``per_node`` processes each, running tiny.py with ``options`` (each agent a
+    fork of this worker's warm zygote, and so are the workers it starts: tests/helpers/zygote.py)."""
     port = free_port()
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}",
-             f"--nproc_per_node={per_node}", "--master_addr=127.0.0.1", f"--master_port={port}", str(SCRIPT),
-             str(out), json.dumps(options)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=out, start_new_session=True,
-        )
-        for node in (0, 1)
-    ]
+    env = script_env()
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK"):
+        env.pop(name, None)  # torchrun's to set, not this worker's
+    agents, logs = [], [out / f"torchrun_node{node}.txt" for node in (0, 1)]
+    for node, log in enumerate(logs):
+        with log.open("w") as err:
+            agents.append(start_group(
+                [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}",
+                 f"--nproc_per_node={per_node}", "--master_addr=127.0.0.1", f"--master_port={port}", str(SCRIPT),
+                 str(out), json.dumps(options)], out, env, err))
+    deadline = time.monotonic() + 240
     try:
-        outputs = [p.communicate(timeout=240) for p in procs]
+        while any(a.live() for a in agents) and time.monotonic() < deadline:
+            for a in agents:
+                a.poll()
+            time.sleep(0.2)
+        left = [pid for a in agents for pid in a.live()]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-    for p, (_, err) in zip(procs, outputs):
-        assert p.returncode == 0, err[-4000:]
+        for a in agents:
+            if a.live():
+                a.kill_group()
+            a.wait()
+    assert not left, f"torchrun's processes left after 240 s: {left}\n" + "\n".join(log.read_text()[-3000:] for log in logs)
+    for a, log in zip(agents, logs):
+        assert a.returncode == 0, log.read_text()[-4000:]
 
 
 def test_two_pipelines_on_two_nodes_under_torchrun(tmp_path, runs):
