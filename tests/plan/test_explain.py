@@ -334,5 +334,9 @@ def test_a_sleeping_layer_timed_in_process_is_found_alone() -> None:
     scaled = {layer.name: layer for layer in measured_profile(plan, ranks).layers}
     assert max(scaled, key=lambda name: scaled[name].forward_s) == "3"
     assert scaled["3"].forward_s >= 8 * 0.00225
-    # Moving layer 3 to stage 1 would give that stage its 16 ms on top of four layers: the split stays.
-    assert replan(plan, ranks).balance == [4, 4]
+    # Where replan puts the boundary depends on every layer's measured time, which a loaded machine moves (a clean
+    # suite run got [3, 5] once): the decision on exact figures is pinned by
+    # test_timed_layer_forwards_find_one_slow_layer_where_the_stage_factor_moves_the_wrong_boundary; here, that replan
+    # takes these measured figures whole and splits all 8 layers into 2 stages.
+    again = replan(plan, ranks).balance
+    assert sum(again) == 8 and len(again) == 2, again
