@@ -36,8 +36,8 @@ from lightning_pipedream.strategy.reporting.stop_signal import StopRequests
 from lightning_pipedream.strategy.reporting.summaries import LaggedSummaries, LoggedValue, StepSummary, SummaryChannel
 from lightning_pipedream.testing.nccl_model import DeadlockError, PointToPointModel
 
-STEPS = 100  # more than the old SIGTERM check's period (32) and the log interval
-LOG_EVERY, DRAIN_EVERY, SIGTERM_AT = 10, 40, 90
+STEPS = 50  # more than the old SIGTERM check's period (32), 10 log intervals and 2 drains
+LOG_EVERY, DRAIN_EVERY, SIGTERM_AT = 5, 20, 45
 CPU = torch.device("cpu")
 
 
