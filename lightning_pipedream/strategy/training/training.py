@@ -37,6 +37,7 @@ from lightning_pipedream.strategy.reporting.stop_signal import install as instal
 from lightning_pipedream.strategy.setup.calls import SequentialCall
 from lightning_pipedream.strategy.setup.checks import refuse_guard_with_unequal_replicas
 from lightning_pipedream.strategy.setup.options import PipelineOptions
+from lightning_pipedream.strategy.setup.sequential_memory import sequential_predicted_memory
 from lightning_pipedream.strategy.setup.stage_pipeline import StagePipeline, clip_grad_by_norm, make_engine
 from lightning_pipedream.strategy.training.divergence import Divergence, DivergenceGuard, DrainedWeights, Staleness
 from lightning_pipedream.strategy.training.loss_scale import agreed_step, scaler_of
@@ -70,7 +71,7 @@ class Training:
         self.stop = install_stop_requests(trainer, pipeline, device, pipeline.placement.stage_index, timeout)
         if options.trace_dir is not None and global_rank == 0:
             check_trace_dir(options.trace_dir)
-        self.figures = stage_figures(options, pipeline, trainer, device, global_rank)
+        self.figures = stage_figures(options, pipeline, trainer, device, global_rank, optimizers())
         pipeline.engine.transport.clock_offset = self.figures.offset  # messages carry their send's start on one clock
         self._steps_run = 0  # training steps of this fit (the trace window counts them)
         self._samples = 0  # samples of those steps' batches (the explanation's minibatches of the plan per step)
@@ -294,14 +295,18 @@ class Training:
 
 
 def stage_figures(options: PipelineOptions, pipeline: StagePipeline, trainer: Trainer, device: torch.device,
-                  global_rank: int) -> StageFigures:
-    """This rank's :class:`StageFigures` over the engine's accounts; rank 0 logs through the Trainer's loggers."""
+                  global_rank: int, optimizers: list[torch.optim.Optimizer] | None = None) -> StageFigures:
+    """This rank's :class:`StageFigures` over the engine's accounts; rank 0 logs through the Trainer's loggers, with
+    each stage's predicted peak memory where the memory model gives one (the graph path's, or on rank 0 for one
+    nn.Sequential from its profile: ``setup/sequential_memory.py``; ``optimizers``: the kind of state it counts)."""
     placement = pipeline.placement
     graph = pipeline.graph
-    predicted = None
-    if graph is not None and graph.predicted_memory is not None:
-        predicted = [float(m["predicted_peak_bytes"]) for m in graph.predicted_memory]
     plan = getattr(trainer.strategy, "plan", None)
+    memory = graph.predicted_memory if graph is not None else None
+    if graph is None and global_rank == 0:  # one nn.Sequential: the memory model on its profile (rank 0 logs)
+        memory = sequential_predicted_memory(options, placement, plan, getattr(trainer.strategy, "balance", None),
+                                             optimizers or [], device, trainer.accumulate_grad_batches > 1)
+    predicted = [float(m["predicted_peak_bytes"]) for m in memory] if memory is not None else None
     simulated = None
     if placement.layout is None:
         simulated = simulated_bubble(options.schedule, placement.num_stages, options.chunks, options.virtual_stages,
