@@ -340,3 +340,44 @@ def test_a_sleeping_layer_timed_in_process_is_found_alone() -> None:
     # takes these measured figures whole and splits all 8 layers into 2 stages.
     again = replan(plan, ranks).balance
     assert sum(again) == 8 and len(again) == 2, again
+
+
+def test_a_traced_graphs_plan_of_one_micro_batch_is_compared_with_a_step_of_chunks_of_them() -> None:
+    from lightning_pipedream.strategy.reporting.explanation import fit_minibatches
+    from lightning_pipedream.strategy.setup.graph_path import for_the_run
+
+    # The graph path profiles one micro-batch (4 samples of a 16-sample batch, chunks=4) and partitions it: 2 stages
+    # of 12 ms (4 forward, 8 backward) per micro-batch, a plan that says schedule "pipedream" and one micro-batch.
+    def partitioned() -> Plan:
+        profile = Profile([LayerProfile(f"l{i}", 1 * MS, 2 * MS, 1000, 4000) for i in range(8)], source="graph")
+        return partition(profile, Topology.flat(2, 1e12), "pipedream", straight=True)
+
+    # A 1f1b step of 4 micro-batches that runs exactly as profiled: 4 x 12 ms of compute per stage, and the idle
+    # time the schedule leaves each stage, (4 + 2 - 1) x 12 - 48 = 12 ms, spent waiting; 1 ms of Lightning's work.
+    def ranks(per_step: dict[int, float]) -> list[dict[str, float]]:
+        return [_per_step(s, 48 * MS, 12 * MS, 0.0, 0.0, 1 * MS, per_step[s]) for s in (0, 1)]
+
+    run = for_the_run(partitioned(), "1f1b", 4, samples=4)
+    per_step = fit_minibatches(run, 2, samples_per_step=16, minibatches_per_batch=1, layout_replicas=None)
+    assert per_step == {0: 4.0, 1: 4.0}
+    # An epoch's smaller last batch lowers the mean samples per step, and so the micro-batches counted.
+    assert fit_minibatches(run, 2, 14, 1, None) == {0: 3.5, 1: 3.5}
+    e = explain(run, ranks(per_step))
+    assert e.schedule == "1f1b" and e.minibatches_per_step == 4
+    # Per micro-batch on both sides: each stage computes what its profile says, the measured step (61 ms) over 4
+    # against the plan's 12 ms; the gap is the schedule's fill and drain (60 / 4 - 12 = 3 ms) and Lightning's 1 / 4.
+    assert [s.ratio for s in e.stages] == pytest.approx([1.0, 1.0])
+    assert e.measured == pytest.approx(61 * MS / 4) and e.predicted == pytest.approx(12 * MS)
+    assert e.parts["schedule"] == pytest.approx(3 * MS)
+    assert e.parts["imbalance"] == pytest.approx(0.0, abs=1e-12)
+    assert e.parts["communication"] == pytest.approx(0.0, abs=1e-8)  # the transfer at 1 TB/s
+    assert e.parts["outside"] == pytest.approx(0.25 * MS)
+    assert sum(e.parts.values()) == pytest.approx(e.gap, abs=1e-12)
+    # The plan as the partitioner gave it (what the graph path kept before): one step counted as one of its
+    # minibatches, each stage read as computing 4x its profile and the fill and drain called communication.
+    old = partitioned()
+    old_step = fit_minibatches(old, 2, samples_per_step=16, minibatches_per_batch=1, layout_replicas=None)
+    assert old_step == {0: 1.0, 1: 1.0}
+    stale = explain(old, ranks(old_step))
+    assert [s.ratio for s in stale.stages] == pytest.approx([4.0, 4.0])
+    assert stale.parts["schedule"] == pytest.approx(0.0, abs=1e-8)

@@ -21,7 +21,9 @@ def minibatches_per_step(plan: Any, stage: int, *, samples_per_step: float | Non
     """How many of ``plan``'s minibatches one training step of a replica of ``stage`` held.
 
     A plan's stage figure is per replica, for ``batch / replicas`` samples of its minibatch of ``batch`` samples (the
-    profile's batch size, ``plan.extra["profile"]``; the strategy profiles the first training batch whole). A replica
+    profile's batch size, ``plan.extra["profile"]``; the strategy profiles the first training batch whole; a traced
+    graph's split-point plan says ``plan.extra["batch_size"]``: it is profiled on one micro-batch, so a step holds
+    ``chunks`` of its minibatches). A replica
     runs per step: the whole batch of its pipeline (``samples_per_step``, the mean over the fit) on a straight pipeline
     or on ``d`` data-parallel pipelines, and ``1 / r`` of it on a stage of ``r`` replicas of PipeDream's 1F1B-RR
     (``layout_replicas``; round robin, in the steady state). Without the profile's batch size, the plan's minibatch is
@@ -32,6 +34,8 @@ def minibatches_per_step(plan: Any, stage: int, *, samples_per_step: float | Non
     share = 1.0 / layout_replicas[stage] if layout_replicas is not None else 1.0  # of the batch, per replica
     profile = plan.extra.get("profile") if isinstance(getattr(plan, "extra", None), dict) else None
     profiled = profile.get("batch_size") if isinstance(profile, dict) else None
+    if not profiled and isinstance(getattr(plan, "extra", None), dict):  # a traced graph's plan: one micro-batch's
+        profiled = plan.extra.get("batch_size")
     if profiled and samples_per_step:
         return samples_per_step * share * planned / float(profiled)
     run_minibatches = layout_replicas[0] if layout_replicas is not None else max(1, minibatches_per_batch)

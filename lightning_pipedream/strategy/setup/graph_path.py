@@ -127,7 +127,7 @@ class GraphPath:
                 estimate = estimate_graph(captured) if on_meta else None  # no weights to time: FLOPs of the shapes
                 chosen, plan = choose_split_points(captured, module, args, kwargs, total, profile=estimate,
                                                    bandwidth=options.link_bandwidth)
-                on_rank_zero["plan"] = plan
+                on_rank_zero["plan"] = plan = for_the_run(plan, options.schedule, chunks, batch_size(part))
                 memory = None
                 if estimate is not None and hook == "training_step":  # what training holds: the memory model's
                     loss = loss_bytes(module, self.call, hook, part, captured, self.device)
@@ -196,6 +196,19 @@ class GraphPath:
                 args, kwargs = self.call.input_of(module, hook, part, *step_args, **step_kwargs)
                 self.graph.ensure(module, args, kwargs)
                 self._inputs_seen.add(key)
+
+
+def for_the_run(plan: Any, schedule: str, chunks: int, samples: int) -> Any:
+    """The split-point plan as the run holds it (``strategy.plan``, which its explanation reads). The graph is
+    profiled (or estimated) on one micro-batch of ``samples`` samples, so the partitioner's figures are per micro-batch
+    and its plan says schedule "pipedream" with one: the run's schedule and ``chunks`` instead (the simulator then
+    gives a step of ``chunks`` micro-batches of the plan's times divided by ``chunks``: its fill and drain in the
+    same per-micro-batch units), and ``extra["batch_size"]`` the micro-batch's samples, from which the explanation
+    counts the plan's minibatches a training step held (``minibatches_per_step``: the step's samples over these,
+    ``chunks`` for a full batch)."""
+    plan.schedule, plan.chunks = schedule, chunks
+    plan.extra["batch_size"] = int(samples)
+    return plan
 
 
 def estimate_source(on_meta: bool) -> str:
