@@ -381,3 +381,23 @@ def test_a_traced_graphs_plan_of_one_micro_batch_is_compared_with_a_step_of_chun
     stale = explain(old, ranks(old_step))
     assert [s.ratio for s in stale.stages] == pytest.approx([4.0, 4.0])
     assert stale.parts["schedule"] == pytest.approx(0.0, abs=1e-8)
+
+
+def test_a_traced_graphs_plan_times_each_micro_batch_of_the_predicted_timeline_as_profiled() -> None:
+    from lightning_pipedream.schedule.actions import Op
+    from lightning_pipedream.strategy.reporting.stage_figures import predicted_events
+    from lightning_pipedream.strategy.setup.graph_path import for_the_run
+
+    # The same graph plan: 4 ms forward, 8 ms backward per stage for one micro-batch; a step holds 4 of them.
+    profile = Profile([LayerProfile(f"l{i}", 1 * MS, 2 * MS, 1000, 4000) for i in range(8)], source="graph")
+    run = for_the_run(partition(profile, Topology.flat(2, 1e12), "pipedream", straight=True), "1f1b", 4, samples=4)
+    events, source = predicted_events("1f1b", 2, 4, 1, 2, [], run, per_step=4.0)
+    assert source == "the plan's stage times"
+    forwards = [e.end - e.start for e in events if e.action.op is Op.FORWARD]
+    backwards = [e.end - e.start for e in events if e.action.op is Op.BACKWARD]
+    assert len(forwards) == len(backwards) == 2 * 2 * 4  # 2 steps, 2 stages, 4 micro-batches
+    assert forwards == pytest.approx([4 * MS] * 16) and backwards == pytest.approx([8 * MS] * 16)
+    # Two steps of (4 + 2 - 1) x 12 ms. Counted as one minibatch per step (before), each action was 4x too short.
+    assert max(e.end for e in events) == pytest.approx(2 * 60 * MS)
+    before, _ = predicted_events("1f1b", 2, 4, 1, 2, [], run)
+    assert [e.end - e.start for e in before if e.action.op is Op.FORWARD] == pytest.approx([1 * MS] * 16)

@@ -328,9 +328,12 @@ def rank_trace(records: list, sent_at: list, rank: int, stage: int, replica: int
 
 
 def predicted_events(schedule: str, num_stages: int, chunks: int, virtual_stages: int, steps: int,
-                     traces: list[RankTrace], plan: Any) -> tuple[list[Any], str]:
+                     traces: list[RankTrace], plan: Any, per_step: float = 1.0) -> tuple[list[Any], str]:
     """The schedule simulator's timeline of ``steps`` training steps (flushed schedules: one after another), with
-    the plan's stage times, or without a plan the measured mean forward and backward of each stage; and which."""
+    the plan's stage times, or without a plan the measured mean forward and backward of each stage; and which.
+    ``per_step``: how many of the plan's minibatches a flushed step holds (``minibatches_per_step``; a traced graph's
+    plan is of one micro-batch: ``chunks``), so that its ``chunks`` micro-batches share ``per_step`` times the plan's
+    figures."""
     from lightning_pipedream.schedule.builders import build_schedule
     from lightning_pipedream.schedule.simulate import simulate
     from lightning_pipedream.schedule.specs import spec_of
@@ -342,8 +345,9 @@ def predicted_events(schedule: str, num_stages: int, chunks: int, virtual_stages
     per = max(1, chunks) if spec.microbatches else 1
     stages = getattr(plan, "stages", None)
     if stages is not None and len(stages) == n and all(s.compute_s > 0 for s in stages):
-        forward = [(s.forward_s or s.compute_s / 3) / per for s in stages]
-        backward = [s.compute_s / per - f for s, f in zip(stages, forward)]
+        scale = per_step if not spec.asynchronous and per_step > 0 else 1.0
+        forward = [(s.forward_s or s.compute_s / 3) * scale / per for s in stages]
+        backward = [s.compute_s * scale / per - f for s, f in zip(stages, forward)]
         source = "the plan's stage times"
     else:
         spans: dict[tuple[int, str], list[float]] = {}

@@ -192,8 +192,10 @@ class Training:
         predicted, source = [], ""
         if steps and placement.layout is None:
             try:
+                held = [float(m.get("minibatches_per_step", 1.0)) for m in self.measured]
                 predicted, source = predicted_events(options.schedule, placement.num_stages, options.chunks,
-                                                     options.virtual_stages, steps, traces, self._plan())
+                                                     options.virtual_stages, steps, traces, self._plan(),
+                                                     sum(held) / len(held) if held else 1.0)
             except Exception as err:  # the ghost track is a help, never a reason to lose the measured trace
                 notes.append(f"no predicted timeline: {err}")
         plan = self._plan()
