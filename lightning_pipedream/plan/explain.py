@@ -31,6 +31,14 @@ longest, the reference ``r``) is split; the parts add up to ``S - P`` exactly, b
   stage's busy time, so **communication** is left with the point-to-point messages only;
 - **outside**: stage ``r``'s time outside the pipeline's actions: Lightning's per-step work, data loading.
 
+On CUDA the ranks also say their compute's time on the device (``device_compute``, from CUDA events; the host's clock
+reads only the kernels' launch there). Where every rank has it, it is the stage's measured compute (the profile times
+a layer's kernels with a synchronization: the device's time is the like-for-like figure), the table says so, and the
+host's ``compute`` is kept as ``host_compute``. The host's other parts then hold the time the host waited for its
+own kernels (mostly at a receive's header read), so **communication** leaves it out: it counts ``wait + transfer``
+less the idle time at the device compute, less the device compute beyond the host's (``compute - host_compute``). The
+parts still add up to ``S - P`` exactly.
+
 :func:`replan` partitions the plan's profile again with the measured times: each layer's forward as a traced window
 timed it (``layer_forward``, where the ranks have it), the stage's backwards scaled together to its measured compute;
 elsewhere each layer scaled by its stage's measured compute over its predicted compute (the accounts time stages).
@@ -82,6 +90,7 @@ class StageRow:
     replicas: int = 1
     step_min: float | None = None
     step_max: float | None = None
+    host_compute: float | None = None  # CUDA: the host's compute (kernel launches); ``compute`` is then the device's
 
     @property
     def bubble(self) -> float:
@@ -115,6 +124,11 @@ class Explanation:
         return self.measured - self.predicted
 
     @property
+    def device(self) -> bool:
+        """Whether the measured compute is the device's (CUDA events), not the host's."""
+        return any(s.host_compute is not None for s in self.stages)
+
+    @property
     def slowest(self) -> int:
         """The stage whose compute is furthest above its profile."""
         return max(self.stages, key=lambda s: s.ratio).stage
@@ -122,8 +136,8 @@ class Explanation:
     def table(self) -> str:
         """The per-stage table and the split of the gap, for people (milliseconds)."""
         ms = 1e3
-        head = ("stage", "compute ms pred/meas", "bubble pred/meas", "wait ms", "transfer ms", "update ms",
-                "other ms", "step ms")
+        compute = "compute ms pred/meas" + (" (device)" if self.device else "")
+        head = ("stage", compute, "bubble pred/meas", "wait ms", "transfer ms", "update ms", "other ms", "step ms")
         rows = [head]
         for s in self.stages:
             step = f"{s.step * ms:.2f}"
@@ -141,8 +155,9 @@ class Explanation:
         if n != 1:  # the measured figures are per minibatch of the plan: a step held n of them
             step += f" / {n:.3g}, the plan's minibatches per step"
         allreduce = sum(s.predicted_allreduce for s in self.stages) > 0
+        device = "; measured compute: the device's (CUDA events)" if self.device else ""
         out = [f"time per minibatch: predicted {self.predicted * ms:.1f} ms, measured {self.measured * ms:.1f} ms "
-               f"({step}), gap {self.gap * ms:+.1f} ms; schedule {self.schedule}", *lines,
+               f"({step}), gap {self.gap * ms:+.1f} ms; schedule {self.schedule}{device}", *lines,
                f"where the gap went (measured compute over the profile's: {ratios}; furthest above: stage "
                f"{self.slowest}):"]
         words = max(len(w) for w in PART_WORDS.values())
@@ -177,7 +192,8 @@ def measured_stages(ranks: list[dict[str, Any]]) -> list[dict[str, float]]:
     and ``replicas``, ``step_min``, ``step_max`` (the replicas' range) and ``minibatches_per_step``; ``ranks``: one
     dict per rank with ``stage`` and those keys in seconds per training step, and optionally
     ``minibatches_per_step`` (how many of the plan's minibatches the step held; 1) (ranks that ran no step are left
-    out)."""
+    out). Where every such rank also has ``device_compute`` (CUDA), it is the stage's ``compute`` and the host's is
+    ``host_compute`` (module text)."""
     by_stage: dict[int, list[dict[str, Any]]] = {}
     for r in ranks:
         if r.get("steps", 1) and r["step"] > 0:
@@ -185,6 +201,7 @@ def measured_stages(ranks: list[dict[str, Any]]) -> list[dict[str, float]]:
     if not by_stage or sorted(by_stage) != list(range(len(by_stage))):
         raise ExplainError(f"measured figures for stages {sorted(by_stage)}: every stage from 0 on needs one rank's "
                            "figures of at least one training step.")
+    device = all(r.get("device_compute") is not None for rs in by_stage.values() for r in rs)
     out = []
     for s in range(len(by_stage)):
         per = []
@@ -193,8 +210,12 @@ def measured_stages(ranks: list[dict[str, Any]]) -> list[dict[str, float]]:
             if not n > 0:
                 raise ExplainError(f"rank figures with minibatches_per_step={n!r}: it counts the plan's minibatches "
                                    "one training step held, a number > 0.")
-            per.append({k: float(r[k]) / n for k in MEASURED} | {"minibatches_per_step": n})
-        stage: dict[str, Any] = {k: sum(p[k] for p in per) / len(per) for k in (*MEASURED, "minibatches_per_step")}
+            one = {k: float(r[k]) / n for k in MEASURED} | {"minibatches_per_step": n}
+            if device:  # the like-for-like compute: the device's (module text)
+                one["host_compute"], one["compute"] = one["compute"], float(r["device_compute"]) / n
+            per.append(one)
+        keys = (*MEASURED, "minibatches_per_step") + (("host_compute",) if device else ())
+        stage: dict[str, Any] = {k: sum(p[k] for p in per) / len(per) for k in keys}
         stage.update(replicas=len(per), step_min=min(p["step"] for p in per), step_max=max(p["step"] for p in per))
         # Each layer's forward where the ranks timed it (a traced window): the mean over the replicas that did.
         timed = [(r["layer_forward"], float(r.get("minibatches_per_step", 1.0))) for r in by_stage[s]
@@ -245,16 +266,19 @@ def explain(plan: Plan, ranks: list[dict[str, Any]]) -> Explanation:
     stages = [StageRow(k, p, max(0.0, 1.0 - (p + a) / simulated) if simulated > 0 else 0.0,
                        compute=m["compute"], wait=m["wait"], transfer=m["transfer"], update=m["update"],
                        other=m["other"], step=m["step"], predicted_allreduce=a, replicas=int(m["replicas"]),
-                       step_min=m["step_min"], step_max=m["step_max"])
+                       step_min=m["step_min"], step_max=m["step_max"], host_compute=m.get("host_compute"))
               for k, (p, a, m) in enumerate(zip(predicted, allreduce, measured))]
     r = max(range(len(stages)), key=lambda k: stages[k].step)
     ref = stages[r]
     # What the schedule leaves stage r idle at the measured compute; its predicted all-reduce is measured in `update`.
     idle = simulated_measured - ref.compute - ref.predicted_allreduce
+    # On CUDA the host waited for its own kernels beyond their launch in its other parts (a receive's header read,
+    # mostly): that is compute, not communication (module text). Zero where compute is the host's.
+    kernels = ref.compute - ref.host_compute if ref.host_compute is not None else 0.0
     parts = {
         "schedule": simulated - plan.time_per_minibatch,
         "imbalance": simulated_measured - simulated,
-        "communication": ref.wait + ref.transfer - idle,
+        "communication": ref.wait + ref.transfer - idle - kernels,
         "update": ref.update - ref.predicted_allreduce,
         "outside": ref.other,
     }

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from lightning_pipedream.runtime.communication.microbatch import flatten, unflatten
 from lightning_pipedream.runtime.communication.transport import Transport
-from lightning_pipedream.runtime.execution.accounts import StepAccounts
+from lightning_pipedream.runtime.execution.accounts import StepAccounts, device_events
 from lightning_pipedream.runtime.faults.flight import recorder
 from lightning_pipedream.runtime.stages.stage import Stage
 from lightning_pipedream.schedule.actions import Action, Op
@@ -30,7 +30,8 @@ class Executor:
     (``perf_counter`` seconds); a blocking receive's time is the time spent waiting for the peer.
     Whatever ``record`` says, the process's flight recorder (:mod:`~lightning_pipedream.runtime.faults.flight`)
     keeps the last few hundred actions and the one in progress, for the words and the file of a failure, and
-    :attr:`accounts` adds each action's time to its part of the step (compute, waiting, transfer, update). Under
+    :attr:`accounts` adds each action's time to its part of the step (compute, waiting, transfer, update); on a CUDA
+    transport's device each compute action is also timed on the device (a pair of CUDA events, read later). Under
     an active torch profiler (``Trainer(profiler="pytorch")``) each action is a ``record_function`` range named
     ``pipeline/<action>`` (e.g. ``pipeline/F3``, ``pipeline/RA3@0``).
 
@@ -54,7 +55,7 @@ class Executor:
         self.record = record
         self.rank = rank
         self.records: list[tuple[Action, float, float]] = []
-        self.accounts = StepAccounts()
+        self.accounts = StepAccounts(device_events(getattr(transport, "device", None)))
         # For the merged trace: each received message's send start, beside the receive in records (this rank's clock).
         self.sent_at: list[float | None] = []
         # Keyed by (stage, micro-batch): several stages may live here (interleaved).
@@ -104,6 +105,8 @@ class Executor:
         flight = recorder()
         accounts = self.accounts
         labelled = torch._C._autograd._profiler_enabled()  # one look per run: a profiler records now
+        timed = accounts.timing and accounts.active  # CUDA, in a training step: compute is timed on the device too
+        mark = None
         for i, action in enumerate(actions):
             op, mb = action.op, action.microbatch
             key = (action.stage, mb)
@@ -114,6 +117,8 @@ class Executor:
             if label is not None:
                 label.__enter__()
             start = time.perf_counter()
+            if timed and (op is Op.FORWARD or op is Op.BACKWARD or op is Op.BACKWARD_WEIGHT):
+                mark = accounts.device_begin()
             if op is Op.RECV_ACT or op is Op.RECV_GRAD:
                 if remote:
                     if before_receive is not None:
@@ -170,6 +175,9 @@ class Executor:
                         "allreduce function; build the engine with the replicas' ReplicaGroups."
                     )
                 allreduce(action)
+            if mark is not None:
+                accounts.device_end(mark)
+                mark = None
             end = time.perf_counter()
             if label is not None:
                 label.__exit__(None, None, None)

@@ -44,7 +44,8 @@ def minibatches_per_step(plan: Any, stage: int, *, samples_per_step: float | Non
 
 def measured_ranks(totals: dict[int, RankFigures], per_step: dict[int, float] | None = None) -> list[dict[str, Any]]:
     """Each rank's mean per training step of every part (seconds), from the fit's totals (JSON-ready); ``per_step``:
-    each stage's :func:`minibatches_per_step` (1 where absent)."""
+    each stage's :func:`minibatches_per_step` (1 where absent). On CUDA also ``device_compute``: the compute actions'
+    time on the device (CUDA events), which ``plan/explain.py`` then takes for the stage's compute."""
     out = []
     for rank, r in sorted(totals.items()):
         f, n = r.figures, max(r.figures.steps, 1)
@@ -52,6 +53,8 @@ def measured_ranks(totals: dict[int, RankFigures], per_step: dict[int, float] | 
                     "compute": f.compute / n, "wait": f.wait / n, "transfer": f.transfer / n, "update": f.update / n,
                     "other": f.other / n, "step": f.step / n,
                     "minibatches_per_step": (per_step or {}).get(r.stage, 1.0)})
+        if f.device_actions:
+            out[-1]["device_compute"] = f.device_compute / n
     return out
 
 
