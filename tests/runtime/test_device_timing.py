@@ -1,0 +1,252 @@
+"""Compute timed on the device, modelled on the CPU: a stand-in for ``torch.cuda.Event(enable_timing=True)`` (one
+stream, a device clock that runs each compute action for a known time, and CUDA's rule that an event's time can be
+read only once the device got past it) takes the place of CUDA's events, where the accounts make them. The executor
+records a pair around each compute action and never waits for it; the accounts resolve the pairs once per interval
+(one synchronization), reuse the events and resolve early past a cap; a CPU device never makes an event."""
+
+from __future__ import annotations
+
+import copy
+import queue
+import threading
+from collections.abc import Hashable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_pipedream.runtime.communication.microbatch import flatten, split, unflatten
+from lightning_pipedream.runtime.execution import accounts as accounts_module
+from lightning_pipedream.runtime.execution.accounts import StepAccounts, cuda_event, device_events
+from lightning_pipedream.runtime.execution.executor import Executor
+from lightning_pipedream.runtime.stages.stage import Stage
+from lightning_pipedream.schedule.actions import Op
+from lightning_pipedream.schedule.builders import build_schedule
+
+
+class StandInDevice:
+    """One CUDA stream and its timing events, as the accounts see them. Each pair of records brackets one compute
+    action, which the device runs for the next of ``durations`` (ms); an event's time may be read only after a
+    ``synchronize`` of it or of a later event (CUDA raises "not ready" otherwise); an event recorded again before its
+    time was read would lose it."""
+
+    def __init__(self, durations: list[float]) -> None:
+        self.durations = list(durations)
+        self.ran: list[float] = []  # the durations the device ran, in order
+        self.now = 0.0
+        self.seq = 0  # records so far: an event's place on the stream
+        self.done = 0  # the last place a synchronize waited for
+        self.inside = False  # between the records of a pair
+        self.made = self.records = self.syncs = 0
+
+    def event(self, enable_timing: bool = False) -> StandInEvent:
+        assert enable_timing, "a CUDA event times nothing without enable_timing=True"
+        self.made += 1
+        return StandInEvent(self)
+
+    def timing_event(self) -> StandInEvent:
+        """A factory for ``StepAccounts(events=...)``: what ``cuda_event`` makes."""
+        return self.event(enable_timing=True)
+
+
+class StandInEvent:
+    def __init__(self, device: StandInDevice) -> None:
+        self.device = device
+        self.at = 0.0
+        self.seq = 0
+        self.read = True  # nothing recorded yet: free to record
+
+    def record(self) -> None:
+        d = self.device
+        assert self.read, "an event recorded again before its time was read"
+        d.records += 1
+        d.seq += 1
+        if d.inside:  # the end of a pair: the action's kernels ran
+            d.ran.append(d.durations[len(d.ran)])
+            d.now += d.ran[-1]
+        d.inside = not d.inside
+        self.at, self.seq, self.read = d.now, d.seq, False
+
+    def synchronize(self) -> None:
+        self.device.syncs += 1
+        self.device.done = max(self.device.done, self.seq)
+
+    def elapsed_time(self, end: StandInEvent) -> float:
+        if max(self.seq, end.seq) > self.device.done:
+            raise RuntimeError("CUDA error: device not ready")
+        self.read = end.read = True
+        return end.at - self.at
+
+
+class QueueTransport:
+    """Ranks of one process over queues (see tests/runtime/test_executor.py), on a device that is only a name."""
+
+    def __init__(self, rank: int, mailboxes: dict, device: torch.device | None) -> None:
+        self.rank, self.mailboxes = rank, mailboxes
+        if device is not None:
+            self.device = device
+
+    def _box(self, src: int, dst: int, channel: Hashable) -> queue.Queue:
+        return self.mailboxes.setdefault((src, dst, channel), queue.Queue())
+
+    def send(self, tree: Any, peer: int, where: str = "stage output", channel: Hashable = None) -> None:
+        leaves, spec = flatten(tree, where)
+        self._box(self.rank, peer, channel).put(
+            unflatten([t.detach().clone().requires_grad_(t.requires_grad) for t in leaves], spec))
+
+    def recv(self, peer: int, channel: Hashable = None) -> Any:
+        return self._box(peer, self.rank, channel).get(timeout=30)
+
+    def post_recv(self, peer: int, channel: Hashable = None) -> None:
+        pass
+
+    def global_rank(self, peer: int | None) -> int | None:
+        return peer
+
+
+def _train(schedule_name: str, chunks: int, steps: int, device: torch.device | None, take_every: int,
+           watch: dict[int, StandInDevice] | None = None) -> tuple[list[Executor], list[list], list[list]]:
+    """Two ranks in threads train ``steps`` steps over a transport on ``device``; each rank's accounts are taken
+    every ``take_every`` steps and at the end. Returns the executors, each rank's taken figures and the stand-in's
+    synchronizations seen after each step's actions (``watch``: each rank's stand-in)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+    parts = [copy.deepcopy(model[:2]), copy.deepcopy(model[2:])]
+    schedule = build_schedule(schedule_name, 2, chunks)
+    mailboxes: dict = {}
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    xs, ys = split(x, chunks), split(y, chunks)
+    executors: list[Any] = [None, None]
+    taken: list[list] = [[], []]
+    syncs: list[list] = [[], []]
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        try:
+            executor = executors[r] = Executor(Stage(parts[r], r, 2), QueueTransport(r, mailboxes, device), rank=r)
+            accounts = executor.accounts
+            for step in range(steps):
+                accounts.begin_step()
+                executor.run(schedule.actions[r], inputs=lambda mb: xs[mb],
+                             loss=lambda mb, out: nn.functional.cross_entropy(out, ys[mb]),
+                             optimizer_step=lambda action: None)
+                accounts.end_step()
+                if watch is not None:
+                    syncs[r].append(watch[r].syncs)
+                if (step + 1) % take_every == 0:
+                    taken[r].append(accounts.take())
+            accounts.finish()
+            taken[r].append(accounts.take())
+        except BaseException as err:  # noqa: BLE001  (the test thread reports it)
+            errors.append(err)
+
+    threads = [threading.Thread(target=rank, args=(r,), name=f"rank{r}") for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    assert not any(t.is_alive() for t in threads)
+    return executors, taken, syncs
+
+
+@pytest.mark.parametrize(("schedule", "chunks"), [("1f1b", 4), ("zb-h1", 3)])
+def test_a_cuda_transport_times_each_compute_action_on_the_device_and_synchronizes_once_per_interval(
+        monkeypatch, schedule: str, chunks: int) -> None:
+    actions = build_schedule(schedule, 2, chunks).actions
+    computes = [sum(a.op.is_compute for a in actions[r]) for r in range(2)]  # F, B (recompute inside) and W
+    steps = 4
+    # A known time for every compute action of the run, different each time, and per rank.
+    devices = {r: StandInDevice([0.5 + 0.25 * k + r for k in range(steps * computes[r])]) for r in range(2)}
+    # CUDA's own class, where the accounts make their events on a CUDA device: each rank's thread gets its stand-in.
+    monkeypatch.setattr(torch.cuda, "Event",
+                        lambda enable_timing=False: devices[int(threading.current_thread().name[4:])].event(
+                            enable_timing))
+    executors, taken, syncs = _train(schedule, chunks, steps, torch.device("cuda", 0), take_every=2, watch=devices)
+    for r in range(2):
+        d, n = devices[r], computes[r]
+        assert executors[r].accounts.timing and d.records == 2 * steps * n  # a pair around every compute action
+        # No synchronization while the actions run: the first is the take after step 2 (seen after step 3).
+        assert syncs[r] == [0, 0, 1, 1], syncs[r]
+        assert d.syncs == 3  # one per take that had closed steps: steps 2 and 4, and the fit's end
+        # Each take holds the steps closed by then (a step closes when the next begins): step 1; steps 2-3; step 4.
+        durations = d.ran
+        assert len(durations) == steps * n
+        expected = [sum(durations[:n]), sum(durations[n:3 * n]), sum(durations[3 * n:])]
+        assert [f.steps for f in taken[r]] == [1, 2, 1]
+        assert [f.device_compute * 1e3 for f in taken[r]] == pytest.approx(expected)
+        assert [f.device_actions for f in taken[r]] == [n, 2 * n, n]
+        assert taken[r][1].per_step_ms()["device_compute"] == pytest.approx(expected[1] / 2)
+        # The host's parts are the host's: they still add up to the step (the device figure is beside them).
+        for f in taken[r]:
+            parts = f.compute + f.wait + f.transfer + f.update + f.other
+            assert parts == pytest.approx(f.step) and f.compute > 0
+        # Events are reused: never more made than two intervals' pairs were waiting at once.
+        assert d.made <= 2 * 3 * n < d.records
+
+
+def test_a_cpu_device_never_makes_an_event(monkeypatch) -> None:
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("an event was made on a CPU device")
+
+    monkeypatch.setattr(torch.cuda, "Event", refuse)
+    monkeypatch.setattr(accounts_module, "cuda_event", refuse)
+    for device in (torch.device("cpu"), None):  # a CPU transport, and one that names no device
+        executors, taken, _ = _train("1f1b", 2, 3, device, take_every=1)
+        for executor, figures in zip(executors, taken):
+            assert not executor.accounts.timing and executor.accounts.events is None
+            assert all(f.device_actions == 0 and f.device_compute == 0.0 for f in figures)
+            assert "device_compute" not in figures[1].per_step_ms() and figures[1].compute > 0
+
+
+def test_the_default_events_are_cuda_s_with_timing_and_only_for_a_cuda_device(monkeypatch) -> None:
+    made: list[dict] = []
+    monkeypatch.setattr(torch.cuda, "Event", lambda **kwargs: made.append(kwargs) or "event")
+    assert device_events(torch.device("cuda", 1)) is cuda_event and device_events(torch.device("cuda")) is cuda_event
+    assert device_events(torch.device("cpu")) is None and device_events(None) is None
+    assert made == []  # choosing makes nothing
+    assert cuda_event() == "event" and made == [{"enable_timing": True}]
+
+
+def _pairs(accounts: StepAccounts, count: int) -> None:
+    for _ in range(count):
+        mark = accounts.device_begin()
+        accounts.device_end(mark)
+        accounts.action(Op.FORWARD, 0.0, 0.001)
+
+
+def test_the_pool_reuses_events_across_intervals() -> None:
+    device = StandInDevice([1.0 + k for k in range(40)])
+    accounts = StepAccounts(events=device.timing_event)
+    for _ in range(5):  # 5 intervals of one step of 4 compute actions, each taken
+        accounts.begin_step()
+        _pairs(accounts, 4)
+        accounts.end_step()
+        accounts.take()
+    accounts.finish()
+    last = accounts.take()
+    # Step k's pairs wait until the take after the step that closes it: two steps' pairs at most, 16 events.
+    assert device.records == 40 and device.made == 16
+    assert device.syncs == 5  # the first take had no closed step: nothing to wait for
+    assert accounts.total.device_actions == 20
+    assert accounts.total.device_compute * 1e3 == pytest.approx(sum(device.ran)) and last.steps == 1
+
+
+def test_more_pairs_than_the_cap_are_resolved_early_once_each_time_and_kept_for_their_step() -> None:
+    device = StandInDevice([0.1 * (k + 1) for k in range(12)])
+    accounts = StepAccounts(events=device.timing_event, device_cap=5)
+    accounts.begin_step()
+    _pairs(accounts, 5)
+    assert device.syncs == 0  # at the cap: nothing waits yet
+    _pairs(accounts, 1)
+    assert device.syncs == 1  # past it: every waiting pair resolved, with one synchronization
+    _pairs(accounts, 6)
+    assert device.syncs == 2 and device.made == 12  # the second six pairs reused the first six's events
+    accounts.end_step()
+    accounts.begin_step()  # closes the step
+    figures = accounts.take()
+    assert device.syncs == 2  # nothing was left waiting
+    assert figures.steps == 1 and figures.device_actions == 12
+    assert figures.device_compute * 1e3 == pytest.approx(sum(device.ran))
+    assert accounts.take().device_actions == 0  # the open step has no pairs
