@@ -402,3 +402,37 @@ def test_a_traced_graphs_plan_times_each_micro_batch_of_the_predicted_timeline_a
     assert max(e.end for e in events) == pytest.approx(2 * 60 * MS)
     before, _ = predicted_events("1f1b", 2, 4, 1, 2, [], run)
     assert [e.end - e.start for e in before if e.action.op is Op.FORWARD] == pytest.approx([1 * MS] * 16)
+
+
+def test_on_cuda_the_device_compute_is_the_stage_s_measured_compute_and_the_parts_still_add_up() -> None:
+    """A CUDA run's ranks say their compute's time on the device beside the host's (kernel launches): the explanation
+    compares the device's with the profile, says so, and keeps the host's waiting for its kernels out of the
+    communication."""
+    plan = _planned(stages=4, schedule="1f1b", chunks=4)
+    host = [_rank(0, 1 * MS, 1 * MS, 7 * MS, 0.5 * MS, 4 * MS), _rank(1, 1.2 * MS, 5 * MS, 3 * MS, 0.5 * MS, 3 * MS),
+            _rank(2, 1 * MS, 0.2 * MS, 9 * MS, 0.5 * MS, 3 * MS), _rank(3, 1.1 * MS, 9 * MS, 3 * MS, 0.7 * MS, 5 * MS)]
+    device = [6 * MS, 6.3 * MS, 14 * MS, 6 * MS]
+    ranks = [r | {"device_compute": d} for r, d in zip(host, device)]
+    e = explain(plan, ranks)
+    assert [s.compute for s in e.stages] == pytest.approx(device)
+    assert [s.host_compute for s in e.stages] == pytest.approx([r["compute"] for r in host])
+    assert sum(e.parts[p] for p in PARTS) == pytest.approx(e.gap, abs=1e-12)
+    assert e.slowest == 2 and e.reference == 3
+    # The stage imbalance is the device's against the profile: as if the host had measured the device's times.
+    as_host = explain(plan, [r | {"compute": d, "step": r["step"] - r["compute"] + d} for r, d in zip(host, device)])
+    assert e.parts["imbalance"] == pytest.approx(as_host.parts["imbalance"])
+    # Communication: the reference stage's wait and transfer beyond its idle time at the device compute, less the
+    # device compute beyond the host's (the host waited for its kernels at its receives).
+    ref = e.stages[3]
+    idle = e.simulated_measured - ref.compute
+    assert e.parts["communication"] == pytest.approx(ref.wait + ref.transfer - idle - (6 * MS - 1.1 * MS))
+    table = e.table()
+    assert "schedule 1f1b; measured compute: the device's (CUDA events)\n" in table
+    assert "compute ms pred/meas (device)" in table and "stage 2 2.33x" in table
+    back = Explanation.from_json(json.loads(json.dumps(e.to_json())))
+    assert back.table() == table and back.stages[0].host_compute == pytest.approx(1 * MS)
+    # One rank without a device figure (or a CPU run): the host's compute everywhere, as before.
+    mixed = explain(plan, ranks[:3] + host[3:])
+    assert mixed.stages[0].compute == pytest.approx(1 * MS) and not mixed.device
+    assert "device" not in mixed.table()
+    assert sum(mixed.parts[p] for p in PARTS) == pytest.approx(mixed.gap, abs=1e-12)

@@ -268,3 +268,59 @@ def test_a_logger_that_refuses_the_names_is_left_out_in_words_and_the_others_go_
     assert warning == ("PipeDreamStrategy: the logger Refuses refused the pipeline's figures (ValueError: names may not "
                        "contain '/'); they are no longer sent to it. Training goes on. "
                        "PipeDreamStrategy(log_figures=False) stops logging them.")
+
+
+def test_on_cuda_the_device_compute_is_logged_beside_the_host_parts_once_resolved_per_interval() -> None:
+    """CUDA modelled in process (tests/helpers/cuda_events.py): the accounts time each compute action with a pair of
+    events and the interval's figures resolve them with one synchronization, where the stage's figures are gathered."""
+    import torch
+    from cuda_events import StandInDevice
+
+    from lightning_pipedream.strategy.reporting.explanation import measured_ranks
+    from lightning_pipedream.strategy.reporting.stage_figures import RankFigures, StageFigures
+
+    class Takes:
+        def __init__(self) -> None:
+            self.logged: list[tuple[int, dict]] = []
+
+        def log_metrics(self, metrics: dict, step: int | None = None) -> None:
+            self.logged.append((step, metrics))
+
+    device = StandInDevice([1.0 + k for k in range(12)])  # ms: step k's three compute actions run 3k+1 .. 3k+3
+    accounts = StepAccounts(events=device.timing_event)
+    figures = StageFigures(accounts, rank=0, world_size=1, stage=0, replica=0, every=2, device=torch.device("cpu"),
+                           replicas=False)
+    takes = Takes()
+    figures.loggers = [takes]
+    syncs = []
+    for step in range(4):
+        figures.begin_step()
+        for _ in range(3):
+            mark = accounts.device_begin()
+            accounts.device_end(mark)
+            accounts.action(Op.FORWARD, 0.0, 0.002)  # the host's clock: 2 ms to launch each
+        figures.end_step(step)
+        syncs.append(device.syncs)
+    figures.finish(4)
+    assert syncs == [0, 1, 1, 2] and device.syncs == 3  # one per interval, none per action
+    # The intervals hold steps {0}, {1, 2}, {3} (a step closes when the next begins).
+    expected = [sum(device.ran[:3]), sum(device.ran[3:9]) / 2, sum(device.ran[9:])]
+    assert [step for step, _ in takes.logged] == [1, 3, 4]
+    for (_, metrics), device_ms in zip(takes.logged, expected):
+        assert metrics["pipeline/stage0/device_compute_ms"] == pytest.approx(device_ms)
+        assert metrics["pipeline/stage0/compute_ms"] == pytest.approx(6.0)  # the host's, beside it
+        host = sum(metrics[f"pipeline/stage0/{part}_ms"] for part in PARTS)
+        assert host == pytest.approx(metrics["pipeline/stage0/step_ms"])  # the host parts still make the step
+    total = figures.totals[0].figures
+    assert total.device_actions == 12 and total.device_compute * 1e3 == pytest.approx(sum(device.ran))
+    # What the end of the fit explains and the merged trace keeps (metadata.measured): the device's mean per step.
+    (measured,) = measured_ranks(figures.totals)
+    assert measured["device_compute"] == pytest.approx(sum(device.ran) / 4 / 1e3)
+    assert measured["compute"] == pytest.approx(0.006)
+    accounts = StepAccounts()  # a CPU device: no device figure at all
+    accounts.begin_step()
+    accounts.action(Op.FORWARD, 0.0, 0.002)
+    accounts.end_step()
+    accounts.finish()
+    cpu = RankFigures(0, 0, 0, 1, 0.0, accounts.take())
+    assert "device_compute" not in measured_ranks({0: cpu})[0]
