@@ -9,6 +9,9 @@ the Trainer's loggers, at the step the interval ended:
 
 - ``pipeline/stage{k}/{compute,wait,transfer,update,other,step}_ms``: mean per step (``stage{k}/replica{j}/...``
   when stages have data-parallel replicas);
+- ``pipeline/stage{k}/device_compute_ms`` (CUDA only): the compute actions' time on the GPU, from CUDA events that
+  the accounts resolve when an interval's figures are taken here (one synchronization per interval), beside the
+  host's parts (which add up to ``step_ms``);
 - ``pipeline/stage{k}/peak_memory_mb``: the rank's peak so far (CUDA: allocated tensors; CPU: the process's resident
   set), and ``pipeline/stage{k}/predicted_memory_mb`` where the memory model predicted the stage;
 - ``pipeline/bubble``: the share of all ranks' step time spent waiting, and ``pipeline/bubble_simulated``: the
