@@ -16,9 +16,9 @@ A step's wall time runs from the start of one training step to the start of the 
 loading and Lightning's hooks between them count); a step followed by evaluation or a checkpoint's gathering ends
 where its own work ends (:meth:`StepAccounts.interrupt`). Only actions inside a step count.
 
-What it costs: a few additions per action, no synchronization. The parts above are read on the host's clock, also
-on CUDA, where compute is then the time to launch the kernels and the wait for them shows up at the next host
-synchronization (a receive's header read, usually): the five parts still add up to the step's wall time.
+What it costs: a few additions per action, no synchronization per action. The parts above are read on the host's
+clock, also on CUDA, where compute is then the time to launch the kernels and the wait for them shows up at the next
+host synchronization (a receive's header read, usually): the five parts still add up to the step's wall time.
 
 **The device's compute (CUDA).** On a CUDA device each compute action (forward, backward with its recompute,
 weight-gradient pass) is also timed on the device: the executor records a pair of ``torch.cuda.Event(enable_timing=
@@ -30,7 +30,8 @@ run on one stream, in order, so every earlier event is done then), then each pai
 used again. Memory is bounded: when more than ``device_cap`` pairs wait (a long logging interval), all waiting pairs
 are resolved early, with the same single synchronization, and their times kept for their steps. The device figure
 is beside the host's parts, not one of them (the host's parts add up to the step); ``device_events`` is the seam
-that makes the events (tests give a stand-in); off CUDA it is None and no event is ever made or looked at.
+that makes the events (tests give a stand-in); off CUDA it is None and no event is ever made or looked at. This
+path has run only against that stand-in on a CPU machine (``tests/runtime/test_device_timing.py``), not on a GPU.
 """
 
 from __future__ import annotations
@@ -122,6 +123,11 @@ def device_events(device: Any) -> Callable[[], DeviceEvent] | None:
     return None
 
 
+def _no_device() -> DeviceEvent:
+    raise RuntimeError("StepAccounts(events=None) times compute on the host only: the executor records device events "
+                       "only where StepAccounts.timing is True.")
+
+
 class StepAccounts:
     """This rank's time, by part, since the last :meth:`take` (see the module's text).
 
@@ -132,6 +138,7 @@ class StepAccounts:
         self.active = False  # inside a training step: actions count
         self.events = events
         self.timing = events is not None  # the executor records event pairs around compute actions
+        self._make: Callable[[], DeviceEvent] = events or _no_device
         self.device_cap = max(1, int(device_cap))
         self._pool: list[DeviceEvent] = []  # events resolved, to record again
         self._open_pairs: list[tuple[DeviceEvent, DeviceEvent]] = []  # the step in progress's (or ended, not closed)
@@ -172,13 +179,13 @@ class StepAccounts:
 
     def device_begin(self) -> DeviceEvent:
         """Before a compute action (only where :attr:`timing`): an event recorded on the current stream."""
-        event = self._pool.pop() if self._pool else self.events()  # type: ignore[misc]
+        event = self._pool.pop() if self._pool else self._make()
         event.record()
         return event
 
     def device_end(self, begin: DeviceEvent) -> None:
         """After the compute action that :meth:`device_begin` began: its end event; nothing waits for it here."""
-        end = self._pool.pop() if self._pool else self.events()  # type: ignore[misc]
+        end = self._pool.pop() if self._pool else self._make()
         end.record()
         self._open_pairs.append((begin, end))
         if len(self._open_pairs) + len(self._closed_pairs) > self.device_cap:
