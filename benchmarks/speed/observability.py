@@ -44,6 +44,43 @@ ROOT = Path(__file__).resolve().parents[2]
 MODES = ("off", "on", "trace")
 
 
+class _SleepThrough(torch.autograd.Function):
+    """Identity that sleeps ``forward_s`` in the forward and ``backward_s`` in the backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, forward_s: float, backward_s: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.backward_s = backward_s
+        if forward_s:
+            time.sleep(forward_s)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        if ctx.backward_s:
+            time.sleep(ctx.backward_s)
+        return grad, None, None
+
+
+class SleepBlock(nn.Module):
+    """A block whose forward, input-gradient and weight-gradient passes each sleep ``seconds``: a pipeline balanced
+    in time, whose processes leave the cores to each other (4 processes on 2 cores do not slow each other down).
+
+    ``Linear(width, width)`` on a weight passed through a sleeping identity, then a sleeping identity on the
+    activations: the plain backward runs both sleeps; a split backward's input half runs the activations' (B)
+    and its weight half, starting where the graph branches to the weight, the weight's (W).
+    """
+
+    def __init__(self, width: int, seconds: float) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.seconds = seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = _SleepThrough.apply(self.linear.weight, 0.0, self.seconds)
+        h = nn.functional.linear(x, weight, self.linear.bias)
+        return _SleepThrough.apply(h, self.seconds, self.seconds)
+
+
 class Sleep(nn.Module):
     """Sleeps ``seconds`` in its forward (and nothing in its backward): a stage made slower."""
 
@@ -68,7 +105,10 @@ def _rank(rank: int, world: int, spec: dict, init: str, out: str) -> None:
     layers: list[nn.Module] = []
     balance = []
     for _ in range(world * virtual):
-        stage = [m for _ in range(blocks) for m in (nn.Linear(width, width), nn.Tanh())]
+        if spec.get("model") == "sleep":  # each pass of a stage sleeps sleep_ms, split among its blocks
+            stage = [SleepBlock(width, spec["sleep_ms"] * 1e-3 / virtual / blocks) for _ in range(blocks)]
+        else:
+            stage = [m for _ in range(blocks) for m in (nn.Linear(width, width), nn.Tanh())]
         layers += stage + [Sleep()]
         balance.append(len(stage) + 1)
     pipe = Pipeline(nn.Sequential(*layers), loss_fn=nn.functional.mse_loss,
@@ -96,9 +136,11 @@ def _rank(rank: int, world: int, spec: dict, init: str, out: str) -> None:
         # The traced blocks' actions, by kind and stage: the simulator is also run at the times this run's actions took
         # (a first stage's B is almost free, its input needing no gradient, so stages differ by kind).
         spans: dict[str, list[float]] = {}
-        for action, start, end in executor.records:
-            if action.op.value in ("F", "B", "W", "O"):
+        for (action, start, end), sent_at in zip(executor.records, executor.sent_at):
+            if action.op.value in ("F", "B", "W", "O", "SA", "SG"):
                 spans.setdefault(f"{action.op.value}{action.stage}", []).append(end - start)
+            elif action.op.is_recv and sent_at is not None:  # a receive's transfer: from the later of its start
+                spans.setdefault("transfer", []).append(end - max(start, sent_at))  # and the send's, to its end
         executor.records.clear()
         executor.sent_at.clear()
         figures = accounts.take()
@@ -168,6 +210,19 @@ def run_case(schedule: str, stages: int, spec: dict) -> dict:
         backward = [b + w for b, w in zip(backward, weight)]
     sim_measured = simulate(schedule_ir, forward, backward, weight_s=weight,
                             optimizer_s=max(update, default=0.0)).bubble_fraction
+    # And with the run's messages: each send's host time added to the pass that sends (a forward sends its output,
+    # an input-gradient pass its gradient), and every message arriving the median receive's transfer after it left.
+    def sends(op: str) -> list[float]:  # a stage that sends none of this kind (the last's outputs): 0
+        times = [[t[f"{op}{s}"] for t in traced if f"{op}{s}" in t] for s in range(stages * virtual)]
+        return [statistics.median(t) if t else 0.0 for t in times]
+
+    send_act, send_grad = sends("SA"), sends("SG")
+    forward_sent = [f + sa for f, sa in zip(forward, send_act)]
+    backward_sent = [b + sg for b, sg in zip(backward, send_grad)]
+    transfers = [t["transfer"] for t in traced if "transfer" in t]
+    latency = statistics.median(transfers) if transfers else 0.0
+    sim_with_messages = simulate(schedule_ir, forward_sent, backward_sent, weight_s=weight, latency=latency,
+                                 optimizer_s=max(update, default=0.0)).bubble_fraction
     case = {
         "schedule": schedule, "stages": stages, "chunks": m, "virtual_stages": virtual,
         "seconds_per_step": {mode: statistics.median(v) for mode, v in per_mode.items()},
@@ -177,6 +232,10 @@ def run_case(schedule: str, stages: int, spec: dict) -> dict:
         "bubble_closed_form": (stages - 1) / (m + stages - 1) if schedule in ("gpipe", "1f1b") else None,
         "bubble_simulated": sim,
         "bubble_simulated_at_measured_action_times": sim_measured,
+        "bubble_simulated_at_measured_times_and_messages": sim_with_messages,
+        "message_ms_measured": {"send_activation": [v * 1e3 for v in send_act],
+                                "send_gradient": [v * 1e3 for v in send_grad],
+                                "receive_transfer_median": latency * 1e3},
         "action_ms_measured": {"forward": [v * 1e3 for v in forward], "backward": [v * 1e3 for v in backward],
                                "weight": None if weight is None else [v * 1e3 for v in weight]},
         "wait_ms_per_stage": [statistics.median(ranks[k]["rounds"][r]["on"]["wait"] for r in range(rounds))
@@ -268,11 +327,21 @@ def draw_merged_trace(trace_file: str | Path, png: str | Path, title: str = "") 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="few steps and rounds: a smoke run")
-    parser.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "observability.json"))
+    parser.add_argument("--json", help="where the results go (default results/observability.json, or "
+                        "results/observability_sleep.json with --model sleep)")
     parser.add_argument("--stages", default="2,4", help="comma-separated process counts (default 2,4)")
+    parser.add_argument("--model", choices=("mlp", "sleep"), default="mlp",
+                        help="mlp: Linear(512, 512) + Tanh blocks that compute; sleep: blocks whose forward, "
+                        "input-gradient and weight-gradient passes each sleep --sleep-ms per stage (balanced in time, "
+                        "and 4 processes do not crowd 2 cores)")
+    parser.add_argument("--sleep-ms", type=float, default=4.0, help="with --model sleep: each pass of a stage")
     args = parser.parse_args()
-    spec = {"width": 256 if args.quick else 512, "chunks": 8, "steps": 3 if args.quick else 10,
-            "rounds": 3 if args.quick else 5, "slow_stage": None}
+    sleep = args.model == "sleep"
+    args.json = args.json or str(ROOT / "benchmarks" / "results" / (
+        "observability_sleep.json" if sleep else "observability.json"))
+    spec = {"width": 16 if sleep else 256 if args.quick else 512, "chunks": 8, "steps": 3 if args.quick else 10,
+            "rounds": 3 if args.quick else 5, "slow_stage": None, "model": args.model,
+            "sleep_ms": args.sleep_ms if sleep else None}
     load_before = os.getloadavg()
     cost = action_cost_ns()
     print(json.dumps(cost), flush=True)
@@ -293,7 +362,9 @@ def main() -> None:
             case = run_case(schedule, stages, {**spec, "virtual_stages": virtual})
             cases.append(case)
             print(json.dumps({k: v for k, v in case.items() if not k.endswith("_rounds")}), flush=True)
-    result = {"command": "python -m benchmarks.speed.observability" + (" --quick" if args.quick else ""),
+    command = "python -m benchmarks.speed.observability" + (" --quick" if args.quick else "") + (
+        f" --model sleep --sleep-ms {args.sleep_ms:g}" if sleep else "")
+    result = {"command": command,
               "cpus": os.cpu_count(), "load_before": load_before, "load_after": os.getloadavg(),
               "spec": spec, "accounting_cost": cost, "cases": cases}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
