@@ -4,6 +4,7 @@ Run from the repository root::
 
     python -m benchmarks.speed.observability                      # ~4 min on 2 quiet cores: results/observability.json
     python -m benchmarks.speed.observability --quick --json /tmp/q.json
+    python -m benchmarks.speed.observability --model sleep --sleep-ms 10  # results/observability_sleep.json
 
 Each case runs the runtime's ``Pipeline`` (no Lightning) on P CPU processes (gloo, shared memory), a balanced MLP of
 ``4 x P`` blocks Linear(512, 512) + Tanh, batches of 64 in M = 8 micro-batches, one thread per process. Within one
@@ -15,11 +16,19 @@ machine's swings hit them alike:
 - ``on``: the accounts open and close every step (what every fit does: PipeDreamStrategy's default);
 - ``trace``: ``on`` plus the executor's records (what ``trace=`` keeps for the merged timeline).
 
+``--model sleep`` swaps the MLP for blocks whose forward, input-gradient and weight-gradient passes each sleep (a
+stage's pass ``--sleep-ms`` in all): a pipeline balanced in time whose processes do not crowd the cores, the model on
+which the measured bubble is compared with ``(P-1)/(M+P-1)`` and the simulator (4 processes computing on 2 cores wait
+for peers the kernel has descheduled, and the MLP's first and last stages differ in time: no input gradient, the
+loss).
+
 Figures: the accounting's cost per action timed alone (``StepAccounts.action`` against an empty call), and from
 it its estimated share of each case's step; per mode the median over rounds of seconds per step (the slowest
 rank's), the paired ratios ``on/off`` and ``trace/on``; the measured bubble (all ranks' waiting over their step
 time) beside ``(P-1)/(M+P-1)`` (gpipe, 1f1b), the schedule simulator's at equal stages, and the simulator's at the
-run's own action times (each stage's median F, B and W in the traced blocks), for gpipe, 1f1b, interleaved (2
+run's own action times (each stage's median F, B and W in the traced blocks), and that again with the run's messages
+(each send's host time added to the pass that sends, every message arriving the median receive's transfer after it
+left), for gpipe, 1f1b, interleaved (2
 stages per process) and zb-h1; and with one stage made 2x slower (a
 layer that sleeps as long as the stage computes), each stage's waiting against the balanced run's, the share of
 the extra waiting that falls on the other stages, and the stage the figures name as the slowest (largest compute).
