@@ -4,7 +4,7 @@ Run from the repository root::
 
     python -m benchmarks.speed.observability                      # ~4 min on 2 quiet cores: results/observability.json
     python -m benchmarks.speed.observability --quick --json /tmp/q.json
-    python -m benchmarks.speed.observability --model sleep --sleep-ms 10  # results/observability_sleep.json
+    python -m benchmarks.speed.observability --model sleep --sleep-ms 10 --append "load 5"  # observability_sleep.json
 
 Each case runs the runtime's ``Pipeline`` (no Lightning) on P CPU processes (gloo, shared memory), a balanced MLP of
 ``4 x P`` blocks Linear(512, 512) + Tanh, batches of 64 in M = 8 micro-batches, one thread per process. Within one
@@ -344,6 +344,8 @@ def main() -> None:
                         "input-gradient and weight-gradient passes each sleep --sleep-ms per stage (balanced in time, "
                         "and 4 processes do not crowd 2 cores)")
     parser.add_argument("--sleep-ms", type=float, default=4.0, help="with --model sleep: each pass of a stage")
+    parser.add_argument("--append", metavar="NOTE", help="add this run to --json's earlier runs (with NOTE: when, how "
+                        "loaded) and write every run and their summary (per case, the median over runs)")
     args = parser.parse_args()
     sleep = args.model == "sleep"
     args.json = args.json or str(ROOT / "benchmarks" / "results" / (
@@ -376,9 +378,33 @@ def main() -> None:
     result = {"command": command,
               "cpus": os.cpu_count(), "load_before": load_before, "load_after": os.getloadavg(),
               "spec": spec, "accounting_cost": cost, "cases": cases}
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(result, indent=1))
+    path = Path(args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if args.append:  # one more run beside the file's earlier ones, and their summary again
+        earlier = json.loads(path.read_text()) if path.exists() else {}
+        runs = earlier.get("runs", [earlier] if earlier.get("cases") else []) + [
+            dict(result, note=f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {args.append}")]
+        path.write_text(json.dumps({"command": command + " --append NOTE (several runs)", "runs": runs,
+                                    "summary": summarise(runs)}, indent=1))
+    else:
+        path.write_text(json.dumps(result, indent=1))
     print(f"written {args.json}")
+
+
+def summarise(runs: list[dict]) -> list[dict]:
+    """Per case, each run's measured bubble minus its reference, in points, and their median: ``(P-1)/(M+P-1)`` for
+    gpipe and 1f1b, the simulator at the run's own action times for the others."""
+    out = []
+    for i, case in enumerate(runs[0]["cases"]):
+        same = [r["cases"][i] for r in runs]
+        closed = case["bubble_closed_form"] is not None
+        ref = "closed_form" if closed else "simulated_at_measured_action_times"
+        diffs = [c["bubble_measured"] - c[f"bubble_{ref}"] for c in same]
+        out.append({"schedule": case["schedule"], "stages": case["stages"], "reference": ref,
+                    "measured_minus_reference_points": [round(d * 100, 2) for d in diffs],
+                    "median_points": round(statistics.median(diffs) * 100, 2),
+                    "within_2_points_at_median": abs(statistics.median(diffs)) <= 0.02})
+    return out
 
 
 if __name__ == "__main__":
