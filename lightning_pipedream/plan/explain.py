@@ -75,7 +75,8 @@ class ExplainError(InputFormatError):
 class StageRow:
     """One stage: predicted and measured compute per minibatch of the plan (seconds), predicted and measured bubble
     (shares of the step), the measured parts of its mean step (seconds; replicas averaged), the plan's all-reduce of
-    its replicas' gradients, and with replicas their number and their mean steps' range."""
+    its replicas' gradients, and with replicas their number and their mean steps' range; where known, the memory
+    model's predicted peak and the traced window's measured peak of live tensor bytes."""
 
     stage: int
     predicted_compute: float
@@ -91,6 +92,8 @@ class StageRow:
     step_min: float | None = None
     step_max: float | None = None
     host_compute: float | None = None  # CUDA: the host's compute (kernel launches); ``compute`` is then the device's
+    predicted_memory: float | None = None  # bytes: the memory model's peak for the stage, where it made one
+    live_peak: float | None = None  # bytes: the traced window's peak of live tensor bytes (the replicas' largest)
 
     @property
     def bubble(self) -> float:
@@ -137,15 +140,22 @@ class Explanation:
         """The per-stage table and the split of the gap, for people (milliseconds)."""
         ms = 1e3
         compute = "compute ms pred/meas" + (" (device)" if self.device else "")
-        head = ("stage", compute, "bubble pred/meas", "wait ms", "transfer ms", "update ms", "other ms", "step ms")
+        head: tuple[str, ...] = ("stage", compute, "bubble pred/meas", "wait ms", "transfer ms", "update ms",
+                                 "other ms", "step ms")
+        memory = any(s.predicted_memory is not None and s.live_peak is not None for s in self.stages)
+        if memory:  # the memory model against the traced window's live tensors (trace=, a stage the model predicted)
+            head = (*head, "memory pred/live")
         rows = [head]
         for s in self.stages:
             step = f"{s.step * ms:.2f}"
             if s.replicas > 1 and s.step_min is not None and s.step_max is not None:
                 step += f" ({s.replicas} replicas, {s.step_min * ms:.2f}-{s.step_max * ms:.2f})"
-            rows.append((str(s.stage), f"{s.predicted_compute * ms:.2f} / {s.compute * ms:.2f}",
-                         f"{s.predicted_bubble:.2f} / {s.bubble:.2f}", f"{s.wait * ms:.2f}", f"{s.transfer * ms:.2f}",
-                         f"{s.update * ms:.2f}", f"{s.other * ms:.2f}", step))
+            row: tuple[str, ...] = (str(s.stage), f"{s.predicted_compute * ms:.2f} / {s.compute * ms:.2f}",
+                                    f"{s.predicted_bubble:.2f} / {s.bubble:.2f}", f"{s.wait * ms:.2f}",
+                                    f"{s.transfer * ms:.2f}", f"{s.update * ms:.2f}", f"{s.other * ms:.2f}", step)
+            if memory:
+                row = (*row, f"{_bytes(s.predicted_memory)} / {_bytes(s.live_peak)}")
+            rows.append(row)
         widths = [max(len(r[c]) for r in rows) for c in range(len(head))]
         lines = ["  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
@@ -187,6 +197,12 @@ class Explanation:
                    dict(data["parts_s"]), data.get("minibatches_per_step", 1.0))
 
 
+def _bytes(nbytes: float | None) -> str:
+    from lightning_pipedream.plan.choice import bytes_text
+
+    return "-" if nbytes is None else bytes_text(nbytes)
+
+
 def measured_stages(ranks: list[dict[str, Any]]) -> list[dict[str, float]]:
     """Per stage (in order), the mean per minibatch of the plan of each of :data:`MEASURED` over its replicas' ranks,
     and ``replicas``, ``step_min``, ``step_max`` (the replicas' range) and ``minibatches_per_step``; ``ranks``: one
@@ -217,6 +233,11 @@ def measured_stages(ranks: list[dict[str, Any]]) -> list[dict[str, float]]:
         keys = (*MEASURED, "minibatches_per_step") + (("host_compute",) if device else ())
         stage: dict[str, Any] = {k: sum(p[k] for p in per) / len(per) for k in keys}
         stage.update(replicas=len(per), step_min=min(p["step"] for p in per), step_max=max(p["step"] for p in per))
+        # Memory is per rank, not per minibatch: the replicas' largest measured peak, and the stage's prediction.
+        for key in ("peak_live_bytes", "predicted_memory_bytes"):
+            known = [float(r[key]) for r in by_stage[s] if r.get(key) is not None]
+            if known:
+                stage[key] = max(known)
         # Each layer's forward where the ranks timed it (a traced window): the mean over the replicas that did.
         timed = [(r["layer_forward"], float(r.get("minibatches_per_step", 1.0))) for r in by_stage[s]
                  if isinstance(r.get("layer_forward"), dict) and r["layer_forward"]]
@@ -266,7 +287,8 @@ def explain(plan: Plan, ranks: list[dict[str, Any]]) -> Explanation:
     stages = [StageRow(k, p, max(0.0, 1.0 - (p + a) / simulated) if simulated > 0 else 0.0,
                        compute=m["compute"], wait=m["wait"], transfer=m["transfer"], update=m["update"],
                        other=m["other"], step=m["step"], predicted_allreduce=a, replicas=int(m["replicas"]),
-                       step_min=m["step_min"], step_max=m["step_max"], host_compute=m.get("host_compute"))
+                       step_min=m["step_min"], step_max=m["step_max"], host_compute=m.get("host_compute"),
+                       predicted_memory=m.get("predicted_memory_bytes"), live_peak=m.get("peak_live_bytes"))
               for k, (p, a, m) in enumerate(zip(predicted, allreduce, measured))]
     r = max(range(len(stages)), key=lambda k: stages[k].step)
     ref = stages[r]

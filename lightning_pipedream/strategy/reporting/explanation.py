@@ -8,6 +8,7 @@ minibatch of its profile and per replica, with a replicated stage's minibatches 
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 from lightning_pipedream.plan.explain import ExplainError, Explanation, explain
@@ -42,19 +43,27 @@ def minibatches_per_step(plan: Any, stage: int, *, samples_per_step: float | Non
     return share * planned * run_minibatches
 
 
-def measured_ranks(totals: dict[int, RankFigures], per_step: dict[int, float] | None = None) -> list[dict[str, Any]]:
+def measured_ranks(totals: dict[int, RankFigures], per_step: dict[int, float] | None = None,
+                   predicted_bytes: list[float] | None = None) -> list[dict[str, Any]]:
     """Each rank's mean per training step of every part (seconds), from the fit's totals (JSON-ready); ``per_step``:
     each stage's :func:`minibatches_per_step` (1 where absent). On CUDA also ``device_compute``: the compute actions'
-    time on the device (CUDA events), which ``plan/explain.py`` then takes for the stage's compute."""
+    time on the device (CUDA events), which ``plan/explain.py`` then takes for the stage's compute. Where measured,
+    ``peak_live_bytes``: the traced window's peak of live tensor bytes (``live_memory.py``), and where the memory model
+    predicted the stage, ``predicted_memory_bytes``."""
     out = []
     for rank, r in sorted(totals.items()):
         f, n = r.figures, max(r.figures.steps, 1)
-        out.append({"rank": rank, "stage": r.stage, "replica": r.replica, "steps": f.steps,
-                    "compute": f.compute / n, "wait": f.wait / n, "transfer": f.transfer / n, "update": f.update / n,
-                    "other": f.other / n, "step": f.step / n,
-                    "minibatches_per_step": (per_step or {}).get(r.stage, 1.0)})
+        row: dict[str, Any] = {"rank": rank, "stage": r.stage, "replica": r.replica, "steps": f.steps,
+                               "compute": f.compute / n, "wait": f.wait / n, "transfer": f.transfer / n,
+                               "update": f.update / n, "other": f.other / n, "step": f.step / n,
+                               "minibatches_per_step": (per_step or {}).get(r.stage, 1.0)}
         if f.device_actions:
-            out[-1]["device_compute"] = f.device_compute / n
+            row["device_compute"] = f.device_compute / n
+        if math.isfinite(r.live_peak_bytes):
+            row["peak_live_bytes"] = r.live_peak_bytes
+        if predicted_bytes is not None and r.stage < len(predicted_bytes):
+            row["predicted_memory_bytes"] = predicted_bytes[r.stage]
+        out.append(row)
     return out
 
 

@@ -14,6 +14,8 @@ the Trainer's loggers, at the step the interval ended:
   host's parts (which add up to ``step_ms``);
 - ``pipeline/stage{k}/peak_memory_mb``: the rank's peak so far (CUDA: allocated tensors; CPU: the process's resident
   set), and ``pipeline/stage{k}/predicted_memory_mb`` where the memory model predicted the stage;
+- ``pipeline/stage{k}/peak_live_mb``: with ``trace=``, the peak of the stage's live tensor bytes over the traced
+  window so far (``live_memory.py``): what the prediction counts, on any device;
 - ``pipeline/bubble``: the share of all ranks' step time spent waiting, and ``pipeline/bubble_simulated``: the
   schedule simulator's for the same schedule and the plan's stage times (equal stages without a plan).
 
@@ -30,6 +32,7 @@ import math
 import os
 import resource
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -43,7 +46,7 @@ from lightning_pipedream.schedule.merged_trace import RankTrace
 
 log = logging.getLogger(__name__)
 
-_HEAD = 5  # rank, stage, replica, the global step the interval ended at, peak memory bytes
+_HEAD = 6  # rank, stage, replica, the global step the interval ended at, peak memory bytes, live tensor peak bytes
 _MESSAGE = _HEAD + SLOTS
 
 
@@ -57,6 +60,7 @@ class RankFigures:
     step: int
     peak_bytes: float
     figures: Figures
+    live_peak_bytes: float = math.nan  # the traced window's peak of live tensor bytes (NaN: not measured)
 
 
 def peak_memory_bytes(device: torch.device) -> float:
@@ -129,6 +133,8 @@ class StageFigures:
         self.received: list[list[RankFigures]] = []  # rank 0: every interval's figures, all ranks, in order
         self._bad_loggers: set[int] = set()
         self.loggers: list[Any] = []  # rank 0: the Trainer's loggers (set by the strategy)
+        # The traced window's peak of live tensor bytes so far (``live_memory.py``), where a meter runs; NaN before.
+        self.live_peak: Callable[[], float] = lambda: math.nan
 
     # -- every training step ------------------------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -163,8 +169,8 @@ class StageFigures:
     # -- what travels ---------------------------------------------------------------------------------------------
     def _share(self, global_step: int) -> None:
         figures = self.accounts.take()  # (at the end, maybe of no step: rank 0 expects one message from every rank)
-        message = torch.tensor([self.rank, self.stage, self.replica, global_step, peak_memory_bytes(self.device)]
-                               + figures.values(), dtype=torch.float64)
+        message = torch.tensor([self.rank, self.stage, self.replica, global_step, peak_memory_bytes(self.device),
+                                self.live_peak()] + figures.values(), dtype=torch.float64)
         if self.rank == 0:
             self._own.append(_parse(message))
             if self.group is not None:
@@ -226,6 +232,8 @@ class StageFigures:
             for part, ms in r.figures.per_step_ms().items():
                 out[f"{prefix}{part}_ms"] = ms
             out[f"{prefix}peak_memory_mb"] = r.peak_bytes / 2**20
+            if math.isfinite(r.live_peak_bytes):
+                out[f"{prefix}peak_live_mb"] = r.live_peak_bytes / 2**20
             if self.predicted_bytes is not None and r.stage < len(self.predicted_bytes):
                 out[f"{prefix}predicted_memory_mb"] = self.predicted_bytes[r.stage] / 2**20
             waited += r.figures.wait
@@ -260,7 +268,8 @@ class StageFigures:
                 if r.rank in out:
                     seen = out[r.rank]
                     out[r.rank] = RankFigures(r.rank, r.stage, r.replica, max(seen.step, r.step),
-                                              max(seen.peak_bytes, r.peak_bytes), seen.figures + r.figures)
+                                              max(seen.peak_bytes, r.peak_bytes), seen.figures + r.figures,
+                                              _most(seen.live_peak_bytes, r.live_peak_bytes))
                 else:
                     out[r.rank] = r
         return out
@@ -297,7 +306,12 @@ def clock_offset(group: Any, rank: int, world_size: int, rounds: int = 8) -> flo
 def _parse(message: torch.Tensor) -> RankFigures:
     values = message.tolist()
     return RankFigures(int(values[0]), int(values[1]), int(values[2]), int(values[3]), values[4],
-                       Figures.of(values[_HEAD:]))
+                       Figures.of(values[_HEAD:]), values[5])
+
+
+def _most(a: float, b: float) -> float:
+    """The larger of two peaks, either of which may be NaN (not measured)."""
+    return a if not math.isfinite(b) else b if not math.isfinite(a) else max(a, b)
 
 
 TRACE_FILE = "pipeline_trace.json"

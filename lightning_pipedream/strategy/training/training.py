@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 from collections.abc import Callable
 from datetime import timedelta
@@ -24,6 +25,7 @@ from lightning_pipedream.runtime.faults.failures import pipeline_failures
 from lightning_pipedream.schedule.merged_trace import merged_chrome_trace
 from lightning_pipedream.strategy.reporting.collectives import inside_step
 from lightning_pipedream.strategy.reporting.explanation import explain_fit, fit_minibatches, measured_ranks
+from lightning_pipedream.strategy.reporting.live_memory import WindowMemory, stage_tensors
 from lightning_pipedream.strategy.reporting.logs import LogRecorder
 from lightning_pipedream.strategy.reporting.stage_figures import (
     TRACE_FILE,
@@ -80,6 +82,10 @@ class Training:
         self.layer_clock = LayerClock(pipeline.stage) if options.trace_dir is not None and device.type != "cuda" \
             and isinstance(pipeline.call, SequentialCall) else None
         self._timed_steps = 0
+        # The stage's live tensor bytes over the traced window, beside the memory model's prediction.
+        self.memory = window_memory(options, pipeline, device, optimizers)
+        if self.memory is not None:
+            self.figures.live_peak = lambda: self.memory.peak if self.memory is not None else math.nan
         self.measured: list[dict[str, Any]] = []  # rank 0, at the fit's end: every rank's mean step, by part
         pipeline.engine.executor.record = False  # only the window's training steps (never evaluation)
         pipeline.engine.executor.records, pipeline.engine.executor.sent_at = [], []  # a fit's own (kept after it)
@@ -100,8 +106,14 @@ class Training:
         if traced and self.layer_clock is not None:
             self.layer_clock.start()
         self.figures.begin_step()
-        with inside_step("training_step"):  # a collective of Lightning's in the user's step is refused in words
-            result = step.run(self._observe if self.guard is not None else None)
+        if self.memory is not None:
+            self.memory.begin_step(self._steps_run)
+        try:
+            with inside_step("training_step"):  # a collective of Lightning's in the user's step is refused in words
+                result = step.run(self._observe if self.guard is not None else None)
+        finally:
+            if self.memory is not None:
+                self.memory.end_step()
         self.pipeline.engine.executor.record = False
         if traced and self.layer_clock is not None:
             self.layer_clock.stop()
@@ -157,7 +169,7 @@ class Training:
             per_step = fit_minibatches(self._plan(), placement.num_stages, self._samples / max(1, self._steps_run),
                                        self.options.minibatches_per_batch,
                                        placement.layout.replicas if placement.layout is not None else None)
-            self.measured = measured_ranks(self.figures.totals, per_step)
+            self.measured = measured_ranks(self.figures.totals, per_step, self.figures.predicted_bytes)
             self.module.trainer.strategy.explanation = explain_fit(self._plan(), self.measured)
         if self.options.trace_dir is not None:
             self._write_trace()
@@ -322,6 +334,20 @@ def stage_figures(options: PipelineOptions, pipeline: StagePipeline, trainer: Tr
     if global_rank == 0:
         figures.loggers = list(trainer.loggers)
     return figures
+
+
+def window_memory(options: PipelineOptions, pipeline: StagePipeline, device: torch.device,
+                  optimizers: Callable[[], list[torch.optim.Optimizer]]) -> WindowMemory | None:
+    """With ``trace=``, the meter of the stage's live tensor bytes over the traced window (``live_memory.py``); an
+    asynchronous schedule's meter starts ``stages - 1`` steps early, so that the activations in flight at the window's
+    start were made under it."""
+    if options.trace_dir is None:
+        return None
+    window = options.trace_steps
+    first, count = (0, None) if window is None else window
+    lead = pipeline.placement.num_stages - 1 if options.spec.asynchronous else 0
+    weights = getattr(pipeline.engine, "weights", None)
+    return WindowMemory(stage_tensors([pipeline.stage], optimizers, weights), first, count, lead, device.type)
 
 
 def drain_before_callbacks(trainer: Trainer, drain: Callable[[], None],
