@@ -14,7 +14,9 @@ machine's swings hit them alike:
 - ``off``: the accounts never open a step (each action still makes the call, which returns at once: the floor this
   measures against is "the accounting compiled in but idle");
 - ``on``: the accounts open and close every step (what every fit does: PipeDreamStrategy's default);
-- ``trace``: ``on`` plus the executor's records (what ``trace=`` keeps for the merged timeline).
+- ``trace``: ``on`` plus the executor's records (what ``trace=`` keeps for the merged timeline);
+- ``memory``: ``trace`` plus the live tensor bytes' meter entered around every step (what ``trace=`` adds for
+  ``pipeline/stage{k}/peak_live_mb``: ``strategy/reporting/live_memory.py``).
 
 ``--model sleep`` swaps the MLP for blocks whose forward, input-gradient and weight-gradient passes each sleep (a
 stage's pass ``--sleep-ms`` in all): a pipeline balanced in time whose processes do not crowd the cores, the model on
@@ -24,12 +26,12 @@ loss).
 
 Figures: the accounting's cost per action timed alone (``StepAccounts.action`` against an empty call), and from
 it its estimated share of each case's step; per mode the median over rounds of seconds per step (the slowest
-rank's), the paired ratios ``on/off`` and ``trace/on``; the measured bubble (all ranks' waiting over their step
-time) beside ``(P-1)/(M+P-1)`` (gpipe, 1f1b), the schedule simulator's at equal stages, and the simulator's at the
-run's own action times (each stage's median F, B and W in the traced blocks), and that again with the run's messages
-(each send's host time added to the pass that sends, every message arriving the median receive's transfer after it
-left), for gpipe, 1f1b, interleaved (2
-stages per process) and zb-h1; and with one stage made 2x slower (a
+rank's), the paired ratios ``on/off``, ``trace/on`` and ``memory/trace``; the measured bubble (all ranks' waiting over
+their step time) beside ``(P-1)/(M+P-1)`` (gpipe, 1f1b), the schedule simulator's at equal stages, and the
+simulator's at the run's own action times (each stage's median F, B and W in the traced blocks), and that again with
+the run's messages (each send's host time added to the pass that sends, every message arriving the median receive's
+transfer after it left), for gpipe, 1f1b, interleaved (2 stages per process) and zb-h1; and with one stage made 2x
+slower (a
 layer that sleeps as long as the stage computes), each stage's waiting against the balanced run's, the share of
 the extra waiting that falls on the other stages, and the stage the figures name as the slowest (largest compute).
 """
@@ -50,7 +52,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[2]
-MODES = ("off", "on", "trace")
+MODES = ("off", "on", "trace", "memory")
 
 
 class _SleepThrough(torch.autograd.Function):
@@ -105,6 +107,7 @@ class Sleep(nn.Module):
 
 def _rank(rank: int, world: int, spec: dict, init: str, out: str) -> None:
     from lightning_pipedream.runtime.pipeline import Pipeline
+    from lightning_pipedream.strategy.reporting.live_memory import WindowMemory, stage_tensors
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
@@ -129,14 +132,22 @@ def _rank(rank: int, world: int, spec: dict, init: str, out: str) -> None:
     executor = pipe.engine.executor
 
     def block(mode: str, steps: int) -> dict:
-        executor.record = mode == "trace"
+        executor.record = mode in ("trace", "memory")
         accounts.take()
+        memory = None
+        if mode == "memory":
+            memory = WindowMemory(stage_tensors([pipe.module], lambda: [pipe.optimizer],
+                                                pipe.engine.weights), 0, None, 0)
         dist.barrier()
         began = time.perf_counter()
-        for _ in range(steps):
+        for k in range(steps):
             if mode != "off":
                 accounts.begin_step()
+            if memory is not None:
+                memory.begin_step(k)
             pipe.step(x, y)
+            if memory is not None:
+                memory.end_step()
             if mode != "off":
                 accounts.end_step()
         seconds = time.perf_counter() - began
@@ -161,7 +172,7 @@ def _rank(rank: int, world: int, spec: dict, init: str, out: str) -> None:
         pipe.step(x, y)
     results: dict = {"rounds": []}
     for r in range(spec["rounds"]):
-        order = MODES[r % 3:] + MODES[: r % 3]
+        order = MODES[r % len(MODES):] + MODES[: r % len(MODES)]
         results["rounds"].append({mode: block(mode, spec["steps"]) for mode in order})
     # The slow stage: its sleeping layer sleeps as long as the stage computes (measured in the "on" blocks).
     slow = spec["slow_stage"]
@@ -195,6 +206,7 @@ def run_case(schedule: str, stages: int, spec: dict) -> dict:
                     for r in range(rounds)] for m in MODES}
     on_off = [per_mode["on"][r] / per_mode["off"][r] for r in range(rounds)]
     trace_on = [per_mode["trace"][r] / per_mode["on"][r] for r in range(rounds)]
+    memory_trace = [per_mode["memory"][r] / per_mode["trace"][r] for r in range(rounds)]
     waits = [sum(ranks[k]["rounds"][r]["on"]["wait"] for k in range(stages)) for r in range(rounds)]
     steps = [sum(ranks[k]["rounds"][r]["on"]["step"] for k in range(stages)) for r in range(rounds)]
     m = spec["chunks"]
@@ -237,6 +249,7 @@ def run_case(schedule: str, stages: int, spec: dict) -> dict:
         "seconds_per_step": {mode: statistics.median(v) for mode, v in per_mode.items()},
         "on_over_off": statistics.median(on_off), "on_over_off_rounds": on_off,
         "trace_over_on": statistics.median(trace_on), "trace_over_on_rounds": trace_on,
+        "memory_over_trace": statistics.median(memory_trace), "memory_over_trace_rounds": memory_trace,
         "bubble_measured": statistics.median(w / s for w, s in zip(waits, steps)),
         "bubble_closed_form": (stages - 1) / (m + stages - 1) if schedule in ("gpipe", "1f1b") else None,
         "bubble_simulated": sim,

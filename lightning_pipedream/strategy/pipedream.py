@@ -114,7 +114,7 @@ class PipeDreamStrategy(DDPStrategy):
             same as ``stages=``.
         stages: pipeline stages; on ``stages * d`` processes the strategy runs ``d`` data-parallel
             pipelines (each stage's replicas all-reduce their gradients). Default: one stage per process.
-        trace, trace_steps, log_figures: a merged timeline of a window of steps; stage figures (docs/reading_a_run.md).
+        trace, trace_steps, trace_memory, log_figures: traced windows, stage figures (docs/reading_a_run.md).
         keep_freed_memory: on CPU, tell each rank's C allocator (glibc) to keep freed blocks for reuse rather than
             return them to the OS (:func:`~.allocator.keep_freed_memory`): faulting a stage's gradients and activations
             back in every minibatch cost ``pipedream`` ~10 % of its step in ``benchmarks/speed/lightning.py``.
@@ -190,7 +190,7 @@ class PipeDreamStrategy(DDPStrategy):
         on_divergence: str | None = None,
         divergence_factor: float = DEFAULT_FACTOR,
         minibatches_per_batch: int = 1,
-        transport: str | None = None,
+        transport: str | None = None, trace_memory: bool = False,
         shard: str | None = None, log_figures: bool = True, trace_steps: tuple[int, int] | None = None,
         pretrained: str | os.PathLike | None = None, pretrained_prefix: str | None = None, checkpoint: str = "auto",
         accelerator: Accelerator | None = None,

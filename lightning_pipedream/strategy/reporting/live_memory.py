@@ -47,8 +47,10 @@ class WindowMemory:
     """
 
     def __init__(self, tensors: Callable[[], Iterable[Any]], first: int, count: int | None, lead: int,
-                 device_type: str = "cpu") -> None:
+                 device_type: str = "cpu", stages: Iterable[Any] = (),
+                 optimizers: Callable[[], Iterable[torch.optim.Optimizer]] = tuple) -> None:
         self.tensors = tensors
+        self._stages, self._optimizers = list(stages), optimizers
         self.first, self.count, self.lead = first, count, max(0, lead)
         self.device_type = device_type
         self.meter: LiveTensorBytes | None = None
@@ -66,6 +68,7 @@ class WindowMemory:
         if self.meter is None:
             self.meter = LiveTensorBytes(self.device_type)
             self.meter.add_all(self.tensors())
+            self._label(self.meter)
         if step == self.first:
             self.meter.reset_peak()  # the window's peak: from the live bytes at its start
         self.meter.__enter__()
@@ -77,6 +80,38 @@ class WindowMemory:
         if self._inside and self.meter is not None:
             self._inside = False
             self.meter.__exit__(None, None, None)
+
+    def _label(self, meter: LiveTensorBytes) -> None:
+        """What runs at the peak (:attr:`LiveTensorBytes.peak_phase`): each stage's forward and backwards, and the
+        optimizers' steps (their step hooks). Installed when the meter starts; a call each, so never without it."""
+        for stage in self._stages:
+            for name in ("forward", "backward", "backward_input", "backward_weight"):
+                if hasattr(stage, name):
+                    setattr(stage, name, meter.labelled(name, getattr(stage, name)))
+        outer: list[tuple[str, int]] = []
+
+        def before(*_: Any) -> None:
+            outer.append((meter.phase, meter.phase_base))
+            meter.phase, meter.phase_base = "update", meter.live
+
+        def after(*_: Any) -> None:
+            if outer:
+                meter.phase, meter.phase_base = outer.pop()
+
+        for optimizer in self._optimizers():
+            optimizer.register_step_pre_hook(before)
+            optimizer.register_step_post_hook(after)
+
+    def where(self) -> str:
+        """The peak in words, with what ran at it (for the log)."""
+        m = self.meter
+        if m is None or self.steps == 0:
+            return "not measured"
+        from lightning_pipedream.plan.choice import bytes_text
+
+        rises = ", ".join(f"{phase} +{bytes_text(rise)}" for phase, rise in sorted(m.transient.items()))
+        return (f"{bytes_text(m.peak)} in {m.peak_phase} ({bytes_text(m.peak_phase_base)} live when it began; each "
+                f"phase's most above its start: {rises})")
 
     @property
     def peak(self) -> float:

@@ -57,6 +57,7 @@ class PipelineOptions:
     pretrained_prefix: str | None = None
     log_figures: bool = True
     trace_steps: tuple[int, int] | None = None
+    trace_memory: bool = False  # with trace=: each stage's live tensor bytes over the window (reporting/live_memory.py)
 
     @classmethod
     def from_arguments(cls, arguments: Mapping[str, Any]) -> PipelineOptions:
@@ -81,6 +82,9 @@ class PipelineOptions:
         if window is not None and (len(window) != 2 or not whole or window[0] < 0 or window[1] < 1):
             raise ValueError(f"trace_steps={self.trace_steps!r} is not a window of steps: give (first, count), the "
                              "first training step to record (from 0) and how many, e.g. trace_steps=(10, 5).")
+        if self.trace_memory and self.trace_dir is None:
+            raise ValueError("trace_memory=True measures each stage's live tensors over the traced steps: it needs "
+                             "trace=DIR (and trace_steps= for a window of them). Give trace=, or drop trace_memory.")
         if self.pretrained is not None and not os.path.exists(self.pretrained):
             from lightning_pipedream.runtime.stages.loading import FORMATS
 

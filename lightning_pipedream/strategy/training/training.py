@@ -164,6 +164,9 @@ class Training:
         if self.stop is not None:
             self.stop.settle()
         self.figures.finish(self.module.trainer.global_step)
+        if self.memory is not None:
+            log.info("PipeDreamStrategy: stage %d's live tensor peak over the traced steps: %s",
+                     self.pipeline.placement.stage_index, self.memory.where())
         if self.global_rank == 0:  # the plan's prediction against the measured steps (strategy.explanation)
             placement = self.pipeline.placement
             per_step = fit_minibatches(self._plan(), placement.num_stages, self._samples / max(1, self._steps_run),
@@ -338,16 +341,17 @@ def stage_figures(options: PipelineOptions, pipeline: StagePipeline, trainer: Tr
 
 def window_memory(options: PipelineOptions, pipeline: StagePipeline, device: torch.device,
                   optimizers: Callable[[], list[torch.optim.Optimizer]]) -> WindowMemory | None:
-    """With ``trace=``, the meter of the stage's live tensor bytes over the traced window (``live_memory.py``); an
-    asynchronous schedule's meter starts ``stages - 1`` steps early, so that the activations in flight at the window's
-    start were made under it."""
-    if options.trace_dir is None:
+    """With ``trace=`` and ``trace_memory=True``, the meter of the stage's live tensor bytes over the traced window
+    (``live_memory.py``); an asynchronous schedule's meter starts ``stages - 1`` steps early, so that the activations
+    in flight at the window's start were made under it."""
+    if options.trace_dir is None or not options.trace_memory:
         return None
     window = options.trace_steps
     first, count = (0, None) if window is None else window
     lead = pipeline.placement.num_stages - 1 if options.spec.asynchronous else 0
     weights = getattr(pipeline.engine, "weights", None)
-    return WindowMemory(stage_tensors([pipeline.stage], optimizers, weights), first, count, lead, device.type)
+    return WindowMemory(stage_tensors([pipeline.stage], optimizers, weights), first, count, lead, device.type,
+                        stages=pipeline.engine.stages.values(), optimizers=optimizers)
 
 
 def drain_before_callbacks(trainer: Trainer, drain: Callable[[], None],
