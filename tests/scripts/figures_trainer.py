@@ -5,6 +5,7 @@ Options: ``devices``, ``schedule``, ``chunks``, ``batches`` (per epoch), ``epoch
 ``log_figures``, ``profiler`` ("pytorch": Trainer(profiler=...) writing under OUT_DIR), ``hidden`` (layers),
 ``slow_stage`` / ``slow_s`` (a layer that sleeps that long per forward on that stage), ``logger`` ("csv" or "broken":
 a logger that raises on names ending in _ms), ``trace`` (a trace directory under OUT_DIR), ``trace_steps``,
+``trace_memory`` (each stage's live tensor bytes over the traced steps),
 ``sleepy`` ({"layers", "per_sample_s", "slow_layer", "extra_s"}: instead of the tiny classifier, layers that sleep in
 proportion to their batch, one of them slower from the train start on, and no balance=: the strategy profiles and plans;
 rank 0 writes ``explanation.json``, the strategy's explanation of the fit). Each rank writes
@@ -97,6 +98,7 @@ def train(out: str, options: dict[str, Any]) -> None:
     trace = options.pop("trace", None)
     log_figures = options.pop("log_figures", True)
     trace_steps = options.pop("trace_steps", None)
+    trace_memory = options.pop("trace_memory", False)
     sleepy = options.pop("sleepy", None)
     refuse_unused(options)
     L.seed_everything(0)
@@ -122,7 +124,7 @@ def train(out: str, options: dict[str, Any]) -> None:
         profiler = PyTorchProfiler(dirpath=out, filename="prof", export_to_chrome=True,
                                    schedule=torch.profiler.schedule(wait=1, warmup=1, active=2, repeat=1))
     strategy = PipeDreamStrategy(schedule=schedule, chunks=chunks if schedule != "pipedream" else 1, balance=balance,
-                                 log_figures=log_figures, trace_steps=trace_steps,
+                                 log_figures=log_figures, trace_steps=trace_steps, trace_memory=trace_memory,
                                  trace=os.path.join(out, trace) if trace is not None else None)
     # Under the profiler, no validation: torch 2.14's Kineto crashed (SIGSEGV in prepare_trace) in most of 5 runs here
     # when Lightning's PyTorchProfiler stepped its schedule inside a validation step on this CPU-only machine.
