@@ -250,11 +250,25 @@ def measured_stages(ranks: list[dict[str, Any]]) -> list[dict[str, float]]:
 
 
 def _rank_of_plan_stages(plan: Plan, ranks: int) -> list[int]:
-    """Which pipeline rank runs each of the plan's stages: one each, or (interleaved model chunks) stage i on rank
-    i mod ranks."""
+    """Which pipeline rank runs each of the plan's stages: one each, or where the plan lists model chunks
+    (``extra["chunk_stages"]``: the auto planner's, a traced graph's split for several chunks per rank) the rank the
+    plan's schedule puts each on: stage i on rank i mod ranks (interleaved), or a V (``zb-v``, ``dualpipev``: chunk i
+    on rank i for i < ranks, else on rank 2 ranks - 1 - i)."""
+    from lightning_pipedream.schedule.builders import stage_rank
+    from lightning_pipedream.schedule.specs import spec_of
+
     n = len(plan.stages)
-    if n == ranks or (n % ranks == 0 and plan.extra.get("chunk_stages")):
-        return [i % ranks for i in range(n)]
+    if n == ranks:
+        return list(range(n))
+    if plan.extra.get("chunk_stages") and n % ranks == 0:
+        try:
+            v_shape = spec_of(plan.schedule).v_shape
+        except ValueError:  # a schedule this version does not know: its chunks as interleaved ones
+            v_shape = False
+        if not v_shape:
+            return [i % ranks for i in range(n)]
+        if n == 2 * ranks:
+            return [stage_rank(plan.schedule, ranks, i) for i in range(n)]
     raise ExplainError(f"the plan has {n} stages but the run measured {ranks}; explain a run against the plan it "
                        "ran with.")
 

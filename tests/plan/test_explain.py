@@ -436,3 +436,66 @@ def test_on_cuda_the_device_compute_is_the_stage_s_measured_compute_and_the_part
     assert mixed.stages[0].compute == pytest.approx(1 * MS) and not mixed.device
     assert "device" not in mixed.table()
     assert sum(mixed.parts[p] for p in PARTS) == pytest.approx(mixed.gap, abs=1e-12)
+
+
+def _chunk_plan(schedule: str, times_ms: list[float]) -> Plan:
+    """A plan that lists 2 model chunks per rank (the auto planner's ``chunk_stages``), chunk i taking ``times_ms[i]``
+    (a third of it forward)."""
+    return Plan([StagePlan([f"l{i}"], compute_s=t * MS, forward_s=t * MS / 3) for i, t in enumerate(times_ms)],
+                schedule=schedule, chunks=4, time_per_minibatch=max(times_ms) * MS,
+                extra={"chunk_stages": True, "virtual_stages": 2})
+
+
+@pytest.mark.parametrize("schedule", ["zb-v", "dualpipev"])
+def test_a_v_shaped_plan_puts_chunk_i_on_rank_i_then_back(schedule: str) -> None:
+    # 2 ranks, chunks 0..3 of 1, 2, 4 and 8 ms: a V puts chunks 0 and 3 on rank 0 (9 ms), 1 and 2 on rank 1 (6 ms).
+    # (Taken round robin, as interleaved chunks, rank 0 would be predicted 5 ms and rank 1 10 ms.)
+    plan = _chunk_plan(schedule, [1, 2, 4, 8])
+    e = explain(plan, [_rank(0, 9 * MS, other=4 * MS), _rank(1, 6 * MS, other=4 * MS)])
+    assert [s.predicted_compute for s in e.stages] == pytest.approx([9 * MS, 6 * MS])
+    assert [s.ratio for s in e.stages] == pytest.approx([1.0, 1.0])
+    assert e.parts["imbalance"] == pytest.approx(0.0, abs=1e-12)
+    assert sum(e.parts.values()) == pytest.approx(e.gap, abs=1e-12)
+    # Rank 1 (chunks 1 and 2) computing twice its profile is the one named, and moves the simulated step.
+    slow = explain(plan, [_rank(0, 9 * MS, other=4 * MS), _rank(1, 12 * MS, other=4 * MS)])
+    assert slow.slowest == 1 and slow.parts["imbalance"] > 0
+    # A V of more than two chunks per rank does not exist: said, not guessed.
+    with pytest.raises(ExplainError, match="the plan has 6 stages but the run measured 2"):
+        explain(_chunk_plan(schedule, [1, 2, 4, 8, 1, 1]), [_rank(0, 9 * MS), _rank(1, 6 * MS)])
+
+
+def test_interleaved_chunks_go_round_robin() -> None:
+    plan = _chunk_plan("interleaved", [1, 2, 4, 8])  # chunks 0 and 2 on rank 0, 1 and 3 on rank 1
+    e = explain(plan, [_rank(0, 5 * MS, other=4 * MS), _rank(1, 10 * MS, other=4 * MS)])
+    assert [s.predicted_compute for s in e.stages] == pytest.approx([5 * MS, 10 * MS])
+    assert [s.ratio for s in e.stages] == pytest.approx([1.0, 1.0])
+    assert e.parts["imbalance"] == pytest.approx(0.0, abs=1e-12)
+
+
+@pytest.mark.parametrize("schedule, held", [("interleaved", [[0, 2], [1, 3]]), ("zb-v", [[0, 3], [1, 2]]),
+                                            ("dualpipev", [[0, 3], [1, 2]])])
+def test_a_traced_graphs_plan_of_chunks_per_rank_says_so_and_is_explained(schedule: str,
+                                                                         held: list[list[int]]) -> None:
+    from lightning_pipedream.strategy.reporting.explanation import fit_minibatches
+    from lightning_pipedream.strategy.setup.graph_path import for_the_run
+
+    # The graph path splits 2 ranks x 2 chunks into 4 straight stages of its traced layers (one micro-batch of 4
+    # samples profiled; layers of 1 to 8 ms): the partitioner's plan lists the chunks in model order.
+    def partitioned() -> Plan:
+        profile = Profile([LayerProfile(f"l{i}", t * MS / 3, 2 * t * MS / 3, 1000, 4000)
+                           for i, t in enumerate([1, 1, 2, 2, 4, 4, 8, 8])], source="graph")
+        return partition(profile, Topology.flat(4, 1e12), "pipedream", straight=True)
+
+    run = for_the_run(partitioned(), schedule, 4, samples=4, virtual_stages=2)
+    assert run.extra["chunk_stages"] is True and run.extra["virtual_stages"] == 2
+    per_rank = [sum(run.stages[i].compute_s for i in chunks) for chunks in held]
+    per_step = fit_minibatches(run, 2, samples_per_step=16, minibatches_per_batch=1, layout_replicas=None)
+    assert per_step == {0: 4.0, 1: 4.0}  # a step of 4 micro-batches, each one of the plan's minibatches
+    ranks = [_per_step(k, 4 * per_rank[k], 0.0, 0.0, 0.0, 1 * MS, 4.0) for k in (0, 1)]
+    e = explain(run, ranks)
+    assert [s.predicted_compute for s in e.stages] == pytest.approx(per_rank)
+    assert [s.ratio for s in e.stages] == pytest.approx([1.0, 1.0])
+    assert sum(e.parts.values()) == pytest.approx(e.gap, abs=1e-12)
+    # Before, the graph path's plan did not say it held chunks: 4 stages against 2 ranks, no explanation at all.
+    with pytest.raises(ExplainError, match="the plan has 4 stages but the run measured 2"):
+        explain(for_the_run(partitioned(), schedule, 4, samples=4), ranks)

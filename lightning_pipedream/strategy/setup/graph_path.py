@@ -127,7 +127,8 @@ class GraphPath:
                 estimate = estimate_graph(captured) if on_meta else None  # no weights to time: FLOPs of the shapes
                 chosen, plan = choose_split_points(captured, module, args, kwargs, total, profile=estimate,
                                                    bandwidth=options.link_bandwidth)
-                on_rank_zero["plan"] = plan = for_the_run(plan, options.schedule, chunks, batch_size(part))
+                on_rank_zero["plan"] = plan = for_the_run(plan, options.schedule, chunks, batch_size(part),
+                                                               options.virtual_stages)
                 memory = None
                 if estimate is not None and hook == "training_step":  # what training holds: the memory model's
                     loss = loss_bytes(module, self.call, hook, part, captured, self.device)
@@ -198,16 +199,20 @@ class GraphPath:
                 self._inputs_seen.add(key)
 
 
-def for_the_run(plan: Any, schedule: str, chunks: int, samples: int) -> Any:
+def for_the_run(plan: Any, schedule: str, chunks: int, samples: int, virtual_stages: int = 1) -> Any:
     """The split-point plan as the run holds it (``strategy.plan``, which its explanation reads). The graph is
     profiled (or estimated) on one micro-batch of ``samples`` samples, so the partitioner's figures are per micro-batch
     and its plan says schedule "pipedream" with one: the run's schedule and ``chunks`` instead (the simulator then
     gives a step of ``chunks`` micro-batches of the plan's times divided by ``chunks``: its fill and drain in the
     same per-micro-batch units), and ``extra["batch_size"]`` the micro-batch's samples, from which the explanation
     counts the plan's minibatches a training step held (``minibatches_per_step``: the step's samples over these,
-    ``chunks`` for a full batch)."""
+    ``chunks`` for a full batch). With ``virtual_stages`` chunks per rank (interleaved, a V) its stages are the model
+    chunks in model order: it says so (``extra["chunk_stages"]``, ``extra["virtual_stages"]``), so that the explanation
+    and the simulator put each chunk on the rank the schedule gives it."""
     plan.schedule, plan.chunks = schedule, chunks
     plan.extra["batch_size"] = int(samples)
+    if virtual_stages > 1:
+        plan.extra.update(chunk_stages=True, virtual_stages=int(virtual_stages))
     return plan
 
 
