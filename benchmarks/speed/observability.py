@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python -m benchmarks.speed.observability                      # ~4 min on 2 quiet cores: results/observability.json
+    python -m benchmarks.speed.observability                      # ~5 min on 2 quiet cores: results/observability.json
     python -m benchmarks.speed.observability --quick --json /tmp/q.json
     python -m benchmarks.speed.observability --model sleep --sleep-ms 10 --append "load 5"  # observability_sleep.json
 
