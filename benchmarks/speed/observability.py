@@ -15,7 +15,7 @@ machine's swings hit them alike:
   measures against is "the accounting compiled in but idle");
 - ``on``: the accounts open and close every step (what every fit does: PipeDreamStrategy's default);
 - ``trace``: ``on`` plus the executor's records (what ``trace=`` keeps for the merged timeline);
-- ``memory``: ``trace`` plus the live tensor bytes' meter entered around every step (what ``trace=`` adds for
+- ``memory``: ``trace`` plus the live tensor bytes' meter entered around every step (what ``trace_memory=True`` adds for
   ``pipeline/stage{k}/peak_live_mb``: ``strategy/reporting/live_memory.py``).
 
 ``--model sleep`` swaps the MLP for blocks whose forward, input-gradient and weight-gradient passes each sleep (a
