@@ -52,16 +52,23 @@ class BatchClock(L.Callback):
     """This rank's clock at each training batch's start, written at the end of the fit."""
 
     def __init__(self, out: str) -> None:
-        self.out, self.starts = out, []
+        self.out, self.starts, self.bubbles = out, [], []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.starts.append(time.perf_counter())
+        self.bubbles.append(trainer.progress_bar_metrics.get("bubble"))
 
     def on_train_start(self, trainer, pl_module):
         arm(pl_module)  # after the strategy profiled the layers: the slow layer is slower than the profile says
 
     def on_train_end(self, trainer, pl_module):
-        write_json(os.path.join(self.out, f"rank{trainer.global_rank}.json"), {"starts": self.starts})
+        # What the progress bar shows at the end (its own view of the metrics), where there is one; and the measured
+        # bubble in it at each batch start (rank 0: the figures reach it while training, not only at the end)
+        bar = trainer.progress_bar_callback
+        shown = bar.get_metrics(trainer, pl_module) if bar is not None else None
+        write_json(os.path.join(self.out, f"rank{trainer.global_rank}.json"), {"starts": self.starts,
+                                                                                "progress_bar": shown,
+                                                                                "bubbles": self.bubbles})
 
 
 class BrokenLogger(Logger):
@@ -100,6 +107,7 @@ def train(out: str, options: dict[str, Any]) -> None:
     trace_steps = options.pop("trace_steps", None)
     trace_memory = options.pop("trace_memory", False)
     sleepy = options.pop("sleepy", None)
+    progress_bar = options.pop("progress_bar", False)
     refuse_unused(options)
     L.seed_everything(0)
     model = TinyClassifier(hidden=hidden, scheduler=False)
@@ -130,7 +138,7 @@ def train(out: str, options: dict[str, Any]) -> None:
     # when Lightning's PyTorchProfiler stepped its schedule inside a validation step on this CPU-only machine.
     trainer = L.Trainer(**trainer_args(devices=devices, strategy=strategy, max_epochs=epochs, logger=loggers,
                                        log_every_n_steps=every, limit_val_batches=0 if profiler else 2,
-                                       profiler=profiler,
+                                       profiler=profiler, enable_progress_bar=progress_bar,
                                        callbacks=[BatchClock(out)]))
     loader = DataLoader(data(8 * batches), batch_size=8)
     trainer.fit(model, loader, DataLoader(data(16), batch_size=8))

@@ -96,8 +96,8 @@ SLEEPY = {"layers": 6, "per_sample_s": 0.00025, "slow_layer": 1, "extra_s": 0.00
 
 def test_two_stage_figures_in_csv_logger_and_off(tmp_path: Path, capsys) -> None:
     outs = _launch(tmp_path, "two", [
-        ("on", {"devices": 2, "schedule": "1f1b", "epochs": 2}),
-        ("off", {"devices": 2, "schedule": "gpipe", "epochs": 2, "log_figures": False}),
+        ("on", {"devices": 2, "schedule": "1f1b", "epochs": 2, "progress_bar": True}),
+        ("off", {"devices": 2, "schedule": "gpipe", "epochs": 2, "log_figures": False, "progress_bar": True}),
         ("planned", {"devices": 2, "schedule": "1f1b", "epochs": 2, "trace": "trace", "sleepy": SLEEPY,
                      "trace_memory": True}),
     ])
@@ -120,6 +120,19 @@ def test_two_stage_figures_in_csv_logger_and_off(tmp_path: Path, capsys) -> None
     assert sum(row["pipeline/stage1/wait_ms"] for row in _figure_rows(rows)) > 0
     assert not any(k.startswith("pipeline/stage") for row in _rows(outs["off"]) for k in row)
     assert any("train_loss" in row for row in _rows(outs["off"]))
+    # The progress bar shows the measured bubble beside the module's own figures (train_loss is logged with
+    # prog_bar=True), while training: from the first interval's figures on, each a logged interval's
+    # (log_every_n_steps=3: intervals end at steps 2, 5, 8, ...; the figures of the others arrive a step or so
+    # later). log_figures=False leaves it out.
+    rank0 = json.loads((outs["on"] / "rank0.json").read_text())
+    logged = [row["pipeline/bubble"] for row in _figure_rows(rows)]
+    seen = [b for b in rank0["bubbles"] if b is not None]
+    assert len(seen) >= len(rank0["bubbles"]) // 2, rank0["bubbles"]  # figures arrive while training, not at the end
+    assert all(any(b == pytest.approx(v) for v in logged) for b in seen + [rank0["progress_bar"]["bubble"]])
+    assert "train_loss" in rank0["progress_bar"]
+    rank0_off = json.loads((outs["off"] / "rank0.json").read_text())
+    assert "bubble" not in rank0_off["progress_bar"] and "train_loss" in rank0_off["progress_bar"]
+    assert not any(rank0_off["bubbles"])
 
 
 def test_three_stages_asynchronous_broken_logger_and_profiler(tmp_path: Path) -> None:

@@ -4,8 +4,9 @@ Each rank's :class:`~lightning_pipedream.runtime.execution.accounts.StepAccounts
 compute, waiting for a peer, transfer, update and the rest. Every ``log_every_n_steps`` training steps each rank
 sends its figures of those steps to rank 0 (one small ``isend`` on a gloo group of its own, never a collective, so
 that it cannot close a circle with the collectives an asynchronous schedule has in flight across steps); rank 0
-takes each interval's messages as they arrive (a test, never a wait, until the end of the fit) and logs through
-the Trainer's loggers, at the step the interval ended:
+takes each interval's messages as they arrive (a thread of its own waits for them, since gloo completes a receive
+only when waited for; the training thread only looks, until the end of the fit) and logs through the Trainer's
+loggers, at the step the interval ended:
 
 - ``pipeline/stage{k}/{compute,wait,transfer,update,other,step}_ms``: mean per step (``stage{k}/replica{j}/...``
   when stages have data-parallel replicas);
@@ -17,10 +18,12 @@ the Trainer's loggers, at the step the interval ended:
 - ``pipeline/stage{k}/peak_live_mb``: with ``trace=``, the peak of the stage's live tensor bytes over the traced
   window so far (``live_memory.py``): what the prediction counts, on any device;
 - ``pipeline/bubble``: the share of all ranks' step time spent waiting, and ``pipeline/bubble_simulated``: the
-  schedule simulator's for the same schedule and the plan's stage times (equal stages without a plan).
+  schedule simulator's for the same schedule and the plan's stage times (equal stages without a plan). The measured
+  bubble also goes into the Trainer's progress bar, as ``bubble``, beside the loss.
 
-``PipeDreamStrategy(log_figures=False)`` turns the logging off (the accounting itself stays: it is a few clock
-reads per action). At the end of the fit rank 0 holds every rank's totals (:attr:`StageFigures.totals`).
+``PipeDreamStrategy(log_figures=False)`` turns the logging (and the progress bar's figure) off (the accounting
+itself stays: it is a few clock reads per action). At the end of the fit rank 0 holds every rank's totals
+(:attr:`StageFigures.totals`).
 """
 
 from __future__ import annotations
@@ -30,7 +33,9 @@ import json
 import logging
 import math
 import os
+import queue
 import resource
+import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -98,6 +103,58 @@ def simulated_bubble(schedule: str, num_stages: int, chunks: int, virtual_stages
         return None
 
 
+class _Posted:
+    """Point-to-point operations that :class:`_Waiter` waits for; ``done`` once it has, with their ``error`` if any."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+    def result(self) -> None:
+        """Blocks until waited for; raises what the wait raised (a peer gone, the group's timeout)."""
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+
+
+class _Waiter:
+    """Waits for the figures' sends and receives on a thread of its own, in the order they were posted.
+
+    gloo says a point-to-point operation is complete only once something has waited for it (``is_completed()``
+    stays False until ``wait()``), and the training thread must never block on a peer's figures: so this thread
+    waits, and the training thread looks at :attr:`_Posted.done`.
+    """
+
+    def __init__(self) -> None:
+        self._todo: queue.SimpleQueue[_Posted | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def post(self, works: list[Any]) -> _Posted:
+        posted = _Posted(works)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="pipedream-stage-figures", daemon=True)
+            self._thread.start()
+        self._todo.put(posted)
+        return posted
+
+    def _run(self) -> None:
+        while (posted := self._todo.get()) is not None:
+            try:
+                for work in posted.works:
+                    work.wait()
+            except BaseException as err:  # kept for the training thread, which raises it where it waits
+                posted.error = err
+            posted.done.set()
+
+    def stop(self) -> None:
+        """No more posts: the thread ends once it has waited for what it holds (a daemon: a wait that never ends,
+        a peer gone, does not keep the process alive)."""
+        if self._thread is not None:
+            self._todo.put(None)
+            self._thread = None
+
+
 class StageFigures:
     """Sends this rank's figures every ``every`` steps; on rank 0 receives everyone's and logs them (module text).
 
@@ -127,12 +184,15 @@ class StageFigures:
                                    peers=(0,) if rank else tuple(range(1, world_size))):
                 self.offset = clock_offset(self.group, rank, world_size)
         self._steps = 0
-        self._sends: deque[tuple[Any, torch.Tensor]] = deque()
-        self._receives: deque[list[tuple[Any, torch.Tensor]]] = deque()  # rank 0: per interval, one per other rank
+        self._waiter = _Waiter()
+        self._sends: deque[tuple[_Posted, torch.Tensor]] = deque()
+        self._receives: deque[tuple[_Posted, list[torch.Tensor]]] = deque()  # rank 0: per interval, every other rank's
         self._own: deque[RankFigures] = deque()  # rank 0's own figures, waiting for the others' of the interval
         self.received: list[list[RankFigures]] = []  # rank 0: every interval's figures, all ranks, in order
         self._bad_loggers: set[int] = set()
         self.loggers: list[Any] = []  # rank 0: the Trainer's loggers (set by the strategy)
+        # rank 0: puts a figure in the Trainer's progress bar (set by the strategy): the measured bubble, as `bubble`
+        self.progress_bar: Callable[[str, float], None] | None = None
         # The traced window's peak of live tensor bytes so far (``live_memory.py``), where a meter runs; NaN before.
         self.live_peak: Callable[[], float] = lambda: math.nan
 
@@ -158,13 +218,15 @@ class StageFigures:
             if self.rank == 0:
                 self._log_arrived(wait=True)
             while self._sends:
-                self._sends.popleft()[0].wait()
+                self._sends.popleft()[0].result()
+        self._waiter.stop()
 
     def forget(self) -> None:
         """After a failure: nothing more is exchanged."""
         self._sends.clear()
         self._receives.clear()
         self._own.clear()
+        self._waiter.stop()
 
     # -- what travels ---------------------------------------------------------------------------------------------
     def _share(self, global_step: int) -> None:
@@ -174,27 +236,25 @@ class StageFigures:
         if self.rank == 0:
             self._own.append(_parse(message))
             if self.group is not None:
-                receives = []
-                for peer in range(1, self.world_size):
-                    buffer = torch.empty(_MESSAGE, dtype=torch.float64)
-                    receives.append((dist.irecv(buffer, src=peer, group=self.group), buffer))
-                self._receives.append(receives)
+                buffers = [torch.empty(_MESSAGE, dtype=torch.float64) for _ in range(1, self.world_size)]
+                works = [dist.irecv(buffer, src=peer, group=self.group) for peer, buffer in enumerate(buffers, 1)]
+                self._receives.append((self._waiter.post(works), buffers))
             return
         if self.group is not None:
-            self._sends.append((dist.isend(message, dst=0, group=self.group), message))
-            while len(self._sends) > 2 and self._sends[0][0].is_completed():
-                self._sends.popleft()
+            self._sends.append((self._waiter.post([dist.isend(message, dst=0, group=self.group)]), message))
+            while self._sends and self._sends[0][0].done.is_set() and self._sends[0][0].error is None:
+                self._sends.popleft()  # sent: its buffer can go (a failed one stays, for finish to raise)
 
     def _log_arrived(self, wait: bool) -> None:
         while self._own:
-            receives = self._receives[0] if self.group is not None else []
-            if not wait and not all(work.is_completed() for work, _ in receives):
-                return
-            for work, _ in receives:
-                work.wait()
+            buffers: list[torch.Tensor] = []
             if self.group is not None:
+                posted, buffers = self._receives[0]
+                if not wait and (not posted.done.is_set() or posted.error is not None):
+                    return  # not all here yet (or failed: raised at the fit's end, where a failure names the peer)
+                posted.result()
                 self._receives.popleft()
-            interval = [self._own.popleft()] + [_parse(buffer) for _, buffer in receives]
+            interval = [self._own.popleft()] + [_parse(buffer) for buffer in buffers]
             self.received.append(interval)
             if self.enabled and any(r.figures.steps for r in interval):
                 self._log(interval)
@@ -247,6 +307,8 @@ class StageFigures:
     def _log(self, interval: list[RankFigures]) -> None:
         step = max(r.step for r in interval)
         metrics = self.metrics(interval)
+        if self.progress_bar is not None and "pipeline/bubble" in metrics:
+            self.progress_bar("bubble", metrics["pipeline/bubble"])
         for logger in self.loggers:
             if id(logger) in self._bad_loggers:
                 continue

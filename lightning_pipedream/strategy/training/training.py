@@ -336,7 +336,23 @@ def stage_figures(options: PipelineOptions, pipeline: StagePipeline, trainer: Tr
                            timeout=getattr(trainer.strategy, "_timeout", None))
     if global_rank == 0:
         figures.loggers = list(trainer.loggers)
+        figures.progress_bar = _progress_bar_of(trainer)
     return figures
+
+
+def _progress_bar_of(trainer: Any) -> Callable[[str, float], None] | None:
+    """What puts a figure beside the loss in ``trainer``'s progress bar. Lightning gives a strategy no public way:
+    this writes into the dict its progress bar reads (``trainer.progress_bar_metrics``; a fit starts it empty, and a
+    module's own ``self.log(..., prog_bar=True)`` values are merged into it). None where that dict is not there (a
+    Lightning that keeps it elsewhere): the bar then goes without, the loggers still get every figure."""
+    connector = getattr(trainer, "_logger_connector", None)
+    if not isinstance(getattr(connector, "_progress_bar_metrics", None), dict):
+        return None
+
+    def show(name: str, value: float) -> None:
+        connector._progress_bar_metrics[name] = value
+
+    return show
 
 
 def window_memory(options: PipelineOptions, pipeline: StagePipeline, device: torch.device,
