@@ -33,9 +33,7 @@ import json
 import logging
 import math
 import os
-import queue
 import resource
-import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,6 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_pipedream.runtime.communication.waits import BackgroundWaits, Posted
 from lightning_pipedream.runtime.execution.accounts import SLOTS, Figures, StepAccounts
 from lightning_pipedream.runtime.faults.failures import pipeline_failures
 from lightning_pipedream.schedule.merged_trace import RankTrace
@@ -103,58 +102,6 @@ def simulated_bubble(schedule: str, num_stages: int, chunks: int, virtual_stages
         return None
 
 
-class _Posted:
-    """Point-to-point operations that :class:`_Waiter` waits for; ``done`` once it has, with their ``error`` if any."""
-
-    def __init__(self, works: list[Any]) -> None:
-        self.works = works
-        self.done = threading.Event()
-        self.error: BaseException | None = None
-
-    def result(self) -> None:
-        """Blocks until waited for; raises what the wait raised (a peer gone, the group's timeout)."""
-        self.done.wait()
-        if self.error is not None:
-            raise self.error
-
-
-class _Waiter:
-    """Waits for the figures' sends and receives on a thread of its own, in the order they were posted.
-
-    gloo says a point-to-point operation is complete only once something has waited for it (``is_completed()``
-    stays False until ``wait()``), and the training thread must never block on a peer's figures: so this thread
-    waits, and the training thread looks at :attr:`_Posted.done`.
-    """
-
-    def __init__(self) -> None:
-        self._todo: queue.SimpleQueue[_Posted | None] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-
-    def post(self, works: list[Any]) -> _Posted:
-        posted = _Posted(works)
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="pipedream-stage-figures", daemon=True)
-            self._thread.start()
-        self._todo.put(posted)
-        return posted
-
-    def _run(self) -> None:
-        while (posted := self._todo.get()) is not None:
-            try:
-                for work in posted.works:
-                    work.wait()
-            except BaseException as err:  # kept for the training thread, which raises it where it waits
-                posted.error = err
-            posted.done.set()
-
-    def stop(self) -> None:
-        """No more posts: the thread ends once it has waited for what it holds (a daemon: a wait that never ends,
-        a peer gone, does not keep the process alive)."""
-        if self._thread is not None:
-            self._todo.put(None)
-            self._thread = None
-
-
 class StageFigures:
     """Sends this rank's figures every ``every`` steps; on rank 0 receives everyone's and logs them (module text).
 
@@ -184,9 +131,9 @@ class StageFigures:
                                    peers=(0,) if rank else tuple(range(1, world_size))):
                 self.offset = clock_offset(self.group, rank, world_size)
         self._steps = 0
-        self._waiter = _Waiter()
-        self._sends: deque[tuple[_Posted, torch.Tensor]] = deque()
-        self._receives: deque[tuple[_Posted, list[torch.Tensor]]] = deque()  # rank 0: per interval, every other rank's
+        self._waiter = BackgroundWaits()
+        self._sends: deque[tuple[Posted, torch.Tensor]] = deque()
+        self._receives: deque[tuple[Posted, list[torch.Tensor]]] = deque()  # rank 0: per interval, every other rank's
         self._own: deque[RankFigures] = deque()  # rank 0's own figures, waiting for the others' of the interval
         self.received: list[list[RankFigures]] = []  # rank 0: every interval's figures, all ranks, in order
         self._bad_loggers: set[int] = set()

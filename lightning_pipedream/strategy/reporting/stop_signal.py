@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import Trainer
 
+from lightning_pipedream.runtime.communication.waits import BackgroundWaits, Posted
 from lightning_pipedream.runtime.faults.failures import pipeline_failures
 from lightning_pipedream.runtime.faults.termination import termination
 
@@ -61,6 +62,10 @@ class StopRequests:
         self.steps = 0
         self.stopped_at: int | None = None  # the step (counted from the fit's first) at which training stops
         self._sends: deque[tuple[int, list[tuple[Any, torch.Tensor]]]] = deque()  # rank 0: (step, works)
+        # gloo: a thread waits for rank 0's sends (gloo never says one is complete otherwise: the deque would keep
+        # every step's for the whole fit); NCCL's say so themselves.
+        self._waits = BackgroundWaits() if rank == 0 and _backend(group) == "gloo" else None
+        self._posted: deque[Posted] = deque()
         self._receives: deque[tuple[int, Any, torch.Tensor]] = deque()  # others: (step, work, flag)
         self._own: deque[bool] = deque()  # rank 0: its flags as sent, read ``delay`` steps later as the others do
         termination().reset()
@@ -77,8 +82,14 @@ class StopRequests:
                 flag = torch.tensor([1.0 if requested else 0.0], device=self.device)
                 works = [(dist.isend(flag, dst=peer, group=self.group), flag) for peer in range(1, self.world)]
                 self._sends.append((t, works))
-                while self._sends and all(work.is_completed() for work, _ in self._sends[0][1]):
-                    self._sends.popleft()
+                if self._waits is not None:
+                    self._posted.append(self._waits.post([work for work, _ in works]))
+                    while self._posted and self._posted[0].done.is_set() and self._posted[0].error is None:
+                        self._posted.popleft()
+                        self._sends.popleft()
+                else:
+                    while self._sends and all(work.is_completed() for work, _ in self._sends[0][1]):
+                        self._sends.popleft()
             else:
                 flag = torch.zeros(1, device=self.device)
                 self._receives.append((t, dist.irecv(flag, src=0, group=self.group), flag))
@@ -104,20 +115,36 @@ class StopRequests:
         all of it), so that nothing of this fit is left in flight."""
         with pipeline_failures(self.stage, waiting="the last SIGTERM flags between rank 0 and the other ranks",
                                peers=tuple(range(1, self.world)) if self.rank == 0 else (0,)):
+            while self._posted:  # gloo: what the thread has not waited for yet, it waits for; raised here
+                self._posted.popleft().result()
+                self._sends.popleft()
             while self._sends:
                 for work, _ in self._sends.popleft()[1]:
                     work.wait()
             while self._receives:
                 self._receives.popleft()[1].wait()
+        if self._waits is not None:
+            self._waits.stop()
 
     def forget(self) -> None:
         """After a failure: the ranks stopped at different steps; nothing more is waited for."""
         self._sends.clear()
+        self._posted.clear()
+        if self._waits is not None:
+            self._waits.stop()
         self._receives.clear()
         self._own.clear()
         for key, (_, group) in list(_GROUPS.items()):  # receives may still be posted on it: a later fit makes anew
             if group is self.group:
                 del _GROUPS[key]
+
+
+def _backend(group: Any) -> str | None:
+    """``group``'s backend, or None where torch does not know the group (a stand-in's, in the tests' NCCL model)."""
+    try:
+        return str(dist.get_backend(group))
+    except (ValueError, RuntimeError):
+        return None
 
 
 def install(trainer: Trainer, owner: object, device: torch.device, stage: int | None,
