@@ -57,12 +57,44 @@ def reference(rank, world, family: str) -> tuple[dict, list[float]]:
     return model.state_dict(), losses
 
 
+CHUNKS = {"gpt": 2, "resnet": 1}  # BatchNorm: one micro-batch per batch
+# The schedules each family trains under; GPT-2BW's rule too, for the GPT (tied across its stages).
+SCHEDULES = {"gpt": ("gpipe", "1f1b", "2bw"), "resnet": ("gpipe", "1f1b")}
+
+
+def train_stages(rank, world, family, schedules, chunks):
+    """``train_stage`` under each of ``schedules`` in turn, in the same processes: a fresh model and pipeline each
+    time, the rank's capture of the model made once (the later ones come from capture's in-process cache)."""
+    return {schedule: train_stage(rank, world, family, schedule, chunks) for schedule in schedules}
+
+
+def references(rank, world, family):
+    """The one-process references of ``family``: plain training, and for the GPT PipeDream-2BW's rule."""
+    return reference(rank, world, family), two_bw_reference(rank, world, family) if family == "gpt" else None
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """Per family, every schedule's ranks' results (one launch of 2 processes) and its references (one launch of 1),
+    made when a test first asks for the family."""
+    done: dict[str, tuple[dict, tuple]] = {}
+
+    def of(family: str) -> tuple[dict, tuple]:
+        if family not in done:
+            runs = run_local(train_stages, 2, family, SCHEDULES[family], CHUNKS[family], timeout=180)
+            # In a forked process too: autograd in this one would break the forks of the next tests.
+            done[family] = ({s: [rank[s] for rank in runs] for s in SCHEDULES[family]},
+                            run_local(references, 1, family, timeout=60)[0])
+        return done[family]
+
+    return of
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("family,chunks", [("gpt", 2), ("resnet", 1)])  # BatchNorm: one micro-batch per batch
-def test_training_equals_one_process(family, chunks, schedule):
-    results = run_local(train_stage, 2, family, schedule, chunks, timeout=90)
-    # In a forked process too: autograd in this one would break the forks of the next tests.
-    want_state, want_losses = run_local(reference, 1, family, timeout=60)[0]
+@pytest.mark.parametrize("family", ["gpt", "resnet"])
+def test_training_equals_one_process(trained, family, schedule):
+    runs, ((want_state, want_losses), _) = trained(family)
+    results = runs[schedule]
     # consolidate_state_dict refuses tied copies that are not bit-identical.
     state = consolidate_state_dict([part for part, _, _ in results], list(want_state))
     assert list(state) == list(want_state)
@@ -91,18 +123,17 @@ def two_bw_reference(rank, world, family: str) -> dict:
     return model.state_dict()
 
 
-def test_two_bw_with_weights_tied_across_stages_follows_its_rule():
+def test_two_bw_with_weights_tied_across_stages_follows_its_rule(trained):
     # The GPT's output projection (stage 1) is tied to its token embedding (stage 0): each stage keeps its copy and
     # its two weight versions; at every update the copies' gradients are summed, so the copies stay identical and
     # the model follows 2BW's rule as if the weight were one tensor.
-    results = run_local(train_stage, 2, "gpt", "2bw", 2, timeout=90)
-    want = run_local(two_bw_reference, 1, "gpt", timeout=60)[0]
+    runs, ((synchronous, _), want) = trained("gpt")
+    results = runs["2bw"]
     state = consolidate_state_dict([part for part, _, _ in results], list(want))
     for key, value in want.items():
         torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-5, msg=key)
     assert [difference for _, _, difference in results] == [0.0, 0.0]
     assert torch.equal(results[0][0]["tok.weight"], results[1][0]["head.weight"])
-    synchronous = run_local(reference, 1, "gpt", timeout=60)[0][0]
     assert max((want[k] - v).abs().max().item() for k, v in synchronous.items()) > 1e-4  # the rule is not sync
 
 
