@@ -198,6 +198,8 @@ def run(out: str, options: dict) -> None:
         hf_trainer = L.Trainer(**trainer_args(devices=processes, strategy=PipeDreamStrategy(schedule="gpipe"),
                                               use_distributed_sampler=False))
         hf_trainer.validate(hf, data)
+        # the modes the graph was traced in: validate() runs every step in evaluation mode, so that one alone
+        got[f"{key}_modes"] = sorted({training for training, _ in hf_trainer.strategy._pipeline.graph.graph._captured})
         got[key] = {str(m): generate(hf, ids, attention_mask=mask, max_new_tokens=5, eos_token_id=eos,
                                      pad_token_id=0, micro_batches=m).tolist() for m in options["lanes"]}
     # built per stage on the meta device, loaded from a saved model: each rank decodes with the blocks it holds

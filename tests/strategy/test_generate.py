@@ -86,6 +86,8 @@ def test_generate_under_the_strategy_equals_one_device(tmp_path, processes, bala
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
         for m in lanes:
             assert torch.equal(torch.tensor(got[str(m)]), want), f"rank {rank}, {m} lanes"
+        for key in ("hf", "llama") if hf else ():  # trainer.validate() traced the model once, in evaluation mode
+            assert got[f"{key}_modes"] == [False], (rank, key, got[f"{key}_modes"])
         for m in lanes if hf else ():  # a Hugging Face GPT-2 on the graph path, each stage caching its own layers
             assert torch.equal(torch.tensor(got["hf"][str(m)]), hf_want), f"rank {rank}, GPT-2, {m} lanes"
             assert torch.equal(torch.tensor(got["llama"][str(m)]), llama_want), f"rank {rank}, Llama, {m} lanes"

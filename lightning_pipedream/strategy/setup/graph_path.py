@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -33,6 +34,26 @@ from lightning_pipedream.strategy.setup.placement import Placement
 from lightning_pipedream.strategy.setup.pretrained import StageWeights, refuse_pretrained_with_real_weights
 
 log = logging.getLogger("lightning_pipedream.strategy")
+
+# A Trainer call whose every step runs in evaluation mode (Lightning switches the module to it before the loop).
+EVALUATING = (TrainerFn.VALIDATING, TrainerFn.TESTING)
+
+
+@contextmanager
+def in_evaluation_mode(module: torch.nn.Module, evaluating: bool) -> Iterator[None]:
+    """While ``evaluating``, the module in evaluation mode: trainer.validate() and trainer.test() run no step in
+    training mode, so the split is made from the capture their steps run (one trace, not a training-mode one that no
+    step would use and then the evaluation one). Each submodule's own mode is restored after."""
+    if not evaluating:
+        yield
+        return
+    modes = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
 
 
 class GraphPath:
@@ -87,7 +108,7 @@ class GraphPath:
         ``@generates`` (``trainer.predict`` straight from a checkpoint) gives the model's plain forward call on its
         prompts: the pipeline is built from that, never from a cached decoding call."""
         hook = STEP_OF[trainer.state.fn]
-        with pipelined_step(module, hook):
+        with pipelined_step(module, hook), in_evaluation_mode(module, trainer.state.fn in EVALUATING):
             self._split(trainer, module, hook)
         if generating_step(module, hook):  # the next unmarked step captures its own call, whatever its batch's shapes
             self._inputs_seen.clear()
