@@ -56,6 +56,17 @@ def in_evaluation_mode(module: torch.nn.Module, evaluating: bool) -> Iterator[No
             m.training = training
 
 
+def _capture_or_none(module: torch.nn.Module, args: tuple, kwargs: dict, through: str | None,
+                     on_meta: bool) -> Any:
+    """The module's call captured, or None where it cannot be (the caller captures again, raising then)."""
+    from lightning_pipedream.graph import capture
+
+    try:
+        return capture(module, args, kwargs, through, on_meta=on_meta)
+    except Exception:  # noqa: BLE001 - rank 0 reports it; see GraphPath._split
+        return None
+
+
 class GraphPath:
     """Capture the forward call, choose or take split points, keep this rank's stage, and capture again for
     shapes (or a train/eval mode) not seen yet. Owned by the strategy for a module that is not one nn.Sequential."""
@@ -159,9 +170,13 @@ class GraphPath:
                          options.schedule, estimate_source(on_meta), chosen, memory_text(memory, plan))
                 return chosen, memory
 
+            # The other ranks trace the same call meanwhile, rather than after rank 0's choice (which only the split
+            # needs): their captures overlap rank 0's capture and profile. A failure here is left to rank 0's words
+            # (the same model fails there too) or, failing on this rank alone, to the capture after the choice.
+            early = None if self.is_global_zero else _capture_or_none(module, args, kwargs, through, on_meta)
             points, memory = from_rank_zero(f"split {type(module).__name__} into stages", choose)
             self.predicted_memory = memory
-            captured, self.plan = on_rank_zero.get("captured"), on_rank_zero.get("plan")
+            captured, self.plan = on_rank_zero.get("captured", early), on_rank_zero.get("plan")
         if options.split_points is None:
             self.graph = CapturedStage(module, placement.stage_index, total, points, args, kwargs, captured,
                                        through, on_meta=on_meta, prepare=self._prepare, **self._chunk_layout())
