@@ -170,10 +170,15 @@ class GraphPath:
                          options.schedule, estimate_source(on_meta), chosen, memory_text(memory, plan))
                 return chosen, memory
 
-            # The other ranks trace the same call meanwhile, rather than after rank 0's choice (which only the split
-            # needs): their captures overlap rank 0's capture and profile. A failure here is left to rank 0's words
-            # (the same model fails there too) or, failing on this rank alone, to the capture after the choice.
-            early = None if self.is_global_zero else _capture_or_none(module, args, kwargs, through, on_meta)
+            # A model on the meta device is split by a FLOP estimate, not by timing: the other ranks trace the same
+            # call meanwhile, rather than after rank 0's choice (which only the split needs), so their captures
+            # overlap rank 0's. A model with weights is profiled by timing its layers on rank 0, which the others'
+            # captures would disturb where the ranks share cores (the CPU): they wait, as the profile needs. A failure
+            # here is left to rank 0's words (the same model fails there too) or, failing on this rank alone, to the
+            # capture after the choice.
+            early = None
+            if on_meta and not self.is_global_zero:
+                early = _capture_or_none(module, args, kwargs, through, on_meta)
             points, memory = from_rank_zero(f"split {type(module).__name__} into stages", choose)
             self.predicted_memory = memory
             captured, self.plan = on_rank_zero.get("captured", early), on_rank_zero.get("plan")
