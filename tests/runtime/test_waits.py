@@ -69,3 +69,19 @@ def test_after_stop_a_new_post_gets_a_thread_of_its_own() -> None:
     assert waits.post([work]).done.wait(LIMIT)  # not stuck behind the old thread's wait
     held.arrived.set()
     waits.stop()
+
+
+def test_operations_posted_unprofiled_open_no_range_and_the_switch_comes_back_on() -> None:
+    # What a waiter thread ends must not have opened a profiler range on the posting thread (waits.py).
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from lightning_pipedream.runtime.communication.waits import unprofiled
+
+    a = torch.randn(4, 4)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with unprofiled():
+            torch.mm(a, a)
+        torch.addmm(a, a, a)
+    names = {e.name for e in prof.events()}
+    assert "aten::addmm" in names and "aten::mm" not in names

@@ -7,13 +7,33 @@ only looks never sees a message arrive. :class:`BackgroundWaits` waits for them 
 they were posted, so the training thread can look without blocking. For gloo groups: a NCCL operation's
 ``is_completed()`` asks its CUDA event, and its ``wait()`` binds the calling thread's stream, so NCCL's stay with the
 thread that posted them.
+
+Post them inside :func:`unprofiled`: under an active profiler (``Trainer(profiler="pytorch")``) each operation opens a
+profiler range (``gloo:recv``) on the posting thread that its ``wait()`` closes, and a range closed on another thread
+than the one that opened it is not something Kineto expects (a 3-process fit under the profiler ended in a SIGSEGV
+on rank 0 once in CI with the ranges on).
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
+
+import torch
+
+
+@contextmanager
+def unprofiled() -> Iterator[None]:
+    """Operations posted here open no profiler range (this thread's record functions off meanwhile, on again after:
+    torch keeps that switch per thread, on unless turned off)."""
+    torch._C._autograd._enable_record_function(False)
+    try:
+        yield
+    finally:
+        torch._C._autograd._enable_record_function(True)
 
 
 class Posted:

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_pipedream.runtime.communication.waits import BackgroundWaits, Posted
+from lightning_pipedream.runtime.communication.waits import BackgroundWaits, Posted, unprofiled
 from lightning_pipedream.runtime.execution.accounts import SLOTS, Figures, StepAccounts
 from lightning_pipedream.runtime.faults.failures import pipeline_failures
 from lightning_pipedream.schedule.merged_trace import RankTrace
@@ -184,11 +184,14 @@ class StageFigures:
             self._own.append(_parse(message))
             if self.group is not None:
                 buffers = [torch.empty(_MESSAGE, dtype=torch.float64) for _ in range(1, self.world_size)]
-                works = [dist.irecv(buffer, src=peer, group=self.group) for peer, buffer in enumerate(buffers, 1)]
+                with unprofiled():  # the waiter thread ends them (waits.py)
+                    works = [dist.irecv(buffer, src=peer, group=self.group) for peer, buffer in enumerate(buffers, 1)]
                 self._receives.append((self._waiter.post(works), buffers))
             return
         if self.group is not None:
-            self._sends.append((self._waiter.post([dist.isend(message, dst=0, group=self.group)]), message))
+            with unprofiled():
+                work = dist.isend(message, dst=0, group=self.group)
+            self._sends.append((self._waiter.post([work]), message))
             while self._sends and self._sends[0][0].done.is_set() and self._sends[0][0].error is None:
                 self._sends.popleft()  # sent: its buffer can go (a failed one stays, for finish to raise)
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections import deque
+from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any
 
@@ -35,7 +36,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import Trainer
 
-from lightning_pipedream.runtime.communication.waits import BackgroundWaits, Posted
+from lightning_pipedream.runtime.communication.waits import BackgroundWaits, Posted, unprofiled
 from lightning_pipedream.runtime.faults.failures import pipeline_failures
 from lightning_pipedream.runtime.faults.termination import termination
 
@@ -80,7 +81,8 @@ class StopRequests:
                 requested = termination().requested
                 self._own.append(requested)
                 flag = torch.tensor([1.0 if requested else 0.0], device=self.device)
-                works = [(dist.isend(flag, dst=peer, group=self.group), flag) for peer in range(1, self.world)]
+                with unprofiled() if self._waits is not None else nullcontext():  # the waiter ends them (waits.py)
+                    works = [(dist.isend(flag, dst=peer, group=self.group), flag) for peer in range(1, self.world)]
                 self._sends.append((t, works))
                 if self._waits is not None:
                     self._posted.append(self._waits.post([work for work, _ in works]))
