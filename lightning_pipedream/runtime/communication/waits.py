@@ -29,11 +29,15 @@ import torch
 def unprofiled() -> Iterator[None]:
     """Operations posted here open no profiler range (this thread's record functions off meanwhile, on again after:
     torch keeps that switch per thread, on unless turned off)."""
-    torch._C._autograd._enable_record_function(False)
+    switch = getattr(torch._C._autograd, "_enable_record_function", None)  # private: absent, the ranges stay
+    if switch is None:
+        yield
+        return
+    switch(False)
     try:
         yield
     finally:
-        torch._C._autograd._enable_record_function(True)
+        switch(True)
 
 
 class Posted:
