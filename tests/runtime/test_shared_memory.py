@@ -84,6 +84,29 @@ def test_a_wait_ends_when_its_check_raises_or_its_deadline_passes():
         reader.read_into(out, timeout=0.2)
 
 
+def test_a_message_written_just_before_its_writer_ended_is_read_not_refused():
+    # A rank that sends its last message and exits at once: the reader, woken by that message after a long sleep,
+    # reads it rather than first asking whether the writer is alive (it is not). This failed a rank of run_local in
+    # CI runs A, L, AA and AD ("rank 1 ended without reporting an error" while its message sat in the ring).
+    writer, reader = pair(4096)
+    gone = threading.Event()
+
+    def peer_gone() -> None:
+        if gone.is_set():
+            raise PeerFailedError("the peer is gone")
+
+    def write_and_end() -> None:
+        gone.set()  # the writer's process has ended by the time the reader looks
+        writer.write(message(10, 3))
+
+    threading.Timer(0.08, write_and_end).start()  # after more than half the reader's poll: it looks after waking
+    out = torch.empty(10, dtype=torch.uint8)
+    reader.read_into(out, check=peer_gone, timeout=10)
+    assert torch.equal(out, message(10, 3))
+    with pytest.raises(PeerFailedError, match="the peer is gone"):  # and with nothing more to read, it gives up
+        reader.read_into(out, check=peer_gone, timeout=10)
+
+
 def test_a_closed_ring_ends_the_readers_wait():
     writer, reader = pair(4096)
     writer.close()

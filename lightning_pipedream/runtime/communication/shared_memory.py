@@ -185,7 +185,9 @@ class Ring:
             raise RingClosedError(f"Timed out waiting {round((timeout or 0) * 1000)}ms for {waited_for} operation to "
                                   "complete")
         _futex_wait(self._base + 4 * word, seq, _POLL_S if deadline is None else min(_POLL_S, deadline - now))
-        if check is not None and time.monotonic() - now >= _POLL_S * 0.5:  # only after a real sleep: it is not free
+        # Is the peer still there? Only after a real sleep (the look is not free), and only if nothing came meanwhile:
+        # a peer that wrote its last message and ended at once has left that message here to be read.
+        if check is not None and int(self._words[word]) == seq and time.monotonic() - now >= _POLL_S * 0.5:
             check()
 
 
