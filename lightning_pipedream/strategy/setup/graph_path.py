@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -16,6 +16,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning_pipedream.graph import GraphCaptureError, GraphSplit
 from lightning_pipedream.graph.estimate import estimate_graph
 from lightning_pipedream.runtime.communication.microbatch import batch_size, split
+from lightning_pipedream.runtime.execution.decode import evaluating
 from lightning_pipedream.runtime.faults.failures import from_rank_zero
 from lightning_pipedream.runtime.stages.graph_stage import CapturedStage
 from lightning_pipedream.runtime.stages.materialize import has_meta_tensors
@@ -37,23 +38,6 @@ log = logging.getLogger("lightning_pipedream.strategy")
 
 # A Trainer call whose every step runs in evaluation mode (Lightning switches the module to it before the loop).
 EVALUATING = (TrainerFn.VALIDATING, TrainerFn.TESTING)
-
-
-@contextmanager
-def in_evaluation_mode(module: torch.nn.Module, evaluating: bool) -> Iterator[None]:
-    """While ``evaluating``, the module in evaluation mode: trainer.validate() and trainer.test() run no step in
-    training mode, so the split is made from the capture their steps run (one trace, not a training-mode one that no
-    step would use and then the evaluation one). Each submodule's own mode is restored after."""
-    if not evaluating:
-        yield
-        return
-    modes = [(m, m.training) for m in module.modules()]
-    module.eval()
-    try:
-        yield
-    finally:
-        for m, training in modes:
-            m.training = training
 
 
 def _capture_or_none(module: torch.nn.Module, args: tuple, kwargs: dict, through: str | None,
@@ -119,7 +103,10 @@ class GraphPath:
         ``@generates`` (``trainer.predict`` straight from a checkpoint) gives the model's plain forward call on its
         prompts: the pipeline is built from that, never from a cached decoding call."""
         hook = STEP_OF[trainer.state.fn]
-        with pipelined_step(module, hook), in_evaluation_mode(module, trainer.state.fn in EVALUATING):
+        # trainer.validate() and trainer.test() run no step in training mode: the split is made from the capture
+        # their steps run (one trace, not a training-mode one no step would use, then the evaluation one).
+        evaluation = evaluating(module) if trainer.state.fn in EVALUATING else nullcontext()
+        with pipelined_step(module, hook), evaluation:
             self._split(trainer, module, hook)
         if generating_step(module, hook):  # the next unmarked step captures its own call, whatever its batch's shapes
             self._inputs_seen.clear()
