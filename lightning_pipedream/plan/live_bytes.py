@@ -10,6 +10,36 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+# The meters on now, each told of every in-place resize, and torch's own ``UntypedStorage.resize_`` while a wrapper
+# stands in for it. One wrapper for them all, put back when the last meter leaves, whatever order meters leave in (a
+# wrapper per meter, each putting back what it found, would leave one in place when they left out of order).
+_following: list[LiveTensorBytes] = []
+_torch_resize: Callable[..., Any] | None = None
+
+
+def _follow_resizes(meter: LiveTensorBytes) -> None:
+    global _torch_resize
+    if not _following:
+        plain = _torch_resize = torch.UntypedStorage.resize_
+
+        def followed(storage: torch.UntypedStorage, size: int) -> Any:
+            out = plain(storage, size)
+            for each in list(_following):
+                each._storage_resized(storage)
+            return out
+
+        torch.UntypedStorage.resize_ = followed  # type: ignore[method-assign, assignment]
+    _following.append(meter)
+
+
+def _unfollow_resizes(meter: LiveTensorBytes) -> None:
+    global _torch_resize
+    if meter in _following:
+        _following.remove(meter)
+    if not _following and _torch_resize is not None:
+        torch.UntypedStorage.resize_ = _torch_resize  # type: ignore[method-assign]
+        _torch_resize = None
+
 
 class LiveTensorBytes(TorchDispatchMode):
     """Every tensor an operator returns while the mode is on, counted once per storage until the last tensor seen on
@@ -110,18 +140,11 @@ class LiveTensorBytes(TorchDispatchMode):
         return wrapped
 
     def __enter__(self) -> LiveTensorBytes:
-        original = self._resize = torch.UntypedStorage.resize_
-
-        def followed(storage: torch.UntypedStorage, size: int) -> Any:
-            out = original(storage, size)
-            self._storage_resized(storage)
-            return out
-
-        torch.UntypedStorage.resize_ = followed  # type: ignore[method-assign, assignment]
+        _follow_resizes(self)
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
-        torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]
+        _unfollow_resizes(self)
         super().__exit__(*exc)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:

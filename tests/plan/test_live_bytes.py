@@ -27,3 +27,19 @@ def test_a_storage_the_meter_never_saw_is_left_out():
     with meter:
         before.untyped_storage().resize_(0)
         assert meter.live == 0 and meter.peak == 0
+
+
+def test_meters_left_in_the_order_they_were_entered_put_torch_s_resize_back():
+    # WindowMemory's meter and a test's complete meter are entered and left per step, not nested: the first one
+    # entered leaves first. CI once saw a meter's wrapper left on UntypedStorage.resize_ after that.
+    plain = torch.UntypedStorage.resize_
+    first, second = LiveTensorBytes(), LiveTensorBytes()
+    first.__enter__()
+    second.__enter__()
+    flat = torch.ones(100)  # 400 bytes, seen by both
+    flat.untyped_storage().resize_(0)
+    assert first.live == second.live == 0 and first.peak == second.peak == 400  # both follow the resize
+    first.__exit__(None, None, None)
+    assert torch.UntypedStorage.resize_ is not plain  # the second one still follows resizes
+    second.__exit__(None, None, None)
+    assert torch.UntypedStorage.resize_ is plain

@@ -3,7 +3,9 @@
 Options: schedule ("1f1b" or "pipedream"), checkpoint ("full", "sharded" or "sharded-async"), max_steps, ckpt_path
 ("last"), plain_loader (a torch DataLoader instead of the StatefulDataLoader), time_interval (ModelCheckpoint's
 train_time_interval, in seconds, instead of steps) with clock_skew ({"rank", "rate", "offset"}: that rank's clock
-as ModelCheckpoint reads it runs ``rate`` times as fast, ``offset`` s ahead), every (ModelCheckpoint's
+as ModelCheckpoint reads it runs ``rate`` times as fast, ``offset`` s ahead), step_sleep (seconds each training
+batch waits at its start on every rank: a floor on the run's length, so a time-based save falls in it on any machine),
+every (ModelCheckpoint's
 every_n_train_steps), elastic (as many stages as torchrun gives processes: devices and num_nodes from its
 environment, no balance, the plan made anew at every start), and kill: the keyword arguments of
 lightning_pipedream.testing.faults.Kill ({"rank": r, "step": s, "during": "step" | "transfer" | "save"}, and
@@ -80,6 +82,16 @@ class RecordSaves(L.Callback):
             f.write(f"{trainer.global_step}\n")
 
 
+class SlowSteps(L.Callback):
+    """Each training batch waits ``seconds`` first: the run lasts at least that times its steps, however fast."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        time.sleep(self.seconds)
+
+
 class Record(L.Callback):
     """Each attempt's start (``attempts_rank{r}.txt``) and each rank's end state (``final_rank{r}.pt``)."""
 
@@ -128,6 +140,8 @@ def main() -> None:
     if skew is not None and int(os.environ.get("RANK", 0)) == skew["rank"]:
         model_checkpoint.time = SkewedClock(skew["rate"], skew["offset"])  # type: ignore[attr-defined]
     callbacks: list[L.Callback] = [saving, Record(out), RecordSaves(out)]
+    if "step_sleep" in options:
+        callbacks.append(SlowSteps(options.pop("step_sleep")))
     for index, one in enumerate([kill] if isinstance(kill, dict) else kill or []):
         callbacks.append(Kill(out, **one, index=index))
     elastic = options.pop("elastic", False)  # as many stages as torchrun gives processes, planned anew each start
