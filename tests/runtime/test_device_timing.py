@@ -7,49 +7,22 @@ records a pair around each compute action and never waits for it; the accounts r
 from __future__ import annotations
 
 import copy
-import queue
 import threading
-from collections.abc import Hashable
 from typing import Any
 
 import pytest
 import torch
 from cuda_events import StandInDevice
+from thread_ranks import MemoryTransport, run_in_threads
 from torch import nn
 
-from lightning_pipedream.runtime.communication.microbatch import flatten, split, unflatten
+from lightning_pipedream.runtime.communication.microbatch import split
 from lightning_pipedream.runtime.execution import accounts as accounts_module
 from lightning_pipedream.runtime.execution.accounts import StepAccounts, cuda_event, device_events
 from lightning_pipedream.runtime.execution.executor import Executor
 from lightning_pipedream.runtime.stages.stage import Stage
 from lightning_pipedream.schedule.actions import Op
 from lightning_pipedream.schedule.builders import build_schedule
-
-
-class QueueTransport:
-    """Ranks of one process over queues (see tests/runtime/test_executor.py), on a device that is only a name."""
-
-    def __init__(self, rank: int, mailboxes: dict, device: torch.device | None) -> None:
-        self.rank, self.mailboxes = rank, mailboxes
-        if device is not None:
-            self.device = device
-
-    def _box(self, src: int, dst: int, channel: Hashable) -> queue.Queue:
-        return self.mailboxes.setdefault((src, dst, channel), queue.Queue())
-
-    def send(self, tree: Any, peer: int, where: str = "stage output", channel: Hashable = None) -> None:
-        leaves, spec = flatten(tree, where)
-        self._box(self.rank, peer, channel).put(
-            unflatten([t.detach().clone().requires_grad_(t.requires_grad) for t in leaves], spec))
-
-    def recv(self, peer: int, channel: Hashable = None) -> Any:
-        return self._box(peer, self.rank, channel).get(timeout=30)
-
-    def post_recv(self, peer: int, channel: Hashable = None) -> None:
-        pass
-
-    def global_rank(self, peer: int | None) -> int | None:
-        return peer
 
 
 def _train(schedule_name: str, chunks: int, steps: int, device: torch.device | None, take_every: int,
@@ -67,34 +40,25 @@ def _train(schedule_name: str, chunks: int, steps: int, device: torch.device | N
     executors: list[Any] = [None, None]
     taken: list[list] = [[], []]
     syncs: list[list] = [[], []]
-    errors: list[BaseException] = []
 
     def rank(r: int) -> None:
-        try:
-            executor = executors[r] = Executor(Stage(parts[r], r, 2), QueueTransport(r, mailboxes, device), rank=r)
-            accounts = executor.accounts
-            for step in range(steps):
-                accounts.begin_step()
-                executor.run(schedule.actions[r], inputs=lambda mb: xs[mb],
-                             loss=lambda mb, out: nn.functional.cross_entropy(out, ys[mb]),
-                             optimizer_step=lambda action: None)
-                accounts.end_step()
-                if watch is not None:
-                    syncs[r].append(watch[r].syncs)
-                if (step + 1) % take_every == 0:
-                    taken[r].append(accounts.take())
-            accounts.finish()
-            taken[r].append(accounts.take())
-        except BaseException as err:  # noqa: BLE001  (the test thread reports it)
-            errors.append(err)
+        transport = MemoryTransport(r, mailboxes, timeout=30, device=device)  # a device that is only a name
+        executor = executors[r] = Executor(Stage(parts[r], r, 2), transport, rank=r)
+        accounts = executor.accounts
+        for step in range(steps):
+            accounts.begin_step()
+            executor.run(schedule.actions[r], inputs=lambda mb: xs[mb],
+                         loss=lambda mb, out: nn.functional.cross_entropy(out, ys[mb]),
+                         optimizer_step=lambda action: None)
+            accounts.end_step()
+            if watch is not None:
+                syncs[r].append(watch[r].syncs)
+            if (step + 1) % take_every == 0:
+                taken[r].append(accounts.take())
+        accounts.finish()
+        taken[r].append(accounts.take())
 
-    threads = [threading.Thread(target=rank, args=(r,), name=f"rank{r}") for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert not errors, errors
-    assert not any(t.is_alive() for t in threads)
+    run_in_threads(rank)  # each rank's thread is named rank{r}: the stand-in's events are found by that name
     return executors, taken, syncs
 
 
