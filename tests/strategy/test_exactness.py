@@ -94,6 +94,17 @@ def result(out: Path) -> dict[str, Any]:
     return json.loads((out / "result.json").read_text())
 
 
+def assert_validations_saw_their_checkpoints(out: Path, logged: dict[str, float]) -> None:
+    """Each checkpoint of ``logged`` (its file name and the validation loss logged at its step), loaded on one device,
+    has that loss on the validation batches: each validation saw the model of its step."""
+    val = batches(2, seed=9)
+    for name, value in logged.items():
+        model = RuleMLP.load_from_checkpoint(out / name, map_location="cpu")
+        with torch.no_grad():
+            losses = [torch.nn.functional.mse_loss(model(x), y) for x, y in val]
+        assert float(sum(losses) / len(losses)) == pytest.approx(value, rel=1e-5), name
+
+
 TWO_EPOCHS = [list(range(6)), list(range(6))]
 TWO, THREE = [4, 3], [3, 2, 2]  # balances of 2 and 3 stages
 SCHEDULED = {"optimizer": "momentum", "lr": 0.1, "scheduler": "step"}
@@ -401,12 +412,7 @@ def test_mid_epoch_validation_sees_the_checkpointed_model(runs):
     assert_weights(out, reference(balance=TWO, epochs=TWO_EPOCHS, drain_after=(2, 4)))
     logged = result(out)["checkpoints"]
     assert sorted(logged) == [f"step={s}.ckpt" for s in (10, 12, 2, 4, 6, 8)]
-    val = batches(2, seed=9)
-    for name, value in logged.items():
-        model = RuleMLP.load_from_checkpoint(out / name, map_location="cpu")
-        with torch.no_grad():
-            losses = [torch.nn.functional.mse_loss(model(x), y) for x, y in val]
-        assert float(sum(losses) / len(losses)) == pytest.approx(value, rel=1e-5), name
+    assert_validations_saw_their_checkpoints(out, logged)
 
 
 @pytest.mark.parametrize("error", ["interrupt", "crash"])
@@ -605,11 +611,7 @@ def test_interleaved_validation_sees_the_model_of_its_step(runs):
     assert_weights(out, one_device())
     logged = result(out)["checkpoints"]
     assert sorted(logged) == ["step=2.ckpt", "step=4.ckpt"]
-    for name, value in logged.items():
-        model = RuleMLP.load_from_checkpoint(out / name, map_location="cpu")
-        with torch.no_grad():
-            losses = [torch.nn.functional.mse_loss(model(x), y) for x, y in batches(2, seed=9)]
-        assert float(sum(losses) / len(losses)) == pytest.approx(value, rel=1e-5), name
+    assert_validations_saw_their_checkpoints(out, logged)
 
 
 @pytest.mark.parametrize("name", ["zb-h1-two-epochs-2x4", "interleaved-two-epochs-3x4"])
@@ -798,11 +800,7 @@ def test_v_schedules_equal_one_device_with_the_loss_on_rank_0(runs, schedule):
         assert got["metrics"]["train_loss"] == pytest.approx(float(torch.nn.functional.mse_loss(module(x), y)),
                                                              rel=1e-6)
     assert sorted(got["checkpoints"]) == [f"step={s}.ckpt" for s in (2, 4, 6, 8)]
-    for name, value in got["checkpoints"].items():
-        model = RuleMLP.load_from_checkpoint(out / name, map_location="cpu")
-        with torch.no_grad():
-            losses = [torch.nn.functional.mse_loss(model(x), y) for x, y in batches(2, seed=9)]
-        assert float(sum(losses) / len(losses)) == pytest.approx(value, rel=1e-5), name
+    assert_validations_saw_their_checkpoints(out, got["checkpoints"])
 
 
 @pytest.mark.parametrize("schedule", ["zb-v", "dualpipev"])
