@@ -40,22 +40,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.common.proc_memory import reset_peak_rss, status_mb
+
 ROOT = Path(__file__).resolve().parents[2]
 SIZES = {  # hidden, intermediate, layers, vocabulary
     "default": (1024, 4096, 12, 8192),
     "big": (2048, 8192, 30, 32000),
 }
 GOAL_FACTOR = 1.25  # the peak before the first step: at most this times the rank's own parameters, plus the overhead
-
-
-def _status_mb(field: str) -> float:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 1024
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := VmRSS (Linux >= 4.0)
 
 
 def _config(size: str, skeleton: bool = False):  # noqa: ANN202 - transformers is imported lazily
@@ -91,12 +83,12 @@ def _from_pretrained(directory: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(1)
-    base = _status_mb("VmRSS")
-    _reset_peak()
+    base = status_mb("VmRSS")
+    reset_peak_rss()
     started = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(directory)
     sum(float(p.sum()) for p in model.parameters())  # touch every weight (a lazy mapping is not a load)
-    return {"load_s": time.perf_counter() - started, "peak_mb": _status_mb("VmHWM") - base}
+    return {"load_s": time.perf_counter() - started, "peak_mb": status_mb("VmHWM") - base}
 
 
 def _per_stage(spec: dict) -> None:
@@ -137,20 +129,20 @@ def _per_stage(spec: dict) -> None:
 
     class Measure(L.Callback):
         def __init__(self) -> None:
-            self.base, self.started = _status_mb("VmRSS"), time.perf_counter()
-            _reset_peak()
+            self.base, self.started = status_mb("VmRSS"), time.perf_counter()
+            reset_peak_rss()
             self.first: dict | None = None
 
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
             if self.first is None:
                 self.first = {"setup_s": time.perf_counter() - self.started,
-                              "peak_before_first_step_mb": _status_mb("VmHWM") - self.base}
+                              "peak_before_first_step_mb": status_mb("VmHWM") - self.base}
 
         def on_train_end(self, trainer, module):
             stage, graph = trainer.strategy._pipeline.stage, trainer.strategy._pipeline.graph
             self.result = {"rank": trainer.global_rank, **(self.first or {}),
                            "read_s": graph.weights.read_s if graph is not None and graph.weights else None,
-                           "peak_training_mb": _status_mb("VmHWM") - self.base,
+                           "peak_training_mb": status_mb("VmHWM") - self.base,
                            "stage_weights_mb": sum(p.numel() * p.element_size() for p in stage.parameters()) / 2**20}
 
     class Batches:
@@ -172,20 +164,20 @@ def _per_stage(spec: dict) -> None:
     trainer.fit(FineTune(), Batches())
     result = measure.result
     if not whole:  # a sharded save: each rank writes its own stage; its peak above what it held before
-        before = _status_mb("VmRSS")
-        _reset_peak()
+        before = status_mb("VmRSS")
+        reset_peak_rss()
         started = time.perf_counter()
         trainer.save_checkpoint(f"{spec['out']}/saved.ckpt")
-        result.update(save_s=time.perf_counter() - started, peak_saving_mb=_status_mb("VmHWM") - before)
+        result.update(save_s=time.perf_counter() - started, peak_saving_mb=status_mb("VmHWM") - before)
         # one file (checkpoint="auto" under 1 GiB): rank 0 writes it, receiving one stage's tensors after another
         trainer.strategy.checkpoints.mode = "auto"
         single = "full" if not trainer.strategy.checkpoints.sharded else "sharded"
-        before = _status_mb("VmRSS")
-        _reset_peak()
+        before = status_mb("VmRSS")
+        reset_peak_rss()
         started = time.perf_counter()
         trainer.save_checkpoint(f"{spec['out']}/single.ckpt")
         result.update(full_save_form=single, full_save_s=time.perf_counter() - started,
-                      peak_full_save_mb=_status_mb("VmHWM") - before)
+                      peak_full_save_mb=status_mb("VmHWM") - before)
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 

@@ -34,22 +34,10 @@ import time
 from pathlib import Path
 
 from benchmarks.common.figures import write_result
+from benchmarks.common.proc_memory import reset_peak_rss, status_mb
 
 ROOT = Path(__file__).resolve().parents[2]
 PROCESSES = 4
-
-
-def _status_mb(field: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := VmRSS (Linux >= 4.0)
 
 
 def _shard_worker(trainer, strategy, out: Path) -> dict:  # type: ignore[no-untyped-def]
@@ -71,10 +59,10 @@ def _shard_worker(trainer, strategy, out: Path) -> dict:  # type: ignore[no-unty
             meter.add_all(held())  # what the rank holds is not new (a view of it, say)
             base = meter.live
             meter.reset_peak()
-            _reset_peak()
-            before, start = _status_mb("VmRSS"), time.perf_counter()
+            reset_peak_rss()
+            before, start = status_mb("VmRSS"), time.perf_counter()
             action()
-            seconds, growth = time.perf_counter() - start, _status_mb("VmHWM") - before
+            seconds, growth = time.perf_counter() - start, status_mb("VmHWM") - before
         return {"live_added_mb": (meter.peak - base) / 2**20, "growth_mb": growth, "seconds": seconds}
 
     def read_back() -> None:
@@ -128,10 +116,10 @@ def _worker(spec: dict) -> None:
     result: dict = {"rank": trainer.global_rank}
     for mode in ("sharded", "full"):
         strategy.checkpoints.mode = mode
-        _reset_peak()
-        before, start = _status_mb("VmRSS"), time.perf_counter()
+        reset_peak_rss()
+        before, start = status_mb("VmRSS"), time.perf_counter()
         trainer.save_checkpoint(out / f"{mode}.ckpt")
-        result[mode] = {"growth_mb": _status_mb("VmHWM") - before, "seconds": time.perf_counter() - start}
+        result[mode] = {"growth_mb": status_mb("VmHWM") - before, "seconds": time.perf_counter() - start}
     result["stage_weights_mb"] = sum(p.numel() * p.element_size() for p in strategy.lightning_module.parameters()
                                      ) / 2**20
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
@@ -140,10 +128,10 @@ def _worker(spec: dict) -> None:
 def _consolidate(directory: str, out: str) -> dict:
     from lightning_pipedream.strategy.checkpoints.checkpoint_commands import consolidate_to_file
 
-    _reset_peak()
-    before, start = _status_mb("VmRSS"), time.perf_counter()
+    reset_peak_rss()
+    before, start = status_mb("VmRSS"), time.perf_counter()
     consolidate_to_file(directory, out)
-    return {"peak_growth_mb": _status_mb("VmHWM") - before, "seconds": time.perf_counter() - start,
+    return {"peak_growth_mb": status_mb("VmHWM") - before, "seconds": time.perf_counter() - start,
             "file_mb": os.path.getsize(out) / 2**20}
 
 

@@ -32,17 +32,10 @@ import time
 from pathlib import Path
 
 from benchmarks.common.figures import write_result
+from benchmarks.common.proc_memory import status_mb
 
 ROOT = Path(__file__).resolve().parents[2]
 MODES = ("whole", "per_stage")
-
-
-def _status_mb(field: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def _worker(spec: dict) -> None:
@@ -54,7 +47,7 @@ def _worker(spec: dict) -> None:
     from lightning_pipedream import PipeDreamStrategy
 
     torch.set_num_threads(1)
-    baseline = _status_mb("VmRSS")  # torch and Lightning imported, no model yet
+    baseline = status_mb("VmRSS")  # torch and Lightning imported, no model yet
     width, layers, out = spec["width"], spec["layers"], Path(spec["out"])
 
     class Wide(L.LightningModule):
@@ -81,12 +74,12 @@ def _worker(spec: dict) -> None:
 
     class Measure(L.Callback):
         def on_train_start(self, trainer, pl_module):
-            self.setup_peak = _status_mb("VmHWM")
+            self.setup_peak = status_mb("VmHWM")
 
         def on_train_end(self, trainer, pl_module):
             weights = sum(p.numel() * p.element_size() for p in pl_module.parameters()) / 2**20
             result = {"rank": trainer.global_rank, "baseline_mb": baseline, "peak_setup_mb": self.setup_peak,
-                      "peak_train_mb": _status_mb("VmHWM"), "stage_weights_mb": weights,
+                      "peak_train_mb": status_mb("VmHWM"), "stage_weights_mb": weights,
                       "balance": trainer.strategy.balance}
             (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 

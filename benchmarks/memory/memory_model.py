@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from benchmarks.memory.peaks import status_kb
+from benchmarks.common.proc_memory import status_kb, try_reset_peak_rss
 from lightning_pipedream.plan.balance import even_balance
 from lightning_pipedream.plan.live_bytes import LiveTensorBytes
 from lightning_pipedream.plan.memory import flight_schedule, held_bytes, predict_memory, stage_bytes
@@ -51,15 +51,6 @@ def make_batch(name: str, width: int, batch: int) -> tuple[torch.Tensor, torch.T
 
 def adam(params: Any) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=1e-4)
-
-
-def _reset_peak_rss() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # VmHWM := VmRSS (Linux >= 4.0)
-        return True
-    except OSError:
-        return False
 
 
 def _trim(run: dict) -> None:
@@ -146,7 +137,7 @@ def metered_run(build: Callable[[], tuple[Pipeline, Any, Any]], steps: int, quic
     _trim(run)
     rss_ready = status_kb("VmRSS")
     meter.reset_peak()  # the full model's construction is not part of training's peak
-    reset = _reset_peak_rss()
+    reset = try_reset_peak_rss()
     weights = pipe.engine.weights
     peaks = {"activations": 0, "versions": 1, "gradients": 0}  # activations: what the caller counted, if it did
 

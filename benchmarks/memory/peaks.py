@@ -35,20 +35,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from benchmarks.common.proc_memory import status_kb, try_reset_peak_rss
 from benchmarks.common.workload import OURS, Config, build_model, make_batch, sgd
 from lightning_pipedream.runtime.faults.launch import run_local
 from lightning_pipedream.runtime.pipeline import Pipeline
 
 REPO = Path(__file__).resolve().parents[2]  # the ranks' processes import benchmarks.common.workload from here
-
-
-def status_kb(key: str) -> int:
-    """A field of /proc/self/status in KiB (VmRSS, VmHWM, ...)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    raise KeyError(key)
 
 
 def _malloc_trim() -> bool:
@@ -59,15 +51,6 @@ def _malloc_trim() -> bool:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
         return True
     except (OSError, AttributeError):
-        return False
-
-
-def _reset_peak_rss() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
-        return True
-    except OSError:
         return False
 
 
@@ -162,7 +145,7 @@ def memory_worker(rank: int, world: int, cfg: Config, schedule: str, steps: int)
             pipe.step(x, y)
 
     rss_setup = status_kb("VmRSS")
-    reset = _reset_peak_rss()
+    reset = try_reset_peak_rss()
     with meter.hooks():
         for _ in range(steps):
             step()

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from benchmarks.common.proc_memory import reset_peak_rss, status_kb
 from lightning_pipedream import Pipeline
 from lightning_pipedream.plan.live_bytes import LiveTensorBytes
 from lightning_pipedream.plan.memory import predict_memory, stage_bytes
@@ -138,14 +139,6 @@ class Copies:
         self.engine.train_step(lambda mb: xs[mb] if xs is not None else None, loss, self._update)
 
 
-def _status_kb(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    raise KeyError(key)
-
-
 def memory_worker(rank: int, world: int, run: dict, shard: str | None, case: str) -> dict:
     """One rank, fresh: build the stage (``case``: a schedule, or one of :data:`CASES`), then 3 steps under the
     meter."""
@@ -154,15 +147,14 @@ def memory_worker(rank: int, world: int, run: dict, shard: str | None, case: str
     torch.set_num_threads(1)
     meter = LiveTensorBytes()  # it follows FSDP2's in-place frees and re-allocations of gathered parameters
     x, y = make_batch(run["width"], run["batch"])
-    rss_base = _status_kb("VmRSS")
+    rss_base = status_kb("VmRSS")
     schedule, recompute, virtual_stages, _ = CASES.get(case, (case, False, 1, MODES))
     with meter:
         pipe: Any = (_pipeline(run, shard, schedule, recompute) if virtual_stages == 1 and schedule in SCHEDULES
                      else Copies(run, str(shard), schedule, virtual_stages))
     meter.add_all([*pipe.module.parameters(), x, y])
     meter.reset_peak()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := VmRSS: the peak from here on
+    reset_peak_rss()  # VmHWM: the peak from here on
     state = {"at_update": 0}
     update = pipe._update
 
@@ -179,7 +171,7 @@ def memory_worker(rank: int, world: int, run: dict, shard: str | None, case: str
             pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
     return {"rank": rank, "stage": pipe.stage_index, "peak_tensor_bytes": meter.peak, "peak_phase": meter.peak_phase,
             "training_state_bytes_at_update": state["at_update"],
-            "peak_rss_growth_bytes": (_status_kb("VmHWM") - rss_base) * 1024}
+            "peak_rss_growth_bytes": (status_kb("VmHWM") - rss_base) * 1024}
 
 
 def speed_worker(rank: int, world: int, run: dict) -> dict:
