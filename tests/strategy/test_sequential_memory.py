@@ -1,6 +1,7 @@
 """The memory model's prediction for a module whose layers are one nn.Sequential (what
 ``pipeline/stage{k}/predicted_memory_mb`` logs beside the measured peak): from the profile the strategy keeps in
-``plan.extra["profile"]``, compared with the model's terms worked out by hand; and the words where it cannot say."""
+``plan.extra["profile"]``, compared with the model's terms worked out by hand; and the words where it cannot say, which
+the graph path's prediction shares."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import logging
 
 import pytest
 import torch
+from lightning.pytorch import LightningModule
 
 from lightning_pipedream.plan.partition import Plan, StagePlan
 from lightning_pipedream.plan.profile import LayerProfile, Profile
+from lightning_pipedream.strategy.setup.graph_path import predicted_memory
 from lightning_pipedream.strategy.setup.options import PipelineOptions
 from lightning_pipedream.strategy.setup.placement import Placement
 from lightning_pipedream.strategy.setup.sequential_memory import sequential_predicted_memory
@@ -99,3 +102,26 @@ def test_no_prediction_said_in_words(caplog) -> None:
 def test_other_schedules_are_predicted(schedule: str) -> None:
     memory = _predict(schedule, 2)
     assert memory is not None and len(memory) == 2 and all(m["predicted_peak_bytes"] > 0 for m in memory)
+
+
+class _TwoOptimizers(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(2, 2)
+
+    def configure_optimizers(self):
+        return [torch.optim.SGD(self.parameters(), lr=0.1), torch.optim.Adam(self.parameters())]
+
+
+@pytest.mark.parametrize(("shard", "words"), [
+    ("full", "(shard='full': the traced graph's stages are not sharded)"),
+    (None, "(2 optimizers; the model counts the state of one)"),
+])
+def test_the_graph_paths_refusals_are_said_in_the_same_words_before_its_memory_profile(caplog, shard, words) -> None:
+    caplog.set_level(logging.INFO, logger="lightning_pipedream.strategy")
+    # No capture and no estimate: the refusals come before the (costly) memory profile would read them.
+    memory = predicted_memory(PipelineOptions(schedule="1f1b", chunks=2, shard=shard), Placement.decide("1f1b", 2, 0),
+                              _TwoOptimizers(), None, None, [1, 1], 2, torch.device("cpu"))
+    assert memory is None
+    assert f"PipeDreamStrategy: no memory prediction for the stages {words}; pipeline/stage{{k}}/predicted_memory_mb " \
+        "is not logged." in caplog.text

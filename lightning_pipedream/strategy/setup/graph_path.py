@@ -30,6 +30,12 @@ from lightning_pipedream.strategy.setup.calls import (
 )
 from lightning_pipedream.strategy.setup.graph_memory import loss_bytes, memory_profile
 from lightning_pipedream.strategy.setup.marked_steps import generating_step, pipelined_step
+from lightning_pipedream.strategy.setup.memory_prediction import (
+    Unpredictable,
+    optimizer_and_replicas,
+    predicted_stages,
+    prediction_or_none,
+)
 from lightning_pipedream.strategy.setup.options import PipelineOptions
 from lightning_pipedream.strategy.setup.placement import Placement
 from lightning_pipedream.strategy.setup.pretrained import StageWeights, refuse_pretrained_with_real_weights
@@ -268,27 +274,23 @@ def predicted_memory(options: PipelineOptions, placement: Placement, module: Lig
     tensors and ``loss``'s bytes (:func:`~lightning_pipedream.strategy.setup.graph_memory.loss_bytes`); None (and a
     log line saying why) where the model does not say: an optimizer of unknown state, shards, unequal replicas."""
     from lightning_pipedream.graph.estimate import scaled_to_batch
-    from lightning_pipedream.plan.memory import optimizer_kind, predict_memory, stage_bytes
+    from lightning_pipedream.plan.memory import stage_bytes
     from lightning_pipedream.strategy.setup.checks import optimizers_unvalidated
 
-    try:
-        optimizers, _ = optimizers_unvalidated(module)  # on the meta device: only its kind and groups are read
-        kind = optimizer_kind(optimizers[0]) if optimizers else "sgd"
-    except (ValueError, TypeError, RuntimeError) as unknown:
-        log.info("PipeDreamStrategy: no memory prediction for the stages (%s)", unknown)
-        return None
-    if options.shard is not None or len(optimizers) > 1:
-        return None
-    if placement.layout is not None:  # 1F1B-RR: each replica's share of a traced stage's batch is not modelled here
-        log.info("PipeDreamStrategy: no memory prediction for the stages (unequal replicas %s)",
-                 list(placement.layout.replicas))
-        return None
-    profile = scaled_to_batch(memory_profile(estimate, captured, device, module, loss), chunks)
-    replicas = [placement.num_pipelines] * placement.num_stages if placement.num_pipelines > 1 else None
-    memory = predict_memory(stage_bytes(profile, balance, device=device.type), options.schedule, chunks,
-                            replicas=replicas, virtual_stages=options.virtual_stages, recompute=options.recompute,
-                            optimizer=kind, device=device.type, gradients_carried=carries_gradients(module))
-    return [m.to_json() | {"optimizer": kind} for m in memory]
+    def predict() -> list[dict[str, Any]]:
+        try:
+            optimizers, _ = optimizers_unvalidated(module)  # on the meta device: only its kind and groups are read
+        except (ValueError, TypeError, RuntimeError) as unknown:
+            raise Unpredictable(str(unknown)) from None
+        if options.shard is not None:
+            raise Unpredictable(f"shard={options.shard!r}: the traced graph's stages are not sharded")
+        kind, replicas = optimizer_and_replicas(placement, optimizers, without_optimizer="sgd")
+        # the refusals above come first: the memory profile on fake tensors is the costly part
+        profile = scaled_to_batch(memory_profile(estimate, captured, device, module, loss), chunks)
+        return predicted_stages(stage_bytes(profile, balance, device=device.type), options, chunks, kind, replicas,
+                                device, carries_gradients(module))
+
+    return prediction_or_none(predict)
 
 
 def carries_gradients(module: LightningModule) -> bool:

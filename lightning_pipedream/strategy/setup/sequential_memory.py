@@ -17,6 +17,12 @@ from typing import Any
 
 import torch
 
+from lightning_pipedream.strategy.setup.memory_prediction import (
+    Unpredictable,
+    optimizer_and_replicas,
+    predicted_stages,
+    prediction_or_none,
+)
 from lightning_pipedream.strategy.setup.options import PipelineOptions
 from lightning_pipedream.strategy.setup.placement import Placement
 
@@ -31,56 +37,39 @@ def sequential_predicted_memory(options: PipelineOptions, placement: Placement, 
     (``plan.extra["memory"]``). None, and a log line saying why, where the model cannot say."""
     if plan is not None and isinstance(plan.extra.get("memory"), list):  # schedule="auto": the planner's prediction
         return list(plan.extra["memory"])
-    try:
-        return _predicted(options, placement, plan, balance, optimizers, device, gradients_carried)
-    except _Unknown as unknown:
-        log.info("PipeDreamStrategy: no memory prediction for the stages (%s); pipeline/stage{k}/predicted_memory_mb "
-                 "is not logged.", unknown)
-        return None
-
-
-class _Unknown(Exception):
-    """A term the memory model cannot know for this run: why, in words."""
+    return prediction_or_none(
+        lambda: _predicted(options, placement, plan, balance, optimizers, device, gradients_carried))
 
 
 def _predicted(options: PipelineOptions, placement: Placement, plan: Any, balance: Sequence[int] | None,
                optimizers: Sequence[Any], device: torch.device, gradients_carried: bool) -> list[dict[str, Any]]:
-    from lightning_pipedream.plan.memory import optimizer_kind, predict_memory, stage_bytes
+    from lightning_pipedream.plan.memory import stage_bytes
     from lightning_pipedream.plan.profile import Profile
 
     profile_json = plan.extra.get("profile") if plan is not None else None
     if not isinstance(profile_json, dict):
-        raise _Unknown("no profile of the layers, so no activation sizes: the split came from balance=, a plan "
-                       "without a profile, or the weights' sizes; let the strategy profile the layers (no balance=)")
+        raise Unpredictable("no profile of the layers, so no activation sizes: the split came from balance=, a plan "
+                            "without a profile, or the weights' sizes; let the strategy profile the layers (no "
+                            "balance=)")
     profile = Profile.from_json(profile_json)
     if balance is None:
         balance = plan.balance
     if sum(balance) != len(profile.layers):
-        raise _Unknown(f"the split {list(balance)} covers {sum(balance)} layers and the profile {len(profile.layers)}")
-    if len(optimizers) != 1:
-        raise _Unknown(f"{len(optimizers)} optimizers; the model counts the state of one")
-    try:
-        kind = optimizer_kind(optimizers[0])
-    except ValueError as unknown_optimizer:
-        raise _Unknown(str(unknown_optimizer)) from None
-    if placement.layout is not None:  # 1F1B-RR: a replica's share of the profiled batch is not modelled here
-        raise _Unknown(f"unequal replicas {list(placement.layout.replicas)}")
+        raise Unpredictable(f"the split {list(balance)} covers {sum(balance)} layers and the profile "
+                            f"{len(profile.layers)}")
+    # 1F1B-RR's unequal replicas are refused: a replica's share of the profiled batch is not modelled here
+    kind, replicas = optimizer_and_replicas(placement, optimizers)
     if options.minibatches_per_batch > 1:  # each PipeDream minibatch is a part of the profiled batch
-        raise _Unknown(f"minibatches_per_batch={options.minibatches_per_batch}: the profile is of a whole batch")
-    replicas = [placement.num_pipelines] * placement.num_stages if placement.num_pipelines > 1 else None
-    gpu = {"cuda_capability": tuple(torch.cuda.get_device_capability(device))} if device.type == "cuda" else {}
-    try:
-        memory = predict_memory(stage_bytes(profile, balance, device=device.type), options.schedule, options.chunks,
-                                replicas=replicas, virtual_stages=options.virtual_stages,
-                                recompute=options.recompute, optimizer=kind, device=device.type,
-                                shard=options.shard, gradients_carried=gradients_carried, **gpu)
-    except ValueError as refused:  # a layout the model does not take (e.g. a shard it does not count)
-        raise _Unknown(str(refused)) from None
+        raise Unpredictable(f"minibatches_per_batch={options.minibatches_per_batch}: the profile is of a whole batch")
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    memory = predicted_stages(stage_bytes(profile, balance, device=device.type), options, options.chunks, kind,
+                              replicas, device, gradients_carried, cuda_capability=capability)
     from lightning_pipedream.plan.choice import bytes_text
 
     log.info("PipeDreamStrategy: predicted peak memory per stage (the memory model on the layers' profile, schedule "
              "%s, chunks %d, optimizer %s): %s", options.schedule, options.chunks, kind,
-             ", ".join(f"stage {m.stage} {bytes_text(m.predicted_peak_bytes)} (weights {bytes_text(m.parameters)}, "
-                       f"optimizer {bytes_text(m.optimizer_state)}, stashed {bytes_text(m.stashed_weights)}, "
-                       f"activations {bytes_text(m.activations)} for {m.held} in flight)" for m in memory))
-    return [m.to_json() | {"optimizer": kind} for m in memory]
+             ", ".join(f"stage {m['stage']} {bytes_text(m['predicted_peak_bytes'])} (weights "
+                       f"{bytes_text(m['parameters'])}, optimizer {bytes_text(m['optimizer_state'])}, stashed "
+                       f"{bytes_text(m['stashed_weights'])}, activations {bytes_text(m['activations'])} for "
+                       f"{m['held']} in flight)" for m in memory))
+    return memory
