@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from lightning_pipedream.cli.show import comma_separated
 from lightning_pipedream.plan.auto import auto_plan
 from lightning_pipedream.plan.memory import OPTIMIZER_STATE
 from lightning_pipedream.plan.partition import COST_MODELS, METHODS, partition
@@ -193,18 +194,9 @@ def _accumulates(batches: int) -> bool:
 
 def parse_topology(workers: str, bandwidth: str) -> Topology:
     """From the CLI's comma-separated lists, e.g. ``"4,4"`` and ``"1e10,1.25e9"`` (innermost first)."""
-    try:
-        counts = [int(w) for w in workers.split(",")]
-    except ValueError:
-        raise ValueError(
-            f"--workers must be whole numbers separated by commas, e.g. 4,4; got {workers!r}."
-        ) from None
-    try:
-        speeds = [float(b) for b in bandwidth.split(",")]
-    except ValueError:
-        raise ValueError(
-            f"--bandwidth must be bytes/s separated by commas, e.g. 1e10,1.25e9; got {bandwidth!r}."
-        ) from None
+    counts = comma_separated(workers, int, "--workers", "whole numbers separated by commas, e.g. 4,4", ValueError)
+    speeds = comma_separated(bandwidth, float, "--bandwidth", "bytes/s separated by commas, e.g. 1e10,1.25e9",
+                             ValueError)
     if len(counts) != len(speeds):
         raise ValueError(
             f"--workers lists {len(counts)} levels but --bandwidth lists {len(speeds)}; "

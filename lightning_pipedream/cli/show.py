@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from lightning_pipedream.schedule.actions import Schedule
 from lightning_pipedream.schedule.builders import SCHEDULES, build_schedule
@@ -15,6 +17,19 @@ from lightning_pipedream.schedule.timeline import TimedAction, from_chrome_trace
 
 class UsageError(Exception):
     """Bad command-line input; the message says what to change."""
+
+
+T = TypeVar("T")
+
+
+def comma_separated(text: str, convert: Callable[[str], T], flag: str, expected: str,
+                    error: type[Exception] = UsageError) -> list[T]:
+    """A flag's comma-separated values (``"4,4"``, ``"1e10,1.25e9"``, ``"3,2,2,3"``), each through ``convert``; where
+    one does not convert, ``error`` saying "``flag`` must be ``expected``" and what was given."""
+    try:
+        return [convert(v) for v in text.split(",")]
+    except ValueError:
+        raise error(f"{flag} must be {expected}; got {text!r}.") from None
 
 
 def at_least_one(what: str):

@@ -8,7 +8,7 @@ import math
 import sys
 from pathlib import Path
 
-from lightning_pipedream.cli.show import UsageError, add_schedule_arguments, schedule_of, size_text
+from lightning_pipedream.cli.show import UsageError, add_schedule_arguments, comma_separated, schedule_of, size_text
 from lightning_pipedream.schedule.actions import Schedule
 from lightning_pipedream.schedule.simulate import SimResult, per_stage, simulate
 from lightning_pipedream.schedule.timeline import plot_timeline, to_chrome_trace
@@ -93,12 +93,7 @@ def _split(balance: str | None, layers: int, stages: int) -> list[int]:
                 f"the profile has {layers} layers, fewer than --stages {stages}; use at most {layers} stages."
             )
         return [layers // stages + (s < layers % stages) for s in range(stages)]
-    try:
-        counts = [int(v) for v in balance.split(",")]
-    except ValueError:
-        raise UsageError(
-            f"--balance must be whole numbers separated by commas, such as 3,2,2,3; got {balance!r}."
-        ) from None
+    counts = comma_separated(balance, int, "--balance", "whole numbers separated by commas, such as 3,2,2,3")
     if len(counts) != stages:
         raise UsageError(
             f"--balance lists {len(counts)} stages but --stages is {stages}; give one layer count per stage."
