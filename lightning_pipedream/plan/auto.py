@@ -27,7 +27,7 @@ from lightning_pipedream.plan.memory import (
 )
 from lightning_pipedream.plan.partition import Plan, StagePlan, partition
 from lightning_pipedream.plan.profile import Profile
-from lightning_pipedream.plan.ranges import LayerRanges, equal_shares, minmax_split
+from lightning_pipedream.plan.ranges import LayerRanges, equal_shares, minmax_split, stage_entries
 from lightning_pipedream.plan.shards import (
     can_shard,
     gathers_per_microbatch,
@@ -247,18 +247,12 @@ class _Search:
                 cost = np.where(self.ranges.cuttable[None, :], cost, _INF)
             costs.append(cost)
             flags.append(needs)
-        if fixed is not None:
-            bounds = np.cumsum([0] + fixed)
-            if any(not math.isfinite(costs[s][bounds[s], bounds[s + 1] - 1]) for s in range(p)):
-                return None
-            balance = fixed
-        else:
-            found = minmax_split(costs, self.ranges.cuttable)
-            if found is None:
-                return None
-            balance = found[1]
-        bounds = np.cumsum([0] + balance)
-        return balance, [bool(flags[s][bounds[s], bounds[s + 1] - 1]) for s in range(p)]
+        if fixed is not None and not all(math.isfinite(c) for c in stage_entries(costs, fixed)):
+            return None  # the given split does not fit the limit
+        balance = self.balance_of(costs, fixed)
+        if balance is None:
+            return None
+        return balance, [bool(needs) for needs in stage_entries(flags, balance)]
 
     def least_memory(self, schedule: str, replicas: tuple[int, ...], chunks: int, fixed: list[int] | None,
                      shard: str | None = None) -> tuple[list[int], list[bool]] | None:
@@ -269,17 +263,20 @@ class _Search:
         from_first = self.from_first(schedule, replicas, shard)
         tables = [self.memory_tables(held[s], self.versions(schedule, held[s]), chunks, replicas[s], shard, split,
                                      from_first) for s in range(p)]
-        costs = [np.minimum(plain, rc) for plain, rc in tables]
+        balance = self.balance_of([np.minimum(plain, rc) for plain, rc in tables], fixed)
+        if balance is None:
+            return None
+        plain = stage_entries([t[0] for t in tables], balance)
+        recomputed = stage_entries([t[1] for t in tables], balance)
+        return balance, [bool(rc < mem) for mem, rc in zip(plain, recomputed)]
+
+    def balance_of(self, costs: list[np.ndarray], fixed: list[int] | None) -> list[int] | None:
+        """``fixed`` (layers per stage, as given) or else the split whose costliest stage costs least, by each stage's
+        ``costs`` (a table by first and last layer); None where every split has a stage of infinite cost."""
         if fixed is not None:
-            balance = fixed
-        else:
-            found = minmax_split(costs, self.ranges.cuttable)
-            if found is None:
-                return None
-            balance = found[1]
-        bounds = np.cumsum([0] + balance)
-        return balance, [bool(tables[s][1][bounds[s], bounds[s + 1] - 1] < tables[s][0][bounds[s], bounds[s + 1] - 1])
-                         for s in range(p)]
+            return fixed
+        found = minmax_split(costs, self.ranges.cuttable)
+        return None if found is None else found[1]
 
     def interleaved_splits(self, replicas: tuple[int, ...], chunks: int, v: int, least: bool = False,
                            shard: str | None = None, schedule: str = "interleaved"

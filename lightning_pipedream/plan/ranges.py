@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -123,6 +124,12 @@ def minmax_split(stage_costs: Sequence[np.ndarray], cuttable: np.ndarray) -> tup
         j = k - 1
     balance.append(j + 1)
     return float(best[stages - 1, n - 1]), balance[::-1]
+
+
+def stage_entries(stage_tables: Sequence[np.ndarray], balance: Sequence[int]) -> list[Any]:
+    """Each stage's entry ``stage_tables[s][first, last]`` for the layers ``balance`` (layers per stage) gives it."""
+    bounds = np.cumsum([0, *balance])
+    return [stage_tables[s][bounds[s], bounds[s + 1] - 1] for s in range(len(balance))]
 
 
 def equal_shares(costs: np.ndarray, parts: int, cuttable: np.ndarray) -> list[int] | None:
