@@ -125,3 +125,24 @@ def test_the_graph_paths_refusals_are_said_in_the_same_words_before_its_memory_p
     assert memory is None
     assert f"PipeDreamStrategy: no memory prediction for the stages {words}; pipeline/stage{{k}}/predicted_memory_mb " \
         "is not logged." in caplog.text
+
+
+@pytest.mark.parametrize("capability", [(8, 0), (9, 0)])
+def test_on_a_gpu_the_prediction_counts_that_gpus_cublas_workspace(monkeypatch, capability) -> None:
+    # Both paths' predictions come through predicted_stages: on CUDA it reads the device's compute capability (the
+    # graph path once passed none, so every GPU was counted as a Hopper). No GPU here: the capability is stood in.
+    from lightning_pipedream.plan.memory import cublas_workspace_bytes, predict_memory, stage_bytes
+    from lightning_pipedream.strategy.setup.memory_prediction import predicted_stages
+
+    asked: list[object] = []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: asked.append(device) or capability)
+    sizes = stage_bytes(Profile.from_json(_plan().extra["profile"]), [2, 2], device="cuda")
+    got = predicted_stages(sizes, PipelineOptions(schedule="1f1b", chunks=2), 2, "adam", None,
+                           torch.device("cuda", 0), False)
+    assert asked == [torch.device("cuda", 0)]
+    want = predict_memory(sizes, "1f1b", 2, optimizer="adam", device="cuda", cuda_capability=capability)
+    assert [m["predicted_peak_bytes"] for m in got] == [m.predicted_peak_bytes for m in want]
+    other = predict_memory(sizes, "1f1b", 2, optimizer="adam", device="cuda",
+                           cuda_capability=(8, 0) if capability == (9, 0) else (9, 0))
+    assert cublas_workspace_bytes((8, 0)) != cublas_workspace_bytes((9, 0))
+    assert [m.predicted_peak_bytes for m in other] != [m["predicted_peak_bytes"] for m in got]

@@ -58,14 +58,14 @@ def optimizer_and_replicas(placement: Placement, optimizers: Sequence[Any],
 
 
 def predicted_stages(stage_sizes: Sequence[Any], options: PipelineOptions, chunks: int, optimizer: str,
-                     replicas: list[int] | None, device: torch.device, gradients_carried: bool,
-                     cuda_capability: tuple[int, int] | None = None) -> list[dict[str, Any]]:
+                     replicas: list[int] | None, device: torch.device, gradients_carried: bool) -> list[dict[str, Any]]:
     """Each rank's predicted peak memory (``StageMemory.to_json`` with ``"optimizer"``) for the stages' bytes
     ``stage_sizes`` (``plan.memory.stage_bytes``) under the run's schedule, recompute and shard;
-    :class:`Unpredictable` where the model refuses the layout (e.g. a shard it does not count)."""
+    :class:`Unpredictable` where the model refuses the layout (e.g. a shard it does not count). On a CUDA device the
+    model counts that device's cuBLAS workspace (by its compute capability)."""
     from lightning_pipedream.plan.memory import predict_memory
 
-    gpu = {"cuda_capability": cuda_capability} if cuda_capability is not None else {}
+    gpu = {"cuda_capability": tuple(torch.cuda.get_device_capability(device))} if device.type == "cuda" else {}
     try:
         memory = predict_memory(stage_sizes, options.schedule, chunks, replicas=replicas,
                                 virtual_stages=options.virtual_stages, recompute=options.recompute,

@@ -61,9 +61,8 @@ def _predicted(options: PipelineOptions, placement: Placement, plan: Any, balanc
     kind, replicas = optimizer_and_replicas(placement, optimizers)
     if options.minibatches_per_batch > 1:  # each PipeDream minibatch is a part of the profiled batch
         raise Unpredictable(f"minibatches_per_batch={options.minibatches_per_batch}: the profile is of a whole batch")
-    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     memory = predicted_stages(stage_bytes(profile, balance, device=device.type), options, options.chunks, kind,
-                              replicas, device, gradients_carried, cuda_capability=capability)
+                              replicas, device, gradients_carried)
     from lightning_pipedream.plan.choice import bytes_text
 
     log.info("PipeDreamStrategy: predicted peak memory per stage (the memory model on the layers' profile, schedule "
