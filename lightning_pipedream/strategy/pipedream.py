@@ -60,7 +60,6 @@ from lightning_pipedream.strategy.setup.stage_pipeline import (
     check_shard_layout,
     choose_automatically,
     decide_placement,
-    keep_parameters,
 )
 from lightning_pipedream.strategy.training.divergence import Divergence
 from lightning_pipedream.strategy.training.resume import prepare_training_loader
@@ -371,8 +370,7 @@ class PipeDreamStrategy(DDPStrategy):
         if fitting:
             self.setup_optimizers(trainer)
             check_optimizers(self.optimizers)
-            if self._pipeline.graph is not None:  # every rank holds the whole module; its optimizer trains its stage
-                keep_parameters(self.optimizers, {id(p) for p in self._pipeline.stage.parameters()})
+            self._pipeline.prepare_fit(self.optimizers)  # the optimizers train this stage; their layout for checkpoints
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)

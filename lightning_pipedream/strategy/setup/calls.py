@@ -97,9 +97,11 @@ def swap_layers(module: nn.Module, name: str, replacement: nn.Module) -> Iterato
 class Elsewhere(nn.Module):
     """Stands in for a layer that lives on another stage's process."""
 
-    def __init__(self, name: str, stage: int) -> None:
+    def __init__(self, name: str, stage: int, shadow: nn.Module | None = None) -> None:
         super().__init__()
         self.layer_name, self.stage = name, stage
+        # The layer on the meta device (setup/optimizer_layouts.py), not a child: no state, moves, or parameters.
+        object.__setattr__(self, "shadow", shadow)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(

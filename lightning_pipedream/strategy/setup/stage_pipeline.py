@@ -51,6 +51,7 @@ from lightning_pipedream.strategy.setup.checks import (
     sharded_param_dtype,
 )
 from lightning_pipedream.strategy.setup.graph_path import GraphPath
+from lightning_pipedream.strategy.setup.optimizer_layouts import layouts_when_fitting, learn_layouts, meta_shadow
 from lightning_pipedream.strategy.setup.options import PipelineOptions
 from lightning_pipedream.strategy.setup.placement import Placement, ProcessGroups
 from lightning_pipedream.strategy.setup.planning import LayerPlanner
@@ -72,7 +73,7 @@ class StagePipeline:
     engine: PipelineEngine
     summary: SummaryChannel
     checkpoint: CheckpointGather
-    optimizer_layouts: list[OptimizerLayout]
+    optimizer_layouts: list[OptimizerLayout]  # none until a fit reads them (learn_optimizer_layouts)
     local_names: dict[int, str]  # parameter id -> the module's own name
     graph: GraphPath | None = None  # the graph path, for a module that is not one nn.Sequential
     lagged: LaggedFromSources | None = None  # pipedream: summaries used ``stages - 1`` steps late
@@ -81,6 +82,17 @@ class StagePipeline:
     ties: TiedParameters | None = None  # a Sequential's parameters used on several stages (tied embeddings)
     shard: str | None = None  # each stage's replicas shard it (runtime/stages/sharding.py); None: whole copies
     step_context: str = "setup"  # what the pipeline runs now, for error messages
+    layouts_pending: bool = False  # built by validate/test/predict: the first fit reads the optimizer layouts
+
+    def prepare_fit(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """At a fit, once the optimizers exist: on the graph path (every rank holds the whole module) they keep only
+        this stage's parameters; a pipeline that ``validate``/``test``/``predict`` built reads their layout now."""
+        if self.graph is not None:
+            keep_parameters(optimizers, {id(p) for p in self.stage.parameters()})
+        if self.layouts_pending:
+            layers = self.module.get_submodule(self.call.name) if isinstance(self.call, SequentialCall) else None
+            self.optimizer_layouts = learn_layouts(self.module, layers)  # type: ignore[arg-type]
+            self.layouts_pending = False
 
     # -- checkpoints (single-device form) ---------------------------------------------------------------
     def state_share(self, is_global_zero: bool, gather: bool = True) -> dict[str, Tensor]:
@@ -323,20 +335,14 @@ class StagePipelineBuilder:
         groups = ProcessGroups.make(placement, ranks.backend, ranks.timeout)
         full_keys = list(module.state_dict())
         # The full model's optimizer layout maps checkpoints (single-device form) to this rank's stage.
-        optimizer_layouts = OptimizerLayout.of_module(module, optimizers_unvalidated)
-        if fitting and len(optimizer_layouts) > 1:
-            raise ValueError(
-                f"{type(module).__name__}.configure_optimizers returns {len(optimizer_layouts)} optimizers; "
-                "PipeDreamStrategy trains with one (automatic optimization, which takes one). Use one optimizer "
-                "with a parameter group per part of the model for different learning rates or settings."
-            )
+        optimizer_layouts = layouts_when_fitting(module, fitting)  # []: validate/test/predict, learned at a fit
         graph, tied = None, None
         if found is not None and planner is not None:
             name, layers = found
             shared = shared_parameters(layers)  # before the other stages' layers make way for placeholders
             self.balance, self.plan = planner.balance(layers, placement.num_stages, self.plan)
             ties = layer_ties(module, shared, layers, placement, self.balance, options.virtual_stages)
-            stage, model_chunks = self._keep_own_stage(module, layers, placement)
+            stage, model_chunks = self._keep_own_stage(module, layers, placement, shadows=not fitting)
             local_names = {id(p): f"{name}.{n}" for n, p in stage.named_parameters()}
             if ties:
                 # Each holder's copy lives under its own layer's name; checkpoints and optimizer states use the first.
@@ -369,6 +375,7 @@ class StagePipelineBuilder:
         )
         pipeline.lagged = lagged_summaries(placement, groups, pipeline.summary, options.minibatches_per_batch)
         pipeline.ties = tied
+        pipeline.layouts_pending = not fitting
         pipeline.shard = options.shard
         if groups.replicas is not None and options.shard is None:  # sharded replicas reduce-scatter in the backward
             pipeline.reducer = GradientReducer(stage.parameters(), groups.replicas)
@@ -377,10 +384,11 @@ class StagePipelineBuilder:
                                            per_layer=graph is None)
         return pipeline
 
-    def _keep_own_stage(self, module: LightningModule, layers: nn.Sequential,
-                        placement: Placement) -> tuple[nn.Module, list[nn.Module]]:
+    def _keep_own_stage(self, module: LightningModule, layers: nn.Sequential, placement: Placement,
+                        shadows: bool = False) -> tuple[nn.Module, list[nn.Module]]:
         """Replace the other stages' layers by placeholders so this rank holds only its own; returns the stage and
-        its model chunks (interleaved: stages r, r + p, ...; a V schedule: r and 2p-1-r; one otherwise)."""
+        its model chunks (interleaved: stages r, r + p, ...; a V schedule: r and 2p-1-r; one otherwise).
+        ``shadows``: each placeholder keeps a meta-device shadow of its layer, for a later fit's optimizer layout."""
         assert self.balance is not None
         mine = rank_stages(self.options.schedule, placement.num_stages, placement.stage_index,
                            self.options.virtual_stages)
@@ -394,9 +402,12 @@ class StagePipelineBuilder:
         if weights is None:
             refuse_pretrained_with_real_weights(self.options, module)
         stage_of = [s for s, count in enumerate(self.balance) for _ in range(count)]
+        kept = {id(p) for p in own.parameters()}
         for i, layer_name in enumerate(list(layers._modules)):
             if layer_name not in own._modules:
-                layers._modules[layer_name] = Elsewhere(layer_name, stage_of[i])
+                layer = layers._modules[layer_name]
+                shadow = meta_shadow(layer, kept) if shadows and layer is not None else None
+                layers._modules[layer_name] = Elsewhere(layer_name, stage_of[i], shadow)
         if weights is not None:
             weights.of_names(None)
         return own, model_chunks
