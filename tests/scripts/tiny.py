@@ -53,7 +53,8 @@ def mlp(width: int = 16, hidden: int = 1) -> nn.Sequential:
 
 class TinyClassifier(SequentialClassifier):
     def __init__(self, width: int = 16, lr: float = 0.1, single_layer: bool = False, scheduler: bool = True,
-                 build_in_configure_model: bool = False, hidden: int = 1, optimizer: str = "momentum"):
+                 build_in_configure_model: bool = False, hidden: int = 1, optimizer: str = "momentum",
+                 reads_training_data: bool = False):
         super().__init__()
         self.save_hyperparameters()
         self.layers = None if build_in_configure_model else self._build()
@@ -89,6 +90,8 @@ class TinyClassifier(SequentialClassifier):
         return self(batch[0]).argmax(-1)
 
     def configure_optimizers(self):
+        if self.hparams.reads_training_data:  # as a one-cycle scheduler's total_steps does; the value is not used
+            assert self.trainer.estimated_stepping_batches > 0
         if self.hparams.optimizer == "adam":
             opt: torch.optim.Optimizer = torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
         else:
@@ -384,6 +387,8 @@ def train(out: str, options: dict) -> None:
     if options.pop("evaluate_only", False):  # validate and predict a model that was never fitted here
         trainer.validate(model, val)
     else:
+        if options.pop("validate_first", False):  # a user's first call, before any fit (no training data given)
+            trainer.validate(model, val)
         trainer.fit(model, train, val, ckpt_path=options.pop("resume", None))
         trainer.save_checkpoint(os.path.join(out, "final.ckpt"))
         if options.pop("also_full", False):  # the same state as one file too (checkpoint="sharded" wrote final.ckpt)

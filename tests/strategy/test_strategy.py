@@ -84,6 +84,10 @@ RUNS: dict[str, dict] = {
     "pipedream_by_name": {"devices": 2, "strategy": "pipedream", "monitor": "val_acc", "predict": True, "test": True,
                           "limit_val_batches": 2, "trainer": {"max_epochs": 4, "max_steps": -1}},
     "resume_pipe": {**RESUME, "devices": 2, "strategy": {"schedule": "1f1b", "chunks": 4}},
+    # trainer.validate() first: configure_optimizers (which reads the training data) is left for the fit, whose
+    # checkpoints hold the optimizer state in single-device form as without the validate.
+    "validated_first_pipe": {**RESUME, "devices": 2, "validate_first": True, "limit_val_batches": 1,
+                             "model": {"reads_training_data": True}, "strategy": {"schedule": "1f1b", "chunks": 4}},
     "resumed_from_pipe_on_2": {**RESUME, "devices": 2, "resume": "{runs}/resume_pipe/epoch=1-step=2.ckpt",
                                "strategy": {"schedule": "1f1b", "chunks": 4}},
     "resumed_from_single_on_2": {**RESUME, "devices": 2, "resume": "{runs}/resume_single/epoch=1-step=2.ckpt",
@@ -226,6 +230,18 @@ def test_resume_equals_uninterrupted(runs, resumed):
     assert_same_weights(runs["resume_pipe"] / "final.ckpt", single / "final.ckpt")
     assert_same_weights(runs[resumed] / "final.ckpt", single / "final.ckpt")
     assert rank_info(runs[resumed], 0)["losses"] == pytest.approx(rank_info(single, 0)["losses"][2:], rel=1e-5)
+
+
+def test_validate_before_the_first_fit_leaves_configure_optimizers_to_the_fit(runs):
+    # Its configure_optimizers reads trainer.estimated_stepping_batches, which needs the training data: validate() ran
+    # without it, so it never called configure_optimizers; the fit after it trains and checkpoints as one device.
+    out, single = runs["validated_first_pipe"], runs["resume_single"]
+    assert_same_weights(out / "final.ckpt", single / "final.ckpt")
+    got, want = (torch.load(run / "epoch=1-step=2.ckpt", weights_only=False)["optimizer_states"] for run in (out, single))
+    assert [sorted(s["state"]) for s in got] == [sorted(s["state"]) for s in want] == [list(range(6))]
+    for a, b in zip(got, want, strict=True):
+        for i in b["state"]:
+            torch.testing.assert_close(a["state"][i], b["state"][i], rtol=1e-5, atol=1e-6)
 
 
 def test_clipping_accumulation_and_plan_file_match_single_device(runs):
