@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import lightning as L
 import pytest
 import torch
@@ -39,6 +41,20 @@ def test_log_recorder_weights_microbatches_by_size_and_replays_once():
     assert logs["acc"].value == 0.5 and logs["acc"].options["batch_size"] == 4
     LogRecorder.replay(net, recorder.aggregate())
     assert [(n, v) for n, v, _ in net.logged] == [("loss", 2.0), ("acc", 0.5)]
+
+
+def test_lightnings_advice_to_sync_dist_is_silenced_for_the_replayed_names_only():
+    from lightning.pytorch.trainer.connectors.logger_connector.result import warning_cache
+
+    net, recorder = Net(), LogRecorder()
+    with recorder.capture(net, weight=1):
+        net.log("val_loss", torch.tensor(1.0), sync_dist=True)  # as the user wrote it: the strategy drops sync_dist
+    LogRecorder.replay(net, recorder.aggregate())
+    advice = "It is recommended to use `self.log({!r}, ..., sync_dist=True)` when logging on epoch level in distributed "
+    with warnings.catch_warnings(record=True) as seen:  # the filters as they are, the strategy's in front
+        for name in ("val_loss", "other"):
+            warning_cache.warn(advice.format(name) + "setting to accumulate the metric across devices.")
+    assert [str(w.message).split("`")[1] for w in seen] == ["self.log('other', ..., sync_dist=True)"]
 
 
 def test_log_recorder_refuses_non_scalars():

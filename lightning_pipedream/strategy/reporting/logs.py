@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import inspect
+import re
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -71,7 +73,22 @@ class LogRecorder:
     def replay(module: LightningModule, logs: list[LoggedValue]) -> None:
         """Log the step's values on this rank, as if its own step had logged them."""
         for log in logs:
+            without_sync_dist_advice(log.name)
             module.log(log.name, torch.tensor(log.value), **log.options)
+
+
+_ADVICE = "It is recommended to use `self.log({name!r}, ..., sync_dist=True)`"  # Lightning's words, at an epoch's end
+_quiet: set[str] = set()
+
+
+def without_sync_dist_advice(name: str) -> None:
+    """Lightning advises ``self.log(name, ..., sync_dist=True)`` for an epoch value logged without it in a distributed
+    run. A replayed value is the same on every rank already (the last stage's, averaged over data-parallel
+    pipelines), so there is nothing to reduce: the advice would be wrong, and a user who passed ``sync_dist=True``
+    got it too. It is silenced for the names the pipeline logs, and no other."""
+    if name not in _quiet:
+        _quiet.add(name)
+        warnings.filterwarnings("ignore", message=re.escape(_ADVICE.format(name=name)))
 
 
 def _as_float(value: Any, name: str) -> float:
