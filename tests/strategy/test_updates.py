@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -51,6 +53,23 @@ def test_an_update_applies_a_whole_accumulation_group_with_the_settings_admitted
     torch.testing.assert_close(layer.weight.detach(), start - 0.1 * 3 * torch.ones(1, 3))  # lr of admission
     assert optimizer.param_groups[0]["lr"] == 5.0  # the optimizer's own setting is put back
     assert stepped == [1] and updates.in_flight == 0
+
+
+def test_a_schedulers_first_step_before_the_first_update_is_not_called_out_of_order() -> None:
+    # Under pipedream stage 0's first update runs stages - 1 steps after Lightning's first scheduler step, with the
+    # rate read at admission: torch must not warn that the schedule's first value is skipped.
+    def first_scheduler_step(admit: bool) -> list[str]:
+        _, optimizer, updates, _ = make()
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        if admit:
+            updates.admit(0, batch_idx=0, closes_group=True)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            scheduler.step()
+        return [str(w.message) for w in seen]
+
+    assert first_scheduler_step(admit=True) == []
+    assert any("before `optimizer.step()`" in m for m in first_scheduler_step(admit=False))  # torch's check is on
 
 
 def test_forget_drops_what_was_admitted_and_accumulated() -> None:

@@ -83,6 +83,11 @@ class PipelineUpdates:
                 "setting requires_grad=True again (a callback may do that); frozen parameters are not updated."
             )
         self._admitted[minibatch] = self._last = Admission(batch_idx, closes_group, hyperparameters_of(optimizers))
+        for optimizer in optimizers:
+            # The step's rate is read here, as optimizer.step() would read it: torch's check that a scheduler's first
+            # step follows an optimizer step (stages - 1 - s steps later here) counts this, and does not warn that
+            # the schedule's first value is skipped (it is not).
+            getattr(optimizer, "_optimizer", optimizer)._opt_called = True
 
     @property
     def in_flight(self) -> int:
