@@ -41,7 +41,7 @@ from lightning_pipedream.strategy.checkpoints.checkpoint import AtomicCheckpoint
 from lightning_pipedream.strategy.checkpoints.sharded_checkpoint import PipelineCheckpoints, refuse_after_failure
 from lightning_pipedream.strategy.checkpoints.single_file import stream_saves
 from lightning_pipedream.strategy.inference.evaluation import evaluate
-from lightning_pipedream.strategy.reporting import collectives
+from lightning_pipedream.strategy.reporting import collectives, model_summary
 from lightning_pipedream.strategy.setup.batches import batch_args, loop_loader
 from lightning_pipedream.strategy.setup.checks import (
     check_last_batch_fits,
@@ -378,6 +378,7 @@ class PipeDreamStrategy(DDPStrategy):
                                       self.root_device, self.global_rank, lambda: self.optimizers, self.switched,
                                       timeout=self._timeout)
             drain_before_callbacks(trainer, self.drain, self._pipeline_failed)
+            model_summary.summary_without_example_input(trainer)  # its forward would need every stage
         self._failure = None
         self.checkpoints.after_setup(self._pipeline)  # a sharded checkpoint's weights, now that the stage exists
         self.checkpoints.open_background(fitting)  # checkpoint="sharded-async": a fit's saves in the background

@@ -106,8 +106,10 @@ class Elsewhere(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(
             f"Layer {self.layer_name!r} lives on pipeline stage {self.stage}, another process. Under "
-            "PipeDreamStrategy the layers run only through the pipeline: call self(x) (or the Sequential) "
-            "from training/validation/test/predict_step, not a single layer."
+            "PipeDreamStrategy the layers run only through the pipeline, from training_step, validation_step, "
+            "test_step or predict_step, each calling self(x) (or the Sequential) once. A forward anywhere else (a "
+            "hook such as on_fit_start or on_validation_epoch_end, a callback, a single layer) cannot run on one "
+            "process: move it into a step."
         )
 
     def extra_repr(self) -> str:
