@@ -41,7 +41,7 @@ from lightning_pipedream.strategy.checkpoints.checkpoint import AtomicCheckpoint
 from lightning_pipedream.strategy.checkpoints.sharded_checkpoint import PipelineCheckpoints, refuse_after_failure
 from lightning_pipedream.strategy.checkpoints.single_file import stream_saves
 from lightning_pipedream.strategy.inference.evaluation import evaluate
-from lightning_pipedream.strategy.reporting import collectives, model_summary
+from lightning_pipedream.strategy.reporting import collectives, hook_failures, model_summary
 from lightning_pipedream.strategy.setup.batches import batch_args, loop_loader
 from lightning_pipedream.strategy.setup.checks import (
     check_last_batch_fits,
@@ -472,6 +472,7 @@ class PipeDreamStrategy(DDPStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         # An error outside the pipeline's work (a callback, a checkpoint's write): every peer learns why.
+        hook_failures.explain_epoch_end_failure(exception, self._pipeline.placement if self._pipeline else None)
         report_failure(exception, self._pipeline.placement.stage_index if self._pipeline is not None else None)
         self._pipeline_failed(exception)
         super().on_exception(exception)
