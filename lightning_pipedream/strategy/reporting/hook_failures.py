@@ -29,7 +29,7 @@ def failed_epoch_end_hook(traceback: TracebackType | None) -> str | None:
     return None
 
 
-class Stage(Protocol):
+class PipelinePosition(Protocol):
     """Where this rank sits in its pipeline (a :class:`~lightning_pipedream.strategy.setup.placement.Placement`)."""
 
     @property
@@ -39,20 +39,19 @@ class Stage(Protocol):
     def stage_index(self) -> int: ...
 
 
-def explain_epoch_end_failure(exception: BaseException, placement: Stage | None) -> None:
+def explain_epoch_end_failure(exception: BaseException, placement: PipelinePosition | None) -> None:
     """On a rank that does not compute the loss, note on ``exception`` raised in a user's epoch-end hook why the
     steps' values are missing there and what to write instead (``placement``: None before setup made it)."""
     hook = failed_epoch_end_hook(exception.__traceback__)
     if hook is None or placement is None or placement.is_last_stage or getattr(exception, "_epoch_end_noted", False):
         return
-    stage_index = placement.stage_index
     exception._epoch_end_noted = True  # type: ignore[attr-defined]
     step = {"on_train_epoch_end": "training_step", "on_test_epoch_end": "test_step",
             "on_predict_epoch_end": "predict_step"}.get(hook, "validation_step")
     exception.add_note(
         f"PipeDreamStrategy: {hook} runs on every rank, but the end of {step} (after self(...): its loss, metrics and "
         f"whatever it appends to a list) runs only on the stage that computes the loss; this rank holds stage "
-        f"{stage_index}, where nothing the steps collect exists. Log the value from the step instead, "
+        f"{placement.stage_index}, where nothing the steps collect exists. Log the value from the step instead, "
         f"self.log(name, value, on_epoch=True) (Lightning averages it over the epoch and every rank gets it), or "
         f"use what the steps collected only where it exists: if self.trainer.strategy.is_last_stage: ..."
     )

@@ -73,7 +73,7 @@ class StagePipeline:
     engine: PipelineEngine
     summary: SummaryChannel
     checkpoint: CheckpointGather
-    optimizer_layouts: list[OptimizerLayout]  # none until a fit reads them (learn_optimizer_layouts)
+    optimizer_layouts: list[OptimizerLayout]  # [] until a fit reads them (prepare_fit)
     local_names: dict[int, str]  # parameter id -> the module's own name
     graph: GraphPath | None = None  # the graph path, for a module that is not one nn.Sequential
     lagged: LaggedFromSources | None = None  # pipedream: summaries used ``stages - 1`` steps late
